@@ -1,0 +1,305 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ServiceInfo(_message.Message):
+    __slots__ = ("service", "version", "run_id", "model_path", "policy_version", "details")
+    class DetailsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    version: str
+    run_id: str
+    model_path: str
+    policy_version: int
+    details: _containers.ScalarMap[str, str]
+    def __init__(self, service: _Optional[str] = ..., version: _Optional[str] = ..., run_id: _Optional[str] = ..., model_path: _Optional[str] = ..., policy_version: _Optional[int] = ..., details: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("ok", "status")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    status: str
+    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "greedy")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    greedy: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., greedy: _Optional[bool] = ...) -> None: ...
+
+class Prompt(_message.Message):
+    __slots__ = ("group_id", "token_ids", "seed")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    token_ids: Tensor
+    seed: int
+    def __init__(self, group_id: _Optional[str] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("run_id", "step", "policy_version", "prompts", "sampling", "samples_per_prompt")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    policy_version: int
+    prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
+    sampling: SamplingParams
+    samples_per_prompt: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    sample_id: str
+    index: int
+    response_token_ids: Tensor
+    logprobs: Tensor
+    finish_reason: str
+    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("samples", "policy_version", "engine")
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[Sample]
+    policy_version: int
+    engine: str
+    def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class LoadModelRequest(_message.Message):
+    __slots__ = ("run_id", "model_path", "policy_version", "engine_config_json")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    model_path: str
+    policy_version: int
+    engine_config_json: str
+    def __init__(self, run_id: _Optional[str] = ..., model_path: _Optional[str] = ..., policy_version: _Optional[int] = ..., engine_config_json: _Optional[str] = ...) -> None: ...
+
+class LoadModelResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: ServiceInfo
+    def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("run_id", "policy_version", "name", "dtype", "shape", "offset", "tensor_nbytes", "data", "chunk_sha256", "last", "total_sha256", "total_chunks")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SHA256_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    tensor_nbytes: int
+    data: bytes
+    chunk_sha256: str
+    last: bool
+    total_sha256: str
+    total_chunks: int
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., tensor_nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_sha256: _Optional[str] = ..., last: _Optional[bool] = ..., total_sha256: _Optional[str] = ..., total_chunks: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "tensors", "bytes")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    tensors: int
+    bytes: int
+    def __init__(self, policy_version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class ConfigureRunRequest(_message.Message):
+    __slots__ = ("run_id", "model_path", "seed", "trainer_config_json", "resume_checkpoint")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    model_path: str
+    seed: int
+    trainer_config_json: str
+    resume_checkpoint: str
+    def __init__(self, run_id: _Optional[str] = ..., model_path: _Optional[str] = ..., seed: _Optional[int] = ..., trainer_config_json: _Optional[str] = ..., resume_checkpoint: _Optional[str] = ...) -> None: ...
+
+class ConfigureRunResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: ServiceInfo
+    def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    policy_version: int
+    group_id: str
+    sample_id: str
+    prompt_token_ids: Tensor
+    response_token_ids: Tensor
+    rollout_logprobs: Tensor
+    reward: float
+    advantage: float
+    finish_reason: str
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class TrainStepHeader(_message.Message):
+    __slots__ = ("run_id", "step", "policy_version", "num_trajectories")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    policy_version: int
+    num_trajectories: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_trajectories: _Optional[int] = ...) -> None: ...
+
+class TrainStepChunk(_message.Message):
+    __slots__ = ("header", "trajectory")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    header: TrainStepHeader
+    trajectory: Trajectory
+    def __init__(self, header: _Optional[_Union[TrainStepHeader, _Mapping]] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ...) -> None: ...
+
+class StepMetrics(_message.Message):
+    __slots__ = ("run_id", "step", "policy_version", "metrics", "replayed")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    policy_version: int
+    metrics: _containers.ScalarMap[str, float]
+    replayed: bool
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+
+class GetWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "chunk_bytes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    chunk_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class SaveCheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "directory")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    directory: str
+    def __init__(self, run_id: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("directory", "policy_version")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    policy_version: int
+    def __init__(self, directory: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class LoadCheckpointRequest(_message.Message):
+    __slots__ = ("run_id", "directory")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    directory: str
+    def __init__(self, run_id: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class LoadCheckpointResponse(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    def __init__(self, policy_version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,91 @@
+"""The one definition of every Prometheus metric Lockstep exports.
+
+Services create their collectors from these definitions; alert rules and the
+Grafana dashboard reference the same names (a test checks that every name they
+use is exported by a live run). Labels stay low-cardinality: run id and
+service, never sample or group ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str            # full Prometheus name, always `lockstep_` prefixed
+    kind: str            # "gauge" | "counter" | "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+# Per-step training health, exported by the coordinator for each run
+# (`lockstep_step_<key>`); <key> is the key in the step metrics dict.
+STEP_METRIC_HELP: dict[str, str] = {
+    "loss": "Policy loss of the step (token-mean PPO-clip plus KL term).",
+    "iw_mean": "Mean importance weight exp(logp - rollout_logp) over response tokens.",
+    "iw_min": "Minimum importance weight over response tokens.",
+    "iw_max": "Maximum importance weight over response tokens.",
+    "logprob_abs_diff_mean": "Mean |logp - rollout_logp| over response tokens.",
+    "logprob_abs_diff_max": "Max |logp - rollout_logp| over response tokens.",
+    "approx_kl_k3": "k3 estimate of KL(rollout || trainer) over response tokens.",
+    "m2po_m2": "M2PO second moment: mean of 0.5 * (logp - rollout_logp)^2.",
+    "clip_fraction": "Fraction of response tokens whose ratio was clipped.",
+    "grad_norm": "Global gradient norm before clipping.",
+    "entropy": "Mean per-token entropy of the trainer policy on response tokens.",
+    "kl_ref": "Mean k3 KL to the reference policy (0 when disabled).",
+    "reward_mean": "Mean reward of the step's samples.",
+    "reward_std": "Standard deviation of rewards in the step.",
+    "response_length_mean": "Mean response length in tokens.",
+    "tokens_response": "Response tokens trained on in the step.",
+    "tokens_total": "Prompt plus response tokens in the step.",
+    "eval_accuracy": "Held-out greedy accuracy (last evaluation).",
+}
+STEP_PHASES = ("rollout", "reward", "train", "weight_sync", "eval", "checkpoint")
+
+
+def step_metric_name(key: str) -> str:
+    return f"lockstep_step_{key}"
+
+
+COORDINATOR_METRICS: tuple[MetricDef, ...] = (
+    *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in STEP_METRIC_HELP.items()),
+    MetricDef("lockstep_run_step", "gauge", "Last completed step of the run.", ("run_id",)),
+    MetricDef("lockstep_run_last_step_timestamp_seconds", "gauge", "Unix time the last step completed.", ("run_id",)),
+    MetricDef("lockstep_step_phase_seconds", "gauge", "Wall time of each phase of the last step.", ("run_id", "phase")),
+    MetricDef("lockstep_step_seconds", "histogram", "Wall time of whole steps.", ("run_id",)),
+    MetricDef("lockstep_runs", "gauge", "Runs known to the coordinator by status.", ("status",)),
+    MetricDef("lockstep_trajectories_total", "counter", "Trajectories accounted for by outcome.", ("run_id", "outcome")),
+    MetricDef("lockstep_rollout_queue_depth", "gauge", "Prompts dispatched to rollout and not yet returned.", ("run_id",)),
+    MetricDef("lockstep_weight_sync_seconds", "gauge", "Duration of the last weight sync to all rollout replicas.", ("run_id",)),
+)
+
+ROLLOUT_METRICS: tuple[MetricDef, ...] = (
+    MetricDef("lockstep_rollout_requests_total", "counter", "Generate requests by outcome.", ("service", "outcome")),
+    MetricDef("lockstep_rollout_generated_tokens_total", "counter", "Response tokens generated.", ("service",)),
+    MetricDef("lockstep_rollout_generate_seconds", "histogram", "Generate request latency.", ("service",)),
+    MetricDef("lockstep_rollout_policy_version", "gauge", "Policy version of the loaded weights.", ("service",)),
+    MetricDef("lockstep_rollout_weight_updates_total", "counter", "Weight updates by outcome.", ("service", "outcome")),
+)
+
+TRAINER_METRICS: tuple[MetricDef, ...] = (
+    MetricDef("lockstep_trainer_steps_total", "counter", "Train steps by outcome.", ("service", "outcome")),
+    MetricDef("lockstep_trainer_tokens_total", "counter", "Tokens processed by train steps.", ("service",)),
+    MetricDef("lockstep_trainer_step_seconds", "histogram", "Train step latency.", ("service",)),
+    MetricDef("lockstep_trainer_policy_version", "gauge", "Policy version held by the trainer.", ("service",)),
+)
+
+_KINDS = {"gauge": Gauge, "counter": Counter, "histogram": Histogram}
+
+
+def build_collectors(defs: tuple[MetricDef, ...], registry: CollectorRegistry) -> dict[str, object]:
+    """Instantiate collectors for `defs` in `registry` (one registry per service instance)."""
+    out: dict[str, object] = {}
+    for d in defs:
+        name = d.name[: -len("_total")] if d.kind == "counter" and d.name.endswith("_total") else d.name
+        out[d.name] = _KINDS[d.kind](name, d.help, d.labels, registry=registry)
+    return out
+
+
+ALL_METRICS: tuple[MetricDef, ...] = COORDINATOR_METRICS + ROLLOUT_METRICS + TRAINER_METRICS

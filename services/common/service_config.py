@@ -1,0 +1,56 @@
+"""Typed service configuration from flags and environment.
+
+Each service owns a pydantic model whose fields carry their own docs
+(`Field(description=...)`). `parse_service_config` turns that model into
+command-line flags (`--grpc-port`) and environment variables
+(`LOCKSTEP_ROLLOUT_GRPC_PORT`); precedence is flag > environment > default.
+Validation errors name the field and exit non-zero before anything starts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def env_var(prefix: str, field: str) -> str:
+    return f"{prefix}_{field}".upper()
+
+
+def parse_service_config(
+    model: type[ConfigT],
+    *,
+    env_prefix: str,
+    argv: list[str] | None = None,
+    description: str | None = None,
+) -> ConfigT:
+    parser = argparse.ArgumentParser(description=description or model.__doc__)
+    for name, field in model.model_fields.items():
+        env = env_var(env_prefix, name)
+        default = field.default if field.default_factory is None else field.default_factory()
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=None,
+            help=f"{field.description or ''} [env {env}; default {default!r}]",
+        )
+    args = parser.parse_args(argv)
+    values: dict[str, object] = {}
+    for name in model.model_fields:
+        flag = getattr(args, name)
+        if flag is not None:
+            values[name] = flag
+        elif (env := os.environ.get(env_var(env_prefix, name))) is not None:
+            values[name] = env
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            print(f"configuration error: {loc}: {err['msg']}", file=sys.stderr)
+        raise SystemExit(2) from None

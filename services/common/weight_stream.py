@@ -1,0 +1,123 @@
+"""Chunked, checksummed weight streams (trainer GetWeights -> rollout UpdateWeights).
+
+A sender cuts every tensor into chunks of at most `chunk_bytes`; each chunk
+carries the sha256 of its bytes, and the last chunk carries the sha256 of all
+chunk bytes in order plus the chunk count. The receiver verifies each chunk as
+it arrives and the whole at the end, and only then hands out tensors; a stream
+that fails any check yields nothing to apply.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from proto import lockstep_pb2 as pb
+from services.common.tensors import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
+
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class WeightStreamError(ValueError):
+    """A weight stream failed validation; nothing from it may be applied."""
+
+
+def iter_weight_chunks(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    run_id: str,
+    policy_version: int,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> Iterator[pb.WeightChunk]:
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    total = hashlib.sha256()
+    pending: pb.WeightChunk | None = None
+    count = 0
+    for name, tensor in named_tensors:
+        data = tensor_bytes(tensor)
+        offsets = range(0, max(len(data), 1), chunk_bytes)
+        for offset in offsets:
+            piece = data[offset : offset + chunk_bytes]
+            total.update(piece)
+            if pending is not None:
+                yield pending
+            pending = pb.WeightChunk(
+                run_id=run_id,
+                policy_version=policy_version,
+                name=name,
+                dtype=dtype_name(tensor.dtype),
+                shape=list(tensor.shape),
+                offset=offset,
+                tensor_nbytes=len(data),
+                data=piece,
+                chunk_sha256=hashlib.sha256(piece).hexdigest(),
+            )
+            count += 1
+    if pending is None:
+        raise ValueError("no tensors to send")
+    pending.last = True
+    pending.total_sha256 = total.hexdigest()
+    pending.total_chunks = count
+    yield pending
+
+
+class WeightStreamAssembler:
+    """Consumes chunks in order; `finish()` returns the verified tensors."""
+
+    def __init__(self) -> None:
+        self._total = hashlib.sha256()
+        self._buffers: dict[str, bytearray] = {}
+        self._meta: dict[str, tuple[str, list[int], int]] = {}
+        self._count = 0
+        self._done = False
+        self.run_id: str | None = None
+        self.policy_version: int | None = None
+        self._nbytes = 0
+
+    def add(self, chunk: pb.WeightChunk) -> None:
+        if self._done:
+            raise WeightStreamError("chunk received after the last chunk")
+        where = f"chunk {self._count} ({chunk.name!r})"
+        if self.policy_version is None:
+            self.policy_version, self.run_id = chunk.policy_version, chunk.run_id
+        elif chunk.policy_version != self.policy_version or chunk.run_id != self.run_id:
+            raise WeightStreamError(f"{where}: policy_version/run_id changed mid-stream")
+        if hashlib.sha256(chunk.data).hexdigest() != chunk.chunk_sha256:
+            raise WeightStreamError(f"{where}: chunk_sha256 mismatch")
+        if not chunk.name:
+            raise WeightStreamError(f"{where}: name is empty")
+        meta = (chunk.dtype, list(chunk.shape), chunk.tensor_nbytes)
+        buf = self._buffers.setdefault(chunk.name, bytearray())
+        if self._meta.setdefault(chunk.name, meta) != meta:
+            raise WeightStreamError(f"{where}: dtype/shape changed between chunks of one tensor")
+        if chunk.offset != len(buf):
+            raise WeightStreamError(f"{where}: offset {chunk.offset} but {len(buf)} bytes received")
+        buf.extend(chunk.data)
+        if len(buf) > chunk.tensor_nbytes:
+            raise WeightStreamError(f"{where}: more bytes than tensor_nbytes={chunk.tensor_nbytes}")
+        self._total.update(chunk.data)
+        self._count += 1
+        self._nbytes += len(chunk.data)
+        if chunk.last:
+            self._done = True
+            if chunk.total_chunks != self._count:
+                raise WeightStreamError(f"stream held {self._count} chunks, last chunk says {chunk.total_chunks}")
+            if chunk.total_sha256 != self._total.hexdigest():
+                raise WeightStreamError("total_sha256 mismatch over the whole stream")
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        if not self._done:
+            raise WeightStreamError("stream ended before its last chunk")
+        out: dict[str, torch.Tensor] = {}
+        for name, buf in self._buffers.items():
+            dtype, shape, nbytes = self._meta[name]
+            if len(buf) != nbytes:
+                raise WeightStreamError(f"{name}: received {len(buf)} of {nbytes} bytes")
+            out[name] = tensor_from_bytes(bytes(buf), dtype_from_name(dtype, field=f"{name}.dtype"), shape)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes

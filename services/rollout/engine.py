@@ -1,0 +1,109 @@
+"""The rollout engine interface. The gRPC servicer talks only to this.
+
+Engines: `torch` (embedded, services/rollout/torch_engine.py, the default that
+runs anywhere) and `sglang` (services/rollout/sglang_engine.py). A run selects
+one by name in its spec; an unknown or unavailable engine is an error, never a
+fallback to another engine.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    greedy: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for any out-of-range value."""
+        if not self.greedy and not (self.temperature > 0 and self.temperature < float("inf")):
+            raise ValueError(f"sampling.temperature: must be > 0 and finite, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k: must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the distribution whose log-probs are reported (1 when greedy)."""
+        return 1.0 if self.greedy else self.temperature
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    group_id: str
+    token_ids: tuple[int, ...]
+    seed: int  # sample i of this prompt is drawn with seed + i
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompts: tuple[PromptSpec, ...]
+    sampling: SamplingConfig
+    samples_per_prompt: int = 1
+
+
+@dataclass
+class GeneratedSample:
+    group_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]  # fp32 log-prob of each token under the sampled distribution
+    finish_reason: str     # "stop" | "length"
+
+    @property
+    def sample_id(self) -> str:
+        return f"{self.group_id}/{self.index}"
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine (or its server process) cannot serve right now; the work was lost and may be retried."""
+
+
+class Engine(abc.ABC):
+    """One model, one policy version at a time. Calls are serialized by the server."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def load(self, model_path: str, policy_version: int) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> list[GeneratedSample]:
+        """Samples in prompt order, then sample index order."""
+
+    @abc.abstractmethod
+    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Replace weights atomically: all tensors verified against the model first, then applied."""
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int: ...
+
+    @property
+    def model_path(self) -> str:
+        return ""
+
+    def info(self) -> dict[str, str]:
+        return {"engine": self.name}
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+@dataclass
+class EngineSpec:
+    """Which engine a run uses and its engine-specific options (validated by the engine)."""
+
+    name: str = "torch"
+    options: dict = field(default_factory=dict)
