@@ -1,0 +1,29 @@
+# Everything a fresh clone needs: `make demo` and `make test` create the
+# virtualenv on first use (no root, only the package index), then run.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv demo test proto clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: venv
+	$(PY) -m recipes.tiny_arith.demo
+
+test: venv
+	$(PY) -m pytest -m "not gpu" tests
+
+proto: venv
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/lockstep.proto
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

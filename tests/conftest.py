@@ -1,0 +1,36 @@
+"""Shared test policy.
+
+Tests that need an external binary or optional package call `require(...)`:
+on a user's machine a missing part skips with the stated reason; in CI
+(`LOCKSTEP_REQUIRE_ALL=1`) the same absence fails the test, so nothing CI is
+meant to exercise can quietly turn into a skip.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+
+def require_all() -> bool:
+    return os.environ.get("LOCKSTEP_REQUIRE_ALL", "") == "1"
+
+
+def require(available: bool, reason: str) -> None:
+    """Skip (user machine) or fail (CI) when `available` is false."""
+    if available:
+        return
+    if require_all():
+        pytest.fail(f"LOCKSTEP_REQUIRE_ALL=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture
+def repo_root() -> Path:
+    return REPO_ROOT
