@@ -1,0 +1,23 @@
+"""Explicit gRPC message-size limits, the same on both ends of every channel.
+
+gRPC's default receive limit is 4 MiB; a GenerateResponse for a large batch or
+a TrainStep trajectory stream item can exceed it, and weight chunks are sized
+well below it. Every server and channel in Lockstep is built with these
+options so that the limit is a decision, not an accident.
+"""
+from __future__ import annotations
+
+import grpc
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def insecure_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))

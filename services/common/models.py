@@ -1,0 +1,52 @@
+"""Loading Hugging Face causal LMs the same way in the trainer and the rollout engine.
+
+Both sides must run the same model code with the same dtype and attention
+implementation, or step-1 importance weights drift from 1 for reasons that have
+nothing to do with learning (DESIGN.md, "The one invariant").
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype: unknown {name!r}, expected one of {sorted(DTYPES)}") from None
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Fail at once, naming the path, when it is not a Hugging Face model directory."""
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"model_path: {p} is not a directory")
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model_path: {p} has no config.json (not a Hugging Face model directory)")
+    return p
+
+
+def load_causal_lm(
+    path: str | Path,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    p = check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(p), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+    )
+    return model.to(device)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(check_model_dir(path)))

@@ -1,0 +1,25 @@
+"""The verifiable-task interface the coordinator samples prompts from and scores with."""
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    problem_id: str   # stable id, unique within the task
+    prompt: str       # text given to the policy (the tokenizer adds nothing)
+    answer: str       # reference answer the reward checks against
+
+
+class Task(abc.ABC):
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def split(self, name: str) -> Sequence[Problem]:
+        """'train' or 'heldout'; the two never share a problem. Deterministic."""
+
+    @abc.abstractmethod
+    def reward(self, problem: Problem, response_text: str) -> float:
+        """Verifiable reward of one response (1.0 correct, 0.0 otherwise unless documented)."""
