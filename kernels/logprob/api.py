@@ -1,0 +1,158 @@
+"""The public entry point and the autograd Function that every backend runs under.
+
+One Function orchestrates forward (local partials -> all-gather over the TP
+group -> merge in global slot order) and backward (elementwise gradient of the
+local shard). Backends supply only those three pieces, so the orchestration --
+where TP determinism lives -- is written once.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kernels.logprob.tiling import ShardLayout
+
+
+def _gather_partials(
+    m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None, tgt: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """All-gather per-rank partials and lay them out in global slot order (rank-major).
+
+    The target logit is -inf on every rank but its owner, so max over ranks is exact.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    parts = [m, s] + ([w] if w is not None else []) + [tgt.unsqueeze(1)]
+    packed = torch.cat(parts, dim=1).contiguous()
+    out = [torch.empty_like(packed) for _ in range(world)]
+    dist.all_gather(out, packed, group=group)
+    S = m.shape[1]
+    gm = torch.cat([o[:, :S] for o in out], dim=1)
+    gs = torch.cat([o[:, S : 2 * S] for o in out], dim=1)
+    gw = torch.cat([o[:, 2 * S : 3 * S] for o in out], dim=1) if w is not None else None
+    gt = torch.stack([o[:, -1] for o in out], dim=1).amax(dim=1)
+    return gm, gs, gw, gt
+
+
+class _TokenLogprobFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, active, backend, layout, temperature, group, with_entropy):
+        m, s, w, tgt = backend.partials(logits, targets, layout, temperature, with_entropy)
+        if group is not None and layout.tp_world_size > 1:
+            m, s, w, tgt = _gather_partials(m, s, w, tgt, group)
+        logp, lse, ent = backend.merge(m, s, w, tgt, targets, layout.global_vocab_size)
+        mean_x = (lse - ent) if ent is not None else None
+        ctx.save_for_backward(logits, targets, lse, mean_x if mean_x is not None else lse, active)
+        ctx.meta = (backend, layout, temperature, with_entropy, active is not None)
+        if active is not None:
+            zero = torch.zeros_like(lse)
+            logp, lse = torch.where(active, logp, zero), torch.where(active, lse, zero)
+            ent = torch.where(active, ent, zero) if ent is not None else None
+        if ent is None:
+            ent = torch.zeros_like(lse)
+        ctx.mark_non_differentiable(targets)
+        return logp, lse, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_lse, g_ent):
+        backend, layout, temperature, with_entropy, has_active = ctx.meta
+        logits, targets, lse, mean_x, active = ctx.saved_tensors
+        zeros = torch.zeros_like(lse)
+        g_logp = zeros if g_logp is None else g_logp.float()
+        g_lse = zeros if g_lse is None else g_lse.float()
+        g_ent = (zeros if g_ent is None else g_ent.float()) if with_entropy else None
+        grad = backend.backward(
+            logits, targets, lse, mean_x if with_entropy else None, g_logp, g_lse, g_ent,
+            active if has_active else None, layout, temperature,
+        )
+        return grad, None, None, None, None, None, None, None
+
+
+def _layout_for(logits: torch.Tensor, vocab_start: int, global_vocab_size: int | None, tp_group: Any) -> ShardLayout:
+    rank, world = 0, 1
+    if tp_group is not None:
+        import torch.distributed as dist
+
+        rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    V_local = logits.shape[1]
+    gvs = V_local * world if global_vocab_size is None else int(global_vocab_size)
+    return ShardLayout(
+        global_vocab_size=gvs, vocab_start=int(vocab_start), local_vocab_size=V_local, tp_rank=rank, tp_world_size=world
+    )
+
+
+def _validate_inputs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor | None, temperature: float) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [T, V_local], got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"logits: dtype must be bf16, fp16 or fp32, got {logits.dtype}")
+    if targets.shape != (logits.shape[0],) or targets.dtype != torch.int64:
+        raise ValueError(f"targets: expected int64 [{logits.shape[0]}], got {targets.dtype} {tuple(targets.shape)}")
+    if targets.device != logits.device:
+        raise ValueError(f"targets on {targets.device} but logits on {logits.device}")
+    if mask is not None and (mask.shape != targets.shape or mask.dtype != torch.bool or mask.device != logits.device):
+        raise ValueError(f"mask: expected bool [{logits.shape[0]}] on {logits.device}, got {mask.dtype} {tuple(mask.shape)}")
+    if not (temperature > 0 and temperature < float("inf")):
+        raise ValueError(f"temperature: must be > 0 and finite, got {temperature}")
+
+
+def _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, with_entropy):
+    from kernels.logprob.registry import select_backend
+
+    _validate_inputs(logits, targets, mask, temperature)
+    layout = _layout_for(logits, vocab_start, global_vocab_size, tp_group)
+    impl = select_backend(
+        backend, logits=logits, layout=layout, temperature=temperature, tp_group=tp_group,
+        mask=mask, with_entropy=with_entropy,
+    )
+    return _TokenLogprobFunction.apply(
+        logits, targets, mask, impl, layout, float(temperature), tp_group, with_entropy
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    global_vocab_size: int | None = None,
+    tp_group: Any = None,
+    backend: str = "auto",
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 log p(target) [T] and fp32 logsumexp [T] of log_softmax(logits / temperature).
+
+    logits: [T, V_local] bf16/fp16/fp32, this rank's vocab shard starting at
+    global column `vocab_start`. targets: [T] int64 global token ids.
+    global_vocab_size: real vocab; columns at or beyond it are padding (-inf).
+    Defaults to V_local x TP world size. tp_group: torch.distributed group of
+    the vocab shards (None: one shard holds the whole vocab). backend:
+    "reference", "triton", "native" or "auto" (refused when TP > 1, because
+    ranks must not pick different backends). mask: optional bool [T] of active
+    tokens; inactive tokens get logp = lse = 0 and zero gradient.
+
+    Outputs are identical on every TP rank and bitwise independent of batch
+    composition and TP degree for a given backend and device. Differentiable
+    w.r.t. logits (deterministic backward, no atomics). A target outside
+    [0, global_vocab_size) yields NaN (no device sync to check it).
+    """
+    logp, lse, _ = _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, False)
+    return logp, lse
+
+
+def token_logprobs_with_entropy(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    global_vocab_size: int | None = None,
+    tp_group: Any = None,
+    backend: str = "auto",
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `token_logprobs`, plus the fp32 entropy [T] of softmax(logits / temperature) (differentiable)."""
+    return _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, True)
