@@ -1,0 +1,23 @@
+"""`python -m services.coordinator`: parse -> build -> run -> close."""
+from __future__ import annotations
+
+import uvicorn
+
+from services.common.service_config import parse_service_config
+from services.common.structured_logging import configure_logging
+from services.coordinator.api import create_app
+from services.coordinator.config import CoordinatorConfig
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_service_config(CoordinatorConfig, env_prefix="LOCKSTEP_COORDINATOR", argv=argv)
+    configure_logging("coordinator", config.log_level)
+    app = create_app(config)
+    # uvicorn turns SIGTERM into a graceful shutdown: the lifespan stops the
+    # scheduler (the run stays `running` in Redis and resumes on restart),
+    # closes channels and stops the embedded Redis, which flushes its AOF.
+    uvicorn.run(app, host=config.host, port=config.port, log_config=None, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

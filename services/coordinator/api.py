@@ -1,0 +1,144 @@
+"""REST API (FastAPI). Handlers are thin: validate, call the store, answer."""
+from __future__ import annotations
+
+import contextlib
+import uuid
+from pathlib import Path
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from services.common.models import load_tokenizer
+from services.coordinator.clients import RolloutClient, TrainerClient
+from services.coordinator.config import CoordinatorConfig
+from services.coordinator.embedded_redis import EmbeddedRedis
+from services.coordinator.exporter import CoordinatorExporter
+from services.coordinator.run_loop import RunDriver
+from services.coordinator.run_spec import RunSpec
+from services.coordinator.scheduler import RunScheduler
+from services.coordinator.store import ACTIVE, STATUSES, RunStore
+
+
+def _field_errors(exc: RequestValidationError) -> list[dict]:
+    out = []
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        out.append({"field": ".".join(loc) or "(body)", "reason": err.get("msg", "invalid")})
+    return out
+
+
+def _coordinator_id(data_dir: Path) -> str:
+    """Stable identity of this coordinator's data dir: a restart re-takes its own leases at once."""
+    path = data_dir / "coordinator.id"
+    if not path.exists():
+        path.write_text(uuid.uuid4().hex)
+    return path.read_text().strip()
+
+
+def create_app(config: CoordinatorConfig) -> FastAPI:
+    data_dir = Path(config.data_dir).resolve()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        data_dir.mkdir(parents=True, exist_ok=True)
+        redis = None
+        url = config.redis_url
+        if not url:
+            redis = EmbeddedRedis(data_dir / "redis").start()
+            url = redis.url
+        store = RunStore(url)
+        exporter = CoordinatorExporter()
+        rollouts = [RolloutClient(a, config.rpc_timeout_s) for a in config.rollout_addresses]
+        trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s)
+
+        def make_driver(run_id: str, spec: RunSpec, run_dir: Path) -> RunDriver:
+            return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,
+                             config.generate_retries, load_tokenizer)
+
+        scheduler = RunScheduler(store, make_driver, data_dir, _coordinator_id(data_dir))
+        app.state.store, app.state.exporter, app.state.scheduler = store, exporter, scheduler
+        app.state.rollouts, app.state.trainer = rollouts, trainer
+        scheduler.start()
+        try:
+            yield
+        finally:
+            await scheduler.stop()
+            for c in [*rollouts, trainer]:
+                await c.close()
+            await store.close()
+            if redis is not None:
+                redis.stop()
+
+    app = FastAPI(title="Lockstep coordinator", version="0.1.0", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(status_code=422, content={"error": "invalid request", "fields": _field_errors(exc)})
+
+    def _store(request: Request) -> RunStore:
+        return request.app.state.store
+
+    async def _run_or_404(request: Request, run_id: str):
+        run = await _store(request).get_run(run_id)
+        if run is None:
+            raise HTTPException(status_code=404, detail={"error": "run not found", "run_id": run_id})
+        return run
+
+    @app.post("/v1/runs", status_code=201)
+    async def submit_run(spec: RunSpec, request: Request) -> dict:
+        run = await _store(request).create_run(spec.name, spec.model_dump_json(), spec.steps)
+        request.app.state.scheduler.wake()
+        return run.to_dict()
+
+    @app.get("/v1/runs")
+    async def list_runs(request: Request) -> dict:
+        return {"runs": [r.to_dict() for r in await _store(request).list_runs()]}
+
+    @app.get("/v1/runs/{run_id}")
+    async def get_run(run_id: str, request: Request) -> dict:
+        run = await _run_or_404(request, run_id)
+        store = _store(request)
+        spec = RunSpec.model_validate_json(await store.get_spec_json(run_id) or "{}").model_dump()
+        latest = (await store.metrics(run_id))[-1:] or [None]
+        return {**run.to_dict(), "spec": spec, "eval_initial": await store.get_aux(run_id, "eval_initial"),
+                "latest": latest[0], "events": await store.events(run_id)}
+
+    @app.get("/v1/runs/{run_id}/metrics")
+    async def run_metrics(run_id: str, request: Request) -> dict:
+        await _run_or_404(request, run_id)
+        store = _store(request)
+        return {"run_id": run_id, "eval_initial": await store.get_aux(run_id, "eval_initial"),
+                "steps": await store.metrics(run_id)}
+
+    @app.post("/v1/runs/{run_id}/cancel")
+    async def cancel_run(run_id: str, request: Request) -> dict:
+        run = await _run_or_404(request, run_id)
+        if run.status not in ACTIVE:
+            raise HTTPException(status_code=409, detail={"error": f"run is already {run.status}", "run_id": run_id})
+        await _store(request).set_status(run_id, "cancelled")
+        return (await _store(request).get_run(run_id)).to_dict()  # type: ignore[union-attr]
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        return {"ok": True}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        checks = {"redis": await _store(request).ping()}
+        for c in [*request.app.state.rollouts, request.app.state.trainer]:
+            try:
+                checks[c.address] = (await c.health()).ok
+            except Exception:
+                checks[c.address] = False
+        ok = all(checks.values())
+        return JSONResponse(status_code=200 if ok else 503, content={"ready": ok, "checks": checks})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        runs = await _store(request).list_runs()
+        request.app.state.exporter.run_counts({s: sum(r.status == s for r in runs) for s in STATUSES})
+        return Response(generate_latest(request.app.state.exporter.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

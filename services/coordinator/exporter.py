@@ -1,0 +1,42 @@
+"""The coordinator's Prometheus collectors, built from services.common.metric_defs."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry
+
+from services.common.metric_defs import COORDINATOR_METRICS, STEP_METRIC_HELP, build_collectors, step_metric_name
+
+
+class CoordinatorExporter:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._m = build_collectors(COORDINATOR_METRICS, self.registry)
+
+    def on_step(self, run_id: str, step: int, metrics: dict, timings: dict) -> None:
+        for key in STEP_METRIC_HELP:
+            if key in metrics:
+                self._m[step_metric_name(key)].labels(run_id).set(float(metrics[key]))
+        self._m["lockstep_run_step"].labels(run_id).set(step)
+        self._m["lockstep_run_last_step_timestamp_seconds"].labels(run_id).set(time.time())
+        for phase, seconds in timings.items():
+            if phase == "total":
+                self._m["lockstep_step_seconds"].labels(run_id).observe(seconds)
+            else:
+                self._m["lockstep_step_phase_seconds"].labels(run_id, phase).set(seconds)
+        if "weight_sync" in timings:
+            self._m["lockstep_weight_sync_seconds"].labels(run_id).set(timings["weight_sync"])
+
+    def on_eval(self, run_id: str, accuracy: float) -> None:
+        self._m[step_metric_name("eval_accuracy")].labels(run_id).set(accuracy)
+
+    def trajectories(self, run_id: str, outcome: str, count: int) -> None:
+        if count:
+            self._m["lockstep_trajectories_total"].labels(run_id, outcome).inc(count)
+
+    def queue_depth(self, run_id: str, prompts: int) -> None:
+        self._m["lockstep_rollout_queue_depth"].labels(run_id).set(prompts)
+
+    def run_counts(self, counts: dict[str, int]) -> None:
+        for status, n in counts.items():
+            self._m["lockstep_runs"].labels(status).set(n)

@@ -1,0 +1,29 @@
+"""Which prompts a step trains on: a pure function of (seed, step).
+
+A restarted coordinator re-derives the same batch for a step, and two runs with
+the same seed see the same prompts in the same order.
+"""
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Sequence
+
+from services.coordinator.tasks.base import Problem
+
+
+def derived_seed(*parts: object) -> int:
+    digest = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # non-negative int63
+
+
+def step_problems(train: Sequence[Problem], *, seed: int, step: int, count: int) -> list[Problem]:
+    """`count` distinct problems when the split allows, else sampled with replacement."""
+    rng = random.Random(derived_seed("prompts", seed, step))
+    if count <= len(train):
+        return [train[i] for i in rng.sample(range(len(train)), count)]
+    return [train[rng.randrange(len(train))] for _ in range(count)]
+
+
+def group_id(step: int, index: int) -> str:
+    return f"s{step}-g{index}"

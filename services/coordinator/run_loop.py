@@ -1,0 +1,303 @@
+"""The run loop, short enough to read as the algorithm:
+
+    for step in cursor+1 .. steps:
+        prompts   = step_problems(train, seed, step)         # deterministic
+        samples   = rollout(prompts, policy_version=step-1)  # every replica, re-dispatched on loss
+        rewards   = task.reward(...)                          # verifiable
+        adv       = group-normalised advantages
+        metrics   = trainer.train_step(trajectories)          # policy_version -> step
+        sync weights to every rollout replica
+        eval (greedy, held-out) when due; checkpoint when due
+        record step exactly once (Redis), export metrics
+
+Resuming: the trainer keeps its state across a coordinator restart and treats
+a TrainStep for a step it already applied as a replay (it returns that step's
+recorded metrics and does not train again), so a coordinator killed anywhere
+inside step s redoes step s without double-applying it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from proto import lockstep_pb2 as pb
+from services.common.structured_logging import log_event
+from services.common.tensors import from_proto, ids_to_proto
+from services.coordinator.clients import RolloutClient, TrainerClient, is_unavailable
+from services.coordinator.exporter import CoordinatorExporter
+from services.coordinator.prompts import derived_seed, group_id, step_problems
+from services.coordinator.run_spec import RunSpec
+from services.coordinator.store import RunStore
+from services.coordinator.tasks import Problem, Task, build_task
+from services.trainer.grpo import group_advantages
+
+log = logging.getLogger("lockstep.coordinator.run")
+
+
+class RunCancelled(Exception):
+    pass
+
+
+class RunFailed(Exception):
+    pass
+
+
+@dataclass
+class Shard:
+    """Prompts sent to one replica in one Generate call."""
+
+    problems: list[Problem]
+    first_index: int  # index of problems[0] within the step
+
+
+class RunDriver:
+    def __init__(
+        self,
+        run_id: str,
+        spec: RunSpec,
+        store: RunStore,
+        rollouts: Sequence[RolloutClient],
+        trainer: TrainerClient,
+        exporter: CoordinatorExporter,
+        run_dir: Path,
+        generate_retries: int,
+        tokenizer_loader: Callable[[str], object],
+    ) -> None:
+        self.run_id, self.spec, self.store = run_id, spec, store
+        self.rollouts, self.trainer, self.exporter = list(rollouts), trainer, exporter
+        self.run_dir = run_dir
+        self.generate_retries = generate_retries
+        self.task: Task = build_task(spec.task.name, spec.task.options)
+        self.tokenizer = tokenizer_loader(spec.model_path)
+        self._prompt_ids: dict[str, list[int]] = {}
+
+    # ------------------------------------------------------------------ loop --
+    async def run(self) -> None:
+        spec = self.spec
+        run = await self.store.get_run(self.run_id)
+        assert run is not None
+        await self.store.set_status(self.run_id, "running")
+        trainer_version = await self._configure_services()
+        if await self.store.get_aux(self.run_id, "eval_initial") is None:
+            acc = await self._evaluate(policy_version=trainer_version)
+            await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": acc, "step": 0})
+            self.exporter.on_eval(self.run_id, acc)
+        for step in range(run.step + 1, spec.steps + 1):
+            await self._check_cancelled()
+            await self._one_step(step, trainer_version)
+            trainer_version = step
+        await self.store.set_status(self.run_id, "completed")
+        log_event(log, "run completed", run_id=self.run_id, steps=spec.steps)
+
+    async def _one_step(self, step: int, trainer_version: int) -> None:
+        spec, t0 = self.spec, time.monotonic()
+        timings: dict[str, float] = {}
+        header = pb.TrainStepHeader(run_id=self.run_id, step=step, policy_version=step - 1)
+        counts = {"trajectories_trained": 0, "trajectories_dropped": 0}
+        if trainer_version == step:
+            # The trainer applied this step before the previous coordinator died:
+            # replay its recorded metrics instead of training twice.
+            result = await self.trainer.train_step(header, [])
+            if not result.replayed:
+                raise RunFailed(f"step {step}: trainer at version {step} did not replay the step")
+            pending = await self.store.get_aux(self.run_id, "pending_step")
+            if pending is None or pending["step"] != step:
+                raise RunFailed(f"step {step}: replayed by the trainer but its trajectory counts were not recorded")
+            counts = pending["counts"]
+            await self.store.add_event(self.run_id, "step_replayed", step=step)
+        else:
+            if trainer_version != step - 1:
+                raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
+            problems = step_problems(self.task.split("train"), seed=spec.seed, step=step,
+                                     count=spec.rollout.prompts_per_step)
+            tr = time.monotonic()
+            samples, dropped = await self._rollout(problems, step=step, policy_version=step - 1)
+            timings["rollout"] = time.monotonic() - tr
+            tr = time.monotonic()
+            trajectories = self._score(problems, samples, step)
+            timings["reward"] = time.monotonic() - tr
+            if not trajectories:
+                raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
+            header.num_trajectories = len(trajectories)
+            counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped}
+            # Written before the trainer applies the step, so a replay after a
+            # coordinator crash still accounts for every trajectory exactly once.
+            await self.store.set_aux(self.run_id, "pending_step", {"step": step, "counts": counts})
+            tr = time.monotonic()
+            result = await self.trainer.train_step(header, trajectories)
+            timings["train"] = time.monotonic() - tr
+        tr = time.monotonic()
+        await self._sync_weights(step)
+        timings["weight_sync"] = time.monotonic() - tr
+        metrics = dict(result.metrics)
+        metrics.update(counts)
+        if self._eval_due(step):
+            tr = time.monotonic()
+            metrics["eval_accuracy"] = await self._evaluate(policy_version=step)
+            timings["eval"] = time.monotonic() - tr
+        if self._checkpoint_due(step):
+            tr = time.monotonic()
+            await self.trainer.save_checkpoint(self.run_id, str(self.run_dir / "checkpoints" / f"step_{step:06d}"))
+            timings["checkpoint"] = time.monotonic() - tr
+        timings["total"] = time.monotonic() - t0
+        if await self.store.record_step(self.run_id, step, metrics, timings):
+            self.exporter.on_step(self.run_id, step, metrics, timings)
+            if "eval_accuracy" in metrics:
+                self.exporter.on_eval(self.run_id, metrics["eval_accuracy"])
+            self.exporter.trajectories(self.run_id, "trained", counts["trajectories_trained"])
+            self.exporter.trajectories(self.run_id, "dropped", counts["trajectories_dropped"])
+        log_event(log, "step recorded", run_id=self.run_id, step=step,
+                  reward_mean=metrics.get("reward_mean"), iw_mean=metrics.get("iw_mean"),
+                  eval_accuracy=metrics.get("eval_accuracy"), seconds=round(timings["total"], 3))
+
+    # ------------------------------------------------------------- phases --
+    async def _configure_services(self) -> int:
+        spec = self.spec
+        info = await self.trainer.configure(
+            self.run_id, spec.model_path, spec.seed, spec.trainer.model_dump_json()
+        )
+        version = info.policy_version
+        engine_json = json.dumps({"engine": spec.rollout.engine, **spec.rollout.engine_options})
+        for client in self.rollouts:
+            rinfo = await client.info()
+            if rinfo.run_id != self.run_id or rinfo.policy_version < 0:
+                await client.load_model(self.run_id, spec.model_path, 0, engine_json)
+                rinfo = await client.info()
+            if rinfo.policy_version != version:
+                await self._push_weights([client], await self.trainer.weights(self.run_id))
+        await self.store.add_event(self.run_id, "services_configured", policy_version=version,
+                                   rollouts=[c.address for c in self.rollouts])
+        return version
+
+    async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int,
+                       greedy: bool = False) -> tuple[list[tuple[int, pb.Sample]], int]:
+        """Samples as (problem index, sample) in problem order; returns also the dropped count."""
+        spec = self.spec
+        n = len(self.rollouts)
+        size = -(-len(problems) // n)
+        shards = [Shard(problems[i:i + size], i) for i in range(0, len(problems), size)]
+        samples_per_prompt = 1 if greedy else spec.rollout.samples_per_prompt
+        self.exporter.queue_depth(self.run_id, len(problems))
+        results = await asyncio.gather(*(
+            self._generate_shard(shard, k, step=step, policy_version=policy_version, greedy=greedy,
+                                 samples_per_prompt=samples_per_prompt)
+            for k, shard in enumerate(shards)
+        ))
+        self.exporter.queue_depth(self.run_id, 0)
+        out: list[tuple[int, pb.Sample]] = []
+        dropped = 0
+        for shard, res in zip(shards, results):
+            if res is None:
+                dropped += len(shard.problems) * samples_per_prompt
+                continue
+            gids = {group_id(step, shard.first_index + j): shard.first_index + j for j in range(len(shard.problems))}
+            for s in res.samples:
+                out.append((gids[s.group_id], s))
+        return out, dropped
+
+    async def _generate_shard(self, shard: Shard, replica: int, *, step: int, policy_version: int,
+                              greedy: bool, samples_per_prompt: int) -> pb.GenerateResponse | None:
+        spec = self.spec
+        s = spec.rollout.sampling
+        prompts = [
+            pb.Prompt(group_id=group_id(step, shard.first_index + j),
+                      token_ids=ids_to_proto(self._encode(p)),
+                      seed=derived_seed("sample", spec.seed, step, shard.first_index + j))
+            for j, p in enumerate(shard.problems)
+        ]
+        request = pb.GenerateRequest(
+            run_id=self.run_id, step=step, policy_version=policy_version, prompts=prompts,
+            samples_per_prompt=samples_per_prompt,
+            sampling=pb.SamplingParams(
+                temperature=s.temperature, top_p=1.0 if greedy else s.top_p, top_k=0 if greedy else s.top_k,
+                max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop_ids(), greedy=greedy,
+            ),
+        )
+        attempts = self.generate_retries + 1
+        for attempt in range(attempts):
+            client = self.rollouts[(replica + attempt) % len(self.rollouts)]
+            try:
+                return await client.generate(request)
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                await self.store.add_event(self.run_id, "generate_redispatched", step=step, replica=client.address,
+                                           attempt=attempt + 1, reason=str(exc.code()))
+                log_event(log, "rollout replica unavailable; re-dispatching", run_id=self.run_id, step=step,
+                          replica=client.address, attempt=attempt + 1)
+                await asyncio.sleep(min(2.0 ** attempt, 10.0))
+        await self.store.add_event(self.run_id, "trajectories_dropped", step=step,
+                                   count=len(shard.problems) * samples_per_prompt,
+                                   reason=f"rollout unavailable after {attempts} attempts")
+        return None
+
+    def _score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]], step: int) -> list[pb.Trajectory]:
+        rewards = [self.task.reward(problems[i], self._decode(s)) for i, s in samples]
+        advantages = group_advantages(rewards, [s.group_id for _, s in samples])
+        return [
+            pb.Trajectory(
+                run_id=self.run_id, step=step, policy_version=step - 1, group_id=s.group_id,
+                sample_id=s.sample_id, prompt_token_ids=ids_to_proto(self._encode(problems[i])),
+                response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
+                reward=float(r), advantage=float(a), finish_reason=s.finish_reason,
+            )
+            for (i, s), r, a in zip(samples, rewards, advantages)
+        ]
+
+    async def _sync_weights(self, version: int) -> None:
+        stale = []
+        for client in self.rollouts:
+            if (await client.info()).policy_version != version:
+                stale.append(client)
+        if stale:
+            await self._push_weights(stale, await self.trainer.weights(self.run_id))
+
+    async def _push_weights(self, clients: Sequence[RolloutClient], chunks: list[pb.WeightChunk]) -> None:
+        results = await asyncio.gather(*(c.update_weights(chunks) for c in clients))
+        for c, r in zip(clients, results):
+            if r.policy_version != chunks[-1].policy_version:
+                raise RunFailed(f"replica {c.address} reports version {r.policy_version} after sync")
+
+    async def _evaluate(self, *, policy_version: int) -> float:
+        heldout = list(self.task.split("heldout"))[: self.spec.eval.heldout_size]
+        samples, dropped = await self._rollout(heldout, step=0, policy_version=policy_version, greedy=True)
+        if dropped:
+            raise RunFailed(f"evaluation lost {dropped} samples: rollout unavailable")
+        correct = sum(self.task.reward(heldout[i], self._decode(s)) for i, s in samples)
+        return correct / len(heldout)
+
+    # ------------------------------------------------------------ helpers --
+    def _eval_due(self, step: int) -> bool:
+        every = self.spec.eval.every
+        return step == self.spec.steps or (every > 0 and step % every == 0)
+
+    def _checkpoint_due(self, step: int) -> bool:
+        every = self.spec.checkpoint.every
+        return step == self.spec.steps or (every > 0 and step % every == 0)
+
+    async def _check_cancelled(self) -> None:
+        run = await self.store.get_run(self.run_id)
+        if run is None or run.status == "cancelled":
+            raise RunCancelled(self.run_id)
+
+    def _encode(self, problem: Problem) -> list[int]:
+        ids = self._prompt_ids.get(problem.problem_id)
+        if ids is None:
+            ids = list(self.tokenizer.encode(problem.prompt, add_special_tokens=True))
+            self._prompt_ids[problem.problem_id] = ids
+        return ids
+
+    def _decode(self, sample: pb.Sample) -> str:
+        ids = from_proto(sample.response_token_ids, field="response_token_ids").tolist()
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _stop_ids(self) -> list[int]:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return [eos] if eos is not None else []
+
+

@@ -1,0 +1,86 @@
+"""The run spec users submit (POST /v1/runs, `lockstep submit recipe.yaml`).
+
+Everything a run needs is validated here, at submit time: a spec that names a
+missing model directory or an unknown task is refused with 422 before anything
+is stored, not discovered at step 40.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from services.common.models import check_model_dir
+from services.coordinator.tasks import build_task, known_tasks
+from services.trainer.config import TrainerRunConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingSpec(_Strict):
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; log-probs are scored at it.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+    max_new_tokens: int = Field(16, ge=1, le=32768, description="Response length cap in tokens.")
+
+
+class RolloutSpec(_Strict):
+    engine: Literal["torch", "sglang"] = Field("torch", description="Rollout engine every replica loads.")
+    engine_options: dict = Field(default_factory=dict, description="Engine-specific options, validated by the engine.")
+    prompts_per_step: int = Field(16, ge=1, le=65536, description="Prompts (GRPO groups) sampled per step.")
+    samples_per_prompt: int = Field(8, ge=2, le=1024, description="Group size; GRPO needs at least 2.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
+
+
+class TaskSpec(_Strict):
+    name: str = Field(..., description="Registered task name (e.g. 'arithmetic').")
+    options: dict = Field(default_factory=dict, description="Options passed to the task's constructor.")
+
+    @model_validator(mode="after")
+    def _known(self) -> "TaskSpec":
+        if self.name not in known_tasks():
+            raise ValueError(f"unknown task {self.name!r}; known: {sorted(known_tasks())}")
+        build_task(self.name, self.options)  # raises ValueError naming the bad option
+        return self
+
+
+class EvalSpec(_Strict):
+    every: int = Field(5, ge=0, description="Greedy held-out eval every N steps (always before step 1 and after the last); 0 = only those two.")
+    heldout_size: int = Field(200, ge=1, le=100000, description="Held-out problems evaluated each time.")
+
+
+class CheckpointSpec(_Strict):
+    every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and after the last step); 0 = only after the last step.")
+
+
+class RunSpec(_Strict):
+    name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Human-readable run name.")
+    model_path: str = Field(..., description="Hugging Face causal-LM directory visible to the coordinator, rollout and trainer.")
+    seed: int = Field(0, ge=0, le=2**62, description="Seeds prompt sampling, rollout sampling and training.")
+    steps: int = Field(..., ge=1, le=1_000_000, description="Optimizer steps (one rollout batch each).")
+    task: TaskSpec = Field(..., description="Verifiable task supplying prompts and rewards.")
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout engine and sampling.")
+    trainer: TrainerRunConfig = Field(default_factory=TrainerRunConfig, description="Trainer hyperparameters.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Held-out evaluation.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
+
+    @field_validator("model_path")
+    @classmethod
+    def _model_exists(cls, v: str) -> str:
+        try:
+            return str(check_model_dir(v).resolve())
+        except FileNotFoundError as exc:
+            raise ValueError(str(exc).removeprefix("model_path: ")) from None
+
+    @model_validator(mode="after")
+    def _temperatures_agree(self) -> "RunSpec":
+        # The trainer must score tokens at the temperature they were sampled at,
+        # or step-1 importance weights are off by construction.
+        if self.trainer.temperature != self.rollout.sampling.temperature:
+            raise ValueError(
+                f"trainer.temperature ({self.trainer.temperature}) must equal "
+                f"rollout.sampling.temperature ({self.rollout.sampling.temperature})"
+            )
+        return self

@@ -1,0 +1,168 @@
+"""Run state in Redis: specs, status, step cursor, per-step metrics, events, leases.
+
+Control plane only; trajectories and weights never pass through Redis.
+
+Keys (prefix `lockstep:`):
+  runs                 zset  run id -> creation time
+  run:<id>             hash  name, status, step (last completed), created_at, updated_at, error
+  run:<id>:spec        str   validated spec JSON
+  run:<id>:metrics     hash  step -> metrics JSON (deterministic values only)
+  run:<id>:timings     hash  step -> phase timings JSON (wall clock, never compared)
+  run:<id>:events      list  JSON events, newest last
+  lease:<id>           str   owner token, with a TTL, held by the coordinator driving the run
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+ACTIVE = ("pending", "running")
+TERMINAL = ("completed", "failed", "cancelled")
+STATUSES = ACTIVE + TERMINAL
+
+# Records a step exactly once: only when the cursor is at step-1, and the
+# metrics, timings and cursor move together. Returns 1 if recorded, 0 if that
+# step was already recorded, -1 if the cursor is somewhere else.
+_RECORD_STEP = """
+local cursor = tonumber(redis.call('HGET', KEYS[1], 'step') or '0')
+local step = tonumber(ARGV[1])
+if cursor >= step then
+  if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 then return 0 end
+  return -1
+end
+if cursor ~= step - 1 then return -1 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[1], ARGV[3])
+redis.call('HSET', KEYS[1], 'step', ARGV[1], 'updated_at', ARGV[4])
+return 1
+"""
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+@dataclass
+class RunRecord:
+    id: str
+    name: str
+    status: str
+    step: int
+    steps: int
+    created_at: float
+    updated_at: float
+    error: str
+
+    def to_dict(self) -> dict:
+        return self.__dict__.copy()
+
+
+class RunStore:
+    def __init__(self, url: str, prefix: str = "lockstep:") -> None:
+        self._r = aioredis.from_url(url, decode_responses=True)
+        self._p = prefix
+        self._record_step = self._r.register_script(_RECORD_STEP)
+
+    def _k(self, *parts: str) -> str:
+        return self._p + ":".join(parts)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._r.ping())
+        except Exception:
+            return False
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    async def create_run(self, name: str, spec_json: str, steps: int) -> RunRecord:
+        run_id = uuid.uuid4().hex[:12]
+        now = time.time()
+        async with self._r.pipeline(transaction=True) as p:
+            p.set(self._k("run", run_id, "spec"), spec_json)
+            p.hset(self._k("run", run_id), mapping={
+                "name": name, "status": "pending", "step": 0, "steps": steps,
+                "created_at": now, "updated_at": now, "error": "",
+            })
+            p.zadd(self._k("runs"), {run_id: now})
+            p.rpush(self._k("run", run_id, "events"), json.dumps({"ts": now, "event": "submitted"}))
+            await p.execute()
+        return await self.get_run(run_id)  # type: ignore[return-value]
+
+    async def get_run(self, run_id: str) -> RunRecord | None:
+        h = await self._r.hgetall(self._k("run", run_id))
+        if not h:
+            return None
+        return RunRecord(
+            id=run_id, name=h["name"], status=h["status"], step=int(h["step"]), steps=int(h["steps"]),
+            created_at=float(h["created_at"]), updated_at=float(h["updated_at"]), error=h.get("error", ""),
+        )
+
+    async def get_spec_json(self, run_id: str) -> str | None:
+        return await self._r.get(self._k("run", run_id, "spec"))
+
+    async def list_runs(self) -> list[RunRecord]:
+        ids = await self._r.zrange(self._k("runs"), 0, -1)
+        runs = [await self.get_run(i) for i in ids]
+        return [r for r in runs if r is not None]
+
+    async def set_status(self, run_id: str, status: str, error: str = "") -> None:
+        if status not in STATUSES:
+            raise StoreError(f"unknown status {status!r}")
+        now = time.time()
+        async with self._r.pipeline(transaction=True) as p:
+            p.hset(self._k("run", run_id), mapping={"status": status, "updated_at": now, "error": error})
+            p.rpush(self._k("run", run_id, "events"), json.dumps({"ts": now, "event": status, "error": error}))
+            await p.execute()
+
+    async def add_event(self, run_id: str, event: str, **fields: object) -> None:
+        await self._r.rpush(self._k("run", run_id, "events"), json.dumps({"ts": time.time(), "event": event, **fields}))
+
+    async def events(self, run_id: str) -> list[dict]:
+        return [json.loads(e) for e in await self._r.lrange(self._k("run", run_id, "events"), 0, -1)]
+
+    async def record_step(self, run_id: str, step: int, metrics: dict, timings: dict) -> bool:
+        """Record a completed step exactly once. False if it was already recorded."""
+        res = await self._record_step(
+            keys=[self._k("run", run_id), self._k("run", run_id, "metrics"), self._k("run", run_id, "timings")],
+            args=[step, json.dumps(metrics, sort_keys=True), json.dumps(timings, sort_keys=True), time.time()],
+        )
+        if res == -1:
+            run = await self.get_run(run_id)
+            raise StoreError(f"run {run_id}: cannot record step {step}, cursor is at {run.step if run else '?'}")
+        return res == 1
+
+    async def metrics(self, run_id: str) -> list[dict]:
+        raw = await self._r.hgetall(self._k("run", run_id, "metrics"))
+        timings = await self._r.hgetall(self._k("run", run_id, "timings"))
+        out = []
+        for step in sorted(raw, key=int):
+            out.append({"step": int(step), "metrics": json.loads(raw[step]),
+                        "timings": json.loads(timings.get(step, "{}"))})
+        return out
+
+    async def set_aux(self, run_id: str, key: str, value: dict) -> None:
+        """Small per-run documents that are not per-step (e.g. the step-0 evaluation)."""
+        await self._r.hset(self._k("run", run_id, "aux"), key, json.dumps(value, sort_keys=True))
+
+    async def get_aux(self, run_id: str, key: str) -> dict | None:
+        v = await self._r.hget(self._k("run", run_id, "aux"), key)
+        return json.loads(v) if v is not None else None
+
+    async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        key = self._k("lease", run_id)
+        if await self._r.set(key, owner, nx=True, px=int(ttl_s * 1000)):
+            return True
+        if await self._r.get(key) == owner:
+            await self._r.pexpire(key, int(ttl_s * 1000))
+            return True
+        return False
+
+    async def release_lease(self, run_id: str, owner: str) -> None:
+        key = self._k("lease", run_id)
+        if await self._r.get(key) == owner:
+            await self._r.delete(key)

@@ -1,0 +1,33 @@
+"""Task registry: run specs name a task; the coordinator builds it from its options."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from services.coordinator.tasks.base import Problem, Task
+
+
+def _arithmetic(options: dict) -> Task:
+    from services.coordinator.tasks.arithmetic import ArithmeticTask
+
+    return ArithmeticTask(**options)
+
+
+_REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic}
+
+
+def known_tasks() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def build_task(name: str, options: dict) -> Task:
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; known: {sorted(_REGISTRY)}") from None
+    try:
+        return factory(dict(options))
+    except TypeError as exc:
+        raise ValueError(f"task {name!r} options: {exc}") from None
+
+
+__all__ = ["Problem", "Task", "build_task", "known_tasks"]
