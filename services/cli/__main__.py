@@ -1,0 +1,87 @@
+"""`lockstep`: submit a recipe, list runs, watch one, cancel one."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from services.cli.client import ApiError, CoordinatorClient, load_recipe
+from services.cli.progress import RunProgress
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lockstep", description="Lockstep command line (talks to the coordinator's REST API).")
+    p.add_argument("--url", default=os.environ.get("LOCKSTEP_URL", "http://127.0.0.1:8000"),
+                   help="Coordinator URL [env LOCKSTEP_URL]")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("submit", help="Submit a recipe (YAML run spec).")
+    s.add_argument("recipe")
+    s.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                   help="Override a top-level spec field, e.g. --set steps=3")
+    s.add_argument("--watch", action="store_true", help="Show live progress until the run ends.")
+    sub.add_parser("list", help="List runs.")
+    w = sub.add_parser("watch", help="Live progress of a run until it ends.")
+    w.add_argument("run_id")
+    c = sub.add_parser("cancel", help="Cancel a run.")
+    c.add_argument("run_id")
+    m = sub.add_parser("metrics", help="Print a run's per-step metrics as JSON.")
+    m.add_argument("run_id")
+    return p
+
+
+def _overrides(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+def _watch(client: CoordinatorClient, run_id: str, console: Console) -> int:
+    with RunProgress(console) as progress:
+        run = client.wait(run_id, on_update=progress)
+    console.print(f"run {run_id}: {run['status']}" + (f" ({run['error']})" if run.get("error") else ""))
+    return 0 if run["status"] == "completed" else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    console = Console()
+    client = CoordinatorClient(args.url)
+    try:
+        if args.cmd == "submit":
+            run = client.submit(load_recipe(args.recipe, _overrides(args.set)))
+            console.print(f"submitted run {run['id']} ({run['name']})")
+            return _watch(client, run["id"], console) if args.watch else 0
+        if args.cmd == "list":
+            table = Table("id", "name", "status", "step", "error")
+            for r in client.runs():
+                table.add_row(r["id"], r["name"], r["status"], f"{r['step']}/{r['steps']}", r["error"][:60])
+            console.print(table)
+            return 0
+        if args.cmd == "watch":
+            return _watch(client, args.run_id, console)
+        if args.cmd == "cancel":
+            run = client.cancel(args.run_id)
+            console.print(f"run {run['id']}: {run['status']}")
+            return 0
+        if args.cmd == "metrics":
+            print(json.dumps(client.metrics(args.run_id), indent=2))
+            return 0
+    except ApiError as exc:
+        console.print(f"[red]error[/red] {exc}")
+        return 2
+    finally:
+        client.close()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""HTTP client of the coordinator's REST API, shared by the CLI and the demo."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, body: object) -> None:
+        super().__init__(f"HTTP {status}: {body}")
+        self.status, self.body = status, body
+
+
+class CoordinatorClient:
+    def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
+
+    def _json(self, r: httpx.Response) -> dict:
+        body = r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text
+        if r.status_code >= 400:
+            raise ApiError(r.status_code, body)
+        return body
+
+    def submit(self, spec: dict) -> dict:
+        return self._json(self._http.post("/v1/runs", json=spec))
+
+    def runs(self) -> list[dict]:
+        return self._json(self._http.get("/v1/runs"))["runs"]
+
+    def run(self, run_id: str) -> dict:
+        return self._json(self._http.get(f"/v1/runs/{run_id}"))
+
+    def metrics(self, run_id: str) -> dict:
+        return self._json(self._http.get(f"/v1/runs/{run_id}/metrics"))
+
+    def cancel(self, run_id: str) -> dict:
+        return self._json(self._http.post(f"/v1/runs/{run_id}/cancel"))
+
+    def wait(self, run_id: str, *, poll_s: float = 1.0, timeout_s: float | None = None, on_update=None) -> dict:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            run = self.run(run_id)
+            if on_update:
+                on_update(run)
+            if run["status"] in TERMINAL:
+                return run
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"run {run_id} still {run['status']} at step {run['step']} after {timeout_s}s")
+            time.sleep(poll_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def load_recipe(path: str | Path, overrides: dict | None = None) -> dict:
+    """A recipe file is a run spec in YAML; relative model paths resolve against the recipe's folder."""
+    path = Path(path)
+    spec = yaml.safe_load(path.read_text())
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: a recipe must be a YAML mapping (a run spec)")
+    spec.update(overrides or {})
+    model = spec.get("model_path")
+    if isinstance(model, str) and not Path(model).is_absolute() and (path.parent / model).exists():
+        spec["model_path"] = str((path.parent / model).resolve())
+    return spec

@@ -1,0 +1,146 @@
+"""The whole Lockstep stack as real processes on loopback (demo, tests, laptops).
+
+Starts one trainer, N rollout replicas and a coordinator (which starts its
+embedded Redis) with `python -m services.<name>`, each on a free port, logs in
+`<run_dir>/logs/`. Used by `make demo` and by the integration tests, so both
+exercise exactly what a user runs.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServiceProcess:
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 20.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+@dataclass
+class LocalStack:
+    run_dir: Path
+    rollout_replicas: int = 1
+    num_threads: int = 1
+    extra_env: dict[str, str] = field(default_factory=dict)
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir).resolve()
+        self.api_port = free_port()
+        self.trainer_port = free_port()
+        self.rollout_ports = [free_port() for _ in range(self.rollout_replicas)]
+        self.metrics_ports = {"trainer": free_port(), **{f"rollout{i}": free_port() for i in range(self.rollout_replicas)}}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+        logs = self.run_dir / "logs"
+        threads = str(self.num_threads)
+        self.trainer = ServiceProcess("trainer", [
+            self.python, "-m", "services.trainer", "--grpc-port", str(self.trainer_port),
+            "--metrics-port", str(self.metrics_ports["trainer"]), "--num-threads", threads,
+        ], env, logs / "trainer.log")
+        self.rollouts = [ServiceProcess(f"rollout{i}", [
+            self.python, "-m", "services.rollout", "--grpc-port", str(port),
+            "--metrics-port", str(self.metrics_ports[f"rollout{i}"]), "--num-threads", threads,
+        ], env, logs / f"rollout{i}.log") for i, port in enumerate(self.rollout_ports)]
+        self.coordinator = ServiceProcess("coordinator", [
+            self.python, "-m", "services.coordinator", "--port", str(self.api_port),
+            "--data-dir", str(self.run_dir / "coordinator"),
+            "--trainer-address", f"127.0.0.1:{self.trainer_port}",
+            "--rollout-addresses", ",".join(f"127.0.0.1:{p}" for p in self.rollout_ports),
+        ], env, logs / "coordinator.log")
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def processes(self) -> list[ServiceProcess]:
+        return [self.trainer, *self.rollouts, self.coordinator]
+
+    def start(self, timeout_s: float = 120.0) -> "LocalStack":
+        for p in self.processes:
+            p.start()
+        self.wait_ready(timeout_s)
+        return self
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            for p in self.processes:
+                if not p.alive():
+                    raise RuntimeError(f"{p.name} exited with {p.proc.returncode if p.proc else '?'}:\n{p.tail()}")
+            try:
+                r = httpx.get(f"{self.api_url}/readyz", timeout=2.0)
+                if r.status_code == 200:
+                    return
+                last = r.text
+            except httpx.HTTPError as exc:
+                last = str(exc)
+            time.sleep(0.3)
+        raise RuntimeError(f"stack not ready within {timeout_s}s: {last}\n{self.coordinator.tail()}")
+
+    def restart_coordinator(self, timeout_s: float = 60.0) -> None:
+        self.coordinator.start()
+        self.wait_ready(timeout_s)
+
+    def stop(self) -> None:
+        for p in reversed(self.processes):
+            p.stop()
+
+    def __enter__(self) -> "LocalStack":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
