@@ -7,9 +7,9 @@ from services.coordinator.tasks.base import Problem, Task
 
 
 def _arithmetic(options: dict) -> Task:
-    from services.coordinator.tasks.arithmetic import ArithmeticTask
+    from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 
-    return ArithmeticTask(**options)
+    return ArithmeticTask(ArithmeticConfig(**options))
 
 
 _REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic}
