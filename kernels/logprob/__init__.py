@@ -1,7 +1,49 @@
 """Token log-probabilities: the single definition shared by trainer and rollout engine.
 
-`token_logprobs(logits, targets, ...) -> (logp, lse)`; see kernels/logprob/api.py.
+`token_logprobs(logits, targets, ...) -> (logp, lse)`: fp32 log_softmax(logits /
+temperature) at the targets and the logsumexp, over a fixed global tiling of
+the vocab (tiling.py), dispatched by contract (contract.py) to a registered
+backend (registry.py): reference (pure torch), triton, native (CUDA/HIP).
 """
-from kernels.logprob.api import token_logprobs, token_logprobs_with_entropy
+from kernels.logprob.api import build_contract, token_logprobs, token_logprobs_with_entropy
+from kernels.logprob.contract import (
+    DeterminismScope,
+    LogprobContract,
+    LogprobContractError,
+    MaskMode,
+    OutputSpec,
+    Platform,
+)
+from kernels.logprob.registry import (
+    BackendEntry,
+    BackendUnavailable,
+    Capability,
+    LogprobBackendError,
+    register_backend,
+    registered_backends,
+    select,
+)
+from kernels.logprob.tiling import TILE_COUNT, ShardLayout, num_tiles, tile_width
 
-__all__ = ["token_logprobs", "token_logprobs_with_entropy"]
+__all__ = [
+    "TILE_COUNT",
+    "BackendEntry",
+    "BackendUnavailable",
+    "Capability",
+    "DeterminismScope",
+    "LogprobBackendError",
+    "LogprobContract",
+    "LogprobContractError",
+    "MaskMode",
+    "OutputSpec",
+    "Platform",
+    "ShardLayout",
+    "build_contract",
+    "num_tiles",
+    "register_backend",
+    "registered_backends",
+    "select",
+    "tile_width",
+    "token_logprobs",
+    "token_logprobs_with_entropy",
+]

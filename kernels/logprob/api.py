@@ -11,6 +11,15 @@ from typing import Any
 
 import torch
 
+from kernels.logprob.contract import (
+    DeterminismScope,
+    LogprobContract,
+    LogprobContractError,
+    MaskMode,
+    OutputSpec,
+    platform_of,
+)
+from kernels.logprob.registry import select, verify_group_agreement
 from kernels.logprob.tiling import ShardLayout
 
 
@@ -42,27 +51,22 @@ class _TokenLogprobFunction(torch.autograd.Function):
         m, s, w, tgt = backend.partials(logits, targets, layout, temperature, with_entropy)
         if group is not None and layout.tp_world_size > 1:
             m, s, w, tgt = _gather_partials(m, s, w, tgt, group)
-        logp, lse, ent = backend.merge(m, s, w, tgt, targets, layout.global_vocab_size)
-        mean_x = (lse - ent) if ent is not None else None
-        ctx.save_for_backward(logits, targets, lse, mean_x if mean_x is not None else lse, active)
+        logp, lse, ent = backend.merge(m, s, w, tgt, targets, layout.global_vocab_size, active)
+        # Inactive rows have lse = 0 here; backward zeroes their gradient, so it needs no other value.
+        mean_x = (lse - ent) if ent is not None else lse
+        ctx.save_for_backward(logits, targets, lse, mean_x, active)
         ctx.meta = (backend, layout, temperature, with_entropy, active is not None)
-        if active is not None:
-            zero = torch.zeros_like(lse)
-            logp, lse = torch.where(active, logp, zero), torch.where(active, lse, zero)
-            ent = torch.where(active, ent, zero) if ent is not None else None
-        if ent is None:
-            ent = torch.zeros_like(lse)
         ctx.mark_non_differentiable(targets)
-        return logp, lse, ent
+        return logp, lse, (ent if ent is not None else torch.zeros_like(lse))
 
     @staticmethod
     def backward(ctx, g_logp, g_lse, g_ent):
         backend, layout, temperature, with_entropy, has_active = ctx.meta
         logits, targets, lse, mean_x, active = ctx.saved_tensors
         zeros = torch.zeros_like(lse)
-        g_logp = zeros if g_logp is None else g_logp.float()
-        g_lse = zeros if g_lse is None else g_lse.float()
-        g_ent = (zeros if g_ent is None else g_ent.float()) if with_entropy else None
+        g_logp = zeros if g_logp is None else g_logp.float().contiguous()
+        g_lse = zeros if g_lse is None else g_lse.float().contiguous()
+        g_ent = (zeros if g_ent is None else g_ent.float().contiguous()) if with_entropy else None
         grad = backend.backward(
             logits, targets, lse, mean_x if with_entropy else None, g_logp, g_lse, g_ent,
             active if has_active else None, layout, temperature,
@@ -70,16 +74,44 @@ class _TokenLogprobFunction(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
-def _layout_for(logits: torch.Tensor, vocab_start: int, global_vocab_size: int | None, tp_group: Any) -> ShardLayout:
+def build_contract(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    global_vocab_size: int | None = None,
+    tp_group: Any = None,
+    masked: bool = False,
+    with_entropy: bool = False,
+    determinism: str = "cross_tp_bitwise",
+) -> LogprobContract:
+    """The contract a call with these arguments is dispatched against (also used by diagnostics)."""
     rank, world = 0, 1
     if tp_group is not None:
         import torch.distributed as dist
 
         rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    if logits.dim() != 2:
+        raise ValueError(f"logits: expected [T, V_local], got shape {tuple(logits.shape)}")
     V_local = logits.shape[1]
     gvs = V_local * world if global_vocab_size is None else int(global_vocab_size)
-    return ShardLayout(
+    layout = ShardLayout(
         global_vocab_size=gvs, vocab_start=int(vocab_start), local_vocab_size=V_local, tp_rank=rank, tp_world_size=world
+    )
+    try:
+        scope = DeterminismScope(determinism)
+    except ValueError:
+        raise LogprobContractError(
+            f"determinism: {determinism!r} is not one of {[d.value for d in DeterminismScope]}"
+        ) from None
+    return LogprobContract(
+        sharding=layout,
+        input_dtype=logits.dtype,
+        platform=platform_of(logits.device),
+        temperature=float(temperature),
+        mask_mode=MaskMode.EXPLICIT_ACTIVE_MASK if masked else MaskMode.NONE,
+        determinism=scope,
+        output=OutputSpec(entropy=with_entropy),
     )
 
 
@@ -98,17 +130,19 @@ def _validate_inputs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Te
         raise ValueError(f"temperature: must be > 0 and finite, got {temperature}")
 
 
-def _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, with_entropy):
-    from kernels.logprob.registry import select_backend
-
+def _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, with_entropy, determinism):
     _validate_inputs(logits, targets, mask, temperature)
-    layout = _layout_for(logits, vocab_start, global_vocab_size, tp_group)
-    impl = select_backend(
-        backend, logits=logits, layout=layout, temperature=temperature, tp_group=tp_group,
-        mask=mask, with_entropy=with_entropy,
+    contract = build_contract(
+        logits, temperature=temperature, vocab_start=vocab_start, global_vocab_size=global_vocab_size,
+        tp_group=tp_group, masked=mask is not None, with_entropy=with_entropy, determinism=determinism,
     )
+    impl = select(backend, contract)
+    if contract.sharding.tp_world_size > 1:
+        verify_group_agreement(tp_group, contract, impl.name)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()  # kernels assume unit column stride; rows may be strided
     return _TokenLogprobFunction.apply(
-        logits, targets, mask, impl, layout, float(temperature), tp_group, with_entropy
+        logits, targets.contiguous(), mask, impl, contract.sharding, float(temperature), tp_group, with_entropy
     )
 
 
@@ -122,6 +156,7 @@ def token_logprobs(
     tp_group: Any = None,
     backend: str = "auto",
     mask: torch.Tensor | None = None,
+    determinism: str = "cross_tp_bitwise",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 log p(target) [T] and fp32 logsumexp [T] of log_softmax(logits / temperature).
 
@@ -133,13 +168,15 @@ def token_logprobs(
     "reference", "triton", "native" or "auto" (refused when TP > 1, because
     ranks must not pick different backends). mask: optional bool [T] of active
     tokens; inactive tokens get logp = lse = 0 and zero gradient.
+    determinism: "cross_tp_bitwise" (default; refused when shards cut tiles)
+    or "fixed_topology".
 
     Outputs are identical on every TP rank and bitwise independent of batch
     composition and TP degree for a given backend and device. Differentiable
     w.r.t. logits (deterministic backward, no atomics). A target outside
     [0, global_vocab_size) yields NaN (no device sync to check it).
     """
-    logp, lse, _ = _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, False)
+    logp, lse, _ = _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, False, determinism)
     return logp, lse
 
 
@@ -153,6 +190,7 @@ def token_logprobs_with_entropy(
     tp_group: Any = None,
     backend: str = "auto",
     mask: torch.Tensor | None = None,
+    determinism: str = "cross_tp_bitwise",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As `token_logprobs`, plus the fp32 entropy [T] of softmax(logits / temperature) (differentiable)."""
-    return _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, True)
+    return _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, True, determinism)

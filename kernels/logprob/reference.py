@@ -83,8 +83,9 @@ def merge(
     tgt: torch.Tensor,
     targets: torch.Tensor,
     global_vocab_size: int,
+    active: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Merge gathered partials [T, N] in slot order -> (logp, lse, entropy|None).
+    """Merge gathered partials [T, N] in slot order -> (logp, lse, entropy|None), 0 where inactive.
 
     Sequential left fold over slots: identity partials (-inf, 0) add an exact
     0.0, so padding slots change no bit wherever they sit.
@@ -102,6 +103,10 @@ def merge(
     valid = (targets >= 0) & (targets < global_vocab_size)
     logp = torch.where(valid, tgt - lse, torch.full_like(lse, float("nan")))
     ent = lse - W / S if W is not None else None
+    if active is not None:
+        zero = torch.zeros_like(lse)
+        logp, lse = torch.where(active, logp, zero), torch.where(active, lse, zero)
+        ent = torch.where(active, ent, zero) if ent is not None else None
     return logp, lse, ent
 
 
@@ -140,3 +145,10 @@ def backward(
     if active is not None:
         grad = torch.where(active.unsqueeze(1), grad, torch.zeros_like(grad))
     return grad.to(logits.dtype)
+
+
+class ReferenceBackend:
+    name = "reference"
+    partials = staticmethod(partials)
+    merge = staticmethod(merge)
+    backward = staticmethod(backward)
