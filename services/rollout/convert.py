@@ -1,0 +1,122 @@
+"""Pure conversions between the wire (proto) and the engine interface, with validation.
+
+Every error is a ValueError whose message starts with the offending field
+(`prompts[2].token_ids: empty`); the servicer maps it to INVALID_ARGUMENT.
+No state, no I/O: the servicer passes everything in.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from proto import lockstep_pb2 as pb
+from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto
+from services.rollout.engine import GeneratedSample, GenerationRequest, PromptSpec, SamplingConfig
+
+# Key of engine_config_json that selects the engine; every other key is the
+# engine's own option and is validated by that engine's config.
+ENGINE_KEY = "engine"
+MAX_SAMPLES_PER_PROMPT = 65536
+MAX_SEED = 2**64 - 1
+
+
+def split_engine_config(engine_config_json: str, default_engine: str) -> tuple[str, str]:
+    """`{"engine": "torch", "dtype": "float32"}` -> ("torch", '{"dtype": "float32"}').
+
+    The engine name is optional (the service's configured engine is used);
+    an empty string means no options.
+    """
+    text = engine_config_json.strip()
+    if not text:
+        return default_engine, "{}"
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"engine_config_json: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"engine_config_json: expected a JSON object, got {type(raw).__name__}")
+    name = raw.pop(ENGINE_KEY, default_engine)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"engine_config_json.{ENGINE_KEY}: expected a non-empty string, got {name!r}")
+    return name, json.dumps(raw)
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingConfig:
+    stop = tuple(int(t) for t in msg.stop_token_ids)
+    if any(t < 0 for t in stop):
+        raise ValueError(f"sampling.stop_token_ids: negative id {min(stop)}")
+    cfg = SamplingConfig(
+        temperature=float(msg.temperature),
+        top_p=float(msg.top_p),
+        top_k=int(msg.top_k),
+        max_new_tokens=int(msg.max_new_tokens),
+        stop_token_ids=stop,
+        greedy=bool(msg.greedy),
+    )
+    cfg.validate()
+    return cfg
+
+
+def generation_request_from_proto(req: pb.GenerateRequest) -> GenerationRequest:
+    """Validate a GenerateRequest and convert it; ValueError names the first bad field."""
+    if not req.prompts:
+        raise ValueError("prompts: empty")
+    if not req.HasField("sampling"):
+        raise ValueError("sampling: missing")
+    if not 1 <= req.samples_per_prompt <= MAX_SAMPLES_PER_PROMPT:
+        raise ValueError(f"samples_per_prompt: must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {req.samples_per_prompt}")
+    sampling = sampling_from_proto(req.sampling)
+    prompts: list[PromptSpec] = []
+    seen: set[str] = set()
+    for i, p in enumerate(req.prompts):
+        field = f"prompts[{i}]"
+        if not p.group_id:
+            raise ValueError(f"{field}.group_id: empty")
+        if p.group_id in seen:
+            # sample ids are "<group_id>/<index>": a repeated group id would make them ambiguous.
+            raise ValueError(f"{field}.group_id: duplicate {p.group_id!r}")
+        seen.add(p.group_id)
+        ids = from_proto(p.token_ids, field=f"{field}.token_ids", dtype=torch.int32, ndim=1)
+        if ids.numel() == 0:
+            raise ValueError(f"{field}.token_ids: empty")
+        if bool((ids < 0).any()):
+            raise ValueError(f"{field}.token_ids: negative id {int(ids.min())}")
+        if p.seed + req.samples_per_prompt - 1 > MAX_SEED:
+            raise ValueError(f"{field}.seed: seed + samples_per_prompt - 1 exceeds 2**64 - 1")
+        prompts.append(PromptSpec(group_id=p.group_id, token_ids=tuple(ids.tolist()), seed=int(p.seed)))
+    return GenerationRequest(prompts=tuple(prompts), sampling=sampling, samples_per_prompt=int(req.samples_per_prompt))
+
+
+def samples_to_proto(samples: list[GeneratedSample]) -> list[pb.Sample]:
+    """Engine output -> wire, refusing (RuntimeError: an engine bug, not a bad request) anything malformed."""
+    out = []
+    for s in samples:
+        if len(s.token_ids) != len(s.logprobs) or not s.token_ids:
+            raise RuntimeError(
+                f"engine returned {s.sample_id} with {len(s.token_ids)} tokens and {len(s.logprobs)} log-probs"
+            )
+        if not all(math.isfinite(v) for v in s.logprobs):
+            raise RuntimeError(f"engine returned non-finite log-probs for {s.sample_id}")
+        if s.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"engine returned finish_reason {s.finish_reason!r} for {s.sample_id}")
+        out.append(
+            pb.Sample(
+                group_id=s.group_id,
+                sample_id=s.sample_id,
+                index=s.index,
+                response_token_ids=ids_to_proto(s.token_ids),
+                logprobs=logprobs_to_proto(s.logprobs),
+                finish_reason=s.finish_reason,
+            )
+        )
+    return out
+
+
+def check_sample_order(request: GenerationRequest, samples: list[GeneratedSample]) -> None:
+    """The engine must return prompts in order, each with indices 0..n-1 (the coordinator relies on it)."""
+    expected = [(p.group_id, i) for p in request.prompts for i in range(request.samples_per_prompt)]
+    got = [(s.group_id, s.index) for s in samples]
+    if got != expected:
+        raise RuntimeError(f"engine returned {len(got)} samples out of order or incomplete ({len(expected)} expected)")

@@ -1,0 +1,281 @@
+"""gRPC (grpc.aio) rollout service: thin handlers over one Engine.
+
+Status codes the coordinator can rely on:
+- INVALID_ARGUMENT: a malformed request (message names the field), an unknown
+  engine (message lists the known ones), bad engine options, a weight stream
+  that fails any checksum / structure check or does not match the model. The
+  state is unchanged and the server keeps serving.
+- FAILED_PRECONDITION: no model loaded; Generate for a policy_version or
+  run_id other than the loaded one; UpdateWeights for another run; an engine
+  whose optional dependency is not installed.
+- UNAVAILABLE: the engine cannot serve right now (EngineUnavailable); retry.
+- INTERNAL: an engine bug (e.g. non-finite log-probs); logged with a traceback.
+
+Engine work runs on one dedicated worker thread so the event loop keeps
+answering Health while a batch runs, and one asyncio lock orders Generate,
+LoadModel and the apply step of UpdateWeights: weights change only between
+batches, never during one.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib.metadata
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from proto import lockstep_pb2 as pb
+from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.grpc_options import grpc_options
+from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
+from services.common.structured_logging import log_event
+from services.common.weight_stream import WeightStreamAssembler
+from services.rollout.config import RolloutServiceConfig
+from services.rollout.convert import (
+    check_sample_order,
+    generation_request_from_proto,
+    samples_to_proto,
+    split_engine_config,
+)
+from services.rollout.engine import Engine, EngineUnavailable
+from services.rollout.registry import build_engine
+
+log = logging.getLogger("lockstep.rollout")
+SERVICE = "rollout"
+T = TypeVar("T")
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("lockstep")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (lockstep not installed as a package)"
+
+
+class RpcFailure(Exception):
+    """Raised inside handlers to end the RPC with `code`; mapped by `_rpc`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """The one exception -> status mapping of this service."""
+    if isinstance(exc, RpcFailure):
+        return exc.code
+    if isinstance(exc, EngineUnavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, (ValueError, FileNotFoundError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, ImportError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+def _rpc(method: str, counter: str | None = None) -> Callable:
+    """Decorator: run the handler, map exceptions to status codes, count outcomes."""
+
+    def wrap(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(fn)
+        async def handler(self: "RolloutServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                result = await fn(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status, the server keeps serving
+                code = status_for(exc)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("%s failed", method)
+                else:
+                    log_event(log, f"{method} refused", code=code.name, reason=str(exc))
+                if counter:
+                    self.metrics[counter].labels(SERVICE, code.name.lower()).inc()
+                await context.abort(code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc))
+            if counter:
+                self.metrics[counter].labels(SERVICE, "ok").inc()
+            return result
+
+        return handler
+
+    return wrap
+
+
+class RolloutServicer(pb_grpc.RolloutServicer):
+    """Holds the loaded engine; every handler is a few lines over the pure helpers in convert.py."""
+
+    def __init__(self, config: RolloutServiceConfig, metrics: dict[str, Any]) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.engine: Engine | None = None
+        self.engine_name = ""
+        self.run_id = ""
+        self._lock = asyncio.Lock()
+        # One thread: engines are not thread-safe and torch's own intra-op
+        # threads do the parallel work.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
+
+    async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _loaded(self) -> Engine:
+        if self.engine is None:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "no model loaded (call LoadModel first)")
+        return self.engine
+
+    def _check_run(self, run_id: str, what: str) -> None:
+        if run_id != self.run_id:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"run_id: {what} is for run {run_id!r} but the loaded run is {self.run_id!r}",
+            )
+
+    # ------------------------------------------------------------ handlers --
+
+    @_rpc("Generate", counter="lockstep_rollout_requests_total")
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        started = time.perf_counter()
+        async with self._lock:
+            engine = self._loaded()
+            self._check_run(request.run_id, "Generate")
+            if request.policy_version != engine.policy_version:
+                raise RpcFailure(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"policy_version: request wants {request.policy_version}, engine holds {engine.policy_version}",
+                )
+            gen = generation_request_from_proto(request)
+            samples = await self._in_worker(engine.generate, gen)
+            check_sample_order(gen, samples)
+            out = samples_to_proto(samples)
+            version = engine.policy_version
+        self.metrics["lockstep_rollout_generated_tokens_total"].labels(SERVICE).inc(sum(len(s.token_ids) for s in samples))
+        self.metrics["lockstep_rollout_generate_seconds"].labels(SERVICE).observe(time.perf_counter() - started)
+        return pb.GenerateResponse(samples=out, policy_version=version, engine=self.engine_name)
+
+    @_rpc("LoadModel")
+    async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.LoadModelResponse:
+        name, options = split_engine_config(request.engine_config_json, self.config.engine)
+        if not request.model_path:
+            raise ValueError("model_path: empty")
+        async with self._lock:
+            # Build and load completely before swapping: a failed load leaves
+            # the previously loaded engine serving, untouched.
+            engine = await self._in_worker(build_engine, name, options)
+            await self._in_worker(engine.load, request.model_path, request.policy_version)
+            old, self.engine = self.engine, engine
+            self.engine_name, self.run_id = name, request.run_id
+            if old is not None:
+                await self._in_worker(old.close)
+        self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(engine.policy_version)
+        log_event(log, "model loaded", engine=name, model_path=request.model_path,
+                  run_id=request.run_id, policy_version=engine.policy_version)
+        return pb.LoadModelResponse(info=self._info())
+
+    @_rpc("UpdateWeights", counter="lockstep_rollout_weight_updates_total")
+    async def UpdateWeights(
+        self, request_iterator: AsyncIterator[pb.WeightChunk], context: grpc.aio.ServicerContext
+    ) -> pb.UpdateWeightsResponse:
+        # Receive and verify the whole stream before taking the lock, so
+        # generation continues during the transfer; WeightStreamError is a
+        # ValueError -> INVALID_ARGUMENT and nothing is applied.
+        assembler = WeightStreamAssembler()
+        async for chunk in request_iterator:
+            assembler.add(chunk)
+        tensors = assembler.finish()
+        version = int(assembler.policy_version)
+        async with self._lock:
+            engine = self._loaded()
+            self._check_run(assembler.run_id or "", "UpdateWeights")
+            await self._in_worker(engine.update_weights, tensors, version)
+        self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(version)
+        log_event(log, "weights updated", policy_version=version, tensors=len(tensors), bytes=assembler.nbytes)
+        return pb.UpdateWeightsResponse(policy_version=version, tensors=len(tensors), bytes=assembler.nbytes)
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        # ok means "this process answers RPCs"; whether a model is loaded is in status.
+        if self.engine is None:
+            return pb.HealthResponse(ok=True, status="not_loaded")
+        return pb.HealthResponse(ok=True, status="busy" if self._lock.locked() else "serving")
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ServiceInfo:
+        return self._info()
+
+    def _info(self) -> pb.ServiceInfo:
+        engine = self.engine
+        details = {"engine": self.config.engine, "engine_loaded": "false"}
+        if engine is not None:
+            details = {**engine.info(), "engine": self.engine_name, "engine_loaded": "true"}
+        return pb.ServiceInfo(
+            service=SERVICE,
+            version=package_version(),
+            run_id=self.run_id,
+            model_path=engine.model_path if engine is not None else "",
+            policy_version=engine.policy_version if engine is not None else -1,
+            details=details,
+        )
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+class RolloutService:
+    """The process: gRPC server + metrics server around one servicer. start() -> wait() -> stop()."""
+
+    def __init__(self, config: RolloutServiceConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = build_collectors(ROLLOUT_METRICS, self.registry)
+        self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(-1)
+        self.servicer = RolloutServicer(config, self.metrics)
+        self.server = grpc.aio.server(options=grpc_options())
+        pb_grpc.add_RolloutServicer_to_server(self.servicer, self.server)
+        self.grpc_port = 0
+        self._metrics_server: Any = None
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        self.grpc_port = self.server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
+        if self.grpc_port == 0:
+            raise OSError(f"grpc_port: could not bind {self.config.host}:{self.config.grpc_port}")
+        await self.server.start()
+        if self.config.metrics_port:
+            self._metrics_server, _ = start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.registry
+            )
+        log_event(log, "rollout serving", host=self.config.host, grpc_port=self.grpc_port,
+                  metrics_port=self.config.metrics_port, default_engine=self.config.engine)
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        await self.server.stop(grace=self.config.shutdown_grace_s)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self.servicer.close()
+        log_event(log, "rollout stopped")
+
+
+async def serve(config: RolloutServiceConfig) -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get shutdown_grace_s)."""
+    service = RolloutService(config)
+    await service.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.request_stop)
+    try:
+        await service.wait()
+    finally:
+        await service.stop()
