@@ -1,0 +1,20 @@
+"""`python -m services.trainer`: parse -> build -> run -> close (see server.serve)."""
+from __future__ import annotations
+
+import asyncio
+
+from services.common.service_config import parse_service_config
+from services.common.structured_logging import configure_logging
+from services.trainer.config import TrainerServiceConfig
+from services.trainer.server import serve
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_service_config(TrainerServiceConfig, env_prefix="LOCKSTEP_TRAINER", argv=argv)
+    configure_logging("trainer", config.log_level)
+    asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""Microbatches of trajectories under a token budget (padded rows for now).
+
+The training loop sees a microbatch only through the `Microbatch` protocol:
+"give me the logits at the response positions, and the per-token targets,
+rollout log-probs and advantages in the same order". A padded microbatch
+(here) and a packed one (services/trainer/packing.py, issue 6) both satisfy
+it, so packing replaces `plan_padded` + `PaddedMicrobatch` without touching
+the loss code.
+
+Alignment: a sequence is prompt (P tokens) + response (R tokens), L = P + R.
+The model reads tokens 0..L-2 and its logits at position t predict token t+1,
+so response token j (at sequence position P + j) is scored by the logits at
+position P + j - 1. The last token is never fed: nothing is predicted from it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One decoded, validated trajectory."""
+
+    sample_id: str
+    group_id: str
+    prompt_ids: torch.Tensor        # int64 [P], P >= 1
+    response_ids: torch.Tensor      # int64 [R], R >= 1
+    rollout_logprobs: torch.Tensor  # float32 [R]
+    reward: float
+    advantage: float
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.prompt_ids.numel() + self.response_ids.numel())
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_ids.numel())
+
+
+class Microbatch(Protocol):
+    """What the loss code needs from a microbatch, whatever its layout."""
+
+    sample_ids: tuple[str, ...]
+
+    @property
+    def num_response_tokens(self) -> int: ...
+
+    def response_logits(self, model: torch.nn.Module) -> torch.Tensor:
+        """[N, V] logits that score the N response tokens, in `response_targets` order."""
+
+    @property
+    def response_targets(self) -> torch.Tensor: ...        # int64 [N]
+
+    @property
+    def response_rollout_logprobs(self) -> torch.Tensor: ...  # float32 [N]
+
+    @property
+    def response_advantages(self) -> torch.Tensor: ...     # float32 [N]
+
+
+def canonical_order(samples: list[TrainSample]) -> list[TrainSample]:
+    """Longest first, ties by sample_id: independent of arrival order, tight padding.
+
+    The trainer must give the same bits for the same set of trajectories even
+    when they arrive in a different order (rollout replicas answer in any
+    order), so microbatch composition never depends on the stream order.
+    """
+    return sorted(samples, key=lambda s: (-s.num_tokens, s.sample_id))
+
+
+def plan_padded(samples: list[TrainSample], microbatch_tokens: int) -> list[list[TrainSample]]:
+    """Split `samples` (already in canonical order) into padded microbatches.
+
+    A microbatch costs rows x (longest row - 1) tokens (the last token is not
+    fed). Rows are taken greedily in order; a row that would push the cost over
+    the budget starts a new microbatch. A single row above the budget forms its
+    own microbatch: it cannot be split, and refusing it would make a legal
+    trajectory untrainable.
+    """
+    if microbatch_tokens < 1:
+        raise ValueError(f"microbatch_tokens: must be >= 1, got {microbatch_tokens}")
+    batches: list[list[TrainSample]] = []
+    current: list[TrainSample] = []
+    longest = 0
+    for s in samples:
+        width = max(longest, s.num_tokens - 1)
+        if current and (len(current) + 1) * width > microbatch_tokens:
+            batches.append(current)
+            current, width = [], s.num_tokens - 1
+        current.append(s)
+        longest = width
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass(frozen=True)
+class PaddedMicrobatch:
+    """Right-padded rows. Right padding needs no attention mask: attention is
+    causal, so every real token only sees positions at or before it, all real;
+    the padding after a row's end is never attended to by that row's tokens."""
+
+    input_ids: torch.Tensor         # int64 [B, T], T = longest L - 1
+    targets: torch.Tensor           # int64 [B, T]: targets[b, t] = token t+1 of row b
+    loss_mask: torch.Tensor         # bool  [B, T]: True where targets[b, t] is a response token
+    rollout_logprobs: torch.Tensor  # float32 [B, T], 0 outside the mask
+    advantages: torch.Tensor        # float32 [B, T], the row's advantage inside the mask, 0 outside
+    sample_ids: tuple[str, ...]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def response_logits(self, model: torch.nn.Module) -> torch.Tensor:
+        logits = model(input_ids=self.input_ids, use_cache=False).logits
+        return logits[self.loss_mask]
+
+    @property
+    def response_targets(self) -> torch.Tensor:
+        return self.targets[self.loss_mask]
+
+    @property
+    def response_rollout_logprobs(self) -> torch.Tensor:
+        return self.rollout_logprobs[self.loss_mask]
+
+    @property
+    def response_advantages(self) -> torch.Tensor:
+        return self.advantages[self.loss_mask]
+
+    def to(self, device: torch.device | str) -> PaddedMicrobatch:
+        return PaddedMicrobatch(
+            input_ids=self.input_ids.to(device),
+            targets=self.targets.to(device),
+            loss_mask=self.loss_mask.to(device),
+            rollout_logprobs=self.rollout_logprobs.to(device),
+            advantages=self.advantages.to(device),
+            sample_ids=self.sample_ids,
+        )
+
+
+def collate_padded(samples: list[TrainSample], *, pad_id: int = 0) -> PaddedMicrobatch:
+    """Build one right-padded microbatch. `pad_id` only fills positions no real token sees."""
+    if not samples:
+        raise ValueError("collate_padded: empty microbatch")
+    width = max(s.num_tokens for s in samples) - 1
+    b = len(samples)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    targets = torch.full((b, width), pad_id, dtype=torch.long)
+    loss_mask = torch.zeros((b, width), dtype=torch.bool)
+    rollout = torch.zeros((b, width), dtype=torch.float32)
+    adv = torch.zeros((b, width), dtype=torch.float32)
+    for row, s in enumerate(samples):
+        full = torch.cat([s.prompt_ids, s.response_ids]).long()
+        n = full.numel() - 1
+        p = s.prompt_ids.numel()
+        input_ids[row, :n] = full[:-1]
+        targets[row, :n] = full[1:]
+        # Positions p-1 .. n-1 predict response tokens 0 .. R-1.
+        loss_mask[row, p - 1 : n] = True
+        rollout[row, p - 1 : n] = s.rollout_logprobs
+        adv[row, p - 1 : n] = s.advantage
+    return PaddedMicrobatch(input_ids, targets, loss_mask, rollout, adv, tuple(s.sample_id for s in samples))
+
+
+def padded_microbatches(samples: list[TrainSample], microbatch_tokens: int) -> list[PaddedMicrobatch]:
+    """Canonical order -> budgeted plan -> padded tensors."""
+    return [collate_padded(group) for group in plan_padded(canonical_order(samples), microbatch_tokens)]

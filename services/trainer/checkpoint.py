@@ -1,0 +1,188 @@
+"""Trainer checkpoints in Hugging Face layout, plus what resuming a run needs.
+
+A checkpoint directory is a normal model directory — config.json,
+model.safetensors (or sharded safetensors + index), generation config and the
+tokenizer files copied from the run's model — so AutoModelForCausalLM,
+AutoTokenizer and SGLang load it as is. Beside those:
+- optimizer.pt: the AdamW state_dict (tensors and plain numbers only, so it
+  loads with torch.load(weights_only=True));
+- lockstep_trainer_state.json: run id, policy version, seed, the run's model
+  path and trainer config, and the recorded metrics of every applied step (so
+  a replayed TrainStep after a restart still answers with the real numbers).
+
+The directory is written under a temporary sibling and renamed into place, and
+the state file is written last: a directory without it is not a checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+STATE_FILE = "lockstep_trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FORMAT = 1
+
+# Tokenizer files Hugging Face tokenizers write; copied so the checkpoint is a
+# complete model directory. Weights, configs and our own files are not copied.
+_TOKENIZER_NAMES = {
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+    "chat_template.json", "spiece.model",
+}
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Everything besides weights and optimizer state that a resume restores."""
+
+    run_id: str
+    policy_version: int
+    seed: int
+    model_path: str
+    trainer_config_json: str
+    step_metrics: dict[int, dict[str, float]]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": STATE_FORMAT,
+                "run_id": self.run_id,
+                "policy_version": self.policy_version,
+                "seed": self.seed,
+                "model_path": self.model_path,
+                "trainer_config_json": self.trainer_config_json,
+                "step_metrics": {str(k): v for k, v in sorted(self.step_metrics.items())},
+            },
+            indent=1,
+        )
+
+    @staticmethod
+    def from_json(text: str, *, where: str) -> TrainerState:
+        try:
+            d = json.loads(text)
+            if d.get("format") != STATE_FORMAT:
+                raise ValueError(f"format {d.get('format')!r}, expected {STATE_FORMAT}")
+            return TrainerState(
+                run_id=str(d["run_id"]),
+                policy_version=int(d["policy_version"]),
+                seed=int(d["seed"]),
+                model_path=str(d["model_path"]),
+                trainer_config_json=str(d["trainer_config_json"]),
+                step_metrics={int(k): {m: float(x) for m, x in v.items()} for k, v in d["step_metrics"].items()},
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{where}: unreadable trainer state ({exc})") from None
+
+
+def is_tokenizer_file(name: str) -> bool:
+    return name in _TOKENIZER_NAMES or name.startswith("tokenizer") or name.endswith(".jinja")
+
+
+def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
+    copied = []
+    for f in sorted(src.iterdir()):
+        if f.is_file() and is_tokenizer_file(f.name):
+            shutil.copy2(f, dst / f.name)
+            copied.append(f.name)
+    return copied
+
+
+def save_checkpoint(
+    directory: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainerState,
+    tokenizer_dir: str | Path | None,
+) -> Path:
+    """Write the checkpoint atomically; an existing checkpoint at `directory` is replaced."""
+    target = Path(directory).resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        model.save_pretrained(str(tmp))  # transformers 5 always writes safetensors
+        if not (tmp / "model.safetensors").is_file() and not (tmp / "model.safetensors.index.json").is_file():
+            raise RuntimeError(f"save_pretrained wrote no safetensors into {tmp}")
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(Path(tokenizer_dir), tmp)
+        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        (tmp / STATE_FILE).write_text(state.to_json())
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def read_state(directory: str | Path) -> TrainerState:
+    d = Path(directory)
+    path = d / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{d}: not a Lockstep trainer checkpoint (no {STATE_FILE})")
+    return TrainerState.from_json(path.read_text(), where=str(path))
+
+
+def load_safetensors_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    single = d / "model.safetensors"
+    if single.is_file():
+        return load_file(str(single))
+    index = d / "model.safetensors.index.json"
+    if not index.is_file():
+        raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    out: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        out.update(load_file(str(d / shard)))
+    return out
+
+
+def copy_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], *, where: str) -> None:
+    """Copy checkpoint weights into `model`; every model tensor must be covered, nothing extra allowed.
+
+    Tied tensors (one storage under several names) count once, under any of
+    their names, because save_pretrained drops tied aliases.
+    """
+    targets = model.state_dict(keep_vars=True)
+    problems = [f"{n}: not a tensor of the model" for n in weights if n not in targets]
+    problems += [
+        f"{n}: shape {tuple(t.shape)} != model's {tuple(targets[n].shape)}"
+        for n, t in weights.items()
+        if n in targets and t.shape != targets[n].shape
+    ]
+    problems += [
+        f"{n}: dtype {t.dtype} != model's {targets[n].dtype}"
+        for n, t in weights.items()
+        if n in targets and t.dtype != targets[n].dtype
+    ]
+    groups: dict[int, list[str]] = {}
+    for name, t in targets.items():
+        groups.setdefault(id(t), []).append(name)
+    problems += [f"{names[0]}: missing" for names in groups.values() if not any(n in weights for n in names)]
+    if problems:
+        raise ValueError(f"{where}: weights do not match the model: " + "; ".join(problems[:8]))
+    with torch.no_grad():
+        for name, t in weights.items():
+            targets[name].copy_(t)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, directory: str | Path, *, device: torch.device) -> None:
+    path = Path(directory) / OPTIMIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {OPTIMIZER_FILE}")
+    optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))

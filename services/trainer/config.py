@@ -1,0 +1,105 @@
+"""Typed configuration of the trainer: the service (process) and the run.
+
+`TrainerServiceConfig` is parsed from flags/environment when the process
+starts (`LOCKSTEP_TRAINER_*`). `TrainerRunConfig` arrives per run as JSON in
+ConfigureRun; the coordinator embeds the same model in its run spec, so a bad
+value is refused at submit time with the same field name it would get here.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class TrainerServiceConfig(BaseModel):
+    """Lockstep trainer service: gRPC server that turns trajectories into policy updates."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    host: str = Field("127.0.0.1", description="Address the gRPC and metrics servers bind to.")
+    grpc_port: int = Field(50052, ge=0, le=65535, description="gRPC port (0 = pick a free one; it is logged).")
+    metrics_port: int = Field(
+        9102, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = no metrics server)."
+    )
+    device: str = Field("cpu", description="torch device the model trains on: 'cpu', 'cuda', 'cuda:1', ...")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    num_threads: int = Field(
+        0,
+        ge=0,
+        description="torch CPU threads (0 = torch's default). Pinned because CPU reductions split work "
+        "by thread count, so bitwise determinism holds only at a fixed count.",
+    )
+    weight_chunk_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Default chunk size of GetWeights streams (a request may override)."
+    )
+    shutdown_grace_s: float = Field(
+        5.0, ge=0, description="Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled."
+    )
+
+
+class TrainerRunConfig(BaseModel):
+    """Per-run trainer settings (sent as JSON in ConfigureRun.trainer_config_json)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (constant).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    grad_clip: float = Field(
+        1.0, ge=0, description="Clip the global gradient L2 norm to this value (0 = measure but never clip)."
+    )
+    clip_eps_low: float = Field(
+        0.2, ge=0, lt=1, description="PPO clip: ratios below 1 - clip_eps_low stop contributing gradient."
+    )
+    clip_eps_high: float = Field(
+        0.2, ge=0, description="PPO clip: ratios above 1 + clip_eps_high stop contributing gradient (DAPO uses 0.28)."
+    )
+    kl_coef: float = Field(
+        0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial policy (0 = no reference model)."
+    )
+    microbatch_tokens: int = Field(
+        4096,
+        ge=1,
+        description="Token budget of one forward/backward microbatch, counted as padded tokens "
+        "(rows x longest row). A single sequence longer than the budget trains alone.",
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="The rollout's sampling temperature. The trainer scores tokens with "
+        "log_softmax(logits / temperature), the same definition the rollout reports.",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype of the trained weights (and of the weights GetWeights streams)."
+    )
+    loss_agg: Literal["token_mean"] = Field(
+        "token_mean",
+        description="Loss aggregation: token_mean = sum over every response token of the step divided by the "
+        "step's response-token count, so the microbatch split does not change the update.",
+    )
+    batching: Literal["padded"] = Field(
+        "padded", description="How microbatches are built: 'padded' (right-padded rows). Packing replaces it later."
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="Hugging Face attention implementation; must match the rollout engine's."
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _check_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        for i, b in enumerate(betas):
+            if not 0 <= b < 1:
+                raise ValueError(f"betas[{i}] must be in [0, 1), got {b}")
+        return betas
+
+
+def format_validation_error(exc: ValidationError, *, prefix: str) -> str:
+    """'prefix.field: reason; ...' — every error names its field, as INVALID_ARGUMENT messages must."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        where = f"{prefix}.{loc}" if loc else prefix
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)

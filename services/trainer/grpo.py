@@ -1,0 +1,166 @@
+"""GRPO math as pure functions: no model, no state, no device assumptions.
+
+Every function takes flat per-token tensors of *response* tokens only (the
+caller has already applied the loss mask), so the same code serves padded and
+packed microbatches. Tests check each one against hand-computed numbers.
+
+Conventions
+- `logp`: the trainer's log-prob of each sampled token (fp32, differentiable).
+- `rollout_logp`: the log-prob the rollout engine reported when it sampled the
+  token. It is the behaviour ("old") policy of the PPO ratio: the ratio is
+  exp(logp - rollout_logp). Before the first update both sides hold the same
+  weights, so that ratio is the train/inference mismatch (DESIGN.md).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_ADVANTAGE_EPS = 1e-6
+
+
+# ------------------------------------------------------------ advantages --
+
+
+def group_advantages(
+    rewards: Sequence[float] | torch.Tensor,
+    group_ids: Sequence[str],
+    *,
+    eps: float = DEFAULT_ADVANTAGE_EPS,
+) -> list[float]:
+    """GRPO advantages: (reward - group mean) / (group std + eps), per sample.
+
+    `group_ids[i]` names the group (one prompt) of `rewards[i]`; samples of a
+    group need not be adjacent. The std is the population std (ddof=0): a
+    group whose rewards are all equal (including a group of one) gets
+    advantage 0 everywhere — it carries no learning signal — instead of the
+    NaN a sample std would give for a single sample.
+
+    Computed in float64 with Python sums in input order, so the coordinator
+    (plain lists) and tests get the same bits on every machine.
+    """
+    values = rewards.tolist() if isinstance(rewards, torch.Tensor) else list(rewards)
+    if len(values) != len(group_ids):
+        raise ValueError(f"rewards: {len(values)} values for {len(group_ids)} group ids")
+    if not eps >= 0:
+        raise ValueError(f"eps: must be >= 0, got {eps}")
+    members: dict[str, list[int]] = {}
+    for i, (r, g) in enumerate(zip(values, group_ids)):
+        if not math.isfinite(float(r)):
+            raise ValueError(f"rewards[{i}]: not finite ({r})")
+        members.setdefault(g, []).append(i)
+    out = [0.0] * len(values)
+    for idx in members.values():
+        group = [float(values[i]) for i in idx]
+        mean = sum(group) / len(group)
+        std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
+        for i, r in zip(idx, group):
+            out[i] = (r - mean) / (std + eps)
+    return out
+
+
+# ------------------------------------------------------------ PPO loss --
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    rollout_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level PPO-clip loss (to minimise) and the mask of clipped tokens.
+
+    ratio = exp(logp - rollout_logp)
+    loss  = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)
+
+    A token is "clipped" when the clipped branch is the smaller one, i.e. the
+    clip changed the objective and the token contributes no gradient
+    (ratio > 1 + high with A > 0, or ratio < 1 - low with A < 0).
+    """
+    ratio = torch.exp(logp - rollout_logp)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, (clipped < unclipped).detach()
+
+
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 KL estimator exp(d) - d - 1 of a log-ratio d = log(p/q), x ~ q.
+
+    Unbiased for KL(q || p), always >= 0, and exactly 0 where p == q.
+    """
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || reference) (GRPO's KL term).
+
+    Tokens are samples of the policy, so the log-ratio is log(ref / policy).
+    Differentiable in `logp`.
+    """
+    return k3(ref_logp - logp)
+
+
+def entropy_from_logits(logits: torch.Tensor, *, temperature: float) -> torch.Tensor:
+    """Per-row entropy (nats) of softmax(logits / temperature), computed in fp32."""
+    z = logits.float() / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+# ------------------------------------------------------------ mismatch health --
+
+
+@dataclass(frozen=True)
+class MismatchStats:
+    """How far the trainer's log-probs are from the rollout's, over response tokens."""
+
+    iw_mean: float
+    iw_min: float
+    iw_max: float
+    logprob_abs_diff_mean: float
+    logprob_abs_diff_max: float
+    approx_kl_k3: float
+    m2po_m2: float
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+def mismatch_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> MismatchStats:
+    """IW = exp(logp - rollout_logp) mean/min/max, |Δlogp| mean/max, k3 KL, M2PO m2.
+
+    approx_kl_k3 estimates KL(rollout || trainer) from tokens the rollout
+    sampled: k3 of log(trainer / rollout). m2po_m2 = mean(0.5 * Δlogp^2), the
+    second moment M2PO constrains. Reductions run in float64 so the numbers do
+    not depend on how many tokens a step holds.
+    """
+    if logp.shape != rollout_logp.shape or logp.dim() != 1:
+        raise ValueError(f"mismatch_stats: want equal 1-d shapes, got {tuple(logp.shape)} and {tuple(rollout_logp.shape)}")
+    if logp.numel() == 0:
+        raise ValueError("mismatch_stats: no response tokens")
+    d = logp.detach().double() - rollout_logp.detach().double()
+    iw = torch.exp(d)
+    absd = d.abs()
+    return MismatchStats(
+        iw_mean=iw.mean().item(),
+        iw_min=iw.min().item(),
+        iw_max=iw.max().item(),
+        logprob_abs_diff_mean=absd.mean().item(),
+        logprob_abs_diff_max=absd.max().item(),
+        approx_kl_k3=k3(d).mean().item(),
+        m2po_m2=(0.5 * d * d).mean().item(),
+    )
+
+
+def reward_stats(rewards: Sequence[float]) -> tuple[float, float]:
+    """(mean, population std) of the step's rewards, float64."""
+    if not rewards:
+        raise ValueError("reward_stats: no rewards")
+    mean = sum(rewards) / len(rewards)
+    return mean, math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))

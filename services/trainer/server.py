@@ -1,0 +1,226 @@
+"""gRPC server of the trainer (grpc.aio): thin handlers over `Trainer`.
+
+Handlers decode, hand heavy work to a worker thread (asyncio.to_thread) under
+one lock — a run has one model and one optimizer, so calls are serialized —
+and map errors to status codes:
+- InvalidRequest (malformed request)        -> INVALID_ARGUMENT
+- FailedPrecondition (state does not allow) -> FAILED_PRECONDITION
+- StepFailed (update not applied)           -> ABORTED
+- anything else                             -> INTERNAL (logged with traceback)
+Every one of them leaves the server serving.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+from prometheus_client import CollectorRegistry, start_http_server
+
+from proto import lockstep_pb2 as pb
+from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.grpc_options import grpc_options
+from services.common.metric_defs import TRAINER_METRICS, build_collectors
+from services.common.structured_logging import log_event
+from services.common.weight_stream import iter_weight_chunks
+from services.trainer.config import TrainerServiceConfig
+from services.trainer.trainer import StepFailed, Trainer
+from services.trainer.wire import FailedPrecondition, InvalidRequest, read_train_step, step_metrics_message
+
+log = logging.getLogger("lockstep.trainer")
+SERVICE = "trainer"
+T = TypeVar("T")
+
+_STATUS = (
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (StepFailed, grpc.StatusCode.ABORTED),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for kind, code in _STATUS:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("lockstep")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+class TrainerServicer(pb_grpc.TrainerServicer):
+    def __init__(self, trainer: Trainer, collectors: dict[str, object], *, weight_chunk_bytes: int) -> None:
+        self.trainer = trainer
+        self.metrics = collectors
+        self.weight_chunk_bytes = weight_chunk_bytes
+        self.lock = asyncio.Lock()
+
+    async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await work()
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, the server keeps serving
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", rpc)
+            else:
+                log_event(log, "request refused", rpc=rpc, code=code.name, reason=str(exc))
+            await context.abort(code, f"{rpc}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc))
+            raise  # unreachable: abort raises
+
+    async def _locked(self, fn: Callable[..., T], *args: object) -> T:
+        async with self.lock:
+            return await asyncio.to_thread(fn, *args)
+
+    def _service_info(self) -> pb.ServiceInfo:
+        info = self.trainer.info()
+        return pb.ServiceInfo(service=SERVICE, version=package_version(), **info)
+
+    # ------------------------------------------------------------ RPCs --
+
+    async def ConfigureRun(self, request: pb.ConfigureRunRequest, context) -> pb.ConfigureRunResponse:
+        async def work() -> pb.ConfigureRunResponse:
+            run = await self._locked(lambda: self.trainer.configure(
+                run_id=request.run_id, model_path=request.model_path, seed=request.seed,
+                config_json=request.trainer_config_json, resume_checkpoint=request.resume_checkpoint,
+            ))
+            self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(run.policy_version)
+            return pb.ConfigureRunResponse(info=self._service_info())
+
+        return await self._guard(context, "ConfigureRun", work)
+
+    async def TrainStep(self, request_iterator: AsyncIterator[pb.TrainStepChunk], context) -> pb.StepMetrics:
+        steps = self.metrics["lockstep_trainer_steps_total"]
+
+        async def work() -> pb.StepMetrics:
+            t0 = time.monotonic()
+            try:
+                req = await read_train_step(request_iterator)
+                outcome = await self._locked(self.trainer.train_step, req)
+            except Exception as exc:
+                steps.labels(SERVICE, "rejected" if status_for(exc) != grpc.StatusCode.INTERNAL else "failed").inc()
+                raise
+            seconds = time.monotonic() - t0
+            if outcome.replayed:
+                steps.labels(SERVICE, "replayed").inc()
+            else:
+                steps.labels(SERVICE, "trained").inc()
+                self.metrics["lockstep_trainer_tokens_total"].labels(SERVICE).inc(outcome.metrics["tokens_total"])
+                self.metrics["lockstep_trainer_step_seconds"].labels(SERVICE).observe(seconds)
+                self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(outcome.policy_version)
+            log_event(log, "train step", run_id=req.run_id, step=req.step, replayed=outcome.replayed,
+                      seconds=round(seconds, 4), iw_mean=outcome.metrics["iw_mean"], loss=outcome.metrics["loss"])
+            return step_metrics_message(req.run_id, outcome.step, outcome.policy_version, outcome.metrics,
+                                        replayed=outcome.replayed)
+
+        return await self._guard(context, "TrainStep", work)
+
+    async def GetWeights(self, request: pb.GetWeightsRequest, context) -> AsyncIterator[pb.WeightChunk]:
+        if request.chunk_bytes < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes: must be >= 0, got {request.chunk_bytes}")
+        chunk_bytes = request.chunk_bytes or self.weight_chunk_bytes
+        # The lock is held for the whole stream so that no step can change the
+        # weights between the first and the last chunk of one policy version.
+        async with self.lock:
+            try:
+                version, tensors = self.trainer.weight_tensors(request.run_id)
+            except FailedPrecondition as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            chunks = iter_weight_chunks(tensors, run_id=request.run_id, policy_version=version, chunk_bytes=chunk_bytes)
+            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+                yield chunk
+
+    async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
+        async def work() -> pb.SaveCheckpointResponse:
+            path, version = await self._locked(self.trainer.save_checkpoint, request.run_id, request.directory)
+            return pb.SaveCheckpointResponse(directory=str(path), policy_version=version)
+
+        return await self._guard(context, "SaveCheckpoint", work)
+
+    async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context) -> pb.LoadCheckpointResponse:
+        async def work() -> pb.LoadCheckpointResponse:
+            version = await self._locked(self.trainer.load_checkpoint, request.run_id, request.directory)
+            self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(version)
+            return pb.LoadCheckpointResponse(policy_version=version)
+
+        return await self._guard(context, "LoadCheckpoint", work)
+
+    async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
+        if self.lock.locked():
+            status = "busy"
+        elif self.trainer.run is None:
+            status = "not_loaded"
+        else:
+            status = "serving"
+        return pb.HealthResponse(ok=True, status=status)
+
+    async def Info(self, request: pb.InfoRequest, context) -> pb.ServiceInfo:
+        return self._service_info()
+
+
+class TrainerServer:
+    """Build -> start -> wait -> close. Owns the gRPC server, the metrics server and the trainer."""
+
+    def __init__(self, config: TrainerServiceConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        collectors = build_collectors(TRAINER_METRICS, self.registry)
+        self.trainer = Trainer(device=config.device, num_threads=config.num_threads)
+        self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes)
+        self.grpc_server: grpc.aio.Server | None = None
+        self.grpc_port: int | None = None
+        self._metrics_server = None
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        cfg = self.config
+        server = grpc.aio.server(options=grpc_options())
+        pb_grpc.add_TrainerServicer_to_server(self.servicer, server)
+        self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        if self.grpc_port == 0:
+            raise RuntimeError(f"grpc_port: could not bind {cfg.host}:{cfg.grpc_port}")
+        if cfg.metrics_port:
+            self._metrics_server, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.registry)
+        await server.start()
+        self.grpc_server = server
+        log_event(log, "trainer serving", host=cfg.host, grpc_port=self.grpc_port,
+                  metrics_port=cfg.metrics_port or None, device=cfg.device)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def wait(self) -> None:
+        await self._stop.wait()
+
+    async def close(self) -> None:
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=self.config.shutdown_grace_s)
+            self.grpc_server = None
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
+        log_event(log, "trainer stopped")
+
+
+async def serve(config: TrainerServiceConfig) -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get `shutdown_grace_s`)."""
+    server = TrainerServer(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, server.request_stop)
+    try:
+        await server.start()
+        await server.wait()
+    finally:
+        await server.close()

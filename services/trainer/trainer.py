@@ -1,0 +1,384 @@
+"""The trainer core: one run's model, optimizer and policy version; no gRPC here.
+
+Step semantics (what the coordinator relies on for exactly-once training):
+- The trainer holds `policy_version` v. TrainStep(step s) applies one update
+  iff v == s - 1, after which v = s and the step's metrics are recorded.
+- TrainStep(s) with v == s is a replay (the coordinator died after the update
+  but before recording it): the recorded metrics come back, nothing trains.
+- Anything else is refused (FailedPrecondition) and changes nothing.
+
+Calls are not thread-safe; the server serializes them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from services.common.determinism import configure_determinism
+from services.common.metric_defs import STEP_METRIC_HELP
+from services.common.models import load_causal_lm
+from services.trainer import checkpoint as ckpt
+from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
+from services.trainer.config import TrainerRunConfig, format_validation_error
+from services.trainer.grpo import kl_to_reference, mismatch_stats, ppo_clip_loss, reward_stats
+from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
+
+log = logging.getLogger("lockstep.trainer")
+
+# The keys TrainStep returns: the shared step-metric definitions minus what the
+# coordinator measures itself (eval accuracy).
+TRAIN_STEP_METRIC_KEYS: tuple[str, ...] = tuple(k for k in STEP_METRIC_HELP if k != "eval_accuracy")
+
+
+class StepFailed(RuntimeError):
+    """The update could not be applied (e.g. non-finite gradients); nothing changed."""
+
+
+@dataclass
+class RunState:
+    run_id: str
+    model_path: str          # the run's initial model: reference policy and tokenizer come from here
+    seed: int
+    config: TrainerRunConfig
+    model: torch.nn.Module
+    ref_model: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    policy_version: int
+    vocab_size: int
+    step_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+
+    def trainer_state(self) -> ckpt.TrainerState:
+        return ckpt.TrainerState(
+            run_id=self.run_id,
+            policy_version=self.policy_version,
+            seed=self.seed,
+            model_path=self.model_path,
+            trainer_config_json=self.config.model_dump_json(),
+            step_metrics=dict(self.step_metrics),
+        )
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step: int
+    policy_version: int
+    metrics: dict[str, float]
+    replayed: bool
+
+
+def parse_run_config(text: str) -> TrainerRunConfig:
+    try:
+        return TrainerRunConfig.model_validate_json(text or "{}")
+    except ValidationError as exc:
+        raise InvalidRequest(format_validation_error(exc, prefix="trainer_config_json")) from None
+
+
+def _load_model(path: str | Path, config: TrainerRunConfig, device: str, *, field_name: str) -> torch.nn.Module:
+    try:
+        model = load_causal_lm(path, dtype=config.dtype, device=device, attn_implementation=config.attn_implementation)
+    except FileNotFoundError as exc:
+        raise InvalidRequest(f"{field_name}: {str(exc).removeprefix('model_path: ')}") from None
+    # eval(): no dropout. The update must score tokens with exactly the
+    # function the rollout engine sampled from, or step-1 IW drifts from 1;
+    # gradients flow in eval mode all the same.
+    model.eval()
+    return model
+
+
+def _build_optimizer(model: torch.nn.Module, config: TrainerRunConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Refuse, before anything is modified, a state that load_state_dict would reject half-way."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{ckpt.OPTIMIZER_FILE}: parameter groups do not match the optimizer")
+    for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
+        if len(mine["params"]) != len(theirs.get("params", ())):
+            raise ValueError(f"{ckpt.OPTIMIZER_FILE}: group {i} holds {len(theirs.get('params', ()))} params, "
+                             f"the optimizer {len(mine['params'])}")
+
+
+class Trainer:
+    def __init__(self, *, device: str = "cpu", num_threads: int = 0) -> None:
+        self.device = device
+        self.num_threads = num_threads
+        self.run: RunState | None = None
+
+    # ------------------------------------------------------------ configure --
+
+    def configure(
+        self, *, run_id: str, model_path: str, seed: int, config_json: str, resume_checkpoint: str = ""
+    ) -> RunState:
+        """Load a run, or keep the held one when `run_id` is the run already held.
+
+        Keeping the state is what makes coordinator crash-resume work: the
+        restarted coordinator re-sends ConfigureRun and learns the trainer's
+        policy version from the answer. A re-configure of the held run with a
+        different model, seed or config is refused rather than silently mixed.
+        """
+        if not run_id:
+            raise InvalidRequest("run_id: empty")
+        if not model_path:
+            raise InvalidRequest("model_path: empty")
+        config = parse_run_config(config_json)
+        model_path = str(Path(model_path).resolve())
+        held = self.run
+        if held is not None and held.run_id == run_id:
+            diffs = [
+                name
+                for name, mine, theirs in (
+                    ("model_path", held.model_path, model_path),
+                    ("seed", held.seed, seed),
+                    ("trainer_config_json", held.config, config),
+                )
+                if mine != theirs
+            ]
+            if diffs:
+                raise FailedPrecondition(
+                    f"run {run_id!r} is already configured here with a different {', '.join(diffs)}; "
+                    "a changed run needs a new run id"
+                )
+            log.info("run already configured; keeping state", extra={"fields": {
+                "run_id": run_id, "policy_version": held.policy_version}})
+            return held
+        self.run = self._load_run(run_id, model_path, seed, config, resume_checkpoint)
+        return self.run
+
+    def _load_run(
+        self, run_id: str, model_path: str, seed: int, config: TrainerRunConfig, resume_checkpoint: str
+    ) -> RunState:
+        configure_determinism(seed, num_threads=self.num_threads or None)
+        state: ckpt.TrainerState | None = None
+        if resume_checkpoint:
+            try:
+                state = ckpt.read_state(resume_checkpoint)
+            except (FileNotFoundError, ValueError) as exc:
+                raise InvalidRequest(f"resume_checkpoint: {exc}") from None
+            if state.run_id != run_id:
+                raise InvalidRequest(f"resume_checkpoint: belongs to run {state.run_id!r}, not {run_id!r}")
+            model = _load_model(resume_checkpoint, config, self.device, field_name="resume_checkpoint")
+        else:
+            model = _load_model(model_path, config, self.device, field_name="model_path")
+        optimizer = _build_optimizer(model, config)
+        if state is not None:
+            try:
+                ckpt.load_optimizer_state(optimizer, resume_checkpoint, device=torch.device(self.device))
+            except (FileNotFoundError, ValueError) as exc:
+                raise InvalidRequest(f"resume_checkpoint: {exc}") from None
+        ref_model = None
+        if config.kl_coef > 0:
+            # The reference is the run's initial policy, also when resuming.
+            ref_model = _load_model(model_path, config, self.device, field_name="model_path")
+            ref_model.requires_grad_(False)
+        run = RunState(
+            run_id=run_id,
+            model_path=model_path,
+            seed=seed,
+            config=config,
+            model=model,
+            ref_model=ref_model,
+            optimizer=optimizer,
+            policy_version=state.policy_version if state else 0,
+            vocab_size=int(model.get_input_embeddings().num_embeddings),
+            step_metrics=dict(state.step_metrics) if state else {},
+        )
+        log.info("run configured", extra={"fields": {
+            "run_id": run_id, "model_path": model_path, "policy_version": run.policy_version,
+            "resumed_from": resume_checkpoint or None, "reference_model": ref_model is not None}})
+        return run
+
+    def require_run(self, run_id: str) -> RunState:
+        if self.run is None:
+            raise FailedPrecondition("no run configured (call ConfigureRun first)")
+        if run_id != self.run.run_id:
+            raise FailedPrecondition(f"run_id: {run_id!r} is not the configured run {self.run.run_id!r}")
+        return self.run
+
+    # ------------------------------------------------------------ train step --
+
+    def train_step(self, request: StepRequest) -> StepOutcome:
+        run = self.require_run(request.run_id)
+        s = request.step
+        if run.policy_version == s:
+            if s not in run.step_metrics:
+                raise FailedPrecondition(f"step {s}: policy_version is {s} but no metrics were recorded for it")
+            return StepOutcome(s, s, dict(run.step_metrics[s]), replayed=True)
+        if run.policy_version != s - 1:
+            raise FailedPrecondition(
+                f"step {s}: trainer holds policy_version {run.policy_version}; step {s} needs {s - 1} "
+                f"(or {s} to replay)"
+            )
+        if not request.samples:
+            raise InvalidRequest(f"header.num_trajectories: 0, but step {s} has not been applied and needs trajectories")
+        self._check_token_ids(request.samples, run.vocab_size)
+        metrics = self._apply_update(run, request.samples)
+        run.policy_version = s
+        run.step_metrics[s] = metrics
+        return StepOutcome(s, s, dict(metrics), replayed=False)
+
+    @staticmethod
+    def _check_token_ids(samples: list[TrainSample], vocab_size: int) -> None:
+        for i, sample in enumerate(samples):
+            for name, ids in (("prompt_token_ids", sample.prompt_ids), ("response_token_ids", sample.response_ids)):
+                top = int(ids.max())
+                if top >= vocab_size:
+                    raise InvalidRequest(f"trajectory[{i}].{name}: token id {top} >= vocab size {vocab_size}")
+
+    def _apply_update(self, run: RunState, samples: list[TrainSample]) -> dict[str, float]:
+        from kernels.logprob import token_logprobs, token_logprobs_with_entropy
+
+        cfg, model = run.config, run.model
+        microbatches: list[Microbatch] = [mb.to(self.device) for mb in padded_microbatches(samples, cfg.microbatch_tokens)]
+        # token_mean over the whole step: each microbatch's token sum is divided
+        # by the step's response-token count, so summing the microbatch
+        # gradients gives the same update however the step was split.
+        n_total = sum(mb.num_response_tokens for mb in microbatches)
+        logps, rollouts, clipped, entropies, kls = [], [], [], [], []
+        loss_value = 0.0
+        params = [p for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+        try:
+            for mb in microbatches:
+                targets = mb.response_targets
+                logp, _lse, ent = token_logprobs_with_entropy(
+                    mb.response_logits(model), targets, temperature=cfg.temperature
+                )
+                rollout_logp = mb.response_rollout_logprobs
+                token_loss, clip_mask = ppo_clip_loss(
+                    logp, rollout_logp, mb.response_advantages,
+                    clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
+                )
+                if run.ref_model is not None:
+                    with torch.no_grad():
+                        ref_logp, _ = token_logprobs(
+                            mb.response_logits(run.ref_model), targets, temperature=cfg.temperature
+                        )
+                    kl = kl_to_reference(logp, ref_logp)
+                    token_loss = token_loss + cfg.kl_coef * kl
+                    kls.append(kl.detach())
+                loss = token_loss.sum() / n_total
+                loss.backward()
+                loss_value += float(loss.detach())
+                # Every forward here runs before the optimizer step, so these are
+                # the pre-update log-probs: the train/inference mismatch measure.
+                logps.append(logp.detach())
+                rollouts.append(rollout_logp)
+                clipped.append(clip_mask)
+                entropies.append(ent.detach())
+            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
+                raise StepFailed(f"non-finite update (loss={loss_value}, grad_norm={grad_norm}); no update applied")
+            run.optimizer.step()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+        ordered = canonical_order(samples)
+        reward_mean, reward_std = reward_stats([s.reward for s in ordered])
+        metrics: dict[str, float] = {
+            "loss": loss_value,
+            **mismatch_stats(torch.cat(logps), torch.cat(rollouts)).as_dict(),
+            "clip_fraction": torch.cat(clipped).double().mean().item(),
+            "grad_norm": grad_norm,
+            "entropy": torch.cat(entropies).double().mean().item(),
+            "kl_ref": torch.cat(kls).double().mean().item() if kls else 0.0,
+            "reward_mean": reward_mean,
+            "reward_std": reward_std,
+            "response_length_mean": n_total / len(samples),
+            "tokens_response": float(n_total),
+            "tokens_total": float(sum(s.num_tokens for s in samples)),
+        }
+        if set(metrics) != set(TRAIN_STEP_METRIC_KEYS):
+            raise AssertionError(f"step metric keys drifted from STEP_METRIC_HELP: {sorted(set(metrics) ^ set(TRAIN_STEP_METRIC_KEYS))}")
+        return {k: metrics[k] for k in TRAIN_STEP_METRIC_KEYS}
+
+    # ------------------------------------------------------------ weights --
+
+    def weight_tensors(self, run_id: str) -> tuple[int, list[tuple[str, torch.Tensor]]]:
+        """(policy_version, [(HF name, tensor)]) of every model tensor, tied aliases sent once."""
+        run = self.require_run(run_id)
+        seen: set[int] = set()
+        out = []
+        for name, t in run.model.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            out.append((name, t.detach()))
+        return run.policy_version, out
+
+    # ------------------------------------------------------------ checkpoints --
+
+    def save_checkpoint(self, run_id: str, directory: str) -> tuple[Path, int]:
+        run = self.require_run(run_id)
+        if not directory:
+            raise InvalidRequest("directory: empty")
+        path = ckpt.save_checkpoint(
+            directory, model=run.model, optimizer=run.optimizer, state=run.trainer_state(),
+            tokenizer_dir=run.model_path,
+        )
+        log.info("checkpoint saved", extra={"fields": {"run_id": run_id, "directory": str(path),
+                                                       "policy_version": run.policy_version}})
+        return path, run.policy_version
+
+    def load_checkpoint(self, run_id: str, directory: str) -> int:
+        """Restore weights, optimizer state, policy version and step metrics of the held run."""
+        run = self.require_run(run_id)
+        if not directory:
+            raise InvalidRequest("directory: empty")
+        try:
+            state = ckpt.read_state(directory)
+            if state.run_id != run_id:
+                raise ValueError(f"checkpoint belongs to run {state.run_id!r}, not {run_id!r}")
+            weights = ckpt.load_safetensors_weights(directory)
+            optim_state = torch.load(Path(directory) / ckpt.OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+            _check_optimizer_state(run.optimizer, optim_state)
+            # Validates every name/shape/dtype before the first copy.
+            ckpt.copy_weights_into(run.model, weights, where="directory")
+        except (FileNotFoundError, ValueError) as exc:
+            raise InvalidRequest(f"directory: {exc}") from None
+        run.optimizer.load_state_dict(optim_state)
+        run.policy_version = state.policy_version
+        run.step_metrics = dict(state.step_metrics)
+        log.info("checkpoint loaded", extra={"fields": {"run_id": run_id, "directory": directory,
+                                                        "policy_version": run.policy_version}})
+        return run.policy_version
+
+    # ------------------------------------------------------------ info --
+
+    def info(self) -> dict[str, object]:
+        import transformers
+
+        run = self.run
+        details = {
+            "device": self.device,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "logprob": "kernels.logprob.token_logprobs (backend auto)",
+            "num_threads": str(torch.get_num_threads()),
+        }
+        if run is not None:
+            details.update(
+                dtype=run.config.dtype,
+                attn_implementation=run.config.attn_implementation,
+                batching=run.config.batching,
+                reference_model=str(run.ref_model is not None).lower(),
+            )
+        return {
+            "run_id": run.run_id if run else "",
+            "model_path": run.model_path if run else "",
+            "policy_version": run.policy_version if run else -1,
+            "details": details,
+        }

@@ -1,0 +1,150 @@
+"""Decoding and validating TrainStep streams (pure helpers, no servicer state).
+
+Every error is an `InvalidRequest` whose message starts with the offending
+field, e.g. 'trajectory[3].rollout_logprobs: 5 values for 6 response tokens',
+so the server can answer INVALID_ARGUMENT and keep serving.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import torch
+
+from proto import lockstep_pb2 as pb
+from services.common.tensors import from_proto
+from services.trainer.batching import TrainSample
+
+# Log-probs are <= 0 by construction (logit - logsumexp with the max inside
+# the sum). A positive value means the sender shipped something else (probs,
+# logits); the slack only absorbs a foreign implementation's rounding.
+LOGPROB_POSITIVE_SLACK = 1e-4
+
+
+class InvalidRequest(ValueError):
+    """The request itself is malformed; maps to INVALID_ARGUMENT."""
+
+
+class FailedPrecondition(RuntimeError):
+    """The request is well-formed but the trainer's state does not allow it; maps to FAILED_PRECONDITION."""
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    run_id: str
+    step: int
+    policy_version: int
+    samples: list[TrainSample]
+
+
+def check_header(header: pb.TrainStepHeader) -> None:
+    if not header.run_id:
+        raise InvalidRequest("header.run_id: empty")
+    if header.step < 1:
+        raise InvalidRequest(f"header.step: must be >= 1, got {header.step}")
+    if not 0 <= header.policy_version <= header.step - 1:
+        raise InvalidRequest(
+            f"header.policy_version: {header.policy_version} cannot have generated step {header.step} "
+            f"(want 0 <= policy_version <= step - 1)"
+        )
+    # 0 is legal: a replay of an applied step carries no trajectories (the
+    # trainer refuses 0 for a step it still has to apply).
+    if header.num_trajectories < 0:
+        raise InvalidRequest(f"header.num_trajectories: must be >= 0, got {header.num_trajectories}")
+
+
+def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader) -> TrainSample:
+    where = f"trajectory[{index}]"
+    if msg.run_id != header.run_id:
+        raise InvalidRequest(f"{where}.run_id: {msg.run_id!r} but the header says {header.run_id!r}")
+    if msg.step != header.step:
+        raise InvalidRequest(f"{where}.step: {msg.step} but the header says {header.step}")
+    if not 0 <= msg.policy_version <= header.step - 1:
+        raise InvalidRequest(
+            f"{where}.policy_version: {msg.policy_version} cannot have generated step {header.step}"
+        )
+    if not msg.sample_id:
+        raise InvalidRequest(f"{where}.sample_id: empty")
+    if not msg.group_id:
+        raise InvalidRequest(f"{where}.group_id: empty")
+    try:
+        prompt = from_proto(msg.prompt_token_ids, field=f"{where}.prompt_token_ids", dtype=torch.int32, ndim=1)
+        response = from_proto(msg.response_token_ids, field=f"{where}.response_token_ids", dtype=torch.int32, ndim=1)
+        logprobs = from_proto(msg.rollout_logprobs, field=f"{where}.rollout_logprobs", dtype=torch.float32, ndim=1)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if prompt.numel() == 0:
+        raise InvalidRequest(f"{where}.prompt_token_ids: empty prompt")
+    if response.numel() == 0:
+        raise InvalidRequest(f"{where}.response_token_ids: empty response")
+    for name, ids in (("prompt_token_ids", prompt), ("response_token_ids", response)):
+        if (ids < 0).any():
+            raise InvalidRequest(f"{where}.{name}: negative token id {int(ids.min())}")
+    if logprobs.numel() != response.numel():
+        raise InvalidRequest(
+            f"{where}.rollout_logprobs: {logprobs.numel()} values for {response.numel()} response tokens"
+        )
+    finite = torch.isfinite(logprobs)
+    if not bool(finite.all()):
+        bad = int((~finite).nonzero()[0, 0])
+        raise InvalidRequest(f"{where}.rollout_logprobs[{bad}]: not finite ({float(logprobs[bad])})")
+    if float(logprobs.max()) > LOGPROB_POSITIVE_SLACK:
+        bad = int(logprobs.argmax())
+        raise InvalidRequest(f"{where}.rollout_logprobs[{bad}]: {float(logprobs[bad])} > 0 is not a log-prob")
+    for name in ("reward", "advantage"):
+        value = getattr(msg, name)
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{where}.{name}: not finite ({value})")
+    return TrainSample(
+        sample_id=msg.sample_id,
+        group_id=msg.group_id,
+        prompt_ids=prompt.long(),
+        response_ids=response.long(),
+        rollout_logprobs=logprobs,
+        reward=float(msg.reward),
+        advantage=float(msg.advantage),
+    )
+
+
+async def read_train_step(stream: AsyncIterator[pb.TrainStepChunk]) -> StepRequest:
+    """Consume a TrainStep stream: exactly one header first, then its trajectories."""
+    header: pb.TrainStepHeader | None = None
+    samples: list[TrainSample] = []
+    seen: set[str] = set()
+    index = 0
+    async for chunk in stream:
+        kind = chunk.WhichOneof("item")
+        if kind is None:
+            raise InvalidRequest(f"message[{index}]: neither header nor trajectory")
+        if kind == "header":
+            if header is not None:
+                raise InvalidRequest(f"message[{index}]: second header (the header must come once, first)")
+            header = chunk.header
+            check_header(header)
+        else:
+            if header is None:
+                raise InvalidRequest("message[0]: header missing (the first message must be the header)")
+            if len(samples) >= header.num_trajectories:
+                raise InvalidRequest(
+                    f"trajectory[{len(samples)}]: more trajectories than header.num_trajectories={header.num_trajectories}"
+                )
+            sample = decode_trajectory(chunk.trajectory, len(samples), header)
+            if sample.sample_id in seen:
+                raise InvalidRequest(f"trajectory[{len(samples)}].sample_id: duplicate {sample.sample_id!r}")
+            seen.add(sample.sample_id)
+            samples.append(sample)
+        index += 1
+    if header is None:
+        raise InvalidRequest("header missing: empty TrainStep stream")
+    if len(samples) != header.num_trajectories:
+        raise InvalidRequest(
+            f"header.num_trajectories: {header.num_trajectories} announced, {len(samples)} received"
+        )
+    return StepRequest(header.run_id, header.step, header.policy_version, samples)
+
+
+def step_metrics_message(run_id: str, step: int, policy_version: int, metrics: dict[str, float], *, replayed: bool) -> pb.StepMetrics:
+    return pb.StepMetrics(
+        run_id=run_id, step=step, policy_version=policy_version, metrics=metrics, replayed=replayed
+    )
