@@ -18,6 +18,7 @@ class MetricDef:
     kind: str            # "gauge" | "counter" | "histogram"
     help: str
     labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None  # histograms only; None = prometheus_client defaults
 
 
 # Per-step training health, exported by the coordinator for each run
@@ -54,7 +55,12 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef("lockstep_run_step", "gauge", "Last completed step of the run.", ("run_id",)),
     MetricDef("lockstep_run_last_step_timestamp_seconds", "gauge", "Unix time the last step completed.", ("run_id",)),
     MetricDef("lockstep_step_phase_seconds", "gauge", "Wall time of each phase of the last step.", ("run_id", "phase")),
-    MetricDef("lockstep_step_seconds", "histogram", "Wall time of whole steps.", ("run_id",)),
+    # Default buckets stop at 10 s; real steps take seconds to an hour.
+    MetricDef("lockstep_step_seconds", "histogram", "Wall time of whole steps.", ("run_id",),
+              buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)),
+    MetricDef("lockstep_run_active", "gauge",
+              "1 while the run is running (steps are expected), 0 once it completed, failed or was cancelled.",
+              ("run_id",)),
     MetricDef("lockstep_runs", "gauge", "Runs known to the coordinator by status.", ("status",)),
     MetricDef("lockstep_trajectories_total", "counter", "Trajectories accounted for by outcome.", ("run_id", "outcome")),
     MetricDef("lockstep_rollout_queue_depth", "gauge", "Prompts dispatched to rollout and not yet returned.", ("run_id",)),
@@ -84,7 +90,8 @@ def build_collectors(defs: tuple[MetricDef, ...], registry: CollectorRegistry) -
     out: dict[str, object] = {}
     for d in defs:
         name = d.name[: -len("_total")] if d.kind == "counter" and d.name.endswith("_total") else d.name
-        out[d.name] = _KINDS[d.kind](name, d.help, d.labels, registry=registry)
+        kwargs = {"buckets": d.buckets} if d.buckets is not None else {}
+        out[d.name] = _KINDS[d.kind](name, d.help, d.labels, registry=registry, **kwargs)
     return out
 
 

@@ -57,7 +57,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,
                              config.generate_retries, load_tokenizer)
 
-        scheduler = RunScheduler(store, make_driver, data_dir, _coordinator_id(data_dir))
+        scheduler = RunScheduler(store, make_driver, data_dir, _coordinator_id(data_dir), exporter)
         app.state.store, app.state.exporter, app.state.scheduler = store, exporter, scheduler
         app.state.rollouts, app.state.trainer = rollouts, trainer
         scheduler.start()

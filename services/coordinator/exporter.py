@@ -27,6 +27,9 @@ class CoordinatorExporter:
         if "weight_sync" in timings:
             self._m["lockstep_weight_sync_seconds"].labels(run_id).set(timings["weight_sync"])
 
+    def run_active(self, run_id: str, active: bool) -> None:
+        self._m["lockstep_run_active"].labels(run_id).set(1 if active else 0)
+
     def on_eval(self, run_id: str, accuracy: float) -> None:
         self._m[step_metric_name("eval_accuracy")].labels(run_id).set(accuracy)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.common.structured_logging import log_event
+from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_loop import RunCancelled, RunDriver
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import ACTIVE, RunStore
@@ -23,8 +24,9 @@ LEASE_TTL_S = 30.0
 
 class RunScheduler:
     def __init__(self, store: RunStore, make_driver: Callable[[str, RunSpec, Path], RunDriver],
-                 data_dir: Path, owner: str) -> None:
+                 data_dir: Path, owner: str, exporter: CoordinatorExporter) -> None:
         self.store, self.make_driver, self.data_dir, self.owner = store, make_driver, data_dir, owner
+        self.exporter = exporter
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.current_run: str | None = None
@@ -67,6 +69,7 @@ class RunScheduler:
     async def _drive(self, run_id: str) -> None:
         self.current_run = run_id
         renew = asyncio.create_task(self._renew(run_id))
+        self.exporter.run_active(run_id, True)
         try:
             spec = RunSpec.model_validate_json(await self.store.get_spec_json(run_id) or "{}")
             driver = self.make_driver(run_id, spec, self.data_dir / run_id)
@@ -79,6 +82,8 @@ class RunScheduler:
             log.exception("run failed")
             await self.store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
         finally:
+            run = await self.store.get_run(run_id)
+            self.exporter.run_active(run_id, run is not None and run.status == "running")
             renew.cancel()
             self.current_run = None
             await self.store.release_lease(run_id, self.owner)
