@@ -1,0 +1,139 @@
+"""Launchers for the Triton kernels (triton_kernels.py) behind the backend interface.
+
+Imported lazily by the registry. On CPU the Triton backend exists only as the
+interpreter (TRITON_INTERPRET=1, which Triton reads when the kernels are
+decorated, i.e. at import): for correctness tests, never for speed.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kernels.logprob.contract import Platform
+from kernels.logprob.registry import BackendUnavailable
+from kernels.logprob.tiling import ShardLayout
+
+MAX_BLOCK = 8192  # widest single load window; wider tiles loop over chunks of this
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class PartialsConfig:
+    """Launch shape of the partials kernel: a function of (tile width, dtype) only, so of the vocab."""
+
+    tile_w: int
+    align: int
+    """Load-window alignment in elements (16 bytes)."""
+    block: int
+    num_chunks: int
+    slots_per_program: int
+    """Tiles one program reduces side by side ([SPP, BLOCK] block)."""
+    num_warps: int
+
+    @staticmethod
+    def for_tile(tile_w: int, dtype: torch.dtype, slots: int) -> "PartialsConfig":
+        """`slots` (the layout's slots per rank) matters only in the interpreter (see INTERPRETED)."""
+        align = 16 // torch.empty((), dtype=dtype).element_size()
+        span = tile_w + align - 1  # the aligned window may start up to align-1 columns early
+        block = min(_next_pow2(span), MAX_BLOCK)
+        chunks = -(-span // block)
+        # The CPU interpreter pays ~10 ms per program, so there one program takes all
+        # slots of a row; on a GPU one tile per program keeps T x 64 programs in flight.
+        spp = _next_pow2(slots) if INTERPRETED else SLOTS_PER_PROGRAM
+        return PartialsConfig(tile_w, align, block, chunks, spp, 8 if block * spp >= 4096 else 4)
+
+
+SLOTS_PER_PROGRAM = 1
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"  # as Triton saw it when the kernels were decorated
+BACKWARD_BLOCK = 4096
+MERGE_BLOCK_T = 128
+
+
+class TritonBackend:
+    name = "triton"
+
+    def __init__(self, kernels) -> None:
+        self._k = kernels
+
+    def partials(self, logits, targets, layout: ShardLayout, temperature: float, with_entropy: bool):
+        T = logits.shape[0]
+        S = layout.slots_per_rank
+        cfg = PartialsConfig.for_tile(layout.tile_width, logits.dtype, S)
+        dev = logits.device
+        # Slot-major [S, T] so the merge reads each slot coalesced; returned as [T, S] views.
+        m = torch.empty((S, T), device=dev, dtype=torch.float32)
+        s = torch.empty((S, T), device=dev, dtype=torch.float32)
+        w = torch.empty((S, T), device=dev, dtype=torch.float32) if with_entropy else s
+        tgt = torch.empty((T,), device=dev, dtype=torch.float32)
+        real_hi = min(layout.local_vocab_size, layout.global_vocab_size - layout.vocab_start)
+        if T > 0:
+            self._k.logprob_partials_kernel[(T, triton_cdiv(S, cfg.slots_per_program))](
+                logits, targets, m, s, w, tgt,
+                logits.stride(0), layout.local_vocab_size, real_hi, layout.slot_col_offset, layout.vocab_start,
+                layout.global_vocab_size, T, S, float(temperature),
+                TILE_W=cfg.tile_w, BLOCK=cfg.block, ALIGN=cfg.align, NUM_CHUNKS=cfg.num_chunks,
+                SPP=cfg.slots_per_program,
+                WITH_ENT=with_entropy, SCALE=temperature != 1.0, num_warps=cfg.num_warps,
+            )
+        return m.t(), s.t(), (w.t() if with_entropy else None), tgt
+
+    def merge(self, m, s, w, tgt, targets, global_vocab_size: int, active):
+        T, N = m.shape
+        if s.stride() != m.stride() or (w is not None and w.stride() != m.stride()):
+            s, w, m = s.contiguous(), (w.contiguous() if w is not None else None), m.contiguous()
+        dev = m.device
+        logp = torch.empty((T,), device=dev, dtype=torch.float32)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if w is not None else None
+        if T > 0:
+            self._k.logprob_merge_kernel[(triton_cdiv(T, MERGE_BLOCK_T),)](
+                m, s, w if w is not None else s, tgt, targets, active if active is not None else targets,
+                logp, lse, ent if ent is not None else lse,
+                T, m.stride(0), m.stride(1), global_vocab_size,
+                N_SLOTS=N, BLOCK_T=MERGE_BLOCK_T, WITH_ENT=w is not None, HAS_MASK=active is not None, num_warps=4,
+            )
+        return logp, lse, ent
+
+    def backward(self, logits, targets, lse, mean_x, g_logp, g_lse, g_ent, active, layout, temperature):
+        T, V = logits.shape
+        grad = torch.empty((T, V), device=logits.device, dtype=logits.dtype)
+        block = min(BACKWARD_BLOCK, _next_pow2(V))
+        if T > 0:
+            self._k.logprob_backward_kernel[(T, triton_cdiv(V, block))](
+                logits, grad, targets, lse, mean_x if mean_x is not None else lse, g_logp, g_lse,
+                g_ent if g_ent is not None else g_lse, active if active is not None else targets,
+                logits.stride(0), grad.stride(0), V, layout.vocab_start, layout.global_vocab_size, float(temperature),
+                BLOCK=block, WITH_ENT=g_ent is not None, HAS_MASK=active is not None, SCALE=temperature != 1.0,
+                num_warps=8 if block >= 4096 else 4,
+            )
+        return grad
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def load_triton_backend(platform: Platform) -> TritonBackend:
+    interpret = INTERPRETED
+    if platform is Platform.CPU and not interpret:
+        raise BackendUnavailable(
+            "Triton runs on CPU only in its interpreter: set TRITON_INTERPRET=1 before the first import"
+        )
+    if platform is not Platform.CPU and interpret:
+        raise BackendUnavailable("TRITON_INTERPRET=1 is set: kernels would run in the CPU interpreter, not on the GPU")
+    try:
+        from kernels.logprob import triton_kernels
+    except ImportError as e:
+        raise BackendUnavailable(f"triton is not importable ({e}); install it: pip install triton==3.6.0") from None
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(triton_kernels.logprob_partials_kernel, InterpretedFunction) != interpret:
+        raise BackendUnavailable(
+            "TRITON_INTERPRET changed after the Triton kernels were imported; set it before the first import"
+        )
+    return TritonBackend(triton_kernels)

@@ -1,0 +1,171 @@
+"""Triton kernels of the log-prob definition: one source for CUDA and ROCm (wave64 on MI300).
+
+Nothing here assumes a warp size; reductions are `tl.max`/`tl.sum` over a
+block whose shape is fixed by the vocab, so each tile's reduction order is fixed
+for a given vocab, dtype and device -- independent of how many rows are in the
+batch or how the vocab is sharded (when shards fall on tile bounds).
+
+Kept beside reference.py, which defines the same three steps in pure torch;
+tests compare the two. The AOT signatures at the bottom are what
+`python -m kernels.check_targets` compiles for gfx942 and sm_90.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_slots(row_ptr, abase, base, lane, c, local_vocab, real_hi, temperature,
+                TILE_W: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr):
+    """[SPP, BLOCK] fp32 window `c` of each slot: -inf outside the tile, the shard and the real vocab."""
+    offs = abase[:, None] + c * BLOCK + lane[None, :]
+    x = tl.load(row_ptr + offs, mask=(offs >= 0) & (offs < local_vocab), other=float("-inf")).to(tl.float32)
+    keep = (offs >= base[:, None]) & (offs < base[:, None] + TILE_W) & (offs < real_hi)
+    x = tl.where(keep, x, float("-inf"))
+    if SCALE:
+        x = x / temperature
+    return x
+
+
+@triton.jit
+def logprob_partials_kernel(
+    x_ptr, targets_ptr, m_ptr, s_ptr, w_ptr, tgt_ptr,
+    stride_x, local_vocab, real_hi, col0, vocab_start, global_vocab, n_rows, n_slots, temperature,
+    TILE_W: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    SPP: tl.constexpr, WITH_ENT: tl.constexpr, SCALE: tl.constexpr,
+):
+    """Grid (T, cdiv(S, SPP)): fp32 (max, sumexp[, sum e*x]) of SPP slots of one row, stored slot-major [S, T].
+
+    Each slot's load window starts at its first column rounded down to ALIGN
+    elements, so loads stay 16-byte aligned although tile bounds (2374 columns
+    for Qwen3) are not; columns outside the tile, the shard or the real vocab
+    become -inf. The program with pid(1) == 0 also stores the row's target
+    logit (-inf when another shard holds it). SPP and the block shape depend
+    on the vocab and dtype only, never on T: that is what keeps each tile's
+    reduction order, and so every bit, independent of batch composition.
+    """
+    row = tl.program_id(0)
+    row_ptr = x_ptr + row.to(tl.int64) * stride_x
+    slots = tl.program_id(1) * SPP + tl.arange(0, SPP)
+    base = col0 + slots * TILE_W
+    abase = base - (((base % ALIGN) + ALIGN) % ALIGN)  # floor to ALIGN, also for a negative base
+    abase = tl.multiple_of(abase, ALIGN)
+    lane = tl.arange(0, BLOCK)
+    neg_inf = float("-inf")
+    if NUM_CHUNKS == 1:
+        x = _load_slots(row_ptr, abase, base, lane, 0, local_vocab, real_hi, temperature, TILE_W, BLOCK, SCALE)
+        m = tl.max(x, axis=1)
+        shift = tl.where(m == neg_inf, 0.0, m)
+        e = tl.exp(x - shift[:, None])
+        s = tl.sum(e, axis=1)
+        if WITH_ENT:
+            w = tl.sum(e * tl.where(x == neg_inf, 0.0, x), axis=1)
+    else:
+        # Wide tiles (V > 64 * 8192): a max pass, then a sum pass over the same
+        # chunks in the same order (the second read hits L2).
+        m_acc = tl.full([SPP, BLOCK], neg_inf, tl.float32)
+        for c in range(NUM_CHUNKS):
+            x = _load_slots(row_ptr, abase, base, lane, c, local_vocab, real_hi, temperature, TILE_W, BLOCK, SCALE)
+            m_acc = tl.maximum(m_acc, x)
+        m = tl.max(m_acc, axis=1)
+        shift = tl.where(m == neg_inf, 0.0, m)
+        s_acc = tl.zeros([SPP, BLOCK], tl.float32)
+        w_acc = tl.zeros([SPP, BLOCK], tl.float32)
+        for c in range(NUM_CHUNKS):
+            x = _load_slots(row_ptr, abase, base, lane, c, local_vocab, real_hi, temperature, TILE_W, BLOCK, SCALE)
+            e = tl.exp(x - shift[:, None])
+            s_acc += e
+            if WITH_ENT:
+                w_acc += e * tl.where(x == neg_inf, 0.0, x)
+        s = tl.sum(s_acc, axis=1)
+        if WITH_ENT:
+            w = tl.sum(w_acc, axis=1)
+    out = slots.to(tl.int64) * n_rows + row
+    smask = slots < n_slots
+    tl.store(m_ptr + out, m, mask=smask)
+    tl.store(s_ptr + out, s, mask=smask)
+    if WITH_ENT:
+        tl.store(w_ptr + out, w, mask=smask)
+    if tl.program_id(1) == 0:
+        t = tl.load(targets_ptr + row)
+        local = t - vocab_start
+        owned = (local >= 0) & (local < local_vocab) & (t < global_vocab)
+        v = tl.load(row_ptr + tl.where(owned, local, 0), mask=owned, other=neg_inf).to(tl.float32)
+        if SCALE:
+            v = v / temperature
+        tl.store(tgt_ptr + row, tl.where(owned, v, neg_inf))
+
+
+@triton.jit
+def logprob_merge_kernel(
+    m_ptr, s_ptr, w_ptr, tgt_ptr, targets_ptr, active_ptr, logp_ptr, lse_ptr, ent_ptr,
+    n_rows, stride_row, stride_slot, global_vocab,
+    N_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, WITH_ENT: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """Grid (cdiv(T, BLOCK_T)): merge each row's N partials in slot order (sequential fold).
+
+    N_SLOTS is a compile-time constant (one specialization per vocab and TP
+    degree) rather than a runtime loop bound: the interpreter cannot loop over
+    a runtime scalar under numpy 2.
+    """
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rmask = rows < n_rows
+    neg_inf = float("-inf")
+    base = rows.to(tl.int64) * stride_row
+    M = tl.full([BLOCK_T], neg_inf, tl.float32)
+    for k in range(N_SLOTS):
+        M = tl.maximum(M, tl.load(m_ptr + base + k * stride_slot, mask=rmask, other=neg_inf))
+    shift = tl.where(M == neg_inf, 0.0, M)
+    S = tl.zeros([BLOCK_T], tl.float32)
+    W = tl.zeros([BLOCK_T], tl.float32)
+    for k in range(N_SLOTS):
+        scale = tl.exp(tl.load(m_ptr + base + k * stride_slot, mask=rmask, other=neg_inf) - shift)
+        S += tl.load(s_ptr + base + k * stride_slot, mask=rmask, other=0.0) * scale
+        if WITH_ENT:
+            W += tl.load(w_ptr + base + k * stride_slot, mask=rmask, other=0.0) * scale
+    lse = M + tl.log(S)
+    t = tl.load(targets_ptr + rows, mask=rmask, other=0)
+    tgt = tl.load(tgt_ptr + rows, mask=rmask, other=neg_inf)
+    logp = tl.where((t >= 0) & (t < global_vocab), tgt - lse, float("nan"))
+    ent = lse - W / S
+    if HAS_MASK:
+        a = tl.load(active_ptr + rows, mask=rmask, other=0) != 0
+        logp = tl.where(a, logp, 0.0)
+        lse = tl.where(a, lse, 0.0)
+        ent = tl.where(a, ent, 0.0)
+    tl.store(logp_ptr + rows, logp, mask=rmask)
+    tl.store(lse_ptr + rows, lse, mask=rmask)
+    if WITH_ENT:
+        tl.store(ent_ptr + rows, ent, mask=rmask)
+
+
+@triton.jit
+def logprob_backward_kernel(
+    x_ptr, g_ptr, targets_ptr, lse_ptr, mean_ptr, glogp_ptr, glse_ptr, gent_ptr, active_ptr,
+    stride_x, stride_g, local_vocab, vocab_start, global_vocab, temperature,
+    BLOCK: tl.constexpr, WITH_ENT: tl.constexpr, HAS_MASK: tl.constexpr, SCALE: tl.constexpr,
+):
+    """Grid (T, cdiv(V_local, BLOCK)): elementwise gradient; every output element written once, no atomics."""
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = offs < local_vocab
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs, mask=cmask, other=0.0).to(tl.float32)
+    if SCALE:
+        x = x / temperature
+    real = cmask & (vocab_start + offs < global_vocab) & (x != float("-inf"))
+    lse = tl.load(lse_ptr + row)
+    gl = tl.load(glogp_ptr + row)
+    p = tl.where(real, tl.exp(x - lse), 0.0)
+    grad = (tl.load(glse_ptr + row) - gl) * p
+    if WITH_ENT:
+        d = tl.where(real, tl.load(mean_ptr + row) - x, 0.0)
+        grad += tl.load(gent_ptr + row) * (p * d)
+    t = tl.load(targets_ptr + row)
+    hit = (offs == t - vocab_start) & (t >= 0) & (t < global_vocab)
+    grad += tl.where(hit, gl, 0.0)
+    if SCALE:
+        grad = grad / temperature
+    if HAS_MASK:
+        grad = tl.where(tl.load(active_ptr + row) != 0, grad, 0.0)
+    tl.store(g_ptr + row.to(tl.int64) * stride_g + offs, grad.to(g_ptr.dtype.element_ty), mask=cmask)
