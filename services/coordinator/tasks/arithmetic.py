@@ -1,0 +1,163 @@
+"""Multi-digit addition: the demo's verifiable task, generated in code from a seed.
+
+A problem is `"{a}+{b}="` with both operands drawn uniformly from the
+`digits`-digit numbers; the reference answer is the decimal sum. The policy
+is expected to write the answer and then eos; the reward is 1.0 only for an
+exactly correct answer (see `parse_answer`), so partial credit cannot be
+gamed and the signal is unambiguous.
+
+Splits: `heldout` is a fixed sample of `heldout_size` problems; `train` is
+every other problem up to `train_size`. Disjointness is over *unordered*
+operand pairs: if `12+34=` is held out then `34+12=` is never trained on, so
+held-out accuracy measures addition the model has not seen in either order.
+Both splits are pure functions of (seed, digits, sizes).
+
+Optionally (`reverse_answer`) the answer is written least-significant digit
+first, the order in which carries propagate; small transformers learn that
+form far faster. The demo keeps normal order unless the recipe says otherwise.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import cached_property
+
+from services.common.char_tokenizer import EOS_TOKEN, PAD_TOKEN
+from services.coordinator.tasks.base import Problem, Task
+
+
+@dataclass(frozen=True)
+class ArithmeticConfig:
+    """Which addition problems exist and how they split."""
+
+    seed: int = 0
+    """Seeds the draw of both splits; same seed -> same problems in the same order."""
+    digits: int = 2
+    """Digits per operand (2 -> operands 10..99). Leading zeros are never written."""
+    heldout_size: int = 200
+    """Problems in the held-out split (greedy eval set)."""
+    train_size: int = 20000
+    """Problems in the train split, capped by how many unordered pairs remain."""
+    reverse_answer: bool = False
+    """Write the answer least-significant digit first (reference and expected response)."""
+
+    def validate(self) -> None:
+        if not 1 <= self.digits <= 9:
+            raise ValueError(f"digits: must be in 1..9, got {self.digits}")
+        if self.heldout_size < 1:
+            raise ValueError(f"heldout_size: must be >= 1, got {self.heldout_size}")
+        if self.train_size < 1:
+            raise ValueError(f"train_size: must be >= 1, got {self.train_size}")
+        n_pairs = self.num_unordered_pairs
+        if self.heldout_size >= n_pairs:
+            raise ValueError(
+                f"heldout_size: {self.heldout_size} leaves no training problems"
+                f" ({n_pairs} unordered pairs of {self.digits}-digit numbers)"
+            )
+
+    @property
+    def operand_range(self) -> tuple[int, int]:
+        lo = 10 ** (self.digits - 1) if self.digits > 1 else 0
+        return lo, 10**self.digits - 1
+
+    @property
+    def num_unordered_pairs(self) -> int:
+        lo, hi = self.operand_range
+        n = hi - lo + 1
+        return n * (n + 1) // 2
+
+
+def format_answer(value: int, reverse: bool) -> str:
+    s = str(value)
+    return s[::-1] if reverse else s
+
+
+def parse_answer(response_text: str) -> str | None:
+    """The answer a response commits to, or None when it does not commit to one.
+
+    The response ends at the first eos (if the decoder kept special tokens) and
+    anything after it is ignored. What is left, without surrounding whitespace
+    and pad tokens, must be one run of ASCII digits; anything else — empty,
+    signs, spaces inside, letters, a second number — is no answer. Strict on
+    purpose: a lenient parser ("first number in the text") would reward
+    responses that hedge with several numbers.
+    """
+    if not isinstance(response_text, str):
+        return None
+    text = response_text.split(EOS_TOKEN, 1)[0].replace(PAD_TOKEN, "").strip()
+    if not text or len(text) > 32:
+        return None
+    if not all("0" <= c <= "9" for c in text):  # str.isdigit() accepts '²' and other Unicode digits
+        return None
+    return text
+
+
+class ArithmeticTask(Task):
+    """`Task` over `ArithmeticConfig`; splits are built once, on first use."""
+
+    name = "arithmetic"
+
+    def __init__(self, config: ArithmeticConfig | None = None):
+        self.config = config or ArithmeticConfig()
+        self.config.validate()
+
+    @cached_property
+    def _splits(self) -> dict[str, tuple[Problem, ...]]:
+        cfg = self.config
+        lo, hi = cfg.operand_range
+        rng = random.Random(f"arithmetic/{cfg.seed}/{cfg.digits}")
+        n_pairs = cfg.num_unordered_pairs
+        train_target = min(cfg.train_size, n_pairs - cfg.heldout_size)
+
+        def key(a: int, b: int) -> tuple[int, int]:
+            return (a, b) if a <= b else (b, a)
+
+        def draw_unique(count: int, taken: set[tuple[int, int]]) -> list[tuple[int, int]]:
+            # Rejection sampling is fine while the target is a minority of the
+            # pairs; when it is not, enumerate and shuffle instead (exact, and
+            # avoids a coupon-collector tail).
+            out: list[tuple[int, int]] = []
+            if count + len(taken) > n_pairs // 2:
+                pool = [(a, b) for a in range(lo, hi + 1) for b in range(a, hi + 1) if (a, b) not in taken]
+                rng.shuffle(pool)
+                for a, b in pool[:count]:
+                    out.append((a, b) if rng.random() < 0.5 else (b, a))
+                taken.update(key(a, b) for a, b in out)
+                return out
+            while len(out) < count:
+                a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+                k = key(a, b)
+                if k in taken:
+                    continue
+                taken.add(k)
+                out.append((a, b))
+            return out
+
+        taken: set[tuple[int, int]] = set()
+        heldout = draw_unique(cfg.heldout_size, taken)
+        train = draw_unique(train_target, taken)
+        return {
+            "heldout": tuple(self._problem("heldout", i, a, b) for i, (a, b) in enumerate(heldout)),
+            "train": tuple(self._problem("train", i, a, b) for i, (a, b) in enumerate(train)),
+        }
+
+    def _problem(self, split: str, index: int, a: int, b: int) -> Problem:
+        return Problem(
+            problem_id=f"{split}-{index:06d}-{a}+{b}",
+            prompt=f"{a}+{b}=",
+            answer=format_answer(a + b, self.config.reverse_answer),
+        )
+
+    def split(self, name: str) -> tuple[Problem, ...]:
+        try:
+            return self._splits[name]
+        except KeyError:
+            raise ValueError(f"split: unknown {name!r}, expected 'train' or 'heldout'") from None
+
+    def reward(self, problem: Problem, response_text: str) -> float:
+        answer = parse_answer(response_text)
+        return 1.0 if answer is not None and answer == problem.answer else 0.0
+
+    def target_text(self, problem: Problem) -> str:
+        """The response a perfect policy writes, before eos (used by the supervised warm start)."""
+        return problem.answer
