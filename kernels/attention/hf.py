@@ -16,13 +16,13 @@ How transformers (5.x) routes a packed batch, and the traps closed here:
   ignore cu_seqlens; under sdpa it is expanded to one causal mask over the
   whole buffer (seed 000). Here: any attention mask raises. Packing carries
   boundaries in cu_seqlens and has no padding to mask.
-- Mask construction: `create_causal_mask` returns the caller's mask as-is
-  (None for a packed batch) for any implementation not registered in
-  `AttentionMaskInterface`, so no 4-D mask is built for this one and no
-  mask function is registered. test_attention_hf.py pins that behaviour, so a
-  transformers upgrade that starts building masks for custom implementations
-  fails a test instead of silently costing memory (and the mask would be
-  refused here anyway).
+- Mask construction: for an implementation with no function registered in
+  `AttentionMaskInterface`, `create_causal_mask` returns None and *drops* a
+  caller's 2-D mask (transformers 5.24), so a padded batch would silently run
+  unpadded. We register `hf_mask_refusing_padding`: it never builds a mask
+  (no 4-D mask over a packed buffer, whatever position_ids look like) and
+  raises on any 2-D mask. A 4-D mask bypasses mask functions and reaches
+  `hf_attention_forward`, which raises too.
 - Without the varlen kwargs, every row of [B, S] is one whole sequence; a
   position_ids row that restarts (packed data without boundaries) raises.
 - No KV cache, dropout, softcap or attention sinks: the training contract is
@@ -44,11 +44,28 @@ _REFUSED_KWARGS = ("block_table", "k_cache", "v_cache", "seqused_k", "s_aux", "s
 
 
 def register_hf_attention() -> str:
-    """Register `hf_attention_forward` with transformers' AttentionInterface (idempotent); returns its name."""
+    """Register the attention and its mask function with transformers (idempotent); returns the name."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(HF_ATTN_IMPLEMENTATION, hf_attention_forward)
+    AttentionMaskInterface.register(HF_ATTN_IMPLEMENTATION, hf_mask_refusing_padding)
     return HF_ATTN_IMPLEMENTATION
+
+
+def hf_mask_refusing_padding(batch_size: int, q_length: int, kv_length: int, *, attention_mask=None, **kwargs):
+    """HF mask function for this implementation: never builds a mask, refuses a 2-D one.
+
+    Without a registered mask function, transformers (5.x) *drops* a 2-D attention mask for a
+    custom implementation (create_causal_mask returns None), so a padded batch would run as if
+    unpadded, silently. Registering this one makes the 2-D mask reach us, and we refuse it.
+    """
+    if attention_mask is not None:
+        raise AttentionContractError(
+            f"{HF_ATTN_IMPLEMENTATION}: got a {attention_mask.dim()}-D attention_mask; packed batches carry their "
+            "boundaries in cu_seq_lens_q/k and have no padding (HF would otherwise drop the mask or build one "
+            "causal mask over the whole buffer, ignoring cu_seqlens). Pass attention_mask=None.")
+    return None
 
 
 def packed_forward_kwargs(position_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> dict:

@@ -9,12 +9,11 @@ run trained on garbage for 50 steps. `check_parity` turns that into a verdict;
 statistics, the worst tokens (sample, position in its sequence) and the
 attention and log-prob backends in use.
 
-`mismatch_stats` is the same statistics without thresholds: the trainer
-exports it every step (keys are the `lockstep_step_<key>` metric names in
-services/common/metric_defs.py).
+The statistics are services/trainer/grpo.mismatch_stats, the same function
+the trainer exports every step (`lockstep_step_iw_mean`, ...), so the gate and
+the dashboards can never disagree about what "IW mean" means.
 
-Pure functions over tensors: no model, no I/O. Statistics in float64 so that
-the verdict does not depend on summation order of fp32 partial sums.
+Pure functions over tensors: no model, no I/O; float64 reductions.
 """
 from __future__ import annotations
 
@@ -47,35 +46,16 @@ class ParityThresholds(BaseModel):
         description="How many tokens with the largest |logp - rollout_logp| the diagnostic lists.")
 
 
-def mismatch_stats(logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
-    """Train/inference mismatch statistics over the tokens where loss_mask is True.
+def gate_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> dict[str, float]:
+    """The step metrics' mismatch statistics (services/trainer/grpo.mismatch_stats: one definition for the
+    gate and the per-step export), plus how many tokens were compared and how many differences are non-finite."""
+    from services.trainer.grpo import mismatch_stats
 
-    iw_*: IW = exp(logp - rollout_logp); logprob_abs_diff_*: |logp - rollout_logp|;
-    approx_kl_k3: mean((IW - 1) - log IW), the k3 estimator of KL(rollout || trainer) on rollout samples;
-    m2po_m2: mean(0.5 * (logp - rollout_logp)^2); tokens: how many tokens were compared.
-    """
-    if not (logp.shape == rollout_logp.shape == loss_mask.shape) or logp.dim() != 1:
-        raise ValueError(f"logp, rollout_logp and loss_mask must be equal-length 1-D tensors; got "
-                         f"{tuple(logp.shape)}, {tuple(rollout_logp.shape)}, {tuple(loss_mask.shape)}")
-    mask = loss_mask.to(torch.bool)
-    if not bool(mask.any()):
-        raise ValueError("no response tokens to compare (loss_mask is all False)")
-    delta = (logp.detach().double() - rollout_logp.detach().double())[mask]
-    if not bool(torch.isfinite(delta).all()):
-        # inf - inf or NaN anywhere means the statistics below would be meaningless; say so.
-        return {"tokens": float(delta.numel()), "nonfinite": float((~torch.isfinite(delta)).sum())}
-    iw = delta.exp()
-    return {
-        "iw_mean": float(iw.mean()),
-        "iw_min": float(iw.min()),
-        "iw_max": float(iw.max()),
-        "logprob_abs_diff_mean": float(delta.abs().mean()),
-        "logprob_abs_diff_max": float(delta.abs().max()),
-        "approx_kl_k3": float(((iw - 1) - delta).mean()),
-        "m2po_m2": float((0.5 * delta.square()).mean()),
-        "tokens": float(delta.numel()),
-        "nonfinite": 0.0,
-    }
+    delta = logp.detach().double() - rollout_logp.detach().double()
+    stats = mismatch_stats(logp, rollout_logp).as_dict()
+    stats["tokens"] = float(delta.numel())
+    stats["nonfinite"] = float((~torch.isfinite(delta)).sum())
+    return stats
 
 
 @dataclass(frozen=True)
@@ -84,13 +64,14 @@ class WorstToken:
     """Index of the token's sample in the step (PackedMicrobatch.sample_index)."""
     sample_id: str
     position: int
-    """position_ids of the compared logit row: its position in its sequence (its target token is at position + 1)."""
+    """Position of the token in its sample's sequence (prompt tokens count; the first token is 0)."""
     logp: float
     rollout_logp: float
 
     @property
     def iw(self) -> float:
-        return math.exp(self.logp - self.rollout_logp) if self.logp - self.rollout_logp < 700 else float("inf")
+        d = self.logp - self.rollout_logp
+        return d if math.isnan(d) else math.exp(min(d, 700.0))
 
 
 @dataclass(frozen=True)
@@ -113,8 +94,7 @@ class ParityVerdict:
         ]
         if self.worst:
             lines.append("  worst tokens (|logp - rollout_logp|):")
-            lines += [f"    sample {w.sample} ({w.sample_id}) row position {w.position} (target at {w.position + 1}): "
-                      f"logp={w.logp:.6g} "
+            lines += [f"    sample {w.sample} ({w.sample_id}) position {w.position}: logp={w.logp:.6g} "
                       f"rollout_logp={w.rollout_logp:.6g} iw={w.iw:.6g}" for w in self.worst]
         return "\n".join(lines)
 
@@ -134,57 +114,62 @@ class ParityGateError(RuntimeError):
 def check_parity(
     logp: torch.Tensor,
     rollout_logp: torch.Tensor,
-    loss_mask: torch.Tensor,
     *,
     sample_index: torch.Tensor,
-    position_ids: torch.Tensor,
+    positions: torch.Tensor,
     attention_backend: str,
     logprob_backend: str,
+    loss_mask: torch.Tensor | None = None,
     sample_ids: Sequence[str] | None = None,
     thresholds: ParityThresholds = ParityThresholds(),
 ) -> ParityVerdict:
     """Compare trainer and rollout log-probs of one step's response tokens.
 
-    All tensors are 1-D and aligned per logit row (as in PackedMicrobatch; concatenate a step's
-    microbatches): logp is the trainer's, rollout_logp the rollout's, loss_mask marks response
-    tokens, sample_index/position_ids locate each row in its sample. attention_backend and
-    logprob_backend name what produced logp (e.g. ",".join(REGISTRY.usage()) and the logprob
-    kernel's backend); they appear in the verdict so a failure names its suspects.
+    All tensors are 1-D and aligned token by token: logp is the trainer's, rollout_logp the
+    rollout's, sample_index/positions say which sample each token belongs to and where it sits in
+    that sample's sequence. loss_mask, when given, selects the tokens to compare (None: all are
+    response tokens, as with PackedMicrobatch.response_* concatenated over a step's microbatches).
+    sample_ids[i], when given, names sample i in the diagnostic.
+    attention_backend and logprob_backend name what produced logp (e.g. ",".join(REGISTRY.usage())
+    and the log-prob backend); they appear in the verdict so a failure names its suspects.
     """
     n = logp.shape[0]
-    for name, t in (("sample_index", sample_index), ("position_ids", position_ids)):
-        if t.shape != (n,):
-            raise ValueError(f"{name} must be 1-D with {n} entries, got {tuple(t.shape)}")
-    stats = mismatch_stats(logp, rollout_logp, loss_mask)
+    for name, t in (("rollout_logp", rollout_logp), ("sample_index", sample_index), ("positions", positions)) + (
+            (("loss_mask", loss_mask),) if loss_mask is not None else ()):
+        if t.dim() != 1 or t.shape[0] != n:
+            raise ValueError(f"{name} must be 1-D with {n} entries like logp, got {tuple(t.shape)}")
+    if loss_mask is not None:
+        keep = loss_mask.to(torch.bool)
+        logp, rollout_logp, sample_index, positions = (x[keep] for x in (logp, rollout_logp, sample_index, positions))
+    if logp.numel() == 0:
+        raise ValueError("parity gate: no response tokens to compare")
+    stats = gate_stats(logp, rollout_logp)
     failures: list[str] = []
     if stats["nonfinite"]:
-        failures.append(f"{int(stats['nonfinite'])} response tokens have non-finite logp - rollout_logp")
-    else:
-        dev = abs(stats["iw_mean"] - 1.0)
-        if not dev <= thresholds.iw_mean_tolerance:
-            failures.append(f"|IW mean - 1| = {dev:.4g} > {thresholds.iw_mean_tolerance:g}")
-        if not stats["iw_max"] <= thresholds.iw_max:
-            failures.append(f"IW max = {stats['iw_max']:.4g} > {thresholds.iw_max:g}")
-        if not stats["logprob_abs_diff_mean"] <= thresholds.logprob_abs_diff_mean:
-            failures.append(f"mean |logp - rollout_logp| = {stats['logprob_abs_diff_mean']:.4g} > "
-                            f"{thresholds.logprob_abs_diff_mean:g}")
-    worst = _worst_tokens(logp, rollout_logp, loss_mask, sample_index, position_ids, sample_ids,
-                          thresholds.worst_tokens)
+        failures.append(f"{int(stats['nonfinite'])} response tokens have a non-finite logp - rollout_logp")
+    # `not x <= bound` so that NaN statistics fail too.
+    dev = abs(stats["iw_mean"] - 1.0)
+    if not dev <= thresholds.iw_mean_tolerance:
+        failures.append(f"|IW mean - 1| = {dev:.4g} > {thresholds.iw_mean_tolerance:g}")
+    if not stats["iw_max"] <= thresholds.iw_max:
+        failures.append(f"IW max = {stats['iw_max']:.4g} > {thresholds.iw_max:g}")
+    if not stats["logprob_abs_diff_mean"] <= thresholds.logprob_abs_diff_mean:
+        failures.append(f"mean |logp - rollout_logp| = {stats['logprob_abs_diff_mean']:.4g} > "
+                        f"{thresholds.logprob_abs_diff_mean:g}")
+    worst = _worst_tokens(logp, rollout_logp, sample_index, positions, sample_ids, thresholds.worst_tokens)
     return ParityVerdict(passed=not failures, failures=tuple(failures), stats=stats, worst=worst,
                          attention_backend=attention_backend, logprob_backend=logprob_backend,
                          thresholds=thresholds)
 
 
-def _worst_tokens(logp, rollout_logp, loss_mask, sample_index, position_ids, sample_ids, k) -> tuple[WorstToken, ...]:
-    rows = loss_mask.to(torch.bool).nonzero().flatten().cpu()
-    if k == 0 or rows.numel() == 0:
+def _worst_tokens(logp, rollout_logp, sample_index, positions, sample_ids, k) -> tuple[WorstToken, ...]:
+    if k == 0:
         return ()
-    lp, rl = logp.detach().double().cpu()[rows], rollout_logp.detach().double().cpu()[rows]
-    # Non-finite differences rank first (nan_to_num maps NaN/inf to the largest double).
+    lp, rl = logp.detach().double().cpu(), rollout_logp.detach().double().cpu()
+    # NaN ranks first; stable sort keeps ties in token order, so the report is deterministic.
     score = torch.nan_to_num((lp - rl).abs(), nan=float("inf"))
-    # Stable sort: ties keep row order, so the report is deterministic.
     top = torch.sort(score, descending=True, stable=True).indices[:k]
-    si, pos = sample_index.cpu()[rows], position_ids.cpu()[rows]
+    si, pos = sample_index.cpu(), positions.cpu()
     return tuple(
         WorstToken(sample=int(si[j]), sample_id=sample_ids[int(si[j])] if sample_ids else str(int(si[j])),
                    position=int(pos[j]), logp=float(lp[j]), rollout_logp=float(rl[j]))
