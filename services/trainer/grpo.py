@@ -1,5 +1,9 @@
 """GRPO math as pure functions: no model, no state, no device assumptions.
 
+Entropy is not computed here: the trainer takes it from the shared log-prob
+kernel (kernels.logprob.token_logprobs_with_entropy), so it is the entropy of
+exactly the temperature-scaled distribution the log-probs come from.
+
 Every function takes flat per-token tensors of *response* tokens only (the
 caller has already applied the loss mask), so the same code serves padded and
 packed microbatches. Tests check each one against hand-computed numbers.
@@ -55,6 +59,9 @@ def group_advantages(
     out = [0.0] * len(values)
     for idx in members.values():
         group = [float(values[i]) for i in idx]
+        if max(group) == min(group):
+            # Exactly 0, not a rounding residue of (r - mean) nor 0/0 at eps=0.
+            continue
         mean = sum(group) / len(group)
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
         for i, r in zip(idx, group):
@@ -104,13 +111,6 @@ def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     Differentiable in `logp`.
     """
     return k3(ref_logp - logp)
-
-
-def entropy_from_logits(logits: torch.Tensor, *, temperature: float) -> torch.Tensor:
-    """Per-row entropy (nats) of softmax(logits / temperature), computed in fp32."""
-    z = logits.float() / temperature
-    logp = torch.log_softmax(z, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
 
 
 # ------------------------------------------------------------ mismatch health --

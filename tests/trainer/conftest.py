@@ -1,73 +1,16 @@
-"""Trainer test fixtures: a tiny Qwen3 model directory and on-policy trajectories.
-
-The model is built in the test (no hub): Qwen3Config with vocab 32, hidden 32,
-2 layers, 4 heads / 2 KV heads, plus a word-level tokenizer so checkpoints can
-be checked for tokenizer files. Rollout log-probs are computed from the same
-weights, one sequence at a time, with the shared log-prob definition — the
-way the rollout engine reports them — so step-1 IW must be ~1.
-"""
+"""Fixtures of the trainer tests (helpers live in trainer_support.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
-
-VOCAB = 32
-
-
-def build_tiny_model_dir(path: Path, *, seed: int = 0) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    torch.manual_seed(seed)
-    Qwen3ForCausalLM(config).save_pretrained(str(path))
-    vocab = {"<pad>": 0, "<bos>": 1, "<eos>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
-    ).save_pretrained(str(path))
-    return path
+from trainer_support import build_tiny_model_dir
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
-def make_episodes(n_groups: int = 2, per_group: int = 3, *, seed: int = 1) -> list[dict]:
-    """Deterministic prompts/responses of varied lengths with rewards (no log-probs yet)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for gi in range(n_groups):
-        prompt = torch.randint(3, VOCAB, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g)
-        for si in range(per_group):
-            resp = torch.randint(3, VOCAB, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g)
-            out.append({
-                "group_id": f"g{gi}", "sample_id": f"g{gi}/{si}",
-                "prompt": prompt.tolist(), "response": resp.tolist(),
-                "reward": float((gi + si) % 2),
-            })
-    return out
-
-
-@torch.no_grad()
-def rollout_logprobs(model, prompt: list[int], response: list[int], *, temperature: float = 1.0) -> list[float]:
-    """Score `response` given `prompt` like the rollout engine: one unpadded sequence, shared kernel."""
-    from kernels.logprob import token_logprobs
-
-    ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids, use_cache=False).logits[0]
-    p = len(prompt)
-    sel = logits[p - 1 : p - 1 + len(response)]
-    logp, _ = token_logprobs(sel, torch.tensor(response), temperature=temperature)
-    return logp.tolist()
 
 
 @pytest.fixture

@@ -1,0 +1,172 @@
+"""`python -m services.trainer` as a real subprocess on loopback, driven over real gRPC."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from trainer_support import make_episodes, rollout_logprobs
+
+from proto import lockstep_pb2 as pb
+from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.grpc_options import grpc_options
+from services.common.metric_defs import STEP_METRIC_HELP
+from services.common.models import load_causal_lm
+from services.common.tensors import ids_to_proto, logprobs_to_proto
+from services.common.weight_stream import WeightStreamAssembler
+from services.trainer.grpo import group_advantages
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = "itest"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    grpc_port, metrics_port = free_port(), free_port()
+    env = dict(os.environ, LOCKSTEP_TRAINER_METRICS_PORT=str(metrics_port), PYTHONPATH=str(REPO))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.trainer", "--grpc-port", str(grpc_port), "--num-threads", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=grpc_options())
+    stub = pb_grpc.TrainerStub(channel)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            stub.Health(pb.HealthRequest(), timeout=1)
+            break
+        except grpc.RpcError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"trainer did not come up:\n{proc.stdout.read()}")
+            time.sleep(0.2)
+    yield stub, proc, metrics_port
+    channel.close()
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def trajectories(model, step: int, *, seed: int) -> list[pb.Trajectory]:
+    eps = make_episodes(seed=seed)
+    adv = group_advantages([e["reward"] for e in eps], [e["group_id"] for e in eps])
+    return [
+        pb.Trajectory(
+            run_id=RUN, step=step, policy_version=step - 1, group_id=e["group_id"], sample_id=e["sample_id"],
+            prompt_token_ids=ids_to_proto(e["prompt"]), response_token_ids=ids_to_proto(e["response"]),
+            rollout_logprobs=logprobs_to_proto(rollout_logprobs(model, e["prompt"], e["response"])),
+            reward=e["reward"], advantage=a, finish_reason="length",
+        )
+        for e, a in zip(eps, adv)
+    ]
+
+
+def train(stub, step: int, trajs: list[pb.Trajectory], *, run_id: str = RUN) -> pb.StepMetrics:
+    header = pb.TrainStepHeader(run_id=run_id, step=step, policy_version=step - 1, num_trajectories=len(trajs))
+    chunks = [pb.TrainStepChunk(header=header)] + [pb.TrainStepChunk(trajectory=t) for t in trajs]
+    return stub.TrainStep(iter(chunks), timeout=60)
+
+
+def get_weights(stub, chunk_bytes: int = 2048) -> tuple[int, dict[str, torch.Tensor]]:
+    asm = WeightStreamAssembler()
+    for chunk in stub.GetWeights(pb.GetWeightsRequest(run_id=RUN, chunk_bytes=chunk_bytes), timeout=60):
+        asm.add(chunk)
+    return asm.policy_version, asm.finish()
+
+
+def code_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()
+
+
+def test_trainer_service_end_to_end(server, tiny_model_dir, tmp_path):
+    stub, proc, metrics_port = server
+    assert stub.Health(pb.HealthRequest()).status == "not_loaded"
+    assert stub.Info(pb.InfoRequest()).policy_version == -1
+    assert code_of(lambda: train(stub, 1, []))[0] == grpc.StatusCode.FAILED_PRECONDITION
+
+    # Bad configuration is refused naming the field; the server keeps serving.
+    code, msg = code_of(lambda: stub.ConfigureRun(pb.ConfigureRunRequest(
+        run_id=RUN, model_path=str(tiny_model_dir), trainer_config_json='{"clip_eps_low": 2}')))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trainer_config_json.clip_eps_low:")
+
+    config = json.dumps({"lr": 1e-2, "microbatch_tokens": 16})
+    request = pb.ConfigureRunRequest(run_id=RUN, model_path=str(tiny_model_dir), seed=5, trainer_config_json=config)
+    info = stub.ConfigureRun(request).info
+    assert (info.service, info.run_id, info.policy_version) == ("trainer", RUN, 0)
+
+    # Version-0 weights are the model directory's, bit for bit, through a verified stream.
+    model = load_causal_lm(tiny_model_dir)
+    version, w0 = get_weights(stub)
+    assert version == 0 and set(w0) == set(model.state_dict())
+    assert all(torch.equal(w0[k], v) for k, v in model.state_dict().items())
+
+    trajs = trajectories(model, 1, seed=1)
+    # Mismatched lengths and non-finite log-probs: INVALID_ARGUMENT naming the field, nothing applied.
+    n = len(trajs[3].response_token_ids.data) // 4
+    short = pb.Trajectory()
+    short.CopyFrom(trajs[3])
+    short.rollout_logprobs.CopyFrom(logprobs_to_proto([-1.0] * (n - 1)))
+    code, msg = code_of(lambda: train(stub, 1, trajs[:3] + [short] + trajs[4:]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert msg == f"trajectory[3].rollout_logprobs: {n - 1} values for {n} response tokens"
+    nan = pb.Trajectory()
+    nan.CopyFrom(trajs[0])
+    n0 = len(trajs[0].response_token_ids.data) // 4
+    nan.rollout_logprobs.CopyFrom(logprobs_to_proto([float("nan")] + [-1.0] * (n0 - 1)))
+    code, msg = code_of(lambda: train(stub, 1, [nan] + trajs[1:]))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("trajectory[0].rollout_logprobs[0]: not finite")
+    assert stub.Info(pb.InfoRequest()).policy_version == 0
+
+    # The valid step right after: on-policy, so IW is 1 at step 1.
+    result = train(stub, 1, trajs)
+    m = dict(result.metrics)
+    assert (result.step, result.policy_version, result.replayed) == (1, 1, False)
+    assert set(m) == set(STEP_METRIC_HELP) - {"eval_accuracy"}
+    assert abs(m["iw_mean"] - 1) <= 1e-5 and m["logprob_abs_diff_max"] <= 1e-5
+
+    # Replay (coordinator restarted after the update): recorded metrics, nothing trained.
+    replay = train(stub, 1, [])
+    assert replay.replayed and dict(replay.metrics) == m and replay.policy_version == 1
+    assert stub.ConfigureRun(request).info.policy_version == 1  # same run: state kept
+    code, msg = code_of(lambda: train(stub, 3, trajectories(model, 3, seed=3)))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "holds policy_version 1; step 3 needs 2" in msg
+
+    version, w1 = get_weights(stub)
+    assert version == 1 and any(not torch.equal(w0[k], w1[k]) for k in w0)
+
+    # Checkpoint round trip: save at 1, train step 2, load -> back to version 1 and its weights.
+    saved = stub.SaveCheckpoint(pb.SaveCheckpointRequest(run_id=RUN, directory=str(tmp_path / "ckpt1")))
+    assert saved.policy_version == 1 and (Path(saved.directory) / "model.safetensors").is_file()
+    model.load_state_dict(w1)
+    assert train(stub, 2, trajectories(model, 2, seed=2)).policy_version == 2
+    assert stub.LoadCheckpoint(pb.LoadCheckpointRequest(run_id=RUN, directory=saved.directory)).policy_version == 1
+    version, again = get_weights(stub)
+    assert version == 1 and all(torch.equal(w1[k], again[k]) for k in w1)
+    code, msg = code_of(lambda: stub.LoadCheckpoint(pb.LoadCheckpointRequest(run_id=RUN, directory=str(tmp_path))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("directory:")
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert 'lockstep_trainer_steps_total{outcome="trained",service="trainer"} 2.0' in body
+    assert 'lockstep_trainer_steps_total{outcome="replayed",service="trainer"} 1.0' in body
+    assert 'lockstep_trainer_policy_version{service="trainer"} 1.0' in body
+
+    # SIGTERM: graceful shutdown, exit status 0.
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

@@ -1,0 +1,84 @@
+"""TrainStep stream decoding: every malformed input is refused with a message naming the field."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proto import lockstep_pb2 as pb
+from services.common.tensors import ids_to_proto, logprobs_to_proto
+from services.trainer.wire import InvalidRequest, read_train_step
+
+
+def header(n: int = 2, **kw) -> pb.TrainStepChunk:
+    fields = dict(run_id="r", step=1, policy_version=0, num_trajectories=n) | kw
+    return pb.TrainStepChunk(header=pb.TrainStepHeader(**fields))
+
+
+def traj(i: int = 0, **kw) -> pb.TrainStepChunk:
+    fields = dict(
+        run_id="r", step=1, policy_version=0, group_id="g", sample_id=f"g/{i}",
+        prompt_token_ids=ids_to_proto([1, 2]), response_token_ids=ids_to_proto([3, 4, 5]),
+        rollout_logprobs=logprobs_to_proto([-0.5, -1.0, -2.0]), reward=1.0, advantage=0.5,
+    ) | kw
+    return pb.TrainStepChunk(trajectory=pb.Trajectory(**fields))
+
+
+def read(chunks):
+    async def stream():
+        for c in chunks:
+            yield c
+
+    return asyncio.run(read_train_step(stream()))
+
+
+def test_valid_stream_decodes():
+    req = read([header(2), traj(0), traj(1)])
+    assert (req.run_id, req.step, len(req.samples)) == ("r", 1, 2)
+    s = req.samples[1]
+    assert s.sample_id == "g/1" and s.prompt_ids.tolist() == [1, 2] and s.response_ids.tolist() == [3, 4, 5]
+    assert s.rollout_logprobs.tolist() == [-0.5, -1.0, -2.0] and s.advantage == 0.5
+
+
+def test_replay_header_without_trajectories_is_well_formed():
+    assert read([header(0)]).samples == []
+
+
+@pytest.mark.parametrize(
+    "chunks, message",
+    [
+        ([traj(0)], r"message\[0\]: header missing"),
+        ([], "header missing: empty TrainStep stream"),
+        ([header(1), header(1)], r"message\[1\]: second header"),
+        ([header(2), traj(0), traj(1, run_id="other")], r"trajectory\[1\]\.run_id: 'other' but the header says 'r'"),
+        ([header(1), traj(0, step=2)], r"trajectory\[0\]\.step: 2"),
+        ([header(1, step=0)], "header.step: must be >= 1"),
+        ([header(1, policy_version=1)], "header.policy_version: 1 cannot have generated step 1"),
+        ([header(2), traj(0), traj(1, rollout_logprobs=logprobs_to_proto([-1.0] * 5),
+                                    response_token_ids=ids_to_proto([3] * 6))],
+         r"trajectory\[1\]\.rollout_logprobs: 5 values for 6 response tokens"),
+        ([header(1), traj(0, rollout_logprobs=logprobs_to_proto([-1.0, float("nan"), -1.0]))],
+         r"trajectory\[0\]\.rollout_logprobs\[1\]: not finite \(nan\)"),
+        ([header(1), traj(0, rollout_logprobs=logprobs_to_proto([-1.0, -1.0, float("-inf")]))],
+         r"trajectory\[0\]\.rollout_logprobs\[2\]: not finite \(-inf\)"),
+        ([header(1), traj(0, rollout_logprobs=logprobs_to_proto([0.5, -1.0, -1.0]))],
+         r"rollout_logprobs\[0\]: 0.5 > 0 is not a log-prob"),
+        ([header(1), traj(0, prompt_token_ids=ids_to_proto([]))], r"trajectory\[0\]\.prompt_token_ids: empty prompt"),
+        ([header(1), traj(0, response_token_ids=ids_to_proto([]), rollout_logprobs=logprobs_to_proto([]))],
+         "response_token_ids: empty response"),
+        ([header(1), traj(0, prompt_token_ids=ids_to_proto([1, -4]))], "prompt_token_ids: negative token id -4"),
+        ([header(1), traj(0, prompt_token_ids=pb.Tensor())], r"trajectory\[0\]\.prompt_token_ids: missing tensor"),
+        ([header(1), traj(0, rollout_logprobs=pb.Tensor(dtype="float32", shape=[3], data=b"\0" * 8))],
+         "rollout_logprobs: 8 bytes do not hold shape"),
+        ([header(1), traj(0, response_token_ids=logprobs_to_proto([1.0, 2.0, 3.0]))],
+         "response_token_ids: expected dtype int32, got float32"),
+        ([header(1), traj(0, advantage=float("inf"))], r"trajectory\[0\]\.advantage: not finite"),
+        ([header(2), traj(0), traj(0)], r"trajectory\[1\]\.sample_id: duplicate 'g/0'"),
+        ([header(1), traj(0), traj(1)], r"trajectory\[1\]: more trajectories than header.num_trajectories=1"),
+        ([header(3), traj(0), traj(1)], "header.num_trajectories: 3 announced, 2 received"),
+        ([header(1), traj(0, sample_id="")], r"trajectory\[0\]\.sample_id: empty"),
+    ],
+)
+def test_malformed_streams_name_the_field(chunks, message):
+    with pytest.raises(InvalidRequest, match=message):
+        read(chunks)
