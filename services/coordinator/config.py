@@ -27,6 +27,11 @@ class CoordinatorConfig(BaseModel):
         3, ge=0, description="Times a prompt shard is re-dispatched after its replica answers UNAVAILABLE."
     )
     log_level: str = Field("info", description="Log level.")
+    crash_after_train_step: int = Field(
+        0, ge=0,
+        description="Fault injection for tests: the process exits abruptly right after the trainer applied "
+        "this step and before the step is recorded (0 = never).",
+    )
 
     @field_validator("rollout_addresses", mode="before")
     @classmethod

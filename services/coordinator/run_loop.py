@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,11 +68,13 @@ class RunDriver:
         run_dir: Path,
         generate_retries: int,
         tokenizer_loader: Callable[[str], object],
+        crash_after_train_step: int = 0,
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
         self.rollouts, self.trainer, self.exporter = list(rollouts), trainer, exporter
         self.run_dir = run_dir
         self.generate_retries = generate_retries
+        self.crash_after_train_step = crash_after_train_step
         self.task: Task = build_task(spec.task.name, spec.task.options)
         self.tokenizer = tokenizer_loader(spec.model_path)
         self._prompt_ids: dict[str, list[int]] = {}
@@ -131,6 +134,8 @@ class RunDriver:
             tr = time.monotonic()
             result = await self.trainer.train_step(header, trajectories)
             timings["train"] = time.monotonic() - tr
+            if step == self.crash_after_train_step:
+                os._exit(137)  # fault injection: die between "applied" and "recorded"
         tr = time.monotonic()
         await self._sync_weights(step)
         timings["weight_sync"] = time.monotonic() - tr

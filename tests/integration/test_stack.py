@@ -135,6 +135,38 @@ def test_coordinator_sigkill_resumes_with_every_step_once(client, model_dir, sta
         fresh.close()
 
 
+def test_crash_between_train_and_record_replays_the_step(client, model_dir, stack):
+    """The trainer applied step 2 but the coordinator died before recording it:
+    the restarted coordinator must replay step 2 (not train it twice) and go on."""
+    args = list(stack.coordinator.args)
+    stack.coordinator.stop()
+    stack.coordinator.args = args + ["--crash-after-train-step", "2"]
+    stack.restart_coordinator()
+    c = CoordinatorClient(stack.api_url)
+    try:
+        run = c.submit(spec(model_dir, name="replay", steps=3))
+        stack.coordinator.proc.wait(timeout=300)
+        assert stack.coordinator.proc.returncode == 137
+    finally:
+        c.close()
+    stack.coordinator.args = args
+    stack.restart_coordinator()
+    fresh = CoordinatorClient(stack.api_url)
+    try:
+        assert fresh.wait(run["id"], timeout_s=300)["status"] == "completed"
+        steps = fresh.metrics(run["id"])["steps"]
+        assert [s["step"] for s in steps] == [1, 2, 3]
+        assert steps[1]["metrics"]["trajectories_trained"] == 16
+        events = [e["event"] for e in fresh.run(run["id"])["events"]]
+        assert events.count("step_replayed") == 1
+    finally:
+        fresh.close()
+    # The replayed run must equal an uninterrupted one with the same seed, bit for bit.
+    ref = client.submit(spec(model_dir, name="replay-ref", steps=3))
+    assert client.wait(ref["id"], timeout_s=300)["status"] == "completed"
+    assert [s["metrics"] for s in client.metrics(ref["id"])["steps"]] == [s["metrics"] for s in steps]
+
+
 def test_cancel(client, model_dir):
     run = client.submit(spec(model_dir, name="cancel-me", steps=50))
     client.cancel(run["id"])
