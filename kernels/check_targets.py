@@ -135,8 +135,13 @@ def check_native() -> list[dict]:
                 env = dict(os.environ, HIP_PLATFORM="amd")
                 t0 = time.perf_counter()
                 ok, log = _run_compiler([hipcc, "-x", "hip", f"--offload-arch={arch}", "-O3", "-c", src, "-o", out], env)
-                entry.update(ok=ok and os.path.getsize(out) > 0 if ok else False, seconds=round(time.perf_counter() - t0, 2))
-                if entry["ok"]:
+                entry["seconds"] = round(time.perf_counter() - t0, 2)
+                # A host-only object would also "compile": require the offload bundle for this arch.
+                triple = f"amdgcn-amd-amdhsa--{arch}".encode()
+                if ok and triple not in open(out, "rb").read():
+                    ok, log = False, f"object has no device code for {arch} (no {triple.decode()} bundle)"
+                entry["ok"] = ok
+                if ok:
                     entry["bytes"] = os.path.getsize(out)
                 else:
                     entry["error"] = log

@@ -5,7 +5,12 @@ temperature) at the targets and the logsumexp, over a fixed global tiling of
 the vocab (tiling.py), dispatched by contract (contract.py) to a registered
 backend (registry.py): reference (pure torch), triton, native (CUDA/HIP).
 """
-from kernels.logprob.api import build_contract, token_logprobs, token_logprobs_with_entropy
+from kernels.logprob.api import (
+    build_contract,
+    emulate_tensor_parallel,
+    token_logprobs,
+    token_logprobs_with_entropy,
+)
 from kernels.logprob.contract import (
     DeterminismScope,
     LogprobContract,
@@ -39,6 +44,7 @@ __all__ = [
     "Platform",
     "ShardLayout",
     "build_contract",
+    "emulate_tensor_parallel",
     "num_tiles",
     "register_backend",
     "registered_backends",

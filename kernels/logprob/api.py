@@ -23,26 +23,33 @@ from kernels.logprob.registry import select, verify_group_agreement
 from kernels.logprob.tiling import ShardLayout
 
 
-def _gather_partials(
-    m: torch.Tensor, s: torch.Tensor, w: torch.Tensor | None, tgt: torch.Tensor, group: Any
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """All-gather per-rank partials and lay them out in global slot order (rank-major).
+def _pack(m, s, w, tgt) -> torch.Tensor:
+    return torch.cat([m, s] + ([w] if w is not None else []) + [tgt.unsqueeze(1)], dim=1).contiguous()
 
-    The target logit is -inf on every rank but its owner, so max over ranks is exact.
+
+def layout_gathered(packed: list[torch.Tensor], slots: int, with_entropy: bool):
+    """Per-rank packed partials (rank order) -> global [T, world*slots] partials and the target logit.
+
+    Rank-major concatenation is global slot order because shards are contiguous
+    and ascending. The target logit is -inf on every rank but its owner, so the
+    max over ranks is exact.
     """
+    S = slots
+    gm = torch.cat([o[:, :S] for o in packed], dim=1)
+    gs = torch.cat([o[:, S : 2 * S] for o in packed], dim=1)
+    gw = torch.cat([o[:, 2 * S : 3 * S] for o in packed], dim=1) if with_entropy else None
+    gt = torch.stack([o[:, -1] for o in packed], dim=1).amax(dim=1)
+    return gm, gs, gw, gt
+
+
+def _gather_partials(m, s, w, tgt, group):
+    """All-gather this rank's partials over the TP group (the only collective of the forward)."""
     import torch.distributed as dist
 
-    world = dist.get_world_size(group)
-    parts = [m, s] + ([w] if w is not None else []) + [tgt.unsqueeze(1)]
-    packed = torch.cat(parts, dim=1).contiguous()
-    out = [torch.empty_like(packed) for _ in range(world)]
+    packed = _pack(m, s, w, tgt)
+    out = [torch.empty_like(packed) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, packed, group=group)
-    S = m.shape[1]
-    gm = torch.cat([o[:, :S] for o in out], dim=1)
-    gs = torch.cat([o[:, S : 2 * S] for o in out], dim=1)
-    gw = torch.cat([o[:, 2 * S : 3 * S] for o in out], dim=1) if w is not None else None
-    gt = torch.stack([o[:, -1] for o in out], dim=1).amax(dim=1)
-    return gm, gs, gw, gt
+    return layout_gathered(out, m.shape[1], w is not None)
 
 
 class _TokenLogprobFunction(torch.autograd.Function):
@@ -194,3 +201,43 @@ def token_logprobs_with_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As `token_logprobs`, plus the fp32 entropy [T] of softmax(logits / temperature) (differentiable)."""
     return _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, True, determinism)
+
+
+def emulate_tensor_parallel(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    tp: int,
+    backend: str,
+    temperature: float = 1.0,
+    global_vocab_size: int | None = None,
+    mask: torch.Tensor | None = None,
+    determinism: str = "cross_tp_bitwise",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of a TP-`tp` run on one device: each shard of the full [T, V_padded] logits goes
+    through the backend as that rank would, and the partials are laid out as the all-gather
+    would deliver them. For tests and the benchmark's TP-invariance check (no autograd)."""
+    _validate_inputs(logits, targets, mask, temperature)
+    P = logits.shape[1]
+    if P % tp:
+        raise ValueError(f"padded vocab {P} is not divisible by tp={tp}")
+    V_local = P // tp
+    packed, impl, slots, layout = [], None, 0, None
+    for r in range(tp):
+        layout = ShardLayout(
+            global_vocab_size=P if global_vocab_size is None else global_vocab_size,
+            vocab_start=r * V_local, local_vocab_size=V_local, tp_rank=r, tp_world_size=tp,
+        )
+        contract = LogprobContract(
+            sharding=layout, input_dtype=logits.dtype, platform=platform_of(logits.device),
+            temperature=float(temperature), mask_mode=MaskMode.EXPLICIT_ACTIVE_MASK if mask is not None else MaskMode.NONE,
+            determinism=DeterminismScope(determinism),
+        )
+        impl = select(backend, contract)
+        shard = logits[:, r * V_local : (r + 1) * V_local]
+        m, s, w, tgt = impl.partials(shard, targets, layout, float(temperature), False)
+        packed.append(_pack(m, s, w, tgt))
+        slots = m.shape[1]
+    m, s, w, tgt = layout_gathered(packed, slots, False)
+    logp, lse, _ = impl.merge(m, s, w, tgt, targets, layout.global_vocab_size, mask)
+    return logp, lse
