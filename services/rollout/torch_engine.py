@@ -101,10 +101,16 @@ class TorchEngineConfig(BaseModel):
             raise ValueError("; ".join(parts)) from None
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """Name of the KV-cache argument: transformers 5.2x renamed `past_key_values` to `cache`."""
+def _forward_kwargs(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
+    """(name of the KV-cache argument, extra kwargs) for this model's forward.
+
+    transformers 5.2x renamed `past_key_values` to `cache`; `logits_to_keep=1`
+    skips the lm_head on every prompt position but the last, where the model
+    supports it (it changes no value, only work).
+    """
     params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    cache_arg = "cache" if "cache" in params else "past_key_values"
+    return cache_arg, ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
 
 
 def left_pad(
@@ -195,6 +201,7 @@ class TorchEngine(Engine):
         self._model_path = ""
         self._policy_version = -1
         self._cache_arg = "cache"
+        self._forward_extra: dict[str, int] = {}
 
     @classmethod
     def from_config_json(cls, text: str) -> "TorchEngine":
@@ -218,7 +225,7 @@ class TorchEngine(Engine):
         self._probe_logprob_backend(model, vocab)
         self._model, self._model_path = model, str(model_path)
         self._policy_version = int(policy_version)
-        self._cache_arg = _cache_kwarg(model)
+        self._cache_arg, self._forward_extra = _forward_kwargs(model)
 
     def _probe_logprob_backend(self, model: torch.nn.Module, vocab: int) -> None:
         """Score one dummy token now, so a backend that cannot serve this dtype/device fails LoadModel, not step 1."""
@@ -315,8 +322,8 @@ class TorchEngine(Engine):
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
             **{self._cache_arg: cache},
+            **self._forward_extra,
         )
         return out.logits[:, -1, :]
 
