@@ -1,0 +1,178 @@
+"""Which platform this process runs on, and every decision that follows from it.
+
+One place for platform facts (DESIGN.md, "Portability without an AMD GPU"):
+ROCm behaviour can't be run here, so it is tested by the decisions this
+module makes given an environment. Two pure functions carry them:
+
+- `detect_platform(env, torch_hip=..., cuda_available=...)`: CPU, CUDA or ROCm.
+- `sglang_launch_plan(platform, config, env)`: the SGLang server flags and the
+  child process's environment changes for that platform.
+
+Why each ROCm decision (seed 003, miles PR #3183, an AMD LoRA RL launcher):
+- SGLang's default attention and LoRA kernels on CUDA (flashinfer / fa3 /
+  csgmv) are CUDA-only; on ROCm both are pinned to Triton.
+- Ray resets *_VISIBLE_DEVICES when it starts workers unless told not to
+  (RAY_EXPERIMENTAL_NOSET_{HIP,CUDA}_VISIBLE_DEVICES=1), which would move a
+  worker onto another GPU than the one the operator chose.
+- Code above the HIP runtime reads CUDA_VISIBLE_DEVICES, so the operator's
+  HIP_VISIBLE_DEVICES is copied there.
+- NCCL_NVLS_ENABLE=0: NVLink SHARP does not exist on ROCm and RCCL's topology
+  probe for it must not run.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PLATFORM_ENV = "LOCKSTEP_PLATFORM"
+"""Operator override of detection: 'cpu', 'cuda' or 'rocm'."""
+
+# Entry-point name and activation variable of the out-of-tree SGLang CPU
+# platform (deploy/sglang/cpu_platform). Kept here, beside the other platform
+# decisions, and checked against the plugin's own constants by a test.
+SGLANG_CPU_PLUGIN_NAME = "lockstep_cpu"
+SGLANG_CPU_PLUGIN_ENV = "LOCKSTEP_SGLANG_CPU_PLATFORM"
+
+
+class Platform(str, enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+    ROCM = "rocm"
+
+
+def detect_platform(env: Mapping[str, str], *, torch_hip: str | None, cuda_available: bool) -> Platform:
+    """The platform for these facts. Pure: the caller passes what torch reports.
+
+    `LOCKSTEP_PLATFORM` wins (an operator may want the CPU path on a GPU host);
+    an unknown value is an error, not a guess. Otherwise a ROCm build of torch
+    (torch.version.hip set) that sees a device is ROCm, a device without it is
+    CUDA, and no device is CPU.
+    """
+    override = env.get(PLATFORM_ENV, "").strip().lower()
+    if override:
+        try:
+            return Platform(override)
+        except ValueError:
+            raise ValueError(
+                f"{PLATFORM_ENV}: unknown platform {override!r}; expected one of {[p.value for p in Platform]}"
+            ) from None
+    if cuda_available:
+        return Platform.ROCM if torch_hip else Platform.CUDA
+    return Platform.CPU
+
+
+def probe_platform(env: Mapping[str, str]) -> Platform:
+    """`detect_platform` with the facts read from this process's torch."""
+    import torch
+
+    return detect_platform(
+        env, torch_hip=getattr(torch.version, "hip", None), cuda_available=torch.cuda.is_available()
+    )
+
+
+class SGLangPlatformConfig(BaseModel):
+    """Platform-dependent SGLang server options (the rest of the command is the supervisor's)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cuda_attention_backend: str = Field(
+        "fa3",
+        min_length=1,
+        description="Attention backend on NVIDIA GPUs. fa3 (Hopper) is one SGLang accepts in deterministic "
+        "mode and the one miles' true on-policy work uses; set flashinfer/triton for other GPUs.",
+    )
+    cuda_lora_backend: str | None = Field(
+        None,
+        description="LoRA backend on NVIDIA GPUs; None keeps SGLang's default (csgmv). On ROCm it is always triton.",
+    )
+    deterministic: bool = Field(
+        False,
+        description="Pass --enable-deterministic-inference (batch-invariant kernels, per-request sampling seeds). "
+        "GPU only: SGLang refuses it with the CPU torch_native backend, so CPU + deterministic is an error.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weights/activations dtype (--dtype). Must equal the trainer's. On CPU only float32 "
+        "(or auto, meaning float32) is accepted: that is the configuration whose log-probs were measured.",
+    )
+    cpu_max_total_tokens: int = Field(
+        8192,
+        ge=256,
+        description="KV-cache size in tokens on CPU (--max-total-tokens). Without it SGLang sizes the pool from "
+        "the free RAM of a machine shared with other processes.",
+    )
+    mem_fraction_static: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="GPU memory fraction for weights + KV cache (--mem-fraction-static); None = SGLang's default. "
+        "Set it when the trainer shares the GPU (colocated).",
+    )
+
+
+@dataclass(frozen=True)
+class SGLangLaunchPlan:
+    """What the platform decides about an SGLang server: flags and environment changes."""
+
+    platform: Platform
+    flags: tuple[str, ...]
+    env_updates: dict[str, str] = field(default_factory=dict)
+
+    def child_env(self, base: Mapping[str, str]) -> dict[str, str]:
+        """The child process's environment: `base` with this plan's updates applied."""
+        return {**base, **self.env_updates}
+
+
+def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Mapping[str, str]) -> SGLangLaunchPlan:
+    """Flags and environment for an SGLang server on `platform`. Pure; tested exactly per platform.
+
+    --enable-metrics everywhere: SGLang's own Prometheus metrics are scraped
+    beside Lockstep's.
+    """
+    env_updates: dict[str, str] = {}
+    if platform is Platform.CPU:
+        if config.deterministic:
+            raise ValueError(
+                "deterministic: SGLang's --enable-deterministic-inference needs a GPU attention backend "
+                "(fa3/flashinfer/triton); on CPU use engine=torch for deterministic runs"
+            )
+        if config.dtype not in ("auto", "float32"):
+            raise ValueError(f"dtype: SGLang on CPU runs float32 only, got {config.dtype!r}")
+        flags = [
+            "--device", "cpu",
+            # Plain SDPA over the paged KV cache: no Triton, flashinfer or sgl-kernel on a CPU.
+            "--attention-backend", "torch_native",
+            "--disable-cuda-graph",
+            "--dtype", "float32",
+            "--max-total-tokens", str(config.cpu_max_total_tokens),
+            # Warm-up sends a text request; with input ids only (no tokenizer) it is pure start-up cost.
+            "--skip-server-warmup",
+        ]
+        env_updates[SGLANG_CPU_PLUGIN_ENV] = "1"
+        # Select the plugin by name: SGLang then fails at start-up, naming it,
+        # when it is not installed, instead of falling back to another platform.
+        env_updates["SGLANG_PLATFORM"] = SGLANG_CPU_PLUGIN_NAME
+    elif platform is Platform.ROCM:
+        flags = ["--attention-backend", "triton", "--lora-backend", "triton", "--dtype", config.dtype]
+        hip = env.get("HIP_VISIBLE_DEVICES")
+        if hip is not None:
+            env_updates["CUDA_VISIBLE_DEVICES"] = hip
+        env_updates["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"] = "1"
+        env_updates["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        env_updates["NCCL_NVLS_ENABLE"] = "0"
+    elif platform is Platform.CUDA:
+        flags = ["--attention-backend", config.cuda_attention_backend, "--dtype", config.dtype]
+        if config.cuda_lora_backend is not None:
+            flags += ["--lora-backend", config.cuda_lora_backend]
+    else:  # pragma: no cover - exhaustive over the enum
+        raise ValueError(f"platform: unsupported {platform!r}")
+    if platform is not Platform.CPU and config.mem_fraction_static is not None:
+        flags += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    if config.deterministic:
+        flags.append("--enable-deterministic-inference")
+    flags.append("--enable-metrics")
+    return SGLangLaunchPlan(platform=platform, flags=tuple(flags), env_updates=env_updates)

@@ -1,0 +1,277 @@
+"""HTTP client of an SGLang server, and the pure functions that build its requests.
+
+Request bodies follow sglang 0.5.23 (sglang/srt/managers/io_struct.py:
+GenerateReqInput, UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
+UpdateWeightsFromDistributedReqInput, LoadLoRAAdapterReqInput,
+PauseGenerationReqInput). They are built by plain functions so that the paths
+a CPU test server can't exercise (NCCL weight sync, LoRA) are at least checked
+field by field.
+
+Log-probs and temperature (sglang/srt/layers/sampler.py): with a sampling
+temperature tau, SGLang reports log(softmax(logits / tau)) of the sampled token,
+taken before top-p/top-k renormalisation -- the distribution the trainer
+recomputes as log_softmax(logits / tau) (DESIGN.md, "Temperature is part of that
+definition"). Greedy requests are scored at temperature 1. The environment
+variable SGLANG_RETURN_ORIGINAL_LOGPROB=1 would switch this to the unscaled
+distribution, so the supervisor removes it from the server's environment.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import httpx
+
+from services.rollout.engine import GeneratedSample, GenerationRequest, SamplingConfig
+
+
+class SGLangConnectionError(RuntimeError):
+    """The server did not answer (refused, reset, timed out): it may be dead."""
+
+
+class SGLangRequestError(RuntimeError):
+    """The server answered with an error status or a body that does not fit the contract."""
+
+    def __init__(self, path: str, status: int, body: str):
+        super().__init__(f"sglang {path}: HTTP {status}: {body[:2000]}")
+        self.path, self.status, self.body = path, status, body
+
+
+# ---------------------------------------------------------------- builders --
+
+def sampling_params(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
+    """SGLang sampling params for one sample.
+
+    - ignore_eos + explicit stop_token_ids: a sample stops exactly on the ids
+      the request names (as in the torch engine), not on the model config's
+      eos as well. The stop token is part of the output and has a log-prob.
+    - greedy is temperature 0 (SGLang then scores at temperature 1).
+    - top_k 0 (off in Lockstep) is -1 in SGLang.
+    - sampling_seed: honoured by SGLang only under
+      --enable-deterministic-inference (sampling_batch_info.py); in fast mode
+      samples are drawn from the server's RNG and are not reproducible by seed.
+    """
+    params: dict[str, Any] = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": 0.0 if sampling.greedy else sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+        "min_p": 0.0,
+        "ignore_eos": True,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "sampling_seed": seed % 2**63,
+    }
+    return params
+
+
+def generate_body(request: GenerationRequest) -> dict[str, Any]:
+    """One batched /generate body: sample i of prompt p is its own entry, seeded p.seed + i."""
+    input_ids: list[list[int]] = []
+    params: list[dict[str, Any]] = []
+    for prompt in request.prompts:
+        for i in range(request.samples_per_prompt):
+            input_ids.append(list(prompt.token_ids))
+            params.append(sampling_params(request.sampling, prompt.seed + i))
+    return {
+        "input_ids": input_ids,
+        "sampling_params": params,
+        "return_logprob": True,
+        # Only output-token log-probs: prompt log-probs would cost a full
+        # prefill log_softmax and are not used.
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+        "stream": False,
+    }
+
+
+def parse_generate_response(
+    request: GenerationRequest, outputs: Any, expected_weight_version: str
+) -> list[GeneratedSample]:
+    """Samples in prompt order, then sample index; every one checked against the contract.
+
+    A sample produced under another weight_version than the engine's policy
+    version is an error (the server holds weights the run does not expect).
+    """
+    seqs = [(p, i) for p in request.prompts for i in range(request.samples_per_prompt)]
+    if isinstance(outputs, dict):
+        outputs = [outputs]
+    if not isinstance(outputs, list) or len(outputs) != len(seqs):
+        got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
+        raise SGLangRequestError("/generate", 200, f"expected {len(seqs)} outputs, got {got}")
+    samples = []
+    for (prompt, index), out in zip(seqs, outputs, strict=True):
+        meta = out.get("meta_info") or {}
+        version = meta.get("weight_version")
+        if version != expected_weight_version:
+            raise SGLangRequestError(
+                "/generate", 200,
+                f"sample {prompt.group_id}/{index} was generated with weight_version {version!r}, "
+                f"the engine holds policy version {expected_weight_version!r}",
+            )
+        token_ids = [int(t) for t in out.get("output_ids", [])]
+        triples = meta.get("output_token_logprobs") or []
+        logprob_ids = [int(t[1]) for t in triples]
+        if logprob_ids != token_ids:
+            raise SGLangRequestError(
+                "/generate", 200,
+                f"sample {prompt.group_id}/{index}: output_token_logprobs ids {logprob_ids[:8]}... "
+                f"do not match output_ids {token_ids[:8]}...",
+            )
+        finish = (meta.get("finish_reason") or {}).get("type")
+        if finish not in ("stop", "length"):
+            raise SGLangRequestError(
+                "/generate", 200, f"sample {prompt.group_id}/{index}: finish_reason {meta.get('finish_reason')!r}"
+            )
+        samples.append(
+            GeneratedSample(
+                group_id=prompt.group_id,
+                index=index,
+                token_ids=token_ids,
+                logprobs=[float(t[0]) for t in triples],
+                finish_reason=finish,
+            )
+        )
+    return samples
+
+
+def update_weights_from_disk_body(model_path: str, weight_version: str) -> dict[str, Any]:
+    return {
+        "model_path": model_path,
+        "weight_version": weight_version,
+        # The radix cache holds KV computed by the old weights: drop it.
+        "flush_cache": True,
+        "abort_all_requests": False,
+    }
+
+
+def init_weights_update_group_body(
+    master_address: str, master_port: int, rank_offset: int, world_size: int,
+    group_name: str = "weight_update_group", backend: str = "nccl",
+) -> dict[str, Any]:
+    """Join the trainer's process group (rank 0 = trainer, SGLang ranks from rank_offset)."""
+    if not 0 < master_port < 65536:
+        raise ValueError(f"master_port: must be in (0, 65536), got {master_port}")
+    if world_size < 2 or not 0 < rank_offset < world_size:
+        raise ValueError(f"rank_offset/world_size: need 0 < rank_offset < world_size >= 2, got {rank_offset}/{world_size}")
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def update_weights_from_distributed_body(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], weight_version: str,
+    group_name: str = "weight_update_group",
+) -> dict[str, Any]:
+    """Announce a broadcast: the trainer then broadcasts each tensor, in this order, over the group."""
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise ValueError(f"names/dtypes/shapes: need equal non-zero lengths, got {len(names)}/{len(dtypes)}/{len(shapes)}")
+    return {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(s) for s in shapes],
+        "group_name": group_name,
+        "flush_cache": True,
+        "abort_all_requests": False,
+        "weight_version": weight_version,
+    }
+
+
+def load_lora_adapter_body(lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+    if not lora_name or not lora_path:
+        raise ValueError("lora_name/lora_path: must be non-empty")
+    return {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}
+
+
+# ------------------------------------------------------------------ client --
+
+class SGLangClient:
+    """Thin synchronous client; every call raises SGLangConnectionError or SGLangRequestError."""
+
+    def __init__(self, base_url: str, *, timeout_s: float, control_timeout_s: float = 60.0):
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=control_timeout_s, trust_env=False)
+        self._generate_timeout = timeout_s
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, *, json: Any = None, timeout: float | None = None) -> httpx.Response:
+        try:
+            kwargs: dict[str, Any] = {"json": json} if json is not None else {}
+            if timeout is not None:
+                kwargs["timeout"] = timeout
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:  # connect/read errors, timeouts, resets
+            raise SGLangConnectionError(f"sglang {path}: {type(exc).__name__}: {exc}") from exc
+        if resp.status_code >= 400:
+            raise SGLangRequestError(path, resp.status_code, resp.text)
+        return resp
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        resp = self._call(method, path, **kw)
+        try:
+            return resp.json()
+        except ValueError:
+            raise SGLangRequestError(path, resp.status_code, f"not JSON: {resp.text[:500]}") from None
+
+    def _checked(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a control request whose answer carries {"success": bool, "message": str}."""
+        out = self._json("POST", path, json=body)
+        if not out.get("success", False):
+            raise SGLangRequestError(path, 200, str(out.get("message", out)))
+        return out
+
+    def healthy(self, timeout: float = 5.0) -> bool:
+        try:
+            return self._http.get("/health", timeout=timeout).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def generate(self, body: dict[str, Any]) -> Any:
+        return self._json("POST", "/generate", json=body, timeout=self._generate_timeout)
+
+    def model_info(self) -> dict[str, Any]:
+        return self._json("GET", "/model_info")
+
+    def weight_version(self) -> str | None:
+        return self.model_info().get("weight_version")
+
+    def flush_cache(self) -> None:
+        self._call("POST", "/flush_cache")
+
+    def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "retract") -> None:
+        self._call("POST", "/pause_generation", json={"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", json={})
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str, timeout: float) -> dict[str, Any]:
+        return self._checked_timeout("/update_weights_from_disk", update_weights_from_disk_body(model_path, weight_version), timeout)
+
+    def _checked_timeout(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+        out = self._json("POST", path, json=body, timeout=timeout)
+        if not out.get("success", False):
+            raise SGLangRequestError(path, 200, str(out.get("message", out)))
+        return out
+
+    def init_weights_update_group(self, **kw: Any) -> dict[str, Any]:
+        return self._checked("/init_weights_update_group", init_weights_update_group_body(**kw))
+
+    def update_weights_from_distributed(self, **kw: Any) -> dict[str, Any]:
+        return self._checked("/update_weights_from_distributed", update_weights_from_distributed_body(**kw))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
+        return self._checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+        return self._checked("/load_lora_adapter", load_lora_adapter_body(lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        return self._checked("/unload_lora_adapter", {"lora_name": lora_name})

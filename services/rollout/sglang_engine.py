@@ -1,0 +1,390 @@
+"""The SGLang rollout engine: an SGLang server child process behind the Engine interface.
+
+- load: launch the server on the model directory (or attach to `url`), with
+  --weight-version = the policy version.
+- generate: one batched /generate with token ids; every sample carries its own
+  seed; per-token log-probs come from meta_info.output_token_logprobs and are
+  those of the temperature-scaled distribution (sglang_client.py says where).
+  Every sample's weight_version is checked against the policy version.
+- update_weights: the tensors are verified against the checkpoint, written as a
+  Hugging Face directory under `weights_dir`, then loaded with
+  /update_weights_from_disk between /pause_generation and /continue_generation.
+  That directory is also what a restarted server loads.
+- The server dying mid-batch: the call raises EngineUnavailable (the rollout
+  service answers UNAVAILABLE and the coordinator re-dispatches), and the
+  server is restarted in the background from the current weights at the
+  current version. The next call waits for that restart.
+
+There is no fallback to another engine: if SGLang cannot run, load fails.
+The NCCL weight path and LoRA adapters are exposed as methods
+(`init_weights_update_group`, `update_weights_from_distributed`,
+`load_lora_adapter`); they need GPUs and are unit-tested by request only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from services.common.models import check_model_dir
+from services.common.platform import Platform, probe_platform, sglang_launch_plan
+from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, GenerationRequest
+from services.rollout.sglang_client import (
+    SGLangClient,
+    SGLangConnectionError,
+    SGLangRequestError,
+    generate_body,
+    parse_generate_response,
+)
+from services.rollout.sglang_config import SGLangEngineConfig
+from services.rollout.sglang_server import SGLangServer, SGLangStartError
+from services.rollout.sglang_weights import (
+    checkpoint_specs,
+    eos_token_ids,
+    load_checkpoint_tensors,
+    tied_embeddings,
+    verify_tensors,
+    write_checkpoint,
+)
+
+log = logging.getLogger("lockstep.rollout.sglang")
+
+
+class SGLangEngine(Engine):
+    name = "sglang"
+
+    def __init__(self, config: SGLangEngineConfig | None = None):
+        self.config = config or SGLangEngineConfig()
+        platform = probe_platform(os.environ) if self.config.platform == "auto" else Platform(self.config.platform)
+        # Decided once, here, so that a bad combination (e.g. deterministic on
+        # CPU) fails at construction, before anything is launched.
+        self.plan = sglang_launch_plan(platform, self.config.server, os.environ)
+        self._state = threading.Lock()  # guards the fields below against the restart thread
+        self._server: SGLangServer | None = None
+        self._client: SGLangClient | None = None
+        self._restart: threading.Thread | None = None
+        self._unavailable: str | None = None  # set when restarts gave up
+        self._restarts = 0
+        self._version = -1
+        self._model_path = ""
+        self._weights_path = ""  # the directory the server's current weights came from
+        self._specs: dict = {}
+        self._tied = False
+        self._eos: set[int] = set()
+        self._vocab = 0
+        self._max_len: int | None = None
+        self._dir = Path(self.config.weights_dir) / f"engine-{uuid.uuid4().hex[:12]}"
+
+    @classmethod
+    def from_config_json(cls, text: str) -> "SGLangEngine":
+        """Registry entry point: build from LoadModelRequest.engine_config_json (ValueError names the field)."""
+        return cls(SGLangEngineConfig.from_json(text))
+
+    # ------------------------------------------------------------ lifecycle --
+
+    def load(self, model_path: str, policy_version: int) -> None:
+        path = check_model_dir(model_path)
+        self._specs = checkpoint_specs(path)
+        self._tied = tied_embeddings(path)
+        self._eos = eos_token_ids(path)
+        hf = json.loads((path / "config.json").read_text())
+        self._vocab = int(hf.get("vocab_size", 0))
+        self._max_len = hf.get("max_position_embeddings")
+        version = str(policy_version)
+        if self.config.url:
+            client = SGLangClient(self.config.url, timeout_s=self.config.request_timeout_s)
+            if not client.healthy():
+                raise EngineUnavailable(f"sglang: no healthy server at url {self.config.url}")
+            # The attached server may hold anything: load exactly what we were told.
+            client.update_weights_from_disk(str(path), version, self.config.weight_update_timeout_s)
+            self._client = client
+        else:
+            server = self._new_server()
+            try:
+                server.start(str(path), version, self.config.startup_timeout_s)
+            except SGLangStartError as exc:
+                raise RuntimeError(f"sglang engine: {exc}") from None
+            self._server = server
+            self._client = SGLangClient(server.url, timeout_s=self.config.request_timeout_s)
+        self._model_path = self._weights_path = str(path)
+        self._version = policy_version
+        self._check_version(self._client)
+        log.info("sglang engine loaded %s at version %d (%s)", path, policy_version, self.url)
+
+    def _new_server(self) -> SGLangServer:
+        cfg = self.config
+        return SGLangServer(
+            cfg.python, self.plan, host=cfg.host, port=cfg.port, tp_size=cfg.tp_size,
+            extra_args=cfg.extra_args, log_dir=Path(cfg.log_dir) if cfg.log_dir else self._dir / "logs",
+        )
+
+    def close(self) -> None:
+        t = self._restart
+        if t is not None:
+            t.join(timeout=self.config.startup_timeout_s)
+        with self._state:
+            server, client = self._server, self._client
+            self._server = self._client = None
+        if client is not None:
+            client.close()
+        if server is not None:
+            server.stop()
+        shutil.rmtree(self._dir / "weights", ignore_errors=True)
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def model_path(self) -> str:
+        return self._model_path
+
+    @property
+    def url(self) -> str:
+        if self._client is not None:
+            return self._client.base_url
+        return self.config.url or ""
+
+    @property
+    def server_pid(self) -> int | None:
+        return self._server.pid if self._server is not None else None
+
+    @property
+    def weights_path(self) -> str:
+        return self._weights_path
+
+    @property
+    def restarts(self) -> int:
+        return self._restarts
+
+    def info(self) -> dict[str, str]:
+        return {
+            "engine": self.name,
+            "platform": self.plan.platform.value,
+            "server_flags": " ".join(self.plan.flags),
+            "url": self.url,
+            "server_pid": str(self.server_pid or ""),
+            "attached": str(bool(self.config.url)).lower(),
+            "weights_path": self._weights_path,
+            "restarts": str(self._restarts),
+            "state": "unavailable" if self._unavailable else ("restarting" if self._restart else "serving"),
+        }
+
+    # ------------------------------------------------------------- generate --
+
+    def validate_request(self, request: GenerationRequest) -> None:
+        """Checks against the loaded model; ValueError names the field."""
+        request.sampling.validate()
+        if request.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt: must be >= 1, got {request.samples_per_prompt}")
+        if not request.prompts:
+            raise ValueError("prompts: empty")
+        for i, p in enumerate(request.prompts):
+            if not p.token_ids:
+                raise ValueError(f"prompts[{i}].token_ids: empty")
+            bad = [t for t in p.token_ids if not 0 <= t < self._vocab]
+            if bad:
+                raise ValueError(f"prompts[{i}].token_ids: id {bad[0]} outside the vocabulary [0, {self._vocab})")
+            if self._max_len is not None and len(p.token_ids) + request.sampling.max_new_tokens > self._max_len:
+                raise ValueError(
+                    f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
+                    f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={self._max_len}"
+                )
+        # SGLang stops on the model's eos ids by itself and has no switch for
+        # that alone (ignore_eos also disables stop_token_ids). A request that
+        # leaves them out would get shorter samples than the torch engine
+        # gives: refuse it rather than differ silently.
+        missing = sorted(self._eos - set(request.sampling.stop_token_ids))
+        if missing:
+            raise ValueError(
+                f"sampling.stop_token_ids: the sglang engine always stops at the model's eos ids {sorted(self._eos)}; "
+                f"include {missing}"
+            )
+
+    def generate(self, request: GenerationRequest) -> list[GeneratedSample]:
+        if self._client is None and self._restart is None:
+            raise RuntimeError("sglang engine: no model loaded (call load first)")
+        self.validate_request(request)
+        client = self._ready_client()
+        n = len(request.prompts) * request.samples_per_prompt
+        try:
+            out = client.generate(generate_body(request))
+        except SGLangConnectionError as exc:
+            self._lost(exc, f"{n} samples lost")
+        except SGLangRequestError as exc:
+            if self._server is not None and not self._server.alive():
+                self._lost(exc, f"{n} samples lost")
+            if exc.status == 400:
+                raise ValueError(f"sglang rejected the request: {exc}") from None
+            raise
+        return parse_generate_response(request, out, str(self._version))
+
+    # ------------------------------------------------------- update weights --
+
+    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Verify, write the checkpoint, then load it into the server; on any error nothing changes.
+
+        Re-sending the current version with identical weights is a no-op;
+        different weights under the current version, or an older version, are refused.
+        """
+        if not self._specs:
+            raise RuntimeError("sglang engine: no model loaded (call load first)")
+        if policy_version < self._version:
+            raise ValueError(f"policy_version: {policy_version} is older than the loaded {self._version}")
+        sent = verify_tensors(tensors, self._specs, tied=self._tied)
+        if policy_version == self._version:
+            current = load_checkpoint_tensors(self._weights_path)
+            if all(torch.equal(current[k], v.to("cpu", current[k].dtype)) for k, v in sent.items()):
+                return
+            raise ValueError(f"policy_version: {policy_version} is loaded already with different weights")
+        target = self._dir / "weights" / f"v{policy_version:09d}"
+        shutil.rmtree(target, ignore_errors=True)  # left by an attempt that did not complete
+        path = write_checkpoint(sent, self._model_path, target)
+        self.update_weights_from_path(str(path), policy_version)
+
+    def update_weights_from_path(self, path: str, policy_version: int) -> None:
+        """Load a complete checkpoint directory (written by us or by the trainer) as `policy_version`."""
+        check_model_dir(path)
+        client = self._ready_client()
+        version = str(policy_version)
+        try:
+            # Calls are serialized, so nothing of ours is in flight; "abort"
+            # drops anything an earlier, abandoned call left running.
+            client.pause_generation("abort")
+            try:
+                client.update_weights_from_disk(path, version, self.config.weight_update_timeout_s)
+            finally:
+                client.continue_generation()
+        except SGLangConnectionError as exc:
+            # The server restarts from the weights it held; the caller retries the update.
+            self._lost(exc, f"weight update to version {policy_version} not applied")
+        old = self._weights_path
+        self._weights_path, self._version = path, policy_version
+        self._check_version(client)
+        self._prune(keep={path, old})
+
+    def _prune(self, keep: set[str]) -> None:
+        root = self._dir / "weights"
+        if not root.is_dir():
+            return
+        dirs = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v"))
+        for p in dirs[: max(0, len(dirs) - self.config.keep_versions)]:
+            if str(p) not in keep:
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ---------------------------------------------- NCCL/RCCL and LoRA paths --
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                  world_size: int, group_name: str = "weight_update_group",
+                                  backend: str = "nccl") -> None:
+        """Join the trainer's process group for /update_weights_from_distributed (GPU only)."""
+        self._ready_client().init_weights_update_group(
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+            world_size=world_size, group_name=group_name, backend=backend,
+        )
+
+    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], policy_version: int,
+                                        group_name: str = "weight_update_group") -> None:
+        """Receive a broadcast from the trainer (which broadcasts right after this call is sent)."""
+        client = self._ready_client()
+        client.update_weights_from_distributed(
+            names=names, dtypes=dtypes, shapes=shapes, weight_version=str(policy_version), group_name=group_name
+        )
+        # Not on disk: a restarted server could only reload the last synced
+        # directory, so mark the weights as not reloadable.
+        self._version, self._weights_path = policy_version, ""
+        self._check_version(client)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
+        self._ready_client().load_lora_adapter(lora_name, lora_path, pinned)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._ready_client().unload_lora_adapter(lora_name)
+
+    # ------------------------------------------------------ loss and restart --
+
+    def _check_version(self, client: SGLangClient) -> None:
+        held = client.weight_version()
+        if held != str(self._version):
+            raise RuntimeError(
+                f"sglang server reports weight_version {held!r}, the engine expects {self._version}"
+            )
+
+    def _ready_client(self) -> SGLangClient:
+        """The client of a serving server; waits for a restart in progress; EngineUnavailable otherwise."""
+        t = self._restart
+        if t is not None:
+            t.join(timeout=self.config.startup_timeout_s + 30)
+            if t.is_alive():
+                raise EngineUnavailable("sglang server is still restarting")
+        if self._unavailable:
+            raise EngineUnavailable(self._unavailable)
+        server, client = self._server, self._client
+        if client is None:
+            raise RuntimeError("sglang engine: no model loaded (call load first)")
+        if server is not None and not server.alive():
+            # Died while idle: nothing was lost, so restart and serve this call.
+            self._lost(None, "no work lost (server died between calls)", raise_=False)
+            return self._ready_client()
+        return client
+
+    def _lost(self, exc: BaseException | None, what: str, raise_: bool = True) -> None:
+        server = self._server
+        if self.config.url or server is None:
+            raise EngineUnavailable(f"sglang server at {self.url} lost ({exc}); {what}; attached, not restarting")
+        code = server.exit_code()
+        reason = (
+            f"sglang server pid {server.pid} lost (exit code {code}, {type(exc).__name__ if exc else 'died'}); {what}; "
+            f"restarting from {self._weights_path or '<no reloadable weights>'} at policy version {self._version}"
+        )
+        log.warning(reason)
+        with self._state:
+            if self._restart is None:
+                self._restart = threading.Thread(target=self._restart_server, name="sglang-restart", daemon=True)
+                self._restart.start()
+        if raise_:
+            raise EngineUnavailable(reason) from exc
+        t = self._restart
+        if t is not None:
+            t.join(timeout=self.config.startup_timeout_s + 30)
+
+    def _restart_server(self) -> None:
+        try:
+            old = self._server
+            if old is not None:
+                old.stop(grace_s=5.0)
+            if self._client is not None:
+                self._client.close()
+            if not self._weights_path:
+                self._unavailable = (
+                    "sglang server lost after an NCCL weight update: those weights are not on disk to reload"
+                )
+                return
+            errors = []
+            for attempt in range(self.config.max_restarts):
+                server = self._new_server()
+                try:
+                    server.start(self._weights_path, str(self._version), self.config.startup_timeout_s)
+                except (SGLangStartError, OSError) as err:
+                    errors.append(f"attempt {attempt + 1}: {err}")
+                    continue
+                with self._state:
+                    self._server = server
+                    self._client = SGLangClient(server.url, timeout_s=self.config.request_timeout_s)
+                    self._restarts += 1
+                log.warning("sglang server restarted (pid %s) at version %d", server.pid, self._version)
+                return
+            self._unavailable = f"sglang server could not be restarted ({self.config.max_restarts} attempts): " + (
+                " | ".join(e[:500] for e in errors) or "max_restarts is 0"
+            )
+        finally:
+            with self._state:
+                self._restart = None
