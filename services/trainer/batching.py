@@ -61,6 +61,8 @@ class Microbatch(Protocol):
     @property
     def response_advantages(self) -> torch.Tensor: ...     # float32 [N]
 
+    def to(self, device: torch.device | str) -> Microbatch: ...
+
 
 def canonical_order(samples: list[TrainSample]) -> list[TrainSample]:
     """Longest first, ties by sample_id: independent of arrival order, tight padding.

@@ -2,7 +2,11 @@
 
 Handlers decode, hand heavy work to a worker thread (asyncio.to_thread) under
 one lock — a run has one model and one optimizer, so calls are serialized —
-and map errors to status codes:
+and map errors to status codes. The lock is a threading.Lock taken *inside*
+the worker thread: when a client goes away mid-step the handler is cancelled
+but the thread finishes its update still holding the lock, so a retried
+TrainStep waits for it and then sees a replay instead of training twice.
+Status codes:
 - InvalidRequest (malformed request)        -> INVALID_ARGUMENT
 - FailedPrecondition (state does not allow) -> FAILED_PRECONDITION
 - StepFailed (update not applied)           -> ABORTED
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
@@ -63,7 +68,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self.trainer = trainer
         self.metrics = collectors
         self.weight_chunk_bytes = weight_chunk_bytes
-        self.lock = asyncio.Lock()
+        self.lock = threading.Lock()
 
     async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -80,8 +85,11 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             raise  # unreachable: abort raises
 
     async def _locked(self, fn: Callable[..., T], *args: object) -> T:
-        async with self.lock:
-            return await asyncio.to_thread(fn, *args)
+        def run() -> T:
+            with self.lock:
+                return fn(*args)
+
+        return await asyncio.to_thread(run)
 
     def _service_info(self) -> pb.ServiceInfo:
         info = self.trainer.info()
@@ -130,16 +138,26 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         if request.chunk_bytes < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes: must be >= 0, got {request.chunk_bytes}")
         chunk_bytes = request.chunk_bytes or self.weight_chunk_bytes
-        # The lock is held for the whole stream so that no step can change the
-        # weights between the first and the last chunk of one policy version.
-        async with self.lock:
-            try:
-                version, tensors = self.trainer.weight_tensors(request.run_id)
-            except FailedPrecondition as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            chunks = iter_weight_chunks(tensors, run_id=request.run_id, policy_version=version, chunk_bytes=chunk_bytes)
-            while (chunk := await asyncio.to_thread(next, chunks, None)) is not None:
+        try:
+            snapshot = await self._locked(self.trainer.weight_tensors, request.run_id)
+        except FailedPrecondition as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        chunks = iter_weight_chunks(
+            snapshot.tensors, run_id=request.run_id, policy_version=snapshot.policy_version, chunk_bytes=chunk_bytes
+        )
+
+        # Each chunk is cut under the lock from the live tensors (no copy of the
+        # model); if the weights changed since the stream began, the stream
+        # fails instead of mixing two policies under one version.
+        def next_chunk() -> pb.WeightChunk | None:
+            self.trainer.check_weights_unchanged(snapshot)
+            return next(chunks, None)
+
+        try:
+            while (chunk := await self._locked(next_chunk)) is not None:
                 yield chunk
+        except FailedPrecondition as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
 
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
         async def work() -> pb.SaveCheckpointResponse:

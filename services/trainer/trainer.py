@@ -51,6 +51,7 @@ class RunState:
     policy_version: int
     vocab_size: int
     step_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    weights_epoch: int = 0   # bumped by every change of the weights (step, checkpoint load)
 
     def trainer_state(self) -> ckpt.TrainerState:
         return ckpt.TrainerState(
@@ -61,6 +62,16 @@ class RunState:
             trainer_config_json=self.config.model_dump_json(),
             step_metrics=dict(self.step_metrics),
         )
+
+
+@dataclass(frozen=True)
+class WeightSnapshot:
+    """The live tensors of one weights state, and what identifies that state."""
+
+    run: RunState
+    weights_epoch: int
+    policy_version: int
+    tensors: list[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,13 @@ def _build_optimizer(model: torch.nn.Module, config: TrainerRunConfig) -> torch.
         eps=config.eps,
         weight_decay=config.weight_decay,
     )
+
+
+def build_microbatches(samples: list[TrainSample], config: TrainerRunConfig) -> list[Microbatch]:
+    """The one place that picks a microbatch layout; packing (issue 6) adds its branch here."""
+    if config.batching == "padded":
+        return padded_microbatches(samples, config.microbatch_tokens)
+    raise InvalidRequest(f"trainer_config_json.batching: {config.batching!r} is not implemented")
 
 
 def _check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -241,7 +259,7 @@ class Trainer:
         from kernels.logprob import token_logprobs, token_logprobs_with_entropy
 
         cfg, model = run.config, run.model
-        microbatches: list[Microbatch] = [mb.to(self.device) for mb in padded_microbatches(samples, cfg.microbatch_tokens)]
+        microbatches = [mb.to(self.device) for mb in build_microbatches(samples, cfg)]
         # token_mean over the whole step: each microbatch's token sum is divided
         # by the step's response-token count, so summing the microbatch
         # gradients gives the same update however the step was split.
@@ -283,6 +301,7 @@ class Trainer:
             if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
                 raise StepFailed(f"non-finite update (loss={loss_value}, grad_norm={grad_norm}); no update applied")
             run.optimizer.step()
+            run.weights_epoch += 1
         finally:
             model.zero_grad(set_to_none=True)
 
@@ -307,8 +326,12 @@ class Trainer:
 
     # ------------------------------------------------------------ weights --
 
-    def weight_tensors(self, run_id: str) -> tuple[int, list[tuple[str, torch.Tensor]]]:
-        """(policy_version, [(HF name, tensor)]) of every model tensor, tied aliases sent once."""
+    def weight_tensors(self, run_id: str) -> WeightSnapshot:
+        """Every model tensor as (HF name, live tensor), tied aliases once, with the policy version.
+
+        The tensors are the model's own (no copy); `check_weights_unchanged`
+        tells a reader whether they still hold that version.
+        """
         run = self.require_run(run_id)
         seen: set[int] = set()
         out = []
@@ -317,7 +340,13 @@ class Trainer:
                 continue
             seen.add(id(t))
             out.append((name, t.detach()))
-        return run.policy_version, out
+        return WeightSnapshot(run, run.weights_epoch, run.policy_version, out)
+
+    def check_weights_unchanged(self, snapshot: WeightSnapshot) -> None:
+        if self.run is not snapshot.run or snapshot.run.weights_epoch != snapshot.weights_epoch:
+            raise FailedPrecondition(
+                f"weights of policy_version {snapshot.policy_version} changed while they were being read"
+            )
 
     # ------------------------------------------------------------ checkpoints --
 
@@ -349,6 +378,7 @@ class Trainer:
             ckpt.copy_weights_into(run.model, weights, where="directory")
         except (FileNotFoundError, ValueError) as exc:
             raise InvalidRequest(f"directory: {exc}") from None
+        run.weights_epoch += 1
         run.optimizer.load_state_dict(optim_state)
         run.policy_version = state.policy_version
         run.step_metrics = dict(state.step_metrics)

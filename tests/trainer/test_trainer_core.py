@@ -193,8 +193,12 @@ def test_checkpoint_round_trip_and_resume(tiny_model_dir, tmp_path):
 
 def test_weight_tensors_cover_the_model_once(tiny_model_dir):
     t = configure(tiny_model_dir)
-    version, tensors = t.weight_tensors("run")
-    names = [n for n, _ in tensors]
-    assert version == 0 and len(names) == len(set(names)) == len(t.run.model.state_dict())
+    snap = t.weight_tensors("run")
+    names = [n for n, _ in snap.tensors]
+    assert snap.policy_version == 0 and len(names) == len(set(names)) == len(t.run.model.state_dict())
+    t.check_weights_unchanged(snap)
+    t.train_step(on_policy_step(t, 1))
+    with pytest.raises(FailedPrecondition, match="weights of policy_version 0 changed while they were being read"):
+        t.check_weights_unchanged(snap)
     with pytest.raises(FailedPrecondition, match="no run configured"):
         Trainer().weight_tensors("run")
