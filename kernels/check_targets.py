@@ -46,8 +46,7 @@ def _triton_specs():
                    "real_hi", "col0", "vocab_start", "global_vocab", "n_rows", "n_slots", "temperature"]
     # Qwen3's vocab in each dtype, and a vocab wide enough (> 64 x 8192) to take the chunked path.
     for vocab, dtype, ent, scale in ((QWEN3_VOCAB, torch.bfloat16, False, False),
-                                     (QWEN3_VOCAB, torch.float16, True, True),
-                                     (QWEN3_VOCAB, torch.float32, True, False),
+                                     (QWEN3_VOCAB, torch.float32, True, True),
                                      (1 << 20, torch.bfloat16, True, True)):
         cfg = PartialsConfig.for_tile(tile_width(vocab), dtype, 64)
         types = [ptr[dtype], "*i64", "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 8 + ["fp32"]
@@ -57,14 +56,13 @@ def _triton_specs():
                       f"partials V={vocab} {str(dtype)[6:]} ent={ent} scale={scale} chunks={cfg.num_chunks}"))
     merge_sig = ["m_ptr", "s_ptr", "w_ptr", "tgt_ptr", "targets_ptr", "active_ptr", "logp_ptr", "lse_ptr", "ent_ptr",
                  "n_rows", "stride_row", "stride_slot", "global_vocab"]
-    for ent, mask in ((False, False), (True, True)):
+    for ent, mask in ((True, True),):
         types = ["*fp32"] * 4 + ["*i64", "*i1"] + ["*fp32"] * 3 + ["i32"] * 4
         const = dict(N_SLOTS=64, BLOCK_T=MERGE_BLOCK_T, WITH_ENT=ent, HAS_MASK=mask)
         specs.append((k.logprob_merge_kernel, dict(zip(merge_sig, types)), const, 4, f"merge ent={ent} mask={mask}"))
     bwd_sig = ["x_ptr", "g_ptr", "targets_ptr", "lse_ptr", "mean_ptr", "glogp_ptr", "glse_ptr", "gent_ptr",
                "active_ptr", "stride_x", "stride_g", "local_vocab", "vocab_start", "global_vocab", "temperature"]
-    for dtype, ent, mask, scale in ((torch.bfloat16, False, False, False), (torch.float16, True, True, True),
-                                    (torch.float32, True, False, True)):
+    for dtype, ent, mask, scale in ((torch.bfloat16, False, False, False), (torch.float16, True, True, True)):
         types = [ptr[dtype], ptr[dtype], "*i64"] + ["*fp32"] * 5 + ["*i1"] + ["i32"] * 5 + ["fp32"]
         const = dict(BLOCK=BACKWARD_BLOCK, WITH_ENT=ent, HAS_MASK=mask, SCALE=scale)
         specs.append((k.logprob_backward_kernel, dict(zip(bwd_sig, types)), const, 8,
