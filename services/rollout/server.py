@@ -220,10 +220,11 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         )
 
     def close(self) -> None:
+        # Let a batch still running in the worker finish before its engine goes away.
+        self._executor.shutdown(wait=True, cancel_futures=True)
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 class RolloutService:
