@@ -163,7 +163,7 @@ def test_unloaded_server_refuses_and_keeps_serving(server, model_dir):
     load = lambda cfg, path=str(model_dir): server.stub.LoadModel(  # noqa: E731
         pb.LoadModelRequest(run_id=RUN, model_path=path, engine_config_json=cfg), timeout=30)
     code, msg = code_of(lambda: load('{"engine": "vllm"}'))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "known engines: ['torch']" in msg
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "known engines: [" in msg and "'torch'" in msg
     code, msg = code_of(lambda: load('{"dtyp": "float32"}'))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "engine_config.dtyp" in msg
     code, msg = code_of(lambda: load("{}", path=str(model_dir / "nope")))
