@@ -1,0 +1,322 @@
+"""Generate the "Lockstep RL health" Grafana dashboard from services.common.metric_defs.
+
+    python deploy/grafana/build_dashboard.py          # rewrite the committed JSON
+    python deploy/grafana/build_dashboard.py --check  # exit 1 if it is out of date
+
+Every Lockstep metric a panel queries goes through `m()`, which refuses a name
+metric_defs does not define, so a renamed metric breaks the build here rather
+than leaving an empty panel in production. tests/deploy/test_dashboard.py
+checks the committed JSON equals this script's output, and
+tests/deploy/test_metric_names.py checks every name in it independently.
+
+The alert thresholds drawn as lines on the mismatch panels are the bounds in
+deploy/prometheus/rules/lockstep_alerts.yml (a test checks they agree).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from services.common.metric_defs import ALL_METRICS, step_metric_name  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "dashboards" / "lockstep_rl_health.json"
+UID = "lockstep-rl-health"
+# Fixed uid of the provisioned datasource (provisioning/datasources/prometheus.yml).
+DATASOURCE = {"type": "prometheus", "uid": "lockstep-prometheus"}
+RUN = 'run_id=~"$run_id"'
+
+# Alert bounds drawn on the panels: (metric, comparison, value) exactly as they
+# appear in the rules file.
+ALERT_LINES = {
+    "iw_mean_low": ("lockstep_step_iw_mean", "<", 0.98),
+    "iw_mean_high": ("lockstep_step_iw_mean", ">", 1.02),
+    "iw_max": ("lockstep_step_iw_max", ">", 20),
+    "logprob_diff": ("lockstep_step_logprob_abs_diff_mean", ">", 0.03),
+    "approx_kl": ("lockstep_step_approx_kl_k3", ">", 0.05),
+}
+
+_DEFINED = {d.name for d in ALL_METRICS}
+
+
+def m(name: str) -> str:
+    """A Lockstep metric name, refused unless metric_defs defines it."""
+    if name not in _DEFINED:
+        raise KeyError(f"{name} is not defined in services/common/metric_defs.py")
+    return name
+
+
+def step(key: str) -> str:
+    return m(step_metric_name(key))
+
+
+# ----------------------------------------------------------------- panels --
+
+class Layout:
+    """Places panels left to right in rows of 24 grid units, ids in order."""
+
+    def __init__(self) -> None:
+        self.panels: list[dict] = []
+        self.x = self.y = 0
+        self.row_h = 0
+        self.next_id = 1
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+    def row(self, title: str) -> None:
+        self.y += self.row_h
+        self.x, self.row_h = 0, 0
+        self.panels.append({"type": "row", "title": title, "collapsed": False, "id": self._id(),
+                            "gridPos": {"h": 1, "w": 24, "x": 0, "y": self.y}, "panels": []})
+        self.y += 1
+
+    def add(self, panel: dict, w: int = 8, h: int = 8) -> None:
+        if self.x + w > 24:
+            self.y += self.row_h
+            self.x, self.row_h = 0, 0
+        panel["id"] = self._id()
+        panel["gridPos"] = {"h": h, "w": w, "x": self.x, "y": self.y}
+        self.panels.append(panel)
+        self.x += w
+        self.row_h = max(self.row_h, h)
+
+
+def target(expr: str, legend: str, ref: str) -> dict:
+    return {"refId": ref, "datasource": DATASOURCE, "expr": expr, "legendFormat": legend, "range": True}
+
+
+def timeseries(title: str, description: str, queries: list[tuple[str, str]], *, unit: str = "short",
+               lines: list[float] = (), log_scale: bool = False, stack: bool = False,
+               decimals: int | None = None, unstacked_refs: tuple[str, ...] = ()) -> dict:
+    """A time series panel; `lines` draws alert bounds as red threshold lines.
+
+    `unstacked_refs`: queries drawn dashed on their own rather than stacked (a total beside its parts).
+    """
+    custom: dict = {"drawStyle": "line", "lineWidth": 1, "pointSize": 4, "showPoints": "always",
+                    "spanNulls": True, "fillOpacity": 10 if stack else 0,
+                    "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+                    "thresholdsStyle": {"mode": "line" if lines else "off"}}
+    if log_scale:
+        custom["scaleDistribution"] = {"type": "log", "log": 10}
+    steps = [{"color": "green", "value": None}] + [{"color": "red", "value": v} for v in sorted(lines)]
+    defaults: dict = {"unit": unit, "custom": custom, "color": {"mode": "palette-classic"},
+                      "thresholds": {"mode": "absolute", "steps": steps}}
+    if decimals is not None:
+        defaults["decimals"] = decimals
+    return {
+        "type": "timeseries", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": [target(e, legend, chr(ord("A") + i)) for i, (e, legend) in enumerate(queries)],
+        "fieldConfig": {"defaults": defaults, "overrides": [
+            {"matcher": {"id": "byFrameRefID", "options": ref},
+             "properties": [{"id": "custom.stacking", "value": {"mode": "none", "group": "A"}},
+                            {"id": "custom.fillOpacity", "value": 0},
+                            {"id": "custom.lineStyle", "value": {"fill": "dash", "dash": [10, 10]}}]}
+            for ref in unstacked_refs]},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                    "tooltip": {"mode": "multi", "sort": "none"}},
+    }
+
+
+def stat(title: str, description: str, expr: str, legend: str, *, mappings: list | None = None,
+         steps: list | None = None) -> dict:
+    return {
+        "type": "stat", "title": title, "description": description, "datasource": DATASOURCE,
+        "targets": [target(expr, legend, "A")],
+        "fieldConfig": {"defaults": {"mappings": mappings or [], "color": {"mode": "thresholds"},
+                                     "thresholds": {"mode": "absolute",
+                                                    "steps": steps or [{"color": "green", "value": None}]}},
+                        "overrides": []},
+        "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                    "colorMode": "background", "graphMode": "none", "textMode": "value_and_name",
+                    "justifyMode": "auto", "orientation": "auto"},
+    }
+
+
+def per_run(key: str, legend_suffix: str = "") -> tuple[str, str]:
+    return f"{step(key)}{{{RUN}}}", "{{run_id}}" + legend_suffix
+
+
+def build_panels() -> list[dict]:
+    L = Layout()
+    rate = "$__rate_interval"
+
+    L.row("Train / inference mismatch: step 1 must show IW = 1; later steps stay near it")
+    L.add(timeseries(
+        "Importance weight mean",
+        "Mean of exp(logp - rollout_logp) over response tokens. Healthy runs sit within 1e-3 of 1; "
+        "the red lines are the LockstepIWMeanOutOfBand alert band. Seed 000's packed-attention bug gave 0.41.",
+        [per_run("iw_mean")], lines=[ALERT_LINES["iw_mean_low"][2], ALERT_LINES["iw_mean_high"][2]], decimals=4))
+    L.add(timeseries(
+        "Importance weight min / max",
+        "Extremes over response tokens (log scale). One token with max far above the red line "
+        "(LockstepIWMaxAboveBound) dominates the clipped objective.",
+        [per_run("iw_min", " min"), per_run("iw_max", " max")], lines=[ALERT_LINES["iw_max"][2]], log_scale=True))
+    L.add(timeseries(
+        "|logp - rollout_logp|",
+        "Mean and max absolute log-prob difference between trainer and rollout on response tokens. "
+        "The red line is the 0.03 gate on the mean (LockstepLogprobDiffAboveGate).",
+        [per_run("logprob_abs_diff_mean", " mean"), per_run("logprob_abs_diff_max", " max")],
+        lines=[ALERT_LINES["logprob_diff"][2]]))
+    L.add(timeseries(
+        "Approx KL (k3), rollout || trainer",
+        "k3 estimate over response tokens. A jump means stale rollout weights or drifting trainer "
+        "log-probs (LockstepApproxKLSpike; absolute ceiling drawn in red).",
+        [per_run("approx_kl_k3")], lines=[ALERT_LINES["approx_kl"][2]]))
+    L.add(timeseries(
+        "M2PO second moment",
+        "Mean of 0.5 * (logp - rollout_logp)^2. Seed 000: 0.002-0.008 healthy, ~17 broken.",
+        [per_run("m2po_m2")]))
+    L.add(timeseries(
+        "Clip fraction",
+        "Fraction of response tokens whose ratio was clipped. Near 0 at step 1 (same weights); "
+        "a steady rise means updates too large for the clip range.",
+        [per_run("clip_fraction")], unit="percentunit"))
+
+    L.row("Learning")
+    L.add(timeseries(
+        "Reward",
+        "Mean and standard deviation of the step's rewards. Zero spread for several steps "
+        "(LockstepRewardFlat) leaves GRPO with all-zero advantages.",
+        [per_run("reward_mean", " mean"), per_run("reward_std", " std")]))
+    L.add(timeseries(
+        "Held-out accuracy",
+        "Greedy accuracy on the held-out set at the last evaluation (eval.every in the run spec).",
+        [per_run("eval_accuracy")], unit="percentunit"))
+    L.add(timeseries(
+        "Response length",
+        "Mean response length in tokens. A length frozen at one value while rewards move is a "
+        "symptom seed 000's broken run showed.",
+        [per_run("response_length_mean")]))
+    L.add(timeseries("Policy entropy", "Mean per-token entropy of the trainer policy on response tokens.",
+                     [per_run("entropy")]))
+    L.add(timeseries("Gradient norm", "Global gradient norm before clipping.", [per_run("grad_norm")]))
+    L.add(timeseries("Loss", "Policy loss of the step (token-mean PPO-clip plus KL term).", [per_run("loss")]))
+
+    L.row("Time and throughput")
+    L.add(timeseries(
+        "Step time by phase",
+        "Wall time of each phase of the last completed step, stacked: rollout, reward, train, "
+        "weight sync, eval, checkpoint. The dashed total is the run's median step time so far.",
+        [(f'{m("lockstep_step_phase_seconds")}{{{RUN}}}', "{{run_id}} {{phase}}"),
+         (f'lockstep:step_seconds:median{{{RUN}}}', "{{run_id}} median step")],
+        unit="s", stack=True, unstacked_refs=("B",)), w=12)
+    L.add(timeseries(
+        "Tokens/s per service",
+        "Response tokens generated per second by each rollout replica, tokens trained per second by the "
+        "trainer, and SGLang's own generation throughput when a run uses engine=sglang.",
+        [(f'sum by (instance) (rate({m("lockstep_rollout_generated_tokens_total")}[{rate}]))',
+          "rollout {{instance}}"),
+         (f'sum by (instance) (rate({m("lockstep_trainer_tokens_total")}[{rate}]))', "trainer {{instance}}"),
+         ("sum by (instance) (sglang:gen_throughput)", "sglang {{instance}}")],
+        unit="short"), w=12)
+    L.add(timeseries(
+        "Rollout queue depth",
+        "Prompts dispatched to rollout and not yet returned (per run), and requests waiting in "
+        "SGLang's scheduler queue. A queue that never drains with no new steps is a stalled run.",
+        [(f'{m("lockstep_rollout_queue_depth")}{{{RUN}}}', "{{run_id}} dispatched"),
+         ("sum by (instance) (sglang:num_queue_reqs)", "sglang queued {{instance}}")]))
+    L.add(timeseries(
+        "Weight sync",
+        "Duration of the last weight sync to all rollout replicas (LockstepWeightSyncSlow compares it "
+        "with the median step).",
+        [(f'{m("lockstep_weight_sync_seconds")}{{{RUN}}}', "{{run_id}}")], unit="s"))
+    L.add(timeseries(
+        "Trajectories by outcome",
+        "Trajectories accounted for per second, by outcome (trained, dropped with a reason). "
+        "Every generated trajectory ends in exactly one outcome.",
+        [(f'sum by (run_id, outcome) (rate({m("lockstep_trajectories_total")}{{{RUN}}}[{rate}]))',
+          "{{run_id}} {{outcome}}")]))
+
+    L.row("Services and alerts")
+    L.add(stat(
+        "Targets up",
+        "Prometheus scrape health per job. sglang is down whenever no run uses engine=sglang; that "
+        "alone is not an alert.",
+        "min by (job) (up)", "{{job}}",
+        mappings=[{"type": "value", "options": {"0": {"text": "down", "color": "red"},
+                                                "1": {"text": "up", "color": "green"}}}],
+        steps=[{"color": "red", "value": None}, {"color": "green", "value": 1}]), w=8, h=6)
+    L.add(stat("Last completed step", "Last completed step of each run.",
+               f'{m("lockstep_run_step")}{{{RUN}}}', "{{run_id}}"), w=4, h=6)
+    L.add(stat(
+        "Run active",
+        "running: the coordinator expects more steps (LockstepRunStalled watches these); "
+        "finished: completed, failed or cancelled.",
+        f'{m("lockstep_run_active")}{{{RUN}}}', "{{run_id}}",
+        mappings=[{"type": "value", "options": {"0": {"text": "finished", "color": "blue"},
+                                                "1": {"text": "running", "color": "green"}}}]), w=4, h=6)
+    L.add(stat(
+        "Firing alerts",
+        "Lockstep alerts firing now (see deploy/README.md for what each means).",
+        'count by (alertname) (ALERTS{alertstate="firing", alertname=~"Lockstep.*"})', "{{alertname}}",
+        steps=[{"color": "red", "value": None}]), w=8, h=6)
+    L.add(timeseries(
+        "Policy versions",
+        "Policy version held by the trainer and loaded by each rollout replica; they must meet "
+        "after every weight sync.",
+        [(f'{m("lockstep_trainer_policy_version")}', "trainer {{instance}}"),
+         (f'{m("lockstep_rollout_policy_version")}', "rollout {{instance}}")]), w=12)
+    L.add(timeseries(
+        "RPC outcomes",
+        "Generate requests and train steps per second by outcome; anything but ok/trained needs a look "
+        "in the service's logs.",
+        [(f'sum by (outcome) (rate({m("lockstep_rollout_requests_total")}[{rate}]))', "generate {{outcome}}"),
+         (f'sum by (outcome) (rate({m("lockstep_trainer_steps_total")}[{rate}]))', "train {{outcome}}")]), w=12)
+    return L.panels
+
+
+def build_dashboard() -> dict:
+    run_var = {
+        "name": "run_id", "label": "Run", "type": "query", "datasource": DATASOURCE,
+        "query": {"query": f'label_values({m("lockstep_run_step")}, run_id)', "refId": "run_id"},
+        "definition": f'label_values({m("lockstep_run_step")}, run_id)',
+        "refresh": 2, "includeAll": True, "multi": True, "allValue": ".*", "sort": 1,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+    }
+    return {
+        "uid": UID,
+        "title": "Lockstep RL health",
+        "description": "Train/inference mismatch health of Lockstep GRPO runs. Generated by "
+                       "deploy/grafana/build_dashboard.py from services/common/metric_defs.py; do not edit by hand.",
+        "tags": ["lockstep", "rl"],
+        "editable": False,
+        "graphTooltip": 1,
+        "refresh": "10s",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-3h", "to": "now"},
+        "timezone": "browser",
+        "annotations": {"list": []},
+        "templating": {"list": [run_var]},
+        "panels": build_panels(),
+    }
+
+
+def render() -> str:
+    return json.dumps(build_dashboard(), indent=2, sort_keys=True) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the committed JSON differs")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUT.is_file() or OUT.read_text() != text:
+            print(f"{OUT} is out of date: run python deploy/grafana/build_dashboard.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text)
+    print(f"wrote {OUT}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
