@@ -8,7 +8,7 @@ fallback to another engine.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -75,6 +75,11 @@ class Engine(abc.ABC):
 
     name: str = "abstract"
 
+    @classmethod
+    @abc.abstractmethod
+    def from_config_json(cls, text: str) -> "Engine":
+        """Build from LoadModelRequest.engine_config_json; ValueError naming the field on bad options."""
+
     @abc.abstractmethod
     def load(self, model_path: str, policy_version: int) -> None: ...
 
@@ -99,11 +104,3 @@ class Engine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
-
-
-@dataclass
-class EngineSpec:
-    """Which engine a run uses and its engine-specific options (validated by the engine)."""
-
-    name: str = "torch"
-    options: dict = field(default_factory=dict)

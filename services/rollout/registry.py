@@ -36,4 +36,4 @@ def engine_class(name: str) -> type[Engine]:
 
 def build_engine(name: str, config_json: str) -> Engine:
     """Construct (not load) the named engine from its JSON options."""
-    return engine_class(name).from_config_json(config_json)  # type: ignore[attr-defined]
+    return engine_class(name).from_config_json(config_json)

@@ -29,6 +29,10 @@ class RecordingEngine(Engine):
         self.started = threading.Event()
         self._version = 0
 
+    @classmethod
+    def from_config_json(cls, text: str) -> "RecordingEngine":
+        return cls()
+
     def load(self, model_path: str, policy_version: int) -> None:
         self._version = policy_version
 
