@@ -42,9 +42,11 @@ class SGLangRequestError(RuntimeError):
 def sampling_params(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
     """SGLang sampling params for one sample.
 
-    - ignore_eos + explicit stop_token_ids: a sample stops exactly on the ids
-      the request names (as in the torch engine), not on the model config's
-      eos as well. The stop token is part of the output and has a log-prob.
+    - stop_token_ids: a sample stops on the ids the request names; the stop
+      token is part of the output and has a log-prob (as in the torch
+      engine). SGLang also stops on the model's own eos ids and its only
+      switch for that (ignore_eos) disables stop_token_ids too, so the engine
+      refuses requests whose stop ids leave the model's eos ids out.
     - greedy is temperature 0 (SGLang then scores at temperature 1).
     - top_k 0 (off in Lockstep) is -1 in SGLang.
     - sampling_seed: honoured by SGLang only under
@@ -57,7 +59,7 @@ def sampling_params(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,
         "min_p": 0.0,
-        "ignore_eos": True,
+        "ignore_eos": False,
         "stop_token_ids": list(sampling.stop_token_ids),
         "skip_special_tokens": False,
         "no_stop_trim": True,
@@ -221,11 +223,11 @@ class SGLangClient:
         except ValueError:
             raise SGLangRequestError(path, resp.status_code, f"not JSON: {resp.text[:500]}") from None
 
-    def _checked(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _checked(self, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """POST a control request whose answer carries {"success": bool, "message": str}."""
-        out = self._json("POST", path, json=body)
+        out = self._json("POST", path, json=body, timeout=timeout)
         if not out.get("success", False):
-            raise SGLangRequestError(path, 200, str(out.get("message", out)))
+            raise SGLangRequestError(path, 200, str(out.get("message") or out.get("error_message") or out))
         return out
 
     def healthy(self, timeout: float = 5.0) -> bool:
@@ -253,13 +255,7 @@ class SGLangClient:
         self._call("POST", "/continue_generation", json={})
 
     def update_weights_from_disk(self, model_path: str, weight_version: str, timeout: float) -> dict[str, Any]:
-        return self._checked_timeout("/update_weights_from_disk", update_weights_from_disk_body(model_path, weight_version), timeout)
-
-    def _checked_timeout(self, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-        out = self._json("POST", path, json=body, timeout=timeout)
-        if not out.get("success", False):
-            raise SGLangRequestError(path, 200, str(out.get("message", out)))
-        return out
+        return self._checked("/update_weights_from_disk", update_weights_from_disk_body(model_path, weight_version), timeout)
 
     def init_weights_update_group(self, **kw: Any) -> dict[str, Any]:
         return self._checked("/init_weights_update_group", init_weights_update_group_body(**kw))

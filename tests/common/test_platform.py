@@ -1,0 +1,130 @@
+"""Platform detection and the SGLang flags/environment per platform, asserted exactly.
+
+No AMD GPU is reachable, so ROCm behaviour is proven by the decisions made
+given an environment (DESIGN.md, "Portability without an AMD GPU"; seed 003).
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from services.common.platform import (
+    SGLANG_CPU_PLUGIN_ENV,
+    SGLANG_CPU_PLUGIN_NAME,
+    Platform,
+    SGLangPlatformConfig,
+    detect_platform,
+    sglang_launch_plan,
+)
+
+ROCM_ENV = {"HIP_VISIBLE_DEVICES": "2,3", "CUDA_VISIBLE_DEVICES": "0", "PATH": "/usr/bin"}
+
+
+def test_rocm_flags_and_environment_exactly():
+    plan = sglang_launch_plan(Platform.ROCM, SGLangPlatformConfig(), ROCM_ENV)
+    assert plan.flags == (
+        "--attention-backend", "triton", "--lora-backend", "triton", "--dtype", "auto", "--enable-metrics",
+    )
+    assert plan.env_updates == {
+        "CUDA_VISIBLE_DEVICES": "2,3",  # the operator's HIP choice wins over a stale CUDA one
+        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+    child = plan.child_env(ROCM_ENV)
+    assert child["CUDA_VISIBLE_DEVICES"] == child["HIP_VISIBLE_DEVICES"] == "2,3"
+    assert child["PATH"] == "/usr/bin"
+
+
+def test_rocm_deterministic_bf16_and_no_hip_devices():
+    cfg = SGLangPlatformConfig(deterministic=True, dtype="bfloat16", mem_fraction_static=0.4,
+                               cuda_attention_backend="flashinfer")  # CUDA-only option: ignored on ROCm
+    plan = sglang_launch_plan(Platform.ROCM, cfg, {})
+    assert plan.flags == (
+        "--attention-backend", "triton", "--lora-backend", "triton", "--dtype", "bfloat16",
+        "--mem-fraction-static", "0.4", "--enable-deterministic-inference", "--enable-metrics",
+    )
+    # No HIP_VISIBLE_DEVICES: nothing to bridge, CUDA_VISIBLE_DEVICES left alone.
+    assert plan.env_updates == {
+        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
+        "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+
+
+def test_cuda_flags_exactly():
+    plan = sglang_launch_plan(Platform.CUDA, SGLangPlatformConfig(), {"CUDA_VISIBLE_DEVICES": "1"})
+    assert plan.flags == ("--attention-backend", "fa3", "--dtype", "auto", "--enable-metrics")
+    assert plan.env_updates == {}
+    cfg = SGLangPlatformConfig(cuda_attention_backend="flashinfer", cuda_lora_backend="csgmv",
+                               deterministic=True, dtype="bfloat16")
+    assert sglang_launch_plan(Platform.CUDA, cfg, {}).flags == (
+        "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--lora-backend", "csgmv",
+        "--enable-deterministic-inference", "--enable-metrics",
+    )
+
+
+def test_cpu_flags_and_environment_exactly():
+    plan = sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {"HIP_VISIBLE_DEVICES": "0"})
+    assert plan.flags == (
+        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
+        "--dtype", "float32", "--max-total-tokens", "8192", "--skip-server-warmup", "--enable-metrics",
+    )
+    assert plan.env_updates == {"LOCKSTEP_SGLANG_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "lockstep_cpu"}
+    # GPU-only options don't leak into the CPU command.
+    cfg = SGLangPlatformConfig(mem_fraction_static=0.5, cpu_max_total_tokens=4096, dtype="float32")
+    flags = sglang_launch_plan(Platform.CPU, cfg, {}).flags
+    assert "--mem-fraction-static" not in flags
+    assert flags[flags.index("--max-total-tokens") + 1] == "4096"
+
+
+def test_cpu_refuses_what_it_cannot_honour():
+    with pytest.raises(ValueError, match="deterministic"):
+        sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(deterministic=True), {})
+    with pytest.raises(ValueError, match="dtype"):
+        sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(dtype="bfloat16"), {})
+
+
+def test_config_is_typed_and_closed():
+    with pytest.raises(ValueError, match="attention_backend_typo"):
+        SGLangPlatformConfig(attention_backend_typo="x")  # type: ignore[call-arg]
+    with pytest.raises(ValueError):
+        SGLangPlatformConfig(dtype="fp8")  # type: ignore[arg-type]
+    for name, f in SGLangPlatformConfig.model_fields.items():
+        assert f.description, f"{name} has no description"
+
+
+@pytest.mark.parametrize(
+    ("env", "hip", "cuda", "want"),
+    [
+        ({}, None, False, Platform.CPU),
+        ({}, None, True, Platform.CUDA),
+        ({}, "6.2.41133", True, Platform.ROCM),
+        ({}, "6.2.41133", False, Platform.CPU),  # a ROCm build with no visible device
+        ({"LOCKSTEP_PLATFORM": "cpu"}, "6.2", True, Platform.CPU),  # operator override wins
+        ({"LOCKSTEP_PLATFORM": " ROCm "}, None, False, Platform.ROCM),
+    ],
+)
+def test_detect_platform(env, hip, cuda, want):
+    assert detect_platform(env, torch_hip=hip, cuda_available=cuda) is want
+
+
+def test_detect_platform_refuses_unknown_override():
+    with pytest.raises(ValueError, match="LOCKSTEP_PLATFORM.*'tpu'"):
+        detect_platform({"LOCKSTEP_PLATFORM": "tpu"}, torch_hip=None, cuda_available=False)
+
+
+def test_plugin_constants_match_the_plugin_package(repo_root, monkeypatch):
+    """The names the launcher sets are the ones the plugin registers and reads."""
+    pkg = repo_root / "deploy" / "sglang" / "cpu_platform"
+    assert f'{SGLANG_CPU_PLUGIN_NAME} = "lockstep_sglang_cpu:activate"' in (pkg / "pyproject.toml").read_text()
+    assert '[project.entry-points."sglang.srt.platforms"]' in (pkg / "pyproject.toml").read_text()
+    spec = importlib.util.spec_from_file_location("lockstep_sglang_cpu", pkg / "lockstep_sglang_cpu" / "__init__.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # imports neither sglang nor torch
+    assert mod.ACTIVATE_ENV == SGLANG_CPU_PLUGIN_ENV
+    monkeypatch.delenv(SGLANG_CPU_PLUGIN_ENV, raising=False)
+    assert mod.activate() is None  # installed but inactive: SGLang's own platform choice is untouched
+    monkeypatch.setenv(SGLANG_CPU_PLUGIN_ENV, "1")
+    assert mod.activate() == "lockstep_sglang_cpu.platform:LockstepCpuPlatform"

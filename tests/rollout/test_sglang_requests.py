@@ -1,0 +1,163 @@
+"""SGLang engine pieces that need no server: request bodies, response checks, the command
+line, config validation and the synced checkpoint.
+
+The NCCL/RCCL weight path and LoRA adapters need GPUs: here only their request
+construction is checked, field by field against sglang 0.5.23's io_struct
+(UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput,
+LoadLoRAAdapterReqInput). They are not exercised against a server anywhere in
+this suite.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.common.platform import Platform, SGLangPlatformConfig, sglang_launch_plan
+from services.rollout.engine import GenerationRequest, PromptSpec, SamplingConfig
+from services.rollout.sglang_client import (
+    SGLangRequestError,
+    generate_body,
+    init_weights_update_group_body,
+    load_lora_adapter_body,
+    parse_generate_response,
+    update_weights_from_disk_body,
+    update_weights_from_distributed_body,
+)
+from services.rollout.sglang_config import SGLangEngineConfig
+from services.rollout.sglang_server import server_command, server_env
+from services.rollout.sglang_weights import checkpoint_specs, verify_tensors, write_checkpoint
+
+REQ = GenerationRequest(
+    prompts=(PromptSpec("a", (1, 5, 6), seed=10), PromptSpec("b", (1, 7), seed=99)),
+    sampling=SamplingConfig(temperature=0.7, top_p=0.9, max_new_tokens=4, stop_token_ids=(2,)),
+    samples_per_prompt=2,
+)
+
+
+def test_generate_body_one_entry_per_sample_with_its_seed():
+    body = generate_body(REQ)
+    assert body["input_ids"] == [[1, 5, 6], [1, 5, 6], [1, 7], [1, 7]]
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [10, 11, 99, 100]
+    assert body["return_logprob"] is True and body["logprob_start_len"] == -1 and body["stream"] is False
+    p = body["sampling_params"][0]
+    assert p == {
+        "max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9, "top_k": -1, "min_p": 0.0,
+        "ignore_eos": False, "stop_token_ids": [2], "skip_special_tokens": False, "no_stop_trim": True,
+        "sampling_seed": 10,
+    }
+
+
+def test_greedy_and_top_k_map_to_sglang_conventions():
+    greedy = GenerationRequest(prompts=(PromptSpec("g", (1,), seed=0),),
+                               sampling=SamplingConfig(greedy=True, top_k=5, max_new_tokens=1))
+    p = generate_body(greedy)["sampling_params"][0]
+    assert p["temperature"] == 0.0 and p["top_k"] == 5
+
+
+def _out(ids, logps, version="3", finish="length"):
+    return {"output_ids": ids, "meta_info": {
+        "weight_version": version, "finish_reason": {"type": finish},
+        "output_token_logprobs": [[lp, t, None] for lp, t in zip(logps, ids, strict=True)]}}
+
+
+def test_parse_response_in_prompt_then_sample_order():
+    outs = [_out([4], [-1.0]), _out([2], [-0.5], finish="stop"), _out([3, 3], [-2.0, -2.5]), _out([8], [-0.1])]
+    samples = parse_generate_response(REQ, outs, "3")
+    assert [s.sample_id for s in samples] == ["a/0", "a/1", "b/0", "b/1"]
+    assert samples[1].finish_reason == "stop" and samples[2].logprobs == [-2.0, -2.5]
+
+
+def test_parse_response_refuses_another_weight_version():
+    outs = [_out([4], [-1.0])] * 3 + [_out([4], [-1.0], version="2")]
+    with pytest.raises(SGLangRequestError, match="b/1 was generated with weight_version '2'"):
+        parse_generate_response(REQ, outs, "3")
+
+
+def test_parse_response_refuses_wrong_count_and_mismatched_logprob_ids():
+    with pytest.raises(SGLangRequestError, match="expected 4 outputs, got 1"):
+        parse_generate_response(REQ, [_out([4], [-1.0])], "3")
+    bad = _out([4, 5], [-1.0, -1.0])
+    bad["meta_info"]["output_token_logprobs"][1][1] = 6
+    with pytest.raises(SGLangRequestError, match="do not match output_ids"):
+        parse_generate_response(REQ, [bad] * 4, "3")
+
+
+def test_weight_sync_bodies():
+    assert update_weights_from_disk_body("/w/v7", "7") == {
+        "model_path": "/w/v7", "weight_version": "7", "flush_cache": True, "abort_all_requests": False,
+    }
+    assert init_weights_update_group_body("10.0.0.1", 29500, 1, 2) == {
+        "master_address": "10.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2,
+        "group_name": "weight_update_group", "backend": "nccl",
+    }
+    assert update_weights_from_distributed_body(["a.w", "b.w"], ["bfloat16", "float32"], [(2, 3), [4]], "8") == {
+        "names": ["a.w", "b.w"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [4]],
+        "group_name": "weight_update_group", "flush_cache": True, "abort_all_requests": False,
+        "weight_version": "8",
+    }
+    assert load_lora_adapter_body("policy", "/w/lora-3") == {"lora_name": "policy", "lora_path": "/w/lora-3", "pinned": False}
+
+
+def test_weight_sync_bodies_refuse_bad_values():
+    with pytest.raises(ValueError, match="rank_offset"):
+        init_weights_update_group_body("h", 29500, 0, 2)
+    with pytest.raises(ValueError, match="master_port"):
+        init_weights_update_group_body("h", 0, 1, 2)
+    with pytest.raises(ValueError, match="names/dtypes/shapes"):
+        update_weights_from_distributed_body(["a"], [], [[1]], "1")
+    with pytest.raises(ValueError, match="lora_name"):
+        load_lora_adapter_body("", "/p")
+
+
+def test_server_command_and_environment_exactly():
+    plan = sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {})
+    cmd = server_command("/v/bin/python", plan, model_path="/m", host="127.0.0.1", port=30001,
+                         weight_version="5", extra_args=["--random-seed", "1"])
+    assert cmd == [
+        "/v/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
+        "--port", "30001", "--weight-version", "5", "--tp-size", "1", "--skip-tokenizer-init",
+        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", "float32",
+        "--max-total-tokens", "8192", "--skip-server-warmup", "--enable-metrics", "--random-seed", "1",
+    ]
+    env = server_env(plan, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "HOME": "/root"})
+    # Unscaled log-probs would break the temperature contract: never passed on.
+    assert env == {"HOME": "/root", "LOCKSTEP_SGLANG_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "lockstep_cpu"}
+
+
+def test_engine_config_names_the_bad_field():
+    with pytest.raises(ValueError, match=r"engine_config\.server\.dtype"):
+        SGLangEngineConfig.from_json(json.dumps({"server": {"dtype": "int3"}}))
+    with pytest.raises(ValueError, match=r"engine_config\.bogus"):
+        SGLangEngineConfig.from_json('{"bogus": 1}')
+    with pytest.raises(ValueError, match=r"engine_config\.platform"):
+        SGLangEngineConfig.from_json('{"platform": "tpu"}')
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SGLangEngineConfig.from_json("{")
+    for name, f in SGLangEngineConfig.model_fields.items():
+        assert f.description, f"{name} has no description"
+
+
+def test_checkpoint_verify_and_write(tmp_path):
+    from safetensors.torch import save_file
+
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"w": torch.zeros(2, 3), "b": torch.zeros(3)}, str(base / "model.safetensors"))
+    (base / "config.json").write_text('{"tie_word_embeddings": false}')
+    (base / "tokenizer.json").write_text("{}")
+    specs = checkpoint_specs(base)
+    with pytest.raises(ValueError, match=r"missing \['b'\].*unknown \['x'\]"):
+        verify_tensors({"w": torch.ones(2, 3), "x": torch.ones(1)}, specs, tied=False)
+    with pytest.raises(ValueError, match=r"tensors\['w'\]: shape \(3, 2\)"):
+        verify_tensors({"w": torch.ones(3, 2), "b": torch.ones(3)}, specs, tied=False)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        verify_tensors({"w": torch.full((2, 3), float("nan")), "b": torch.ones(3)}, specs, tied=False)
+    sent = verify_tensors({"w": torch.ones(2, 3), "b": torch.ones(3)}, specs, tied=False)
+    out = write_checkpoint(sent, base, tmp_path / "v1")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert checkpoint_specs(out)["w"] == ((2, 3), torch.float32)
+    assert not list(tmp_path.glob(".v1.tmp-*"))
+    with pytest.raises(FileExistsError):
+        write_checkpoint(sent, base, tmp_path / "v1")
