@@ -9,7 +9,7 @@ still build, and fail - or worse, run on the wrong kernels - on the MI300.
 
     check_image.py snapshot BASE.json                  # before any pip install
     check_image.py constraints BASE.json --platform P [--overrides FILE]
-    check_image.py verify BASE.json --platform P [--overrides FILE] [--import MOD ...]
+    check_image.py verify BASE.json --platform P [--overrides FILE] [--import MOD ...] [--sglang-python PY]
 
 `constraints` prints pip constraints: every base package pinned at its
 version, CUDA runtime wheels refused on ROCm. The packages named in the
@@ -19,7 +19,8 @@ generated stubs) are left unpinned there and allowed to change in `verify`.
 `verify` fails the build (exit 1, one line per problem) when a base package
 changed version or vanished, torch is not the platform's build
 (torch.version.hip on ROCm, torch.version.cuda on CUDA), an nvidia-*/cuda-*
-wheel appeared on ROCm, or a Lockstep module does not import.
+wheel appeared on ROCm, a Lockstep module does not import, or the interpreter
+the rollout launches SGLang with cannot import sglang over that same torch.
 
 Runs under the base image's Python, so it keeps to the standard library and
 Python 3.8 syntax; the pure functions take an `Env` so tests can feed them
@@ -171,6 +172,47 @@ def problems(base: Env, now: Env, platform: str, overrides: Sequence[str] = ()) 
     return out
 
 
+_SGLANG_PROBE = "import sglang, torch; print(torch.__version__)"
+
+
+def sglang_python_problems(python: str, base: Env) -> List[str]:
+    """The interpreter the rollout launches SGLang with must import sglang over the base image's torch."""
+    import subprocess
+
+    hint = ("set the SGLANG_PYTHON build arg to the base image's interpreter "
+            "(docker run --rm $BASE_IMAGE python3 -c 'import sys; print(sys.executable)')")
+    if not os.path.isfile(python):
+        return [f"SGLang interpreter {python} does not exist: {hint}"]
+    try:
+        r = subprocess.run([python, "-c", _SGLANG_PROBE], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return [f"SGLang interpreter {python} did not run: {exc}"]
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return [f"SGLang interpreter {python} cannot import sglang and torch: {tail}; {hint}"]
+    version = r.stdout.strip().splitlines()[-1]
+    if version != base.torch_version:
+        return [f"SGLang interpreter {python} runs torch {version}, the base image's is {base.torch_version}: "
+                "rollout and trainer would not share kernels"]
+    return []
+
+
+def path_python_problems() -> List[str]:
+    """`python3` on PATH (what docker-compose.yml runs) must be this interpreter's environment."""
+    import shutil
+    import subprocess
+
+    found = shutil.which("python3")
+    if found is None:
+        return ["no python3 on PATH: docker-compose.yml runs `python3 -m services.<name>`"]
+    r = subprocess.run([found, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True, timeout=60)
+    prefix = r.stdout.strip()
+    if r.returncode != 0 or os.path.realpath(prefix) != os.path.realpath(sys.prefix):
+        return [f"python3 on PATH ({found}, prefix {prefix or '?'}) is not the interpreter Lockstep was installed "
+                f"into ({sys.executable}, prefix {sys.prefix}): the services would run without their packages"]
+    return []
+
+
 def import_problems(modules: List[str]) -> List[str]:
     # The services run as `python -m services.<name>` from the source tree
     # (WORKDIR), so import the way they will: current directory first.
@@ -199,6 +241,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     v.add_argument("--platform", choices=PLATFORMS, required=True)
     v.add_argument("--overrides", help="requirements file naming packages allowed to move")
     v.add_argument("--import", dest="imports", nargs="*", default=[], metavar="MODULE")
+    v.add_argument("--sglang-python", help="interpreter the rollout launches SGLang with (must import sglang)")
     args = ap.parse_args(argv)
 
     if args.cmd == "snapshot":
@@ -221,6 +264,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("\n".join(constraints(base, args.platform, overrides)))
         return 0
     found = problems(base, current_env(), args.platform, overrides) + import_problems(args.imports)
+    if args.sglang_python:
+        found += sglang_python_problems(args.sglang_python, base) + path_python_problems()
     for p in found:
         print(f"image check failed: {p}", file=sys.stderr)
     if not found:

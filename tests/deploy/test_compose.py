@@ -233,6 +233,18 @@ def test_models_and_runs_are_shared_at_the_same_paths(svc):
     assert {m[c.data_dir] for m in mounts.values()} == {"./runs"}
 
 
+def test_sglang_weight_sync_directory_is_on_the_runs_volume(svc):
+    from services.rollout import sglang_config
+
+    env = env_of(svc["rollout"])
+    weights = env[sglang_config.WEIGHTS_DIR_ENV]
+    assert any(weights.startswith(path + "/") for path, src in _mounts(svc["rollout"]).items()
+               if not src.endswith(":ro")), f"{weights} is not on a writable volume"
+    # The interpreter comes from the image (Dockerfile ENV), checked at build time there.
+    for dockerfile in ("Dockerfile.rocm", "Dockerfile.cuda"):
+        assert f"ENV {sglang_config.PYTHON_ENV}=" in (DEPLOY / "docker" / dockerfile).read_text()
+
+
 def test_redis_keeps_an_append_only_file_on_a_volume(svc):
     r = svc["redis"]
     cmd = r["command"]
