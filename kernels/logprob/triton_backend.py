@@ -45,12 +45,17 @@ class PartialsConfig:
         # The CPU interpreter pays ~10 ms per program, so there one program takes all
         # slots of a row; on a GPU one tile per program keeps T x 64 programs in flight.
         spp = _next_pow2(slots) if INTERPRETED else SLOTS_PER_PROGRAM
-        return PartialsConfig(tile_w, align, block, chunks, spp, 8 if block * spp >= 4096 else 4)
+        warps = PARTIALS_NUM_WARPS or (8 if block * spp >= 4096 else 4)
+        return PartialsConfig(tile_w, align, block, chunks, spp, warps)
 
 
+# Launch-shape knobs, fixed per process (bench/logprob.py sweeps them to pick these
+# defaults). Changing one changes the reduction tree, hence the bits: never per call.
 SLOTS_PER_PROGRAM = 1
+PARTIALS_NUM_WARPS: int | None = None
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"  # as Triton saw it when the kernels were decorated
 BACKWARD_BLOCK = 4096
+BACKWARD_NUM_WARPS: int | None = None
 MERGE_BLOCK_T = 128
 
 
@@ -109,7 +114,7 @@ class TritonBackend:
                 g_ent if g_ent is not None else g_lse, active if active is not None else targets,
                 logits.stride(0), grad.stride(0), V, layout.vocab_start, layout.global_vocab_size, float(temperature),
                 BLOCK=block, WITH_ENT=g_ent is not None, HAS_MASK=active is not None, SCALE=temperature != 1.0,
-                num_warps=8 if block >= 4096 else 4,
+                num_warps=BACKWARD_NUM_WARPS or (8 if block >= 4096 else 4),
             )
         return grad
 

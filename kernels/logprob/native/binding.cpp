@@ -1,7 +1,7 @@
 // Torch glue for logprob_kernels.cu: checks tensors, picks the current stream,
 // turns a launcher's error string into a Python exception.
 #include <torch/extension.h>
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 
 extern "C" const char* lockstep_logprob_partials(int, const void*, const int64_t*, float*, float*, float*, int64_t,
                                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -24,7 +24,7 @@ void check(const char* err, const char* what) {
   TORCH_CHECK(err == nullptr, "lockstep native logprob ", what, " launch failed: ", err);
 }
 
-void* stream() { return (void*)at::cuda::getCurrentCUDAStream().stream(); }
+void* stream() { return (void*)c10::cuda::getCurrentCUDAStream().stream(); }
 
 const uint8_t* active_ptr(const c10::optional<at::Tensor>& active) {
   return active.has_value() ? (const uint8_t*)active->data_ptr() : nullptr;  // bool is one byte
