@@ -198,8 +198,8 @@ def test_hf_builds_no_mask_for_the_registry_attention(models):
 
     ids, kw = _packed_inputs()
     embeds = models[0].get_input_embeddings()(ids)
-    mask = create_causal_mask(config=models[0].config, inputs_embeds=embeds, attention_mask=None,
-                              cache=None, position_ids=kw["position_ids"])
+    # Positional: the 4th parameter is `cache` in transformers 5.24 and `past_key_values` in 5.17.
+    mask = create_causal_mask(models[0].config, embeds, None, None, position_ids=kw["position_ids"])
     assert mask is None
 
 
