@@ -94,3 +94,19 @@ def test_unit_tests_catch_a_loosened_rule(name, tmp_path):
     assert mutant_rules.returncode == 0, f"mutation produced invalid rules: {mutant_rules.stdout}"
     r = run(tool, "test", "rules", *(str(tmp_path / "tests" / f.name) for f in UNIT_TESTS))
     assert r.returncode != 0, f"unit tests still pass with mutation {name!r}"
+
+
+def test_every_runbook_link_points_at_a_readme_section():
+    import re
+
+    import yaml
+
+    readme = (REPO_ROOT / "deploy" / "README.md").read_text()
+    # GitHub's anchor for a heading: lower case, punctuation dropped, spaces to dashes.
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", readme, flags=re.M)}
+    rules = [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+    for rule in rules:
+        link = rule["annotations"]["runbook"]
+        path, _, anchor = link.partition("#")
+        assert path == "deploy/README.md" and anchor in anchors, f"{rule['alert']}: {link} (have {sorted(anchors)})"
