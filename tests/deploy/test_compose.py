@@ -286,22 +286,31 @@ def test_nvidia_override_uses_reset_not_empty_lists():
 
 # ------------------------------------------------------ docker compose config --
 
-def _compose_cmd() -> list[str] | None:
-    if shutil.which("docker"):
-        r = subprocess.run(["docker", "compose", "version"], capture_output=True, text=True)
-        if r.returncode == 0:
-            return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return None
+MIN_COMPOSE = (2, 24)  # `!reset` in the NVIDIA override
+
+
+def _compose_cmd() -> tuple[list[str] | None, str]:
+    """A Compose v2 command new enough for these files, or None and why not."""
+    why = "no `docker compose` plugin or docker-compose here"
+    for cmd in (["docker", "compose"], ["docker-compose"]):
+        if not shutil.which(cmd[0]):
+            continue
+        r = subprocess.run([*cmd, "version", "--short"], capture_output=True, text=True, timeout=30)
+        m = re.match(r"v?(\d+)\.(\d+)", r.stdout.strip())
+        if r.returncode != 0 or not m:
+            continue
+        if tuple(map(int, m.groups())) >= MIN_COMPOSE:
+            return cmd, ""
+        why = f"{' '.join(cmd)} {r.stdout.strip()} is older than {'.'.join(map(str, MIN_COMPOSE))}"
+    return None, why
 
 
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, NVIDIA]], ids=["mi300", "nvidia"])
 def test_docker_compose_config(files, tmp_path):
-    cmd = _compose_cmd()
+    cmd, why = _compose_cmd()
     if cmd is None:
         # Not require(): CI machines have no Docker; the structural tests above stand in.
-        pytest.skip("no `docker compose` plugin or docker-compose here; structural checks only")
+        pytest.skip(f"{why}; structural checks only")
     args = [a for f in files for a in ("-f", str(f))]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_")}
     r = subprocess.run([*cmd, *args, "config", "-q"], cwd=DEPLOY, capture_output=True, text=True, env=env,
