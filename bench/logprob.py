@@ -41,21 +41,22 @@ def sweep_triton(T: int, V: int, reps: int, bw: float) -> list[dict]:
     logits = (torch.randn(T, V, generator=g, device="cuda") * 3).to(torch.bfloat16)
     targets = torch.randint(0, V, (T,), generator=g, device="cuda")
     floor = logits.numel() * 2 / bw * 1e3
-    keep = (tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS, tb.BACKWARD_BLOCK, tb.BACKWARD_NUM_WARPS)
+    keep = (tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS, tb.PARTIALS_CHUNK, tb.BACKWARD_BLOCK, tb.BACKWARD_NUM_WARPS)
     rows = []
-    for spp, warps in ((1, 4), (1, 8), (1, 16), (2, 8), (4, 8), (4, 16)):
-        tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS = spp, warps
+    for spp, warps, chunk in ((1, 4, 512), (1, 2, 512), (1, 8, 512), (1, 4, 256), (1, 2, 256), (1, 4, 1024),
+                              (1, 8, 1024), (1, 8, 4096), (2, 4, 512), (2, 8, 512), (4, 8, 512)):
+        tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS, tb.PARTIALS_CHUNK = spp, warps, chunk
+        cfg = {"kernel": "forward", "slots_per_program": spp, "num_warps": warps, "chunk": chunk}
         try:
             ms = _graph_ms(lambda: token_logprobs(logits, targets, backend="triton"), reps)
-            rows.append({"kernel": "forward", "slots_per_program": spp, "num_warps": warps, "ms": ms,
-                         "floor_fraction": floor / ms})
+            rows.append({**cfg, "ms": ms, "floor_fraction": floor / ms})
         except Exception as e:
-            rows.append({"kernel": "forward", "slots_per_program": spp, "num_warps": warps, "error": str(e)[:300]})
-    tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS = keep[0], keep[1]
+            rows.append({**cfg, "error": str(e)[:300]})
+    tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS, tb.PARTIALS_CHUNK = keep[0], keep[1], keep[2]
     impl = _impl("triton")
     lse = token_logprobs(logits, targets, backend="triton")[1]
     ones, lay = torch.ones_like(lse), ShardLayout(V, 0, V)
-    for block, warps in ((2048, 4), (4096, 4), (4096, 8), (8192, 8), (8192, 16)):
+    for block, warps in ((2048, 2), (4096, 4), (8192, 4), (8192, 8)):
         tb.BACKWARD_BLOCK, tb.BACKWARD_NUM_WARPS = block, warps
         try:
             ms = _graph_ms(lambda: impl.backward(logits, targets, lse, None, ones, ones, None, None, lay, 1.0), reps)
@@ -63,7 +64,7 @@ def sweep_triton(T: int, V: int, reps: int, bw: float) -> list[dict]:
                          "floor_fraction": 2 * floor / ms})
         except Exception as e:
             rows.append({"kernel": "backward", "block": block, "num_warps": warps, "error": str(e)[:300]})
-    tb.BACKWARD_BLOCK, tb.BACKWARD_NUM_WARPS = keep[2], keep[3]
+    tb.BACKWARD_BLOCK, tb.BACKWARD_NUM_WARPS = keep[3], keep[4]
     del logits
     torch.cuda.empty_cache()
     return rows
@@ -94,8 +95,10 @@ def copy_bandwidth(reps: int) -> float:
     return 2 * n * 2 / (ms * 1e-3)
 
 
-def _peak_extra(fn, baseline_bytes: int) -> int:
+def _peak_extra(fn, baseline_bytes: int, reset=None) -> int:
     """Peak allocation during fn beyond what was allocated before it and `baseline_bytes` of outputs."""
+    if reset is not None:
+        reset()  # drop the previous call's outputs (the gradient) so they are not counted as "before"
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -143,7 +146,8 @@ def bench_tokens(T: int, V: int, reps: int, bw: float, backends: list[str], comp
             entry["forward_ms"] = _median_ms(fwd, reps)
             entry["forward_backward_ms"] = _median_ms(fwdbwd, reps)
             entry["forward_peak_extra_bytes"] = _peak_extra(fwd, 0)
-            entry["forward_backward_peak_extra_bytes"] = _peak_extra(fwdbwd, in_bytes)  # the gradient is an output
+            # The gradient (T x V, logits dtype) is an output, not extra memory.
+            entry["forward_backward_peak_extra_bytes"] = _peak_extra(fwdbwd, in_bytes, reset=lambda: setattr(x, "grad", None))
         except Exception as e:  # recorded, not hidden: a failed case is part of the result
             entry["error"] = f"{type(e).__name__}: {str(e)[:500]}"
             res["runs"][name] = entry

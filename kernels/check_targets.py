@@ -50,7 +50,7 @@ def _triton_specs():
                                      (1 << 20, torch.bfloat16, True, True)):
         cfg = PartialsConfig.for_tile(tile_width(vocab), dtype, 64)
         types = [ptr[dtype], "*i64", "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 8 + ["fp32"]
-        const = dict(TILE_W=cfg.tile_w, BLOCK=cfg.block, ALIGN=cfg.align, NUM_CHUNKS=cfg.num_chunks,
+        const = dict(TILE_W=cfg.tile_w, CHUNK=cfg.chunk, ALIGN=cfg.align, NUM_CHUNKS=cfg.num_chunks,
                      SPP=cfg.slots_per_program, WITH_ENT=ent, SCALE=scale)
         specs.append((k.logprob_partials_kernel, dict(zip(partial_sig, types)), const, cfg.num_warps,
                       f"partials V={vocab} {str(dtype)[6:]} ent={ent} scale={scale} chunks={cfg.num_chunks}"))
@@ -65,7 +65,7 @@ def _triton_specs():
     for dtype, ent, mask, scale in ((torch.bfloat16, False, False, False), (torch.float16, True, True, True)):
         types = [ptr[dtype], ptr[dtype], "*i64"] + ["*fp32"] * 5 + ["*i1"] + ["i32"] * 5 + ["fp32"]
         const = dict(BLOCK=BACKWARD_BLOCK, WITH_ENT=ent, HAS_MASK=mask, SCALE=scale)
-        specs.append((k.logprob_backward_kernel, dict(zip(bwd_sig, types)), const, 8,
+        specs.append((k.logprob_backward_kernel, dict(zip(bwd_sig, types)), const, 4,
                       f"backward {str(dtype)[6:]} ent={ent} mask={mask} scale={scale}"))
     return specs
 

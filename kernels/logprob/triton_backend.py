@@ -15,7 +15,6 @@ from kernels.logprob.contract import Platform
 from kernels.logprob.registry import BackendUnavailable
 from kernels.logprob.tiling import ShardLayout
 
-MAX_BLOCK = 8192  # widest single load window; wider tiles loop over chunks of this
 
 
 def _next_pow2(n: int) -> int:
@@ -24,38 +23,36 @@ def _next_pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class PartialsConfig:
-    """Launch shape of the partials kernel: a function of (tile width, dtype) only, so of the vocab."""
+    """Launch shape of the partials kernel: a function of (tile width, dtype, alignment) only, never of T."""
 
     tile_w: int
     align: int
-    """Load-window alignment in elements (16 bytes)."""
-    block: int
+    """Load-window alignment in elements (16 bytes; 1 when the rows are not 16-byte aligned)."""
+    chunk: int
+    """Columns per chunk of the online (max, sumexp) loop."""
     num_chunks: int
     slots_per_program: int
-    """Tiles one program reduces side by side ([SPP, BLOCK] block)."""
+    """Tiles one program reduces side by side ([SPP, CHUNK] block)."""
     num_warps: int
 
     @staticmethod
-    def for_tile(tile_w: int, dtype: torch.dtype, slots: int) -> "PartialsConfig":
+    def for_tile(tile_w: int, dtype: torch.dtype, slots: int, aligned: bool = True) -> "PartialsConfig":
         """`slots` (the layout's slots per rank) matters only in the interpreter (see INTERPRETED)."""
-        align = 16 // torch.empty((), dtype=dtype).element_size()
+        align = 16 // torch.empty((), dtype=dtype).element_size() if aligned else 1
         span = tile_w + align - 1  # the aligned window may start up to align-1 columns early
-        block = min(_next_pow2(span), MAX_BLOCK)
-        chunks = -(-span // block)
+        chunk = min(_next_pow2(span), PARTIALS_CHUNK)
         # The CPU interpreter pays ~10 ms per program, so there one program takes all
         # slots of a row; on a GPU one tile per program keeps T x 64 programs in flight.
         spp = _next_pow2(slots) if INTERPRETED else SLOTS_PER_PROGRAM
-        warps = PARTIALS_NUM_WARPS or (8 if block * spp >= 4096 else 4)
-        return PartialsConfig(tile_w, align, block, chunks, spp, warps)
+        return PartialsConfig(tile_w, align, chunk, -(-span // chunk), spp, PARTIALS_NUM_WARPS)
 
 
-# Launch-shape knobs, fixed per process (bench/logprob.py sweeps them to pick these
-# defaults). Changing one changes the reduction tree, hence the bits: never per call.
 SLOTS_PER_PROGRAM = 1
-PARTIALS_NUM_WARPS: int | None = None
+PARTIALS_CHUNK = 512
+PARTIALS_NUM_WARPS = 4
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"  # as Triton saw it when the kernels were decorated
 BACKWARD_BLOCK = 4096
-BACKWARD_NUM_WARPS: int | None = None
+BACKWARD_NUM_WARPS = 4
 MERGE_BLOCK_T = 128
 
 
@@ -68,7 +65,12 @@ class TritonBackend:
     def partials(self, logits, targets, layout: ShardLayout, temperature: float, with_entropy: bool):
         T = logits.shape[0]
         S = layout.slots_per_rank
-        cfg = PartialsConfig.for_tile(layout.tile_width, logits.dtype, S)
+        esize = logits.element_size()
+        # 16-byte vector loads need 16-byte aligned rows and a row length that the rounded-up
+        # load bound cannot overrun; otherwise the same kernel runs with scalar loads.
+        aligned = (logits.data_ptr() % 16 == 0 and (logits.stride(0) * esize) % 16 == 0
+                   and (layout.local_vocab_size * esize) % 16 == 0)
+        cfg = PartialsConfig.for_tile(layout.tile_width, logits.dtype, S, aligned)
         dev = logits.device
         # Slot-major [S, T] so the merge reads each slot coalesced; returned as [T, S] views.
         m = torch.empty((S, T), device=dev, dtype=torch.float32)
@@ -81,7 +83,7 @@ class TritonBackend:
                 logits, targets, m, s, w, tgt,
                 logits.stride(0), layout.local_vocab_size, real_hi, layout.slot_col_offset, layout.vocab_start,
                 layout.global_vocab_size, T, S, float(temperature),
-                TILE_W=cfg.tile_w, BLOCK=cfg.block, ALIGN=cfg.align, NUM_CHUNKS=cfg.num_chunks,
+                TILE_W=cfg.tile_w, CHUNK=cfg.chunk, ALIGN=cfg.align, NUM_CHUNKS=cfg.num_chunks,
                 SPP=cfg.slots_per_program,
                 WITH_ENT=with_entropy, SCALE=temperature != 1.0, num_warps=cfg.num_warps,
             )
@@ -114,7 +116,7 @@ class TritonBackend:
                 g_ent if g_ent is not None else g_lse, active if active is not None else targets,
                 logits.stride(0), grad.stride(0), V, layout.vocab_start, layout.global_vocab_size, float(temperature),
                 BLOCK=block, WITH_ENT=g_ent is not None, HAS_MASK=active is not None, SCALE=temperature != 1.0,
-                num_warps=BACKWARD_NUM_WARPS or (8 if block >= 4096 else 4),
+                num_warps=BACKWARD_NUM_WARPS,
             )
         return grad
 

@@ -15,78 +15,71 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _load_slots(row_ptr, abase, base, lane, c, local_vocab, real_hi, temperature,
-                TILE_W: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr):
-    """[SPP, BLOCK] fp32 window `c` of each slot: -inf outside the tile, the shard and the real vocab."""
-    offs = abase[:, None] + c * BLOCK + lane[None, :]
-    x = tl.load(row_ptr + offs, mask=(offs >= 0) & (offs < local_vocab), other=float("-inf")).to(tl.float32)
-    keep = (offs >= base[:, None]) & (offs < base[:, None] + TILE_W) & (offs < real_hi)
-    x = tl.where(keep, x, float("-inf"))
-    if SCALE:
-        x = x / temperature
-    return x
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def logprob_partials_kernel(
     x_ptr, targets_ptr, m_ptr, s_ptr, w_ptr, tgt_ptr,
     stride_x, local_vocab, real_hi, col0, vocab_start, global_vocab, n_rows, n_slots, temperature,
-    TILE_W: tl.constexpr, BLOCK: tl.constexpr, ALIGN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    TILE_W: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     SPP: tl.constexpr, WITH_ENT: tl.constexpr, SCALE: tl.constexpr,
 ):
     """Grid (T, cdiv(S, SPP)): fp32 (max, sumexp[, sum e*x]) of SPP slots of one row, stored slot-major [S, T].
 
-    Each slot's load window starts at its first column rounded down to ALIGN
-    elements, so loads stay 16-byte aligned although tile bounds (2374 columns
-    for Qwen3) are not; columns outside the tile, the shard or the real vocab
-    become -inf. The program with pid(1) == 0 also stores the row's target
-    logit (-inf when another shard holds it). SPP and the block shape depend
-    on the vocab and dtype only, never on T: that is what keeps each tile's
-    reduction order, and so every bit, independent of batch composition.
+    A tile (2374 columns for Qwen3) is read once, in NUM_CHUNKS chunks of CHUNK
+    columns, with an online max per chunk: each chunk rescales the per-lane
+    running sums by exp(old max - new max), one scalar exp per chunk, so each
+    element costs one exp. Small chunks waste few lanes on a tile width that is
+    not a power of two (5 x 512 lanes for 2374 columns, against 4096 for one
+    block). Chunk windows start at the tile's first column rounded down to
+    ALIGN elements so loads stay 16-byte vectors; columns outside the tile, the
+    shard or the real vocab are -inf. The chunk order, CHUNK, SPP and the block
+    shape depend on the vocab and dtype only, never on T: that is what keeps
+    each tile's reduction order, and so every bit, independent of batch
+    composition. The program with pid(1) == 0 also stores the row's target
+    logit (-inf when another shard holds it).
     """
     row = tl.program_id(0)
     row_ptr = x_ptr + row.to(tl.int64) * stride_x
     slots = tl.program_id(1) * SPP + tl.arange(0, SPP)
     base = col0 + slots * TILE_W
-    abase = base - (((base % ALIGN) + ALIGN) % ALIGN)  # floor to ALIGN, also for a negative base
-    abase = tl.multiple_of(abase, ALIGN)
-    lane = tl.arange(0, BLOCK)
+    lo = tl.maximum(base, 0)
+    hi = tl.minimum(base + TILE_W, real_hi)
+    width = tl.maximum(hi - lo, 0)
+    start = tl.multiple_of(lo - lo % ALIGN, ALIGN)  # lo >= 0, so % is the plain remainder
+    # Load bound rounded up to ALIGN (the launcher guarantees local_vocab % ALIGN == 0, so it stays
+    # inside the row) keeps the load mask constant over each vector; `keep` then trims to the tile.
+    load_hi = tl.multiple_of(tl.minimum(hi + (ALIGN - hi % ALIGN) % ALIGN, local_vocab), ALIGN)
+    lane = tl.arange(0, CHUNK)
     neg_inf = float("-inf")
-    if NUM_CHUNKS == 1:
-        x = _load_slots(row_ptr, abase, base, lane, 0, local_vocab, real_hi, temperature, TILE_W, BLOCK, SCALE)
-        m = tl.max(x, axis=1)
-        shift = tl.where(m == neg_inf, 0.0, m)
-        e = tl.exp(x - shift[:, None])
-        s = tl.sum(e, axis=1)
+    m_run = tl.full([SPP], neg_inf, tl.float32)
+    s_acc = tl.zeros([SPP, CHUNK], tl.float32)
+    w_acc = tl.zeros([SPP, CHUNK], tl.float32)
+    for c in tl.static_range(NUM_CHUNKS):
+        offs = start[:, None] + c * CHUNK + lane[None, :]
+        x = tl.load(row_ptr + offs, mask=(offs >= start[:, None]) & (offs < load_hi[:, None]), other=neg_inf)
+        x = x.to(tl.float32)
+        # One unsigned compare: offs - lo in [0, width).
+        keep = (offs - lo[:, None]).to(tl.uint32, bitcast=True) < width[:, None].to(tl.uint32, bitcast=True)
+        x = tl.where(keep, x, neg_inf)
+        if SCALE:
+            x = x / temperature
+        m_new = tl.maximum(m_run, tl.max(x, axis=1))
+        shift = tl.where(m_new == neg_inf, 0.0, m_new)
+        alpha = tl.exp(m_run - shift)  # 0 on the first live chunk (m_run = -inf)
+        e = tl.math.exp2(x * LOG2E - (shift * LOG2E)[:, None])
+        s_acc = s_acc * alpha[:, None] + e
         if WITH_ENT:
-            w = tl.sum(e * tl.where(x == neg_inf, 0.0, x), axis=1)
-    else:
-        # Wide tiles (V > 64 * 8192): a max pass, then a sum pass over the same
-        # chunks in the same order (the second read hits L2).
-        m_acc = tl.full([SPP, BLOCK], neg_inf, tl.float32)
-        for c in range(NUM_CHUNKS):
-            x = _load_slots(row_ptr, abase, base, lane, c, local_vocab, real_hi, temperature, TILE_W, BLOCK, SCALE)
-            m_acc = tl.maximum(m_acc, x)
-        m = tl.max(m_acc, axis=1)
-        shift = tl.where(m == neg_inf, 0.0, m)
-        s_acc = tl.zeros([SPP, BLOCK], tl.float32)
-        w_acc = tl.zeros([SPP, BLOCK], tl.float32)
-        for c in range(NUM_CHUNKS):
-            x = _load_slots(row_ptr, abase, base, lane, c, local_vocab, real_hi, temperature, TILE_W, BLOCK, SCALE)
-            e = tl.exp(x - shift[:, None])
-            s_acc += e
-            if WITH_ENT:
-                w_acc += e * tl.where(x == neg_inf, 0.0, x)
-        s = tl.sum(s_acc, axis=1)
-        if WITH_ENT:
-            w = tl.sum(w_acc, axis=1)
+            w_acc = w_acc * alpha[:, None] + e * tl.where(x == neg_inf, 0.0, x)
+        m_run = m_new
+    s = tl.sum(s_acc, axis=1)
     out = slots.to(tl.int64) * n_rows + row
     smask = slots < n_slots
-    tl.store(m_ptr + out, m, mask=smask)
+    tl.store(m_ptr + out, m_run, mask=smask)
     tl.store(s_ptr + out, s, mask=smask)
     if WITH_ENT:
-        tl.store(w_ptr + out, w, mask=smask)
+        tl.store(w_ptr + out, tl.sum(w_acc, axis=1), mask=smask)
     if tl.program_id(1) == 0:
         t = tl.load(targets_ptr + row)
         local = t - vocab_start
