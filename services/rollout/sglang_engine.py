@@ -28,6 +28,7 @@ import os
 import shutil
 import threading
 import uuid
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,6 +56,13 @@ from services.rollout.sglang_weights import (
 )
 
 log = logging.getLogger("lockstep.rollout.sglang")
+
+# Engines of this process that launched a server on a fixed port. The rollout
+# service loads a run's new engine before it closes the previous one (a failed
+# load must leave the old one serving); with a fixed port (compose: 30000, the
+# Prometheus target) the new server could never bind, so the previous holder of
+# the port gives it up first.
+_PORT_HOLDERS: "weakref.WeakValueDictionary[tuple[str, int], SGLangEngine]" = weakref.WeakValueDictionary()
 
 
 class SGLangEngine(Engine):
@@ -106,6 +114,12 @@ class SGLangEngine(Engine):
             client.update_weights_from_disk(str(path), version, self.config.weight_update_timeout_s)
             self._client = client
         else:
+            if self.config.port:
+                holder = _PORT_HOLDERS.get((self.config.host, self.config.port))
+                if holder is not None and holder is not self:
+                    log.warning("sglang: port %d is held by a previous engine; closing it", self.config.port)
+                    holder.close()
+                    holder._unavailable = f"sglang: replaced by a newer engine on port {self.config.port}"
             server = self._new_server()
             try:
                 server.start(str(path), version, self.config.startup_timeout_s)
@@ -113,6 +127,8 @@ class SGLangEngine(Engine):
                 raise RuntimeError(f"sglang engine: {exc}") from None
             self._server = server
             self._client = SGLangClient(server.url, timeout_s=self.config.request_timeout_s)
+            if self.config.port:
+                _PORT_HOLDERS[(self.config.host, self.config.port)] = self
         self._model_path = self._weights_path = str(path)
         self._version = policy_version
         self._check_version(self._client)
@@ -209,7 +225,9 @@ class SGLangEngine(Engine):
             )
 
     def generate(self, request: GenerationRequest) -> list[GeneratedSample]:
-        if self._client is None and self._restart is None:
+        if self._unavailable:
+            raise EngineUnavailable(self._unavailable)
+        if not self._specs:
             raise RuntimeError("sglang engine: no model loaded (call load first)")
         self.validate_request(request)
         client = self._ready_client()

@@ -161,3 +161,20 @@ def test_checkpoint_verify_and_write(tmp_path):
     assert not list(tmp_path.glob(".v1.tmp-*"))
     with pytest.raises(FileExistsError):
         write_checkpoint(sent, base, tmp_path / "v1")
+
+
+def test_a_fixed_port_is_given_up_by_the_previous_engine(tmp_path):
+    """The rollout service loads a run's engine before closing the previous one; with a fixed
+    port (compose) the previous engine must release it or the new server could never bind."""
+    from services.common.tiny_model import build_model_dir
+    from services.rollout.engine import EngineUnavailable
+    from services.rollout.sglang_engine import _PORT_HOLDERS, SGLangEngine
+
+    model = build_model_dir(tmp_path / "m", seed=0)
+    cfg = dict(platform="cpu", port=30123, weights_dir=str(tmp_path / "w"), python=str(tmp_path / "no-python"))
+    old, new = SGLangEngine(SGLangEngineConfig(**cfg)), SGLangEngine(SGLangEngineConfig(**cfg))
+    _PORT_HOLDERS[("127.0.0.1", 30123)] = old
+    with pytest.raises(FileNotFoundError, match="make sglang-venv"):  # fails loud: no interpreter, no fallback
+        new.load(str(model), 0)
+    with pytest.raises(EngineUnavailable, match="replaced by a newer engine on port 30123"):
+        old.generate(REQ)
