@@ -266,6 +266,41 @@ class StepMetrics(_message.Message):
     replayed: bool
     def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
+class ParityToken(_message.Message):
+    __slots__ = ("sample_id", "position", "logp", "rollout_logp")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    LOGP_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_LOGP_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    position: int
+    logp: float
+    rollout_logp: float
+    def __init__(self, sample_id: _Optional[str] = ..., position: _Optional[int] = ..., logp: _Optional[float] = ..., rollout_logp: _Optional[float] = ...) -> None: ...
+
+class ParityReport(_message.Message):
+    __slots__ = ("passed", "message", "stats", "worst_tokens", "attention_backend", "logprob_backend")
+    class StatsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    WORST_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    passed: bool
+    message: str
+    stats: _containers.ScalarMap[str, float]
+    worst_tokens: _containers.RepeatedCompositeFieldContainer[ParityToken]
+    attention_backend: str
+    logprob_backend: str
+    def __init__(self, passed: _Optional[bool] = ..., message: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., worst_tokens: _Optional[_Iterable[_Union[ParityToken, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., logprob_backend: _Optional[str] = ...) -> None: ...
+
 class GetWeightsRequest(_message.Message):
     __slots__ = ("run_id", "chunk_bytes")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -289,6 +289,11 @@ class TrainerStub:
                 request_serializer=proto_dot_lockstep__pb2.TrainStepChunk.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.StepMetrics.FromString,
                 _registered_method=True)
+        self.CheckParity = channel.stream_unary(
+                '/lockstep.v1.Trainer/CheckParity',
+                request_serializer=proto_dot_lockstep__pb2.TrainStepChunk.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.ParityReport.FromString,
+                _registered_method=True)
         self.GetWeights = channel.unary_stream(
                 '/lockstep.v1.Trainer/GetWeights',
                 request_serializer=proto_dot_lockstep__pb2.GetWeightsRequest.SerializeToString,
@@ -327,6 +332,14 @@ class TrainerServicer:
 
     def TrainStep(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckParity(self, request_iterator, context):
+        """Scores the trajectories with the current weights and compares with their
+        rollout log-probs; trains nothing. Same stream layout as TrainStep.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -373,6 +386,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.TrainStep,
                     request_deserializer=proto_dot_lockstep__pb2.TrainStepChunk.FromString,
                     response_serializer=proto_dot_lockstep__pb2.StepMetrics.SerializeToString,
+            ),
+            'CheckParity': grpc.stream_unary_rpc_method_handler(
+                    servicer.CheckParity,
+                    request_deserializer=proto_dot_lockstep__pb2.TrainStepChunk.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.ParityReport.SerializeToString,
             ),
             'GetWeights': grpc.unary_stream_rpc_method_handler(
                     servicer.GetWeights,
@@ -454,6 +472,33 @@ class Trainer:
             '/lockstep.v1.Trainer/TrainStep',
             proto_dot_lockstep__pb2.TrainStepChunk.SerializeToString,
             proto_dot_lockstep__pb2.StepMetrics.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckParity(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/lockstep.v1.Trainer/CheckParity',
+            proto_dot_lockstep__pb2.TrainStepChunk.SerializeToString,
+            proto_dot_lockstep__pb2.ParityReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+
+import grpc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +22,13 @@ from services.coordinator.store import ACTIVE, RunStore
 log = logging.getLogger("lockstep.coordinator.scheduler")
 
 LEASE_TTL_S = 30.0
+
+
+def describe_failure(exc: BaseException) -> str:
+    """The error a failed run records: a service's own diagnostic (e.g. the parity gate's) verbatim."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class RunScheduler:
@@ -80,7 +89,7 @@ class RunScheduler:
             raise
         except Exception as exc:  # the run fails loudly, the coordinator keeps serving
             log.exception("run failed")
-            await self.store.set_status(run_id, "failed", error=f"{type(exc).__name__}: {exc}")
+            await self.store.set_status(run_id, "failed", error=describe_failure(exc))
         finally:
             run = await self.store.get_run(run_id)
             self.exporter.run_active(run_id, run is not None and run.status == "running")

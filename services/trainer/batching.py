@@ -61,6 +61,12 @@ class Microbatch(Protocol):
     @property
     def response_advantages(self) -> torch.Tensor: ...     # float32 [N]
 
+    @property
+    def response_sample_index(self) -> torch.Tensor: ...   # int64 [N], index in canonical_order(samples)
+
+    @property
+    def response_positions(self) -> torch.Tensor: ...      # int64 [N], position in the token's sequence
+
     def to(self, device: torch.device | str) -> Microbatch: ...
 
 
@@ -112,6 +118,7 @@ class PaddedMicrobatch:
     rollout_logprobs: torch.Tensor  # float32 [B, T], 0 outside the mask
     advantages: torch.Tensor        # float32 [B, T], the row's advantage inside the mask, 0 outside
     sample_ids: tuple[str, ...]
+    row_sample_index: torch.Tensor  # int64 [B]: index of each row's sample in the step's canonical order
 
     @property
     def num_response_tokens(self) -> int:
@@ -137,6 +144,17 @@ class PaddedMicrobatch:
     def response_advantages(self) -> torch.Tensor:
         return self.advantages[self.loss_mask]
 
+    @property
+    def response_sample_index(self) -> torch.Tensor:
+        """Step-level sample index of each response token (for the parity gate's diagnostic)."""
+        return self.row_sample_index[:, None].expand_as(self.loss_mask)[self.loss_mask]
+
+    @property
+    def response_positions(self) -> torch.Tensor:
+        """Position of each response token in its sequence (row t predicts token t + 1)."""
+        cols = torch.arange(1, self.loss_mask.shape[1] + 1, device=self.loss_mask.device)
+        return cols[None, :].expand_as(self.loss_mask)[self.loss_mask]
+
     def to(self, device: torch.device | str) -> PaddedMicrobatch:
         return PaddedMicrobatch(
             input_ids=self.input_ids.to(device),
@@ -145,10 +163,11 @@ class PaddedMicrobatch:
             rollout_logprobs=self.rollout_logprobs.to(device),
             advantages=self.advantages.to(device),
             sample_ids=self.sample_ids,
+            row_sample_index=self.row_sample_index.to(device),
         )
 
 
-def collate_padded(samples: list[TrainSample], *, pad_id: int = 0) -> PaddedMicrobatch:
+def collate_padded(samples: list[TrainSample], *, pad_id: int = 0, first_index: int = 0) -> PaddedMicrobatch:
     """Build one right-padded microbatch. `pad_id` only fills positions no real token sees."""
     if not samples:
         raise ValueError("collate_padded: empty microbatch")
@@ -169,9 +188,15 @@ def collate_padded(samples: list[TrainSample], *, pad_id: int = 0) -> PaddedMicr
         loss_mask[row, p - 1 : n] = True
         rollout[row, p - 1 : n] = s.rollout_logprobs
         adv[row, p - 1 : n] = s.advantage
-    return PaddedMicrobatch(input_ids, targets, loss_mask, rollout, adv, tuple(s.sample_id for s in samples))
+    return PaddedMicrobatch(input_ids, targets, loss_mask, rollout, adv, tuple(s.sample_id for s in samples),
+                            torch.arange(first_index, first_index + b))
 
 
 def padded_microbatches(samples: list[TrainSample], microbatch_tokens: int) -> list[PaddedMicrobatch]:
     """Canonical order -> budgeted plan -> padded tensors."""
-    return [collate_padded(group) for group in plan_padded(canonical_order(samples), microbatch_tokens)]
+    out: list[PaddedMicrobatch] = []
+    first = 0
+    for group in plan_padded(canonical_order(samples), microbatch_tokens):
+        out.append(collate_padded(group, first_index=first))
+        first += len(group)
+    return out

@@ -11,6 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kernels.attention.registry import AttentionPolicy
+from services.trainer.parity_gate import ParityThresholds
+
 
 class TrainerServiceConfig(BaseModel):
     """Lockstep trainer service: gRPC server that turns trajectories into policy updates."""
@@ -30,6 +33,16 @@ class TrainerServiceConfig(BaseModel):
         description="torch CPU threads (0 = torch's default). Pinned because CPU reductions split work "
         "by thread count, so bitwise determinism holds only at a fixed count.",
     )
+    attention_plugins: list[str] = Field(
+        default_factory=list,
+        description="Comma-separated modules imported at start-up that register extra attention backends "
+        "with kernels.attention.REGISTRY (a run selects one through trainer.attention.backend).",
+    )
+    @field_validator("attention_plugins", mode="before")
+    @classmethod
+    def _split_plugins(cls, v: object) -> object:
+        return [m.strip() for m in v.split(",") if m.strip()] if isinstance(v, str) else v
+
     weight_chunk_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Default chunk size of GetWeights streams (a request may override)."
     )
@@ -79,11 +92,24 @@ class TrainerRunConfig(BaseModel):
         description="Loss aggregation: token_mean = sum over every response token of the step divided by the "
         "step's response-token count, so the microbatch split does not change the update.",
     )
-    batching: Literal["padded"] = Field(
-        "padded", description="How microbatches are built: 'padded' (right-padded rows). Packing replaces it later."
+    batching: Literal["packed", "padded"] = Field(
+        "packed",
+        description="How microbatches are built: 'packed' (sequences concatenated with cu_seqlens, no padding, "
+        "attention through kernels.attention's registry, which refuses any backend that ignores sequence "
+        "boundaries) or 'padded' (right-padded rows through the Hugging Face attention below).",
     )
     attn_implementation: Literal["sdpa", "eager"] = Field(
-        "sdpa", description="Hugging Face attention implementation; must match the rollout engine's."
+        "sdpa", description="Hugging Face attention implementation of the 'padded' layout (packed runs always use "
+        "the registry's 'lockstep_packed')."
+    )
+    attention: AttentionPolicy = Field(
+        default_factory=AttentionPolicy,
+        description="Packed attention backend policy: force a backend by name, or require deterministic ones.",
+    )
+    parity_gate: ParityThresholds = Field(
+        default_factory=ParityThresholds,
+        description="Step-1 parity gate: before the run's first update, trainer and rollout log-probs must agree "
+        "within these bounds or the step is refused and the run fails with a diagnostic.",
     )
 
     @field_validator("betas")

@@ -16,6 +16,7 @@ Every one of them leaves the server serving.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import signal
 import threading
@@ -33,6 +34,7 @@ from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.structured_logging import log_event
 from services.common.weight_stream import iter_weight_chunks
 from services.trainer.config import TrainerServiceConfig
+from services.trainer.parity_gate import ParityVerdict
 from services.trainer.trainer import StepFailed, Trainer
 from services.trainer.wire import FailedPrecondition, InvalidRequest, read_train_step, step_metrics_message
 
@@ -45,6 +47,24 @@ _STATUS = (
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (StepFailed, grpc.StatusCode.ABORTED),
 )
+
+
+def parity_report(verdict: ParityVerdict) -> pb.ParityReport:
+    return pb.ParityReport(
+        passed=verdict.passed, message=verdict.message(), stats=verdict.stats,
+        worst_tokens=[pb.ParityToken(sample_id=w.sample_id, position=w.position, logp=w.logp,
+                                     rollout_logp=w.rollout_logp) for w in verdict.worst],
+        attention_backend=verdict.attention_backend, logprob_backend=verdict.logprob_backend,
+    )
+
+
+def import_attention_plugins(modules: list[str]) -> None:
+    """Import modules that register extra attention backends; a missing one stops start-up."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise RuntimeError(f"attention_plugins: cannot import {name!r}: {exc}") from exc
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -134,6 +154,14 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
         return await self._guard(context, "TrainStep", work)
 
+    async def CheckParity(self, request_iterator: AsyncIterator[pb.TrainStepChunk], context) -> pb.ParityReport:
+        async def work() -> pb.ParityReport:
+            req = await read_train_step(request_iterator)
+            verdict = await self._locked(self.trainer.check_parity, req)
+            return parity_report(verdict)
+
+        return await self._guard(context, "CheckParity", work)
+
     async def GetWeights(self, request: pb.GetWeightsRequest, context) -> AsyncIterator[pb.WeightChunk]:
         if request.chunk_bytes < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes: must be >= 0, got {request.chunk_bytes}")
@@ -192,6 +220,7 @@ class TrainerServer:
 
     def __init__(self, config: TrainerServiceConfig) -> None:
         self.config = config
+        import_attention_plugins(config.attention_plugins)
         self.registry = CollectorRegistry()
         collectors = build_collectors(TRAINER_METRICS, self.registry)
         self.trainer = Trainer(device=config.device, num_threads=config.num_threads)

@@ -26,6 +26,8 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
 from services.trainer.config import TrainerRunConfig, format_validation_error
 from services.trainer.grpo import kl_to_reference, mismatch_stats, ppo_clip_loss, reward_stats
+from services.trainer.packing import PackingConfig, pack_samples
+from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
 
 log = logging.getLogger("lockstep.trainer")
@@ -37,6 +39,16 @@ TRAIN_STEP_METRIC_KEYS: tuple[str, ...] = tuple(k for k in STEP_METRIC_HELP if k
 
 class StepFailed(RuntimeError):
     """The update could not be applied (e.g. non-finite gradients); nothing changed."""
+
+
+class ParityGateFailed(FailedPrecondition):
+    """Step-1 parity gate: trainer and rollout disagree before any update; nothing changed.
+
+    str() is the full diagnostic (IW statistics, worst tokens, backends in use)."""
+
+    def __init__(self, verdict: ParityVerdict) -> None:
+        super().__init__(verdict.message())
+        self.verdict = verdict
 
 
 @dataclass
@@ -89,9 +101,19 @@ def parse_run_config(text: str) -> TrainerRunConfig:
         raise InvalidRequest(format_validation_error(exc, prefix="trainer_config_json")) from None
 
 
+def _attn_implementation(config: TrainerRunConfig) -> str:
+    if config.batching == "packed":
+        # Packed microbatches only ever reach attention through the registry,
+        # which refuses backends that ignore cu_seqlens (seed 000).
+        from kernels.attention import register_hf_attention
+
+        return register_hf_attention()
+    return config.attn_implementation
+
+
 def _load_model(path: str | Path, config: TrainerRunConfig, device: str, *, field_name: str) -> torch.nn.Module:
     try:
-        model = load_causal_lm(path, dtype=config.dtype, device=device, attn_implementation=config.attn_implementation)
+        model = load_causal_lm(path, dtype=config.dtype, device=device, attn_implementation=_attn_implementation(config))
     except FileNotFoundError as exc:
         raise InvalidRequest(f"{field_name}: {str(exc).removeprefix('model_path: ')}") from None
     # eval(): no dropout. The update must score tokens with exactly the
@@ -112,7 +134,12 @@ def _build_optimizer(model: torch.nn.Module, config: TrainerRunConfig) -> torch.
 
 
 def build_microbatches(samples: list[TrainSample], config: TrainerRunConfig) -> list[Microbatch]:
-    """The one place that picks a microbatch layout; packing (issue 6) adds its branch here."""
+    """The one place that picks a microbatch layout. Both index samples in canonical order."""
+    if config.batching == "packed":
+        try:
+            return pack_samples(canonical_order(samples), PackingConfig(token_budget=config.microbatch_tokens))
+        except ValueError as exc:
+            raise InvalidRequest(f"trajectories: {exc}") from None
     if config.batching == "padded":
         return padded_microbatches(samples, config.microbatch_tokens)
     raise InvalidRequest(f"trainer_config_json.batching: {config.batching!r} is not implemented")
@@ -179,6 +206,7 @@ class Trainer:
         self, run_id: str, model_path: str, seed: int, config: TrainerRunConfig, resume_checkpoint: str
     ) -> RunState:
         configure_determinism(seed, num_threads=self.num_threads or None)
+        self._apply_attention_policy(config)
         state: ckpt.TrainerState | None = None
         if resume_checkpoint:
             try:
@@ -218,6 +246,15 @@ class Trainer:
             "resumed_from": resume_checkpoint or None, "reference_model": ref_model is not None}})
         return run
 
+    @staticmethod
+    def _apply_attention_policy(config: TrainerRunConfig) -> None:
+        from kernels.attention import REGISTRY, AttentionBackendError
+
+        try:
+            REGISTRY.set_policy(config.attention)
+        except AttentionBackendError as exc:
+            raise InvalidRequest(f"trainer_config_json.attention.backend: {exc}") from None
+
     def require_run(self, run_id: str) -> RunState:
         if self.run is None:
             raise FailedPrecondition("no run configured (call ConfigureRun first)")
@@ -242,7 +279,7 @@ class Trainer:
         if not request.samples:
             raise InvalidRequest(f"header.num_trajectories: 0, but step {s} has not been applied and needs trajectories")
         self._check_token_ids(request.samples, run.vocab_size)
-        metrics = self._apply_update(run, request.samples)
+        metrics = self._apply_update(run, request.samples, gate=s == 1)
         run.policy_version = s
         run.step_metrics[s] = metrics
         return StepOutcome(s, s, dict(metrics), replayed=False)
@@ -255,11 +292,59 @@ class Trainer:
                 if top >= vocab_size:
                     raise InvalidRequest(f"trajectory[{i}].{name}: token id {top} >= vocab size {vocab_size}")
 
-    def _apply_update(self, run: RunState, samples: list[TrainSample]) -> dict[str, float]:
+    def _microbatches(self, run: RunState, samples: list[TrainSample]) -> list[Microbatch]:
+        from kernels.attention import REGISTRY
+
+        # The registry is process-wide and the trainer holds one run: apply
+        # this run's attention policy and count what actually dispatches.
+        self._apply_attention_policy(run.config)
+        REGISTRY.reset_usage()
+        return [mb.to(self.device) for mb in build_microbatches(samples, run.config)]
+
+    def _backends_in_use(self, run: RunState, logits: torch.Tensor) -> tuple[str, str]:
+        from kernels.attention import REGISTRY
+        from kernels.logprob import build_contract, select
+
+        if run.config.batching == "packed":
+            attention = ",".join(sorted(REGISTRY.usage())) or "(none dispatched)"
+        else:
+            attention = f"hf:{run.config.attn_implementation} (padded)"
+        contract = build_contract(logits, temperature=run.config.temperature, with_entropy=True)
+        return attention, select("auto", contract).name
+
+    def _parity_verdict(self, run: RunState, microbatches: list[Microbatch], logps: list[torch.Tensor],
+                        samples: list[TrainSample], sample_logits: torch.Tensor) -> ParityVerdict:
+        attention, logprob = self._backends_in_use(run, sample_logits)
+        return check_parity(
+            torch.cat(logps).cpu(), torch.cat([mb.response_rollout_logprobs for mb in microbatches]).cpu(),
+            sample_index=torch.cat([mb.response_sample_index for mb in microbatches]).cpu(),
+            positions=torch.cat([mb.response_positions for mb in microbatches]).cpu(),
+            attention_backend=attention, logprob_backend=logprob,
+            sample_ids=[s.sample_id for s in canonical_order(samples)],
+            thresholds=run.config.parity_gate,
+        )
+
+    def check_parity(self, request: StepRequest) -> ParityVerdict:
+        """On-demand parity check: score the trajectories with the current weights, no update."""
+        from kernels.logprob import token_logprobs
+
+        run = self.require_run(request.run_id)
+        if not request.samples:
+            raise InvalidRequest("header.num_trajectories: 0, a parity check needs trajectories")
+        self._check_token_ids(request.samples, run.vocab_size)
+        microbatches = self._microbatches(run, request.samples)
+        logps = []
+        with torch.no_grad():
+            for mb in microbatches:
+                logits = mb.response_logits(run.model)
+                logps.append(token_logprobs(logits, mb.response_targets, temperature=run.config.temperature)[0])
+        return self._parity_verdict(run, microbatches, logps, request.samples, logits[:1])
+
+    def _apply_update(self, run: RunState, samples: list[TrainSample], *, gate: bool) -> dict[str, float]:
         from kernels.logprob import token_logprobs, token_logprobs_with_entropy
 
         cfg, model = run.config, run.model
-        microbatches = [mb.to(self.device) for mb in build_microbatches(samples, cfg)]
+        microbatches = self._microbatches(run, samples)
         # token_mean over the whole step: each microbatch's token sum is divided
         # by the step's response-token count, so summing the microbatch
         # gradients gives the same update however the step was split.
@@ -271,9 +356,8 @@ class Trainer:
         try:
             for mb in microbatches:
                 targets = mb.response_targets
-                logp, _lse, ent = token_logprobs_with_entropy(
-                    mb.response_logits(model), targets, temperature=cfg.temperature
-                )
+                logits = mb.response_logits(model)
+                logp, _lse, ent = token_logprobs_with_entropy(logits, targets, temperature=cfg.temperature)
                 rollout_logp = mb.response_rollout_logprobs
                 token_loss, clip_mask = ppo_clip_loss(
                     logp, rollout_logp, mb.response_advantages,
@@ -296,6 +380,14 @@ class Trainer:
                 rollouts.append(rollout_logp)
                 clipped.append(clip_mask)
                 entropies.append(ent.detach())
+            if gate:
+                # Step-1 parity gate: same weights on both sides, so any
+                # disagreement is a bug (seed 000); refuse before the update.
+                verdict = self._parity_verdict(run, microbatches, logps, samples, logits[:1].detach())
+                log.info("parity gate", extra={"fields": {"run_id": run.run_id, "passed": verdict.passed,
+                                                          **verdict.stats}})
+                if not verdict.passed:
+                    raise ParityGateFailed(verdict)
             max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if not math.isfinite(grad_norm) or not math.isfinite(loss_value):

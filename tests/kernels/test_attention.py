@@ -18,6 +18,8 @@ from kernels.attention import (
     packed_causal_attention,
 )
 
+from tests.support.boundary_blind_attention import backend as boundary_blind_backend
+
 FLOAT = frozenset({torch.float32, torch.float64, torch.bfloat16, torch.float16})
 
 
@@ -36,20 +38,10 @@ def dense_reference(q, k, v, lengths, scale, window=None):
     return torch.einsum("hts,shd->thd", scores.softmax(-1), vv)
 
 
-def boundary_blind(q, k, v, layout, scale, window, deterministic):
-    """Plain causal SDPA over the whole packed buffer: what seed 000's trainer ran."""
-    rep = q.shape[1] // k.shape[1]
-    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
-    return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
-
-
 @pytest.fixture
 def blind_backend():
     """The boundary-blind attention, declared honestly: it does not honour boundaries."""
-    REGISTRY.register(AttentionBackend(
-        name="test_boundary_blind", target=f"{__name__}:boundary_blind", priority=1,
-        capabilities={"cpu": Capability(honours_boundaries=False, dtypes=FLOAT, max_head_dim=512,
-                                        deterministic=True)}))
+    REGISTRY.register(boundary_blind_backend(honours_boundaries=False))
     yield "test_boundary_blind"
     REGISTRY.unregister("test_boundary_blind")
 

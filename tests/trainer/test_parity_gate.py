@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from kernels.attention import REGISTRY, AttentionBackend, Capability, register_hf_attention
+from kernels.attention import REGISTRY, register_hf_attention
 from services.trainer.packing import PackingConfig, PackSample, pack_samples
 from services.trainer.parity_gate import ParityGateError, ParityThresholds, check_parity
+from tests.support.boundary_blind_attention import backend as boundary_blind_backend
 
 
 def _gate(delta, **kw):
@@ -109,13 +109,6 @@ def test_thresholds_are_typed_documented_and_default_to_the_issue():
 # ---- seed 000, reproduced ---------------------------------------------------------------------------
 
 
-def _boundary_blind(q, k, v, layout, scale, window, deterministic):
-    """Plain causal SDPA over the whole packed buffer, cu_seqlens ignored: seed 000's trainer attention."""
-    rep = q.shape[1] // k.shape[1]
-    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)))
-    return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)[0].transpose(0, 1)
-
-
 @pytest.fixture(scope="module")
 def step1():
     """A tiny Qwen3 'rollout engine' (HF sdpa, one sequence at a time) samples trajectories and reports
@@ -181,10 +174,7 @@ def test_reference_attention_passes_the_gate(step1):
 
 def test_boundary_blind_attention_is_stopped_at_step_1_naming_it(step1):
     # Mis-declared as honouring boundaries: the registry cannot know, so this is the gate's catch.
-    REGISTRY.register(AttentionBackend(
-        name="test_boundary_blind", target=f"{__name__}:_boundary_blind", priority=1,
-        capabilities={"cpu": Capability(honours_boundaries=True, dtypes=frozenset({torch.float32}),
-                                        max_head_dim=512)}))
+    REGISTRY.register(boundary_blind_backend(honours_boundaries=True))
     try:
         verdict = _run_gate(*step1, "test_boundary_blind")
     finally:

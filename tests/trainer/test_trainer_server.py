@@ -37,6 +37,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server():
+    yield from trainer_process()
+
+
+@pytest.fixture(scope="module")
+def parity_server():
+    """A second trainer: the end-to-end test below needs a fresh one."""
+    yield from trainer_process()
+
+
+def trainer_process():
     grpc_port, metrics_port = free_port(), free_port()
     env = dict(os.environ, LOCKSTEP_TRAINER_METRICS_PORT=str(metrics_port), PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
@@ -93,6 +103,35 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value.code(), info.value.details()
+
+
+def check_parity(stub, step: int, trajs: list[pb.Trajectory], *, run_id: str = RUN) -> pb.ParityReport:
+    header = pb.TrainStepHeader(run_id=run_id, step=step, policy_version=step - 1, num_trajectories=len(trajs))
+    chunks = [pb.TrainStepChunk(header=header)] + [pb.TrainStepChunk(trajectory=t) for t in trajs]
+    return stub.CheckParity(iter(chunks), timeout=60)
+
+
+def test_check_parity_on_demand_trains_nothing(parity_server, tiny_model_dir):
+    stub, _, _ = parity_server
+    run = "parity-run"
+    stub.ConfigureRun(pb.ConfigureRunRequest(run_id=run, model_path=str(tiny_model_dir), seed=1,
+                                             trainer_config_json=json.dumps({"microbatch_tokens": 32})))
+    model = load_causal_lm(tiny_model_dir)
+    trajs = trajectories(model, 1, seed=2)
+    for t in trajs:
+        t.run_id = run
+    report = check_parity(stub, 1, trajs, run_id=run)
+    assert report.passed, report.message
+    assert abs(report.stats["iw_mean"] - 1) <= 1e-5 and report.stats["tokens"] > 0
+    assert report.attention_backend == "reference" and report.logprob_backend == "reference"
+    assert len(report.worst_tokens) > 0 and report.worst_tokens[0].sample_id
+    # Rollout log-probs that are off: the report fails and says why; still nothing trained.
+    for t in trajs:
+        lp = torch.frombuffer(bytearray(t.rollout_logprobs.data), dtype=torch.float32) - 0.5
+        t.rollout_logprobs.CopyFrom(logprobs_to_proto(lp))
+    bad = check_parity(stub, 1, trajs, run_id=run)
+    assert not bad.passed and "step-1 parity gate FAILED" in bad.message and "IW mean" in bad.message
+    assert stub.Info(pb.InfoRequest()).policy_version == 0
 
 
 def test_trainer_service_end_to_end(server, tiny_model_dir, tmp_path):
@@ -170,3 +209,4 @@ def test_trainer_service_end_to_end(server, tiny_model_dir, tmp_path):
     # SIGTERM: graceful shutdown, exit status 0.
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
