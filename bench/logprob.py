@@ -43,8 +43,8 @@ def sweep_triton(T: int, V: int, reps: int, bw: float) -> list[dict]:
     floor = logits.numel() * 2 / bw * 1e3
     keep = (tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS, tb.PARTIALS_CHUNK, tb.BACKWARD_BLOCK, tb.BACKWARD_NUM_WARPS)
     rows = []
-    for spp, warps, chunk in ((1, 4, 512), (1, 2, 512), (1, 8, 512), (1, 4, 256), (1, 2, 256), (1, 4, 1024),
-                              (1, 8, 1024), (1, 8, 4096), (2, 4, 512), (2, 8, 512), (4, 8, 512)):
+    for spp, warps, chunk in ((1, 2, 512), (1, 1, 256), (1, 1, 512), (1, 1, 1024), (1, 2, 1024), (1, 4, 512),
+                              (2, 2, 512), (2, 4, 512), (4, 4, 512), (4, 8, 512)):
         tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS, tb.PARTIALS_CHUNK = spp, warps, chunk
         cfg = {"kernel": "forward", "slots_per_program": spp, "num_warps": warps, "chunk": chunk}
         try:

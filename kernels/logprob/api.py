@@ -19,7 +19,7 @@ from kernels.logprob.contract import (
     OutputSpec,
     platform_of,
 )
-from kernels.logprob.registry import select, verify_group_agreement
+from kernels.logprob.registry import registry_generation, select, verify_group_agreement
 from kernels.logprob.tiling import ShardLayout
 
 
@@ -137,13 +137,41 @@ def _validate_inputs(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Te
         raise ValueError(f"temperature: must be > 0 and finite, got {temperature}")
 
 
+# (call signature minus T) -> (contract, backend). Building the contract and selecting cost
+# ~100 us of Python per call, as much as the kernels at T=2048; both are pure functions
+# of this key (and of the registry, whose generation is part of it).
+_PLANS: dict[tuple, tuple[LogprobContract, Any]] = {}
+
+
+def _plan(logits, temperature, vocab_start, global_vocab_size, tp_group, backend, masked, with_entropy, determinism):
+    group_key = None
+    if tp_group is not None:
+        import torch.distributed as dist
+
+        group_key = (id(tp_group), dist.get_rank(tp_group), dist.get_world_size(tp_group))
+    key = (
+        logits.shape[1], logits.dtype, logits.device, float(temperature), int(vocab_start), global_vocab_size,
+        group_key, backend, masked, with_entropy, determinism, registry_generation(),
+    )
+    hit = _PLANS.get(key)
+    if hit is None:
+        contract = build_contract(
+            logits, temperature=temperature, vocab_start=vocab_start, global_vocab_size=global_vocab_size,
+            tp_group=tp_group, masked=masked, with_entropy=with_entropy, determinism=determinism,
+        )
+        hit = (contract, select(backend, contract))
+        if len(_PLANS) > 256:
+            _PLANS.clear()
+        _PLANS[key] = hit
+    return hit
+
+
 def _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group, backend, mask, with_entropy, determinism):
     _validate_inputs(logits, targets, mask, temperature)
-    contract = build_contract(
-        logits, temperature=temperature, vocab_start=vocab_start, global_vocab_size=global_vocab_size,
-        tp_group=tp_group, masked=mask is not None, with_entropy=with_entropy, determinism=determinism,
+    contract, impl = _plan(
+        logits, temperature, vocab_start, global_vocab_size, tp_group, backend, mask is not None, with_entropy,
+        determinism,
     )
-    impl = select(backend, contract)
     if contract.sharding.tp_world_size > 1:
         verify_group_agreement(tp_group, contract, impl.name)
     if logits.stride(1) != 1:

@@ -103,15 +103,24 @@ AUTO_ORDER: dict[Platform, tuple[str, ...]] = {
 }
 
 
+_GENERATION = [0]  # bumped on every change, so api.py's per-call plan cache never serves a stale selection
+
+
 def register_backend(entry: BackendEntry) -> None:
     """Add or replace a backend (replacing is for tests that install a fake)."""
     with _LOCK:
         _REGISTRY[entry.name] = entry
+        _GENERATION[0] += 1
 
 
 def unregister_backend(name: str) -> None:
     with _LOCK:
         _REGISTRY.pop(name, None)
+        _GENERATION[0] += 1
+
+
+def registry_generation() -> tuple[int, int]:
+    return (id(_REGISTRY), _GENERATION[0])
 
 
 def registered_backends() -> dict[str, BackendEntry]:

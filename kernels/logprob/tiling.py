@@ -19,6 +19,7 @@ applies and the contract refuses `cross_tp_bitwise` when it is false.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 # Qwen3: V=151936 -> 64 tiles of 2374 columns, and 64 = lcm of TP 1/2/4/8, so a
 # vocab divisible by 64 has shard bounds on tile bounds at every such degree.
@@ -71,15 +72,15 @@ class ShardLayout:
                 f"{self.tp_world_size} shard(s) of {self.local_vocab_size}"
             )
 
-    @property
+    @cached_property
     def padded_vocab_size(self) -> int:
         return self.local_vocab_size * self.tp_world_size
 
-    @property
+    @cached_property
     def tile_width(self) -> int:
         return tile_width(self.global_vocab_size)
 
-    @property
+    @cached_property
     def num_tiles(self) -> int:
         return num_tiles(self.global_vocab_size)
 
@@ -92,27 +93,27 @@ class ShardLayout:
             return (0, 0)
         return (lo // w, (hi - 1) // w + 1)
 
-    @property
+    @cached_property
     def first_tile(self) -> int:
         return self._slot_range(self.tp_rank)[0]
 
-    @property
+    @cached_property
     def num_slots(self) -> int:
         """Partials this rank emits (its tiles, pieces included)."""
         a, b = self._slot_range(self.tp_rank)
         return b - a
 
-    @property
+    @cached_property
     def slots_per_rank(self) -> int:
         """Gather width: every rank pads its partials to this many with the identity (-inf, 0)."""
         return max(max(b - a for a, b in (self._slot_range(r) for r in range(self.tp_world_size))), 1)
 
-    @property
+    @cached_property
     def slot_col_offset(self) -> int:
         """Local column of slot 0's first column (<= 0: a tile piece may start on the previous rank)."""
         return self.first_tile * self.tile_width - self.vocab_start
 
-    @property
+    @cached_property
     def tile_aligned(self) -> bool:
         """True when every shard bound inside the real vocab is a tile bound (cross-TP bitwise possible)."""
         w = self.tile_width

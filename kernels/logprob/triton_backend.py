@@ -49,7 +49,7 @@ class PartialsConfig:
 
 SLOTS_PER_PROGRAM = 1
 PARTIALS_CHUNK = 512
-PARTIALS_NUM_WARPS = 4
+PARTIALS_NUM_WARPS = 2  # H200 sweep: 2 warps per tile beat 4 and 8 (fewer cross-warp reductions)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"  # as Triton saw it when the kernels were decorated
 BACKWARD_BLOCK = 4096
 BACKWARD_NUM_WARPS = 4
