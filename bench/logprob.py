@@ -43,8 +43,8 @@ def sweep_triton(T: int, V: int, reps: int, bw: float) -> list[dict]:
     floor = logits.numel() * 2 / bw * 1e3
     keep = (tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS, tb.PARTIALS_CHUNK, tb.BACKWARD_BLOCK, tb.BACKWARD_NUM_WARPS)
     rows = []
-    for spp, warps, chunk in ((1, 2, 512), (1, 1, 256), (1, 1, 512), (1, 1, 1024), (1, 2, 1024), (1, 4, 512),
-                              (2, 2, 512), (2, 4, 512), (4, 4, 512), (4, 8, 512)):
+    for spp, warps, chunk in ((1, 1, 512), (1, 1, 256), (1, 1, 1024), (1, 2, 512), (1, 4, 512), (2, 1, 512),
+                              (2, 2, 512), (4, 4, 512)):
         tb.SLOTS_PER_PROGRAM, tb.PARTIALS_NUM_WARPS, tb.PARTIALS_CHUNK = spp, warps, chunk
         cfg = {"kernel": "forward", "slots_per_program": spp, "num_warps": warps, "chunk": chunk}
         try:
@@ -234,8 +234,13 @@ def main() -> None:
         backends = list(args.backends) + (["reference"] if T <= args.reference_max_tokens else [])
         results.append(bench_tokens(T, args.vocab, args.reps, bw, backends, compiled))
     sweep = sweep_triton(max(args.tokens), args.vocab, args.reps, bw) if args.sweep else None
+    from kernels.logprob import triton_backend as tb
+
     out = {
         "benchmark": "logprob",
+        "triton_launch_config": {"partials_slots_per_program": tb.SLOTS_PER_PROGRAM, "partials_num_warps":
+                                 tb.PARTIALS_NUM_WARPS, "partials_chunk": tb.PARTIALS_CHUNK,
+                                 "backward_block": tb.BACKWARD_BLOCK, "backward_num_warps": tb.BACKWARD_NUM_WARPS},
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
