@@ -39,6 +39,27 @@ def free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+# The child's entry point: SGLang's own launcher, plus a watchdog thread that
+# takes the server's process group down when the rollout service that started
+# it is gone (getppid() changes on reparenting). atexit and close() cover an
+# orderly exit; this covers a rollout service that was SIGKILLed or crashed,
+# which would otherwise leave a server holding GBs of memory and its port.
+# (PR_SET_PDEATHSIG is no substitute: it fires when the launching *thread*
+# exits, and servers are launched from worker and restart threads.)
+BOOTSTRAP = (
+    "import os, runpy, signal, sys, threading, time\n"
+    "parent = int(sys.argv.pop(1))\n"
+    "def watch():\n"
+    "    while os.getppid() == parent:\n"
+    "        time.sleep(1.0)\n"
+    "    os.killpg(0, signal.SIGTERM)\n"
+    "    time.sleep(10.0)\n"
+    "    os.killpg(0, signal.SIGKILL)\n"
+    "threading.Thread(target=watch, name='lockstep-parent-watch', daemon=True).start()\n"
+    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
+)
+
+
 def server_command(
     python: str,
     plan: SGLangLaunchPlan,
@@ -49,6 +70,7 @@ def server_command(
     weight_version: str,
     tp_size: int = 1,
     extra_args: Sequence[str] = (),
+    parent_pid: int,
 ) -> list[str]:
     """The full command line. Pure, so a test can pin it.
 
@@ -57,7 +79,7 @@ def server_command(
     does no detokenization work.
     """
     return [
-        python, "-m", "sglang.launch_server",
+        python, "-c", BOOTSTRAP, str(parent_pid),
         "--model-path", model_path,
         "--host", host,
         "--port", str(port),
@@ -130,6 +152,7 @@ class SGLangServer:
         cmd = server_command(
             self.python, self.plan, model_path=model_path, host=self.host, port=self.port,
             weight_version=weight_version, tp_size=self.tp_size, extra_args=self.extra_args,
+            parent_pid=os.getpid(),
         )
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"sglang-{self.port}-{int(time.time() * 1000)}.log"

@@ -26,7 +26,7 @@ from services.rollout.sglang_client import (
     update_weights_from_distributed_body,
 )
 from services.rollout.sglang_config import SGLangEngineConfig
-from services.rollout.sglang_server import server_command, server_env
+from services.rollout.sglang_server import BOOTSTRAP, server_command, server_env
 from services.rollout.sglang_weights import checkpoint_specs, verify_tensors, write_checkpoint
 
 REQ = GenerationRequest(
@@ -114,9 +114,9 @@ def test_weight_sync_bodies_refuse_bad_values():
 def test_server_command_and_environment_exactly():
     plan = sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {})
     cmd = server_command("/v/bin/python", plan, model_path="/m", host="127.0.0.1", port=30001,
-                         weight_version="5", extra_args=["--random-seed", "1"])
+                         weight_version="5", extra_args=["--random-seed", "1"], parent_pid=4242)
     assert cmd == [
-        "/v/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
+        "/v/bin/python", "-c", BOOTSTRAP, "4242", "--model-path", "/m", "--host", "127.0.0.1",
         "--port", "30001", "--weight-version", "5", "--tp-size", "1", "--skip-tokenizer-init",
         "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", "float32",
         "--max-total-tokens", "8192", "--skip-server-warmup", "--enable-metrics", "--random-seed", "1",
@@ -178,3 +178,62 @@ def test_a_fixed_port_is_given_up_by_the_previous_engine(tmp_path):
         new.load(str(model), 0)
     with pytest.raises(EngineUnavailable, match="replaced by a newer engine on port 30123"):
         old.generate(REQ)
+
+
+def test_server_bootstrap_takes_its_group_down_when_the_rollout_service_dies(tmp_path):
+    """A rollout service killed with SIGKILL can't stop its server; the bootstrap's watchdog does.
+
+    A stand-in `sglang.launch_server` (sleeps, with a forked child like SGLang's
+    scheduler) runs under the real BOOTSTRAP, launched by a parent process that
+    is then SIGKILLed.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(
+        "import os, sys, time\n"
+        "pids = sys.argv[sys.argv.index('--pids-file') + 1]\n"
+        "child = os.fork()\n"
+        "if child == 0:\n"
+        "    time.sleep(600); os._exit(0)\n"
+        "open(pids, 'w').write(f'{os.getpid()} {child}')\n"
+        "time.sleep(600)\n"
+    )
+    pids_file = tmp_path / "pids"
+    # The parent stands in for the rollout service: start_new_session like SGLangServer.start.
+    parent_code = (
+        "import os, subprocess, sys, time\n"
+        f"subprocess.Popen([sys.executable, '-c', {BOOTSTRAP!r}, str(os.getpid()), '--pids-file', {str(pids_file)!r}],"
+        f" env={{**os.environ, 'PYTHONPATH': {str(tmp_path / 'fake')!r}}}, start_new_session=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code])
+    try:
+        deadline = time.monotonic() + 30
+        while not (pids_file.exists() and pids_file.read_text().strip()):
+            assert time.monotonic() < deadline, "fake server did not start"
+            time.sleep(0.1)
+        server, child = (int(x) for x in pids_file.read_text().split())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while any(_running(p) for p in (server, child)):
+            assert time.monotonic() < deadline, "server group outlived the dead rollout service"
+            time.sleep(0.2)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

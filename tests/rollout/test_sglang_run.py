@@ -98,7 +98,7 @@ def sglang_server_of(rollout_pid: int) -> tuple[int, int]:
         except OSError:
             continue
         ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        if ppid == rollout_pid and b"sglang.launch_server" in argv:
+        if ppid == rollout_pid and any(b"sglang.launch_server" in a for a in argv):
             return int(entry.name), int(argv[argv.index(b"--port") + 1])
     raise LookupError(f"no SGLang server child of rollout pid {rollout_pid}")
 
