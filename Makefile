@@ -20,7 +20,7 @@ demo: venv
 	$(PY) -m recipes.tiny_arith.demo
 
 test: venv
-	$(PY) -m pytest -m "not gpu" tests
+	$(PY) -m pytest -m "not gpu and not docker" tests
 
 proto: venv
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/lockstep.proto

@@ -34,3 +34,13 @@ def require(available: bool, reason: str) -> None:
 @pytest.fixture
 def repo_root() -> Path:
     return REPO_ROOT
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under LOCKSTEP_REQUIRE_ALL=1 no test may skip, whatever skipped it (importorskip included)."""
+    outcome = yield
+    report = outcome.get_result()
+    if require_all() and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"LOCKSTEP_REQUIRE_ALL=1 forbids skips: {report.longrepr}"

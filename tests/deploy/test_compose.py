@@ -15,6 +15,8 @@ import shutil
 import subprocess
 
 import pytest
+
+from tests.conftest import require
 import yaml
 
 from services.coordinator.config import CoordinatorConfig
@@ -305,12 +307,13 @@ def _compose_cmd() -> tuple[list[str] | None, str]:
     return None, why
 
 
+@pytest.mark.docker
 @pytest.mark.parametrize("files", [[COMPOSE], [COMPOSE, NVIDIA]], ids=["mi300", "nvidia"])
 def test_docker_compose_config(files, tmp_path):
+    # CI deselects the `docker` marker: no Docker Compose >= 2.24 can be installed
+    # there (the plugin ships only from GitHub); the structural tests above stand in.
     cmd, why = _compose_cmd()
-    if cmd is None:
-        # Not require(): CI machines have no Docker; the structural tests above stand in.
-        pytest.skip(f"{why}; structural checks only")
+    require(cmd is not None, why)
     args = [a for f in files for a in ("-f", str(f))]
     env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_")}
     r = subprocess.run([*cmd, *args, "config", "-q"], cwd=DEPLOY, capture_output=True, text=True, env=env,
