@@ -293,7 +293,7 @@ class RunDriver:
     def _encode(self, problem: Problem) -> list[int]:
         ids = self._prompt_ids.get(problem.problem_id)
         if ids is None:
-            ids = list(self.tokenizer.encode(problem.prompt, add_special_tokens=True))
+            ids = list(self.tokenizer.encode(problem.prompt, add_special_tokens=False))  # the task owns the whole prompt text
             self._prompt_ids[problem.problem_id] = ids
         return ids
 
