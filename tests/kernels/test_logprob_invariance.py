@@ -69,9 +69,9 @@ def _sharded_run(logits, targets, tp, backend, gvs):
 @pytest.mark.parametrize("gvs, padded", [(512, 512), (50257, 50304)])
 def test_tp_degree_changes_no_bit(backend, gvs, padded):
     """TP 1/2/4/8 with shards on tile bounds: 512 = 64 tiles of 8; 50257 padded to 64 x 786."""
-    T = 3
+    T = 3 if padded < 4096 else 2  # the interpreter is slow on the 50k vocab
     logits = _logits(T, padded, seed=23)
-    targets = torch.tensor([0, gvs - 1, gvs // 3])
+    targets = torch.tensor([0, gvs - 1, gvs // 3])[:T]
     one = _sharded_run(logits, targets, 1, backend, gvs)
     direct = _fwd_bwd(logits, targets, backend, global_vocab_size=gvs)
     for a, b in zip(one, direct):
