@@ -8,6 +8,7 @@ backend (registry.py): reference (pure torch), triton, native (CUDA/HIP).
 from kernels.logprob.api import (
     build_contract,
     emulate_tensor_parallel,
+    resolved_backend,
     token_logprobs,
     token_logprobs_with_entropy,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "num_tiles",
     "register_backend",
     "registered_backends",
+    "resolved_backend",
     "select",
     "tile_width",
     "token_logprobs",

@@ -269,3 +269,21 @@ def emulate_tensor_parallel(
     m, s, w, tgt = layout_gathered(packed, slots, False)
     logp, lse, _ = impl.merge(m, s, w, tgt, targets, layout.global_vocab_size, mask)
     return logp, lse
+
+
+def resolved_backend(
+    logits: torch.Tensor,
+    *,
+    backend: str = "auto",
+    temperature: float = 1.0,
+    vocab_start: int = 0,
+    global_vocab_size: int | None = None,
+    tp_group: Any = None,
+    masked: bool = False,
+    with_entropy: bool = False,
+    determinism: str = "cross_tp_bitwise",
+) -> str:
+    """Name of the backend a call with these arguments runs on (for diagnostics such as the step-1 gate)."""
+    _, impl = _plan(logits, temperature, vocab_start, global_vocab_size, tp_group, backend, masked, with_entropy,
+                    determinism)
+    return impl.name

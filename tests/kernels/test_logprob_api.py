@@ -88,3 +88,11 @@ def test_bad_tensors_are_refused():
         token_logprobs(torch.randn(2, 10).to(torch.int64), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="mask"):
         token_logprobs(torch.randn(2, 10), torch.tensor([0, 1]), mask=torch.ones(2))
+
+
+def test_resolved_backend_names_what_auto_runs():
+    from kernels.logprob import resolved_backend
+
+    assert resolved_backend(torch.randn(2, 10)) == "reference"
+    with pytest.raises(ValueError, match="native: no cpu implementation"):
+        resolved_backend(torch.randn(2, 10), backend="native")
