@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test proto clean
+.PHONY: venv sglang-venv demo test proto clean
 
 venv: $(STAMP)
 
@@ -16,10 +16,15 @@ $(STAMP): requirements.lock pyproject.toml
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+# SGLang (CPU build for tests) lives in its own virtualenv: it pins a different
+# torch than Lockstep's, and the rollout service only talks to it over HTTP.
+sglang-venv:
+	bash deploy/sglang/setup_cpu_venv.sh .venv-sglang
+
 demo: venv
 	$(PY) -m recipes.tiny_arith.demo
 
-test: venv
+test: venv sglang-venv
 	$(PY) -m pytest -m "not gpu and not docker" tests
 
 proto: venv

@@ -14,7 +14,7 @@ from services.rollout.engine import Engine
 
 ENGINES: dict[str, str] = {
     "torch": "services.rollout.torch_engine:TorchEngine",
-    # "sglang": "services.rollout.sglang_engine:SGLangEngine",
+    "sglang": "services.rollout.sglang_engine:SGLangEngine",
 }
 
 
