@@ -303,14 +303,13 @@ class Trainer:
 
     def _backends_in_use(self, run: RunState, logits: torch.Tensor) -> tuple[str, str]:
         from kernels.attention import REGISTRY
-        from kernels.logprob import build_contract, select
+        from kernels.logprob.api import resolved_backend
 
         if run.config.batching == "packed":
             attention = ",".join(sorted(REGISTRY.usage())) or "(none dispatched)"
         else:
             attention = f"hf:{run.config.attn_implementation} (padded)"
-        contract = build_contract(logits, temperature=run.config.temperature, with_entropy=True)
-        return attention, select("auto", contract).name
+        return attention, resolved_backend(logits, temperature=run.config.temperature, with_entropy=True)
 
     def _parity_verdict(self, run: RunState, microbatches: list[Microbatch], logps: list[torch.Tensor],
                         samples: list[TrainSample], sample_logits: torch.Tensor) -> ParityVerdict:
