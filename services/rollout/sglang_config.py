@@ -1,13 +1,13 @@
 """Options of the SGLang engine (LoadModelRequest.engine_config_json with engine=sglang)."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.platform import SGLangPlatformConfig
+from services.rollout.engine import parse_engine_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON_ENV = "LOCKSTEP_SGLANG_PYTHON"
@@ -89,17 +89,4 @@ class SGLangEngineConfig(BaseModel):
     @classmethod
     def from_json(cls, text: str) -> "SGLangEngineConfig":
         """Parse and validate; errors are ValueError naming the field (`engine_config.server.dtype: ...`)."""
-        try:
-            raw = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"engine_config_json: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"engine_config_json: expected a JSON object, got {type(raw).__name__}")
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as exc:
-            parts = []
-            for err in exc.errors():
-                loc = ".".join(str(p) for p in err["loc"]) or "engine_config"
-                parts.append(f"engine_config.{loc}: {err['msg']}")
-            raise ValueError("; ".join(parts)) from None
+        return parse_engine_config(cls, text)

@@ -22,12 +22,11 @@ so a sample's tokens do not depend on which other prompts share its batch.
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Sequence
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.determinism import sample_generator
 from services.common.models import load_causal_lm
@@ -37,6 +36,7 @@ from services.rollout.engine import (
     GenerationRequest,
     PromptSpec,
     SamplingConfig,
+    parse_engine_config,
 )
 
 
@@ -85,20 +85,7 @@ class TorchEngineConfig(BaseModel):
     @classmethod
     def from_json(cls, text: str) -> "TorchEngineConfig":
         """Parse and validate; errors are ValueError naming the field (`engine_config.dtype: ...`)."""
-        try:
-            raw = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"engine_config_json: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"engine_config_json: expected a JSON object, got {type(raw).__name__}")
-        try:
-            return cls.model_validate(raw)
-        except ValidationError as exc:
-            parts = []
-            for err in exc.errors():
-                loc = ".".join(str(p) for p in err["loc"]) or "engine_config"
-                parts.append(f"engine_config.{loc}: {err['msg']}")
-            raise ValueError("; ".join(parts)) from None
+        return parse_engine_config(cls, text)
 
 
 def _forward_kwargs(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
