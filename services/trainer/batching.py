@@ -106,8 +106,29 @@ def plan_padded(samples: list[TrainSample], microbatch_tokens: int) -> list[list
     return batches
 
 
+class ResponseSelection:
+    """Response-token views shared by every layout: tensors aligned to logit rows, selected by loss_mask."""
+
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    @property
+    def response_targets(self) -> torch.Tensor:
+        return self.targets[self.loss_mask]
+
+    @property
+    def response_rollout_logprobs(self) -> torch.Tensor:
+        return self.rollout_logprobs[self.loss_mask]
+
+    @property
+    def response_advantages(self) -> torch.Tensor:
+        return self.advantages[self.loss_mask]
+
+
 @dataclass(frozen=True)
-class PaddedMicrobatch:
+class PaddedMicrobatch(ResponseSelection):
     """Right-padded rows. Right padding needs no attention mask: attention is
     causal, so every real token only sees positions at or before it, all real;
     the padding after a row's end is never attended to by that row's tokens."""
@@ -131,18 +152,6 @@ class PaddedMicrobatch:
     def response_logits(self, model: torch.nn.Module) -> torch.Tensor:
         logits = model(input_ids=self.input_ids, use_cache=False).logits
         return logits[self.loss_mask]
-
-    @property
-    def response_targets(self) -> torch.Tensor:
-        return self.targets[self.loss_mask]
-
-    @property
-    def response_rollout_logprobs(self) -> torch.Tensor:
-        return self.rollout_logprobs[self.loss_mask]
-
-    @property
-    def response_advantages(self) -> torch.Tensor:
-        return self.advantages[self.loss_mask]
 
     @property
     def response_sample_index(self) -> torch.Tensor:

@@ -40,6 +40,8 @@ from typing import Protocol, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.trainer.batching import ResponseSelection
+
 
 class PackingConfig(BaseModel):
     """How a step's samples become microbatches."""
@@ -80,7 +82,7 @@ def fed_length(sample: SampleLike) -> int:
 
 
 @dataclass(frozen=True)
-class PackedMicrobatch:
+class PackedMicrobatch(ResponseSelection):
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     targets: torch.Tensor
@@ -132,18 +134,6 @@ class PackedMicrobatch:
                 "another attention may ignore cu_seqlens and attend across packed sequences (seed 000).")
         logits = model(input_ids=self.input_ids[None], use_cache=False, **self.model_kwargs()).logits[0]
         return logits[self.loss_mask]
-
-    @property
-    def response_targets(self) -> torch.Tensor:
-        return self.targets[self.loss_mask]
-
-    @property
-    def response_rollout_logprobs(self) -> torch.Tensor:
-        return self.rollout_logprobs[self.loss_mask]
-
-    @property
-    def response_advantages(self) -> torch.Tensor:
-        return self.advantages[self.loss_mask]
 
     @property
     def response_sample_index(self) -> torch.Tensor:
