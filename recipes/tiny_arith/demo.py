@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -27,8 +28,16 @@ from services.local_stack import LocalStack
 RECIPE = Path(__file__).with_name("recipe.yaml")
 
 
+def warm_start_fingerprint(seed: int) -> str:
+    """Names the cached model dir: the seed and every setting that shapes the warm-started weights."""
+    from recipes.tiny_arith import MODEL, TASK_OPTIONS, WARM_START
+
+    text = repr((seed, MODEL, WARM_START, sorted(TASK_OPTIONS.items())))
+    return f"seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
+
+
 def prepare_model(out: Path, seed: int, console: Console) -> dict:
-    """Warm-started model dir, built once per seed (deterministic, so the cache is exact)."""
+    """Warm-started model dir, built once per fingerprint (deterministic, so the cache is exact)."""
     stamp = out / "prepare.json"
     if stamp.exists():
         return json.loads(stamp.read_text())
@@ -94,7 +103,7 @@ def table(summary: dict, metrics: dict) -> Table:
     for s in steps:
         if s["step"] in shown:
             m = s["metrics"]
-            t.add_row(str(s["step"]), f"{m['reward_mean']:.3f}", f"{m.get('eval_accuracy', float('nan')):.3f}",
+            t.add_row(str(s["step"]), f"{m['reward_mean']:.3f}", f"{m['eval_accuracy']:.3f}" if "eval_accuracy" in m else "-",
                       f"{m['iw_mean']:.6f}", f"{m['iw_max']:.4f}", f"{m['logprob_abs_diff_max']:.2e}",
                       f"{m['approx_kl_k3']:.2e}")
     return t
@@ -113,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = {k: v for k, v in (("seed", args.seed), ("steps", args.steps)) if v is not None}
     spec = load_recipe(args.recipe, overrides)
-    model_dir = Path("runs/models").resolve() / f"tiny_arith-seed{spec['seed']}"
+    model_dir = Path("runs/models").resolve() / f"tiny_arith-{warm_start_fingerprint(spec['seed'])}"
     prep = prepare_model(model_dir, spec["seed"], console)
     console.print(f"warm start: held-out greedy accuracy {prep.get('heldout_accuracy')} "
                   f"({prep.get('seconds', 0):.0f}s)")
