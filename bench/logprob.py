@@ -123,6 +123,26 @@ def _graph_ms(fn, reps: int) -> float:
     return _median_ms(graph.replay, reps)
 
 
+def _time_two_launch(entry: dict, logits, targets, reps: int, floor_fwd_ms: float) -> None:
+    """The TP-1 Triton forward with FUSED_FORWARD off (partials + merge, the TP > 1 path): its time,
+    and whether the default (fused) path gives the same bits."""
+    from kernels.logprob import triton_backend as tb
+
+    keep = tb.FUSED_FORWARD
+    fused = token_logprobs(logits, targets, backend="triton")
+    tb.FUSED_FORWARD = False
+    try:
+        two = token_logprobs(logits, targets, backend="triton")
+        entry["two_launch_forward_ms"] = _median_ms(lambda: token_logprobs(logits, targets, backend="triton"), reps)
+        entry["two_launch_forward_ms_cuda_graph"] = _graph_ms(
+            lambda: token_logprobs(logits, targets, backend="triton"), reps)
+        entry["two_launch_forward_floor_fraction"] = floor_fwd_ms / entry["two_launch_forward_ms"]
+    finally:
+        tb.FUSED_FORWARD = keep
+    entry["fused_bitwise_equal_two_launch"] = bool(torch.equal(fused[0].view(torch.int32), two[0].view(torch.int32))
+                                                   and torch.equal(fused[1].view(torch.int32), two[1].view(torch.int32)))
+
+
 def torch_expr(x, t):
     return torch.log_softmax(x.float(), dim=-1).gather(1, t[:, None])[:, 0]
 
@@ -188,6 +208,8 @@ def bench_tokens(T: int, V: int, reps: int, bw: float, backends: list[str], comp
                 res["runs"][b]["backward_floor_fraction_cuda_graph"] = floor_bwd_ms / bwd
             except Exception as e:
                 res["runs"][b]["backward_cuda_graph_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if b == "triton":
+            _time_two_launch(res["runs"][b], logits, targets, reps, floor_fwd_ms)
         got = token_logprobs(logits, targets, backend=b)
         again = token_logprobs(logits, targets, backend=b)
         entry = res["runs"][b]
@@ -240,7 +262,8 @@ def main() -> None:
         "benchmark": "logprob",
         "triton_launch_config": {"partials_slots_per_program": tb.SLOTS_PER_PROGRAM, "partials_num_warps":
                                  tb.PARTIALS_NUM_WARPS, "partials_chunk": tb.PARTIALS_CHUNK,
-                                 "backward_block": tb.BACKWARD_BLOCK, "backward_num_warps": tb.BACKWARD_NUM_WARPS},
+                                 "backward_block": tb.BACKWARD_BLOCK, "backward_num_warps": tb.BACKWARD_NUM_WARPS,
+                                 "fused_tp1_forward": tb.FUSED_FORWARD},
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

@@ -43,17 +43,24 @@ def _triton_specs():
     specs = []
     ptr = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
     partial_sig = ["x_ptr", "targets_ptr", "m_ptr", "s_ptr", "w_ptr", "tgt_ptr", "stride_x", "local_vocab",
-                   "real_hi", "col0", "vocab_start", "global_vocab", "n_rows", "n_slots", "temperature"]
+                   "real_hi", "col0", "vocab_start", "global_vocab", "n_rows", "n_slots", "temperature",
+                   "cnt_ptr", "active_ptr", "logp_ptr", "lse_ptr", "ent_ptr"]
     # Qwen3's vocab in each dtype, and a vocab wide enough (> 64 x 8192) to take the chunked path.
     for vocab, dtype, ent, scale in ((QWEN3_VOCAB, torch.bfloat16, False, False),
                                      (QWEN3_VOCAB, torch.float32, True, True),
                                      (1 << 20, torch.bfloat16, True, True)):
         cfg = PartialsConfig.for_tile(tile_width(vocab), dtype, 64)
-        types = [ptr[dtype], "*i64", "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 8 + ["fp32"]
         const = dict(TILE_W=cfg.tile_w, CHUNK=cfg.chunk, ALIGN=cfg.align, NUM_CHUNKS=cfg.num_chunks,
                      SPP=cfg.slots_per_program, WITH_ENT=ent, SCALE=scale)
+        # Unfused: the five fused-only pointers are placeholders (the launcher passes fp32 scratch).
+        types = [ptr[dtype], "*i64", "*fp32", "*fp32", "*fp32", "*fp32"] + ["i32"] * 8 + ["fp32"] + ["*fp32"] * 5
         specs.append((k.logprob_partials_kernel, dict(zip(partial_sig, types)), const, cfg.num_warps,
                       f"partials V={vocab} {str(dtype)[6:]} ent={ent} scale={scale} chunks={cfg.num_chunks}"))
+        # Fused TP-1 forward (last program of a row merges): counter i32, mask i1 (or i64 targets).
+        fused_types = types[:15] + ["*i32", "*i1" if ent else "*i64", "*fp32", "*fp32", "*fp32"]
+        specs.append((k.logprob_partials_kernel, dict(zip(partial_sig, fused_types)),
+                      {**const, "FUSED": True, "N_SLOTS": 64, "HAS_MASK": ent}, cfg.num_warps,
+                      f"fused V={vocab} {str(dtype)[6:]} ent={ent} scale={scale} mask={ent}"))
     merge_sig = ["m_ptr", "s_ptr", "w_ptr", "tgt_ptr", "targets_ptr", "active_ptr", "logp_ptr", "lse_ptr", "ent_ptr",
                  "n_rows", "stride_row", "stride_slot", "global_vocab"]
     for ent, mask in ((True, True),):
@@ -61,10 +68,12 @@ def _triton_specs():
         const = dict(N_SLOTS=64, BLOCK_T=MERGE_BLOCK_T, WITH_ENT=ent, HAS_MASK=mask)
         specs.append((k.logprob_merge_kernel, dict(zip(merge_sig, types)), const, 4, f"merge ent={ent} mask={mask}"))
     bwd_sig = ["x_ptr", "g_ptr", "targets_ptr", "lse_ptr", "mean_ptr", "glogp_ptr", "glse_ptr", "gent_ptr",
-               "active_ptr", "stride_x", "stride_g", "local_vocab", "vocab_start", "global_vocab", "temperature"]
+               "active_ptr", "stride_x", "stride_g", "local_vocab", "vocab_start", "global_vocab", "temperature",
+               "stride_glogp"]
     for dtype, ent, mask, scale in ((torch.bfloat16, False, False, False), (torch.float16, True, True, True)):
-        types = [ptr[dtype], ptr[dtype], "*i64"] + ["*fp32"] * 5 + ["*i1"] + ["i32"] * 5 + ["fp32"]
-        const = dict(BLOCK=BACKWARD_BLOCK, WITH_ENT=ent, HAS_MASK=mask, SCALE=scale)
+        types = [ptr[dtype], ptr[dtype], "*i64"] + ["*fp32"] * 5 + ["*i1"] + ["i32"] * 5 + ["fp32", "i32"]
+        # bf16: the `.sum()` case (no lse gradient, logp gradient of stride 0).
+        const = dict(BLOCK=BACKWARD_BLOCK, WITH_ENT=ent, HAS_MASK=mask, SCALE=scale, HAS_GLSE=ent)
         specs.append((k.logprob_backward_kernel, dict(zip(bwd_sig, types)), const, 4,
                       f"backward {str(dtype)[6:]} ent={ent} mask={mask} scale={scale}"))
     return specs

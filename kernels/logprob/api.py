@@ -54,31 +54,44 @@ def _gather_partials(m, s, w, tgt, group):
 
 class _TokenLogprobFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, active, backend, layout, temperature, group, with_entropy):
-        m, s, w, tgt = backend.partials(logits, targets, layout, temperature, with_entropy)
-        if group is not None and layout.tp_world_size > 1:
-            m, s, w, tgt = _gather_partials(m, s, w, tgt, group)
-        logp, lse, ent = backend.merge(m, s, w, tgt, targets, layout.global_vocab_size, active)
+    def forward(ctx, logits, targets, active, backend, layout, temperature, group, with_entropy, fused):
+        if fused:
+            # TP 1 on a backend with a one-launch forward (bitwise equal to the path below).
+            logp, lse, ent = backend.fused_forward(logits, targets, layout, temperature, with_entropy, active)
+        else:
+            m, s, w, tgt = backend.partials(logits, targets, layout, temperature, with_entropy)
+            if group is not None and layout.tp_world_size > 1:
+                m, s, w, tgt = _gather_partials(m, s, w, tgt, group)
+            logp, lse, ent = backend.merge(m, s, w, tgt, targets, layout.global_vocab_size, active)
         # Inactive rows have lse = 0 here; backward zeroes their gradient, so it needs no other value.
         mean_x = (lse - ent) if ent is not None else lse
         ctx.save_for_backward(logits, targets, lse, mean_x, active)
         ctx.meta = (backend, layout, temperature, with_entropy, active is not None)
-        ctx.mark_non_differentiable(targets)
-        return logp, lse, (ent if ent is not None else torch.zeros_like(lse))
+        # Unused outputs get None, not materialized zeros, as gradient (no fill kernels per step).
+        ctx.set_materialize_grads(False)
+        return logp, lse, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_lse, g_ent):
         backend, layout, temperature, with_entropy, has_active = ctx.meta
         logits, targets, lse, mean_x, active = ctx.saved_tensors
-        zeros = torch.zeros_like(lse)
-        g_logp = zeros if g_logp is None else g_logp.float().contiguous()
-        g_lse = zeros if g_lse is None else g_lse.float().contiguous()
-        g_ent = (zeros if g_ent is None else g_ent.float().contiguous()) if with_entropy else None
+        if getattr(backend, "accepts_none_grads", False):
+            # None stays None and g_logp keeps its row stride (0 after `.sum()`): no copies.
+            g_logp = None if g_logp is None else g_logp.float()
+            g_lse = None if g_lse is None else g_lse.float().contiguous()
+            g_ent = (None if g_ent is None else g_ent.float().contiguous()) if with_entropy else None
+        else:
+            zeros = torch.zeros_like(lse)
+            g_logp = zeros if g_logp is None else g_logp.float().contiguous()
+            g_lse = zeros if g_lse is None else g_lse.float().contiguous()
+            g_ent = (zeros if g_ent is None else g_ent.float().contiguous()) if with_entropy else None
+        if g_logp is None and g_lse is None and g_ent is None:
+            return None, None, None, None, None, None, None, None, None
         grad = backend.backward(
             logits, targets, lse, mean_x if with_entropy else None, g_logp, g_lse, g_ent,
             active if has_active else None, layout, temperature,
         )
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
 
 
 def build_contract(
@@ -176,8 +189,10 @@ def _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group,
         verify_group_agreement(tp_group, contract, impl.name)
     if logits.stride(1) != 1:
         logits = logits.contiguous()  # kernels assume unit column stride; rows may be strided
+    # Read per call (not planned): tests and the benchmark switch it to compare both paths.
+    fused = contract.sharding.tp_world_size == 1 and getattr(impl, "fused_enabled", lambda: False)()
     return _TokenLogprobFunction.apply(
-        logits, targets.contiguous(), mask, impl, contract.sharding, float(temperature), tp_group, with_entropy
+        logits, targets.contiguous(), mask, impl, contract.sharding, float(temperature), tp_group, with_entropy, fused
     )
 
 

@@ -6,6 +6,7 @@ decorated, i.e. at import): for correctness tests, never for speed.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -37,6 +38,13 @@ class PartialsConfig:
 
     @staticmethod
     def for_tile(tile_w: int, dtype: torch.dtype, slots: int, aligned: bool = True) -> "PartialsConfig":
+        # Cached: a pure function of its arguments and of the module defaults, which the
+        # benchmark's sweep changes (so they are part of the key).
+        return _partials_config(tile_w, dtype, slots, aligned, SLOTS_PER_PROGRAM, PARTIALS_CHUNK,
+                                PARTIALS_NUM_WARPS)
+
+    @staticmethod
+    def _build(tile_w: int, dtype: torch.dtype, slots: int, aligned: bool) -> "PartialsConfig":
         """`slots` (the layout's slots per rank) matters only in the interpreter (see INTERPRETED)."""
         align = 16 // torch.empty((), dtype=dtype).element_size() if aligned else 1
         span = tile_w + align - 1  # the aligned window may start up to align-1 columns early
@@ -47,6 +55,11 @@ class PartialsConfig:
         return PartialsConfig(tile_w, align, chunk, -(-span // chunk), spp, PARTIALS_NUM_WARPS)
 
 
+@functools.lru_cache(maxsize=256)
+def _partials_config(tile_w, dtype, slots, aligned, _spp, _chunk, _warps) -> PartialsConfig:
+    return PartialsConfig._build(tile_w, dtype, slots, aligned)
+
+
 SLOTS_PER_PROGRAM = 1
 PARTIALS_CHUNK = 512  # H200 sweep at T=16384: 1 warp x 512 -> 93% of the HBM floor; 256 ties, 1024 76%
 PARTIALS_NUM_WARPS = 1  # one warp per tile: reductions stay in-warp (2 warps 67%, 4 warps 52%)
@@ -54,6 +67,12 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"  # as Triton saw it 
 BACKWARD_BLOCK = 4096
 BACKWARD_NUM_WARPS = 4
 MERGE_BLOCK_T = 128
+FUSED_FORWARD = False
+"""TP 1 forward as one launch (partials kernel with FUSED: the last program of a row merges it).
+Bitwise equal to partials + merge (tests check it; so did the H200 run), but OFF: on the H200 it
+was slower -- CUDA graph 0.284 vs 0.168 ms at T=2048, 2.27 vs 1.24 ms at T=16384 (the barrier and
+counter atomic in every one of the T x 64 programs, and the merge code in the kernel, cost more
+than the merge launch they save). Kept, tested, so the benchmark can re-measure it."""
 
 
 class TritonBackend:
@@ -62,7 +81,8 @@ class TritonBackend:
     def __init__(self, kernels) -> None:
         self._k = kernels
 
-    def partials(self, logits, targets, layout: ShardLayout, temperature: float, with_entropy: bool):
+    def _launch_partials(self, logits, targets, layout, temperature, with_entropy, fused=None):
+        """Partials into one slot-major scratch [2|3, S, T] + [T]: one allocation, not four."""
         T = logits.shape[0]
         S = layout.slots_per_rank
         esize = logits.element_size()
@@ -71,32 +91,57 @@ class TritonBackend:
         aligned = (logits.data_ptr() % 16 == 0 and (logits.stride(0) * esize) % 16 == 0
                    and (layout.local_vocab_size * esize) % 16 == 0)
         cfg = PartialsConfig.for_tile(layout.tile_width, logits.dtype, S, aligned)
-        dev = logits.device
         # Slot-major [S, T] so the merge reads each slot coalesced; returned as [T, S] views.
-        m = torch.empty((S, T), device=dev, dtype=torch.float32)
-        s = torch.empty((S, T), device=dev, dtype=torch.float32)
-        w = torch.empty((S, T), device=dev, dtype=torch.float32) if with_entropy else s
-        tgt = torch.empty((T,), device=dev, dtype=torch.float32)
+        n = 3 if with_entropy else 2
+        buf = torch.empty(n * S * T + T, device=logits.device, dtype=torch.float32)
+        parts = buf[: n * S * T].view(n, S, T)
+        m, s = parts[0], parts[1]
+        w = parts[2] if with_entropy else s
+        tgt = buf[n * S * T:]
         real_hi = min(layout.local_vocab_size, layout.global_vocab_size - layout.vocab_start)
         if T > 0:
+            if fused is None:
+                extra, fkw = (tgt, tgt, tgt, tgt, tgt), {}
+            else:
+                cnt, active, logp, lse, ent = fused
+                extra = (cnt, active if active is not None else targets, logp, lse, ent if ent is not None else lse)
+                fkw = dict(FUSED=True, N_SLOTS=S, HAS_MASK=active is not None)
             self._k.logprob_partials_kernel[(T, triton_cdiv(S, cfg.slots_per_program))](
                 logits, targets, m, s, w, tgt,
                 logits.stride(0), layout.local_vocab_size, real_hi, layout.slot_col_offset, layout.vocab_start,
-                layout.global_vocab_size, T, S, float(temperature),
+                layout.global_vocab_size, T, S, float(temperature), *extra,
                 TILE_W=cfg.tile_w, CHUNK=cfg.chunk, ALIGN=cfg.align, NUM_CHUNKS=cfg.num_chunks,
                 SPP=cfg.slots_per_program,
-                WITH_ENT=with_entropy, SCALE=temperature != 1.0, num_warps=cfg.num_warps,
+                WITH_ENT=with_entropy, SCALE=temperature != 1.0, num_warps=cfg.num_warps, **fkw,
             )
-        return m.t(), s.t(), (w.t() if with_entropy else None), tgt
+        return m, s, (w if with_entropy else None), tgt
+
+    def partials(self, logits, targets, layout: ShardLayout, temperature: float, with_entropy: bool):
+        m, s, w, tgt = self._launch_partials(logits, targets, layout, temperature, with_entropy)
+        return m.t(), s.t(), (w.t() if w is not None else None), tgt
+
+    def fused_enabled(self) -> bool:
+        return FUSED_FORWARD
+
+    def fused_forward(self, logits, targets, layout: ShardLayout, temperature: float, with_entropy: bool, active):
+        """TP 1 only: (logp, lse, ent|None) in one launch, bitwise equal to merge(partials(...))."""
+        if layout.tp_world_size != 1:
+            raise ValueError("fused_forward needs every tile of the row in one launch (TP 1)")
+        T = logits.shape[0]
+        out = torch.empty((3 if with_entropy else 2) * T, device=logits.device, dtype=torch.float32)
+        logp, lse = out[:T], out[T : 2 * T]
+        ent = out[2 * T:] if with_entropy else None
+        cnt = torch.zeros((T,), device=logits.device, dtype=torch.int32)  # arrivals per row
+        self._launch_partials(logits, targets, layout, temperature, with_entropy, (cnt, active, logp, lse, ent))
+        return logp, lse, ent
 
     def merge(self, m, s, w, tgt, targets, global_vocab_size: int, active):
         T, N = m.shape
         if s.stride() != m.stride() or (w is not None and w.stride() != m.stride()):
             s, w, m = s.contiguous(), (w.contiguous() if w is not None else None), m.contiguous()
-        dev = m.device
-        logp = torch.empty((T,), device=dev, dtype=torch.float32)
-        lse = torch.empty_like(logp)
-        ent = torch.empty_like(logp) if w is not None else None
+        out = torch.empty((3 if w is not None else 2) * T, device=m.device, dtype=torch.float32)
+        logp, lse = out[:T], out[T : 2 * T]
+        ent = out[2 * T:] if w is not None else None
         if T > 0:
             self._k.logprob_merge_kernel[(triton_cdiv(T, MERGE_BLOCK_T),)](
                 m, s, w if w is not None else s, tgt, targets, active if active is not None else targets,
@@ -106,17 +151,25 @@ class TritonBackend:
             )
         return logp, lse, ent
 
+    # The autograd Function may pass g_lse / g_ent as None (no gradient flows there) and g_logp
+    # with any row stride (0 for an expanded scalar): no zeros or copy kernels per step.
+    accepts_none_grads = True
+
     def backward(self, logits, targets, lse, mean_x, g_logp, g_lse, g_ent, active, layout, temperature):
         T, V = logits.shape
+        if g_logp is None:
+            g_logp = torch.zeros((1,), device=logits.device, dtype=torch.float32).expand(T)
         grad = torch.empty((T, V), device=logits.device, dtype=logits.dtype)
         block = min(BACKWARD_BLOCK, _next_pow2(V))
         if T > 0:
             self._k.logprob_backward_kernel[(T, triton_cdiv(V, block))](
-                logits, grad, targets, lse, mean_x if mean_x is not None else lse, g_logp, g_lse,
-                g_ent if g_ent is not None else g_lse, active if active is not None else targets,
+                logits, grad, targets, lse, mean_x if mean_x is not None else lse, g_logp,
+                g_lse if g_lse is not None else lse, g_ent if g_ent is not None else lse,
+                active if active is not None else targets,
                 logits.stride(0), grad.stride(0), V, layout.vocab_start, layout.global_vocab_size, float(temperature),
-                BLOCK=block, WITH_ENT=g_ent is not None, HAS_MASK=active is not None, SCALE=temperature != 1.0,
-                num_warps=BACKWARD_NUM_WARPS,
+                g_logp.stride(0),
+                BLOCK=block, WITH_ENT=g_ent is not None and mean_x is not None, HAS_MASK=active is not None,
+                SCALE=temperature != 1.0, HAS_GLSE=g_lse is not None, num_warps=BACKWARD_NUM_WARPS,
             )
         return grad
 

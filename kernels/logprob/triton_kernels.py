@@ -22,8 +22,10 @@ LOG2E = tl.constexpr(1.4426950408889634)
 def logprob_partials_kernel(
     x_ptr, targets_ptr, m_ptr, s_ptr, w_ptr, tgt_ptr,
     stride_x, local_vocab, real_hi, col0, vocab_start, global_vocab, n_rows, n_slots, temperature,
+    cnt_ptr, active_ptr, logp_ptr, lse_ptr, ent_ptr,
     TILE_W: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr, NUM_CHUNKS: tl.constexpr,
     SPP: tl.constexpr, WITH_ENT: tl.constexpr, SCALE: tl.constexpr,
+    FUSED: tl.constexpr = False, N_SLOTS: tl.constexpr = 1, HAS_MASK: tl.constexpr = False,
 ):
     """Grid (T, cdiv(S, SPP)): fp32 (max, sumexp[, sum e*x]) of SPP slots of one row, stored slot-major [S, T].
 
@@ -39,6 +41,16 @@ def logprob_partials_kernel(
     each tile's reduction order, and so every bit, independent of batch
     composition. The program with pid(1) == 0 also stores the row's target
     logit (-inf when another shard holds it).
+
+    FUSED (TP 1 only: every slot of the row is in this launch): the same
+    partials are stored, then the last program of the row to finish -- found
+    with a per-row arrival counter (zeroed by the launcher) -- merges that
+    row's N_SLOTS stored partials through `_merge_rows`, the very code of the
+    merge kernel. Which program merges depends on timing; what it reads (the
+    stored partials, in slot order) and how it folds them does not, so the
+    output is bitwise that of partials + merge. The counter is the only atomic;
+    no value is ever accumulated atomically. Saves the merge launch and its
+    host-side cost, which at T=2048 is as long as the kernels.
     """
     row = tl.program_id(0)
     row_ptr = x_ptr + row.to(tl.int64) * stride_x
@@ -88,38 +100,49 @@ def logprob_partials_kernel(
         if SCALE:
             v = v / temperature
         tl.store(tgt_ptr + row, tl.where(owned, v, neg_inf))
+    if FUSED:
+        # Release: the barrier orders every lane's stores above before the counter increment
+        # (the threadfence-reduction pattern); acq_rel at GPU scope makes them visible to the
+        # program that sees the last arrival, and its acquire precedes its loads below.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
+        tl.debug_barrier()
+        if arrived == tl.num_programs(1) - 1:
+            rows = row + tl.arange(0, 1)
+            _merge_rows(m_ptr, s_ptr, w_ptr, tgt_ptr, targets_ptr, active_ptr, logp_ptr, lse_ptr, ent_ptr,
+                        rows, rows < n_rows, 1, n_rows, global_vocab, N_SLOTS, WITH_ENT, HAS_MASK, ".cg")
 
 
 @triton.jit
-def logprob_merge_kernel(
+def _merge_rows(
     m_ptr, s_ptr, w_ptr, tgt_ptr, targets_ptr, active_ptr, logp_ptr, lse_ptr, ent_ptr,
-    n_rows, stride_row, stride_slot, global_vocab,
-    N_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, WITH_ENT: tl.constexpr, HAS_MASK: tl.constexpr,
+    rows, rmask, stride_row, stride_slot, global_vocab,
+    N_SLOTS: tl.constexpr, WITH_ENT: tl.constexpr, HAS_MASK: tl.constexpr, CACHE: tl.constexpr,
 ):
-    """Grid (cdiv(T, BLOCK_T)): merge each row's N partials in slot order (sequential fold).
+    """Merge the N_SLOTS partials of `rows` in slot order (sequential fold) and store logp/lse[/ent].
 
-    N_SLOTS is a compile-time constant (one specialization per vocab and TP
-    degree) rather than a runtime loop bound: the interpreter cannot loop over
-    a runtime scalar under numpy 2.
+    Shared by the merge kernel and the fused partials kernel so both run the same
+    arithmetic in the same order. The slot loops are unrolled (static_range): the
+    loads do not depend on each other and are all issued up front, instead of one
+    memory round trip per slot; the fold order is unchanged. CACHE ".cg" (fused
+    path) reads partials other multiprocessors just wrote past this one's L1.
     """
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    rmask = rows < n_rows
     neg_inf = float("-inf")
     base = rows.to(tl.int64) * stride_row
-    M = tl.full([BLOCK_T], neg_inf, tl.float32)
-    for k in range(N_SLOTS):
-        M = tl.maximum(M, tl.load(m_ptr + base + k * stride_slot, mask=rmask, other=neg_inf))
+    M = tl.full(rows.shape, neg_inf, tl.float32)
+    for k in tl.static_range(N_SLOTS):
+        M = tl.maximum(M, tl.load(m_ptr + base + k * stride_slot, mask=rmask, other=neg_inf, cache_modifier=CACHE))
     shift = tl.where(M == neg_inf, 0.0, M)
-    S = tl.zeros([BLOCK_T], tl.float32)
-    W = tl.zeros([BLOCK_T], tl.float32)
-    for k in range(N_SLOTS):
-        scale = tl.exp(tl.load(m_ptr + base + k * stride_slot, mask=rmask, other=neg_inf) - shift)
-        S += tl.load(s_ptr + base + k * stride_slot, mask=rmask, other=0.0) * scale
+    S = tl.zeros(rows.shape, tl.float32)
+    W = tl.zeros(rows.shape, tl.float32)
+    for k in tl.static_range(N_SLOTS):
+        scale = tl.exp(tl.load(m_ptr + base + k * stride_slot, mask=rmask, other=neg_inf, cache_modifier=CACHE) - shift)
+        S += tl.load(s_ptr + base + k * stride_slot, mask=rmask, other=0.0, cache_modifier=CACHE) * scale
         if WITH_ENT:
-            W += tl.load(w_ptr + base + k * stride_slot, mask=rmask, other=0.0) * scale
+            W += tl.load(w_ptr + base + k * stride_slot, mask=rmask, other=0.0, cache_modifier=CACHE) * scale
     lse = M + tl.log(S)
     t = tl.load(targets_ptr + rows, mask=rmask, other=0)
-    tgt = tl.load(tgt_ptr + rows, mask=rmask, other=neg_inf)
+    tgt = tl.load(tgt_ptr + rows, mask=rmask, other=neg_inf, cache_modifier=CACHE)
     logp = tl.where((t >= 0) & (t < global_vocab), tgt - lse, float("nan"))
     ent = lse - W / S
     if HAS_MASK:
@@ -134,12 +157,36 @@ def logprob_merge_kernel(
 
 
 @triton.jit
+def logprob_merge_kernel(
+    m_ptr, s_ptr, w_ptr, tgt_ptr, targets_ptr, active_ptr, logp_ptr, lse_ptr, ent_ptr,
+    n_rows, stride_row, stride_slot, global_vocab,
+    N_SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, WITH_ENT: tl.constexpr, HAS_MASK: tl.constexpr,
+):
+    """Grid (cdiv(T, BLOCK_T)): merge each row's N partials in slot order (sequential fold).
+
+    N_SLOTS is a compile-time constant (one specialization per vocab and TP
+    degree) rather than a runtime loop bound: the interpreter cannot loop over
+    a runtime scalar under numpy 2, and the unrolled loads overlap.
+    """
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    _merge_rows(m_ptr, s_ptr, w_ptr, tgt_ptr, targets_ptr, active_ptr, logp_ptr, lse_ptr, ent_ptr,
+                rows, rows < n_rows, stride_row, stride_slot, global_vocab, N_SLOTS, WITH_ENT, HAS_MASK, "")
+
+
+@triton.jit
 def logprob_backward_kernel(
     x_ptr, g_ptr, targets_ptr, lse_ptr, mean_ptr, glogp_ptr, glse_ptr, gent_ptr, active_ptr,
-    stride_x, stride_g, local_vocab, vocab_start, global_vocab, temperature,
+    stride_x, stride_g, local_vocab, vocab_start, global_vocab, temperature, stride_glogp,
     BLOCK: tl.constexpr, WITH_ENT: tl.constexpr, HAS_MASK: tl.constexpr, SCALE: tl.constexpr,
+    HAS_GLSE: tl.constexpr = True,
 ):
-    """Grid (T, cdiv(V_local, BLOCK)): elementwise gradient; every output element written once, no atomics."""
+    """Grid (T, cdiv(V_local, BLOCK)): elementwise gradient; every output element written once, no atomics.
+
+    The upstream logp gradient is read with a row stride (0 when it comes from `.sum()`,
+    an expanded scalar), and an absent lse gradient (HAS_GLSE=False) is the constant 0.0:
+    the launcher then needs no copy or zeros kernel, and (0.0 - gl) * p has the bits of
+    (0 - gl) * p with a zeros tensor. Likewise WITH_ENT=False when no entropy gradient flows.
+    """
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = offs < local_vocab
@@ -148,9 +195,12 @@ def logprob_backward_kernel(
         x = x / temperature
     real = cmask & (vocab_start + offs < global_vocab) & (x != float("-inf"))
     lse = tl.load(lse_ptr + row)
-    gl = tl.load(glogp_ptr + row)
+    gl = tl.load(glogp_ptr + row.to(tl.int64) * stride_glogp)
     p = tl.where(real, tl.exp(x - lse), 0.0)
-    grad = (tl.load(glse_ptr + row) - gl) * p
+    if HAS_GLSE:
+        grad = (tl.load(glse_ptr + row) - gl) * p
+    else:
+        grad = (0.0 - gl) * p
     if WITH_ENT:
         d = tl.where(real, tl.load(mean_ptr + row) - x, 0.0)
         grad += tl.load(gent_ptr + row) * (p * d)
