@@ -8,13 +8,13 @@ This package holds what the demo is made of and must agree across its parts:
   evaluate on problems the warm start was trained on (a test checks this);
 - `WarmStartConfig`: the short supervised warm start (prepare.py runs it).
 
-Why these values (measured with an in-process replica of the GRPO loop; the
-numbers are in the commit that set them): 2-digit addition written in normal
-order is learnable by a 2-layer, 128-wide model in a few hundred supervised
-steps, and its learning curve passes smoothly through partial accuracy, so a
-warm start stopped at ~30% train accuracy leaves RL clear headroom while
-sampled groups already contain both correct and wrong answers (GRPO learns
-nothing from a group whose rewards are all equal).
+Why these values (measured with an in-process replica of the GRPO loop, then
+through the real services; the numbers are in the commit that set them):
+2-digit addition written in normal order is learnable by a 2-layer, 128-wide
+model in a few hundred supervised steps, and its learning curve passes
+through partial accuracy, so a warm start stopped at ~20% accuracy leaves RL
+clear headroom while sampled groups already contain both correct and wrong
+answers (GRPO learns nothing from a group whose rewards are all equal).
 """
 from __future__ import annotations
 
@@ -44,8 +44,13 @@ class WarmStartConfig:
 
     batch_size: int = 64
     """Problems per optimizer step."""
-    lr: float = 3e-3
-    """AdamW peak learning rate (tiny models tolerate and need a large one)."""
+    lr: float = 2e-3
+    """AdamW peak learning rate, constant after warmup. Measured trade-off:
+    at 3e-3 accuracy sits on a plateau and then jumps, at a step that varies
+    by seed by hundreds of steps; at 1e-3 the curve is smooth but the model it
+    leaves is fragile under RL (GRPO at lr >= 2e-4 collapses it to ~0%). At
+    2e-3 every seed measured crossed the target within 320..360 steps and
+    then improved under GRPO at lr 3e-4."""
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
     warmup_steps: int = 20
@@ -53,11 +58,13 @@ class WarmStartConfig:
     otherwise shake a freshly initialised model."""
     grad_clip: float = 1.0
     """Global gradient-norm clip."""
-    target_accuracy: float = 0.3
-    """Stop as soon as greedy accuracy on the train probe reaches this. Stopping
-    on a measured accuracy, not a step count, because small transformers learn
-    addition in sudden jumps whose timing varies by seed; a fixed step count
-    lands anywhere between 10% and 70% held-out accuracy."""
+    target_accuracy: float = 0.2
+    """Stop as soon as greedy accuracy on the train probe reaches this (held-out
+    accuracy then lands around 0.15..0.25). Stopping on a measured accuracy,
+    not a step count, because small transformers learn addition in sudden
+    jumps whose timing varies by seed. Low on purpose: it leaves GRPO room to
+    show a large gain, while 0.2 greedy still means ~55% of prompts get at
+    least one correct answer among 8 samples, so most groups carry signal."""
     check_every: int = 10
     """Steps between probe evaluations."""
     probe_size: int = 256

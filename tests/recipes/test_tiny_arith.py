@@ -18,6 +18,7 @@ from services.common.char_tokenizer import (
     EOS_ID,
     EOS_TOKEN,
     PAD_ID,
+    PAD_TOKEN,
     UNK_ID,
     build_char_tokenizer,
     save_char_tokenizer,
@@ -125,6 +126,7 @@ def test_reward_correct_incorrect_and_garbage():
     assert task.reward(p, right + EOS_TOKEN + "999") == 1.0     # text after eos is not part of the response
     assert task.reward(p, wrong) == 0.0
     assert task.reward(p, wrong + EOS_TOKEN + right) == 0.0
+    assert task.reward(p, right[:1] + PAD_TOKEN + right[1:]) == 0.0  # a special token inside the answer
     for garbage in ["", EOS_TOKEN, "   ", f"{right} {right}", f"{right}x", f"-{right}", f"0{right}",
                     f"{right}.0", "٣", "²", "\x00" * 5, "9" * 10_000, f"{p.prompt}{right}"]:
         assert task.reward(p, garbage) == 0.0, repr(garbage)

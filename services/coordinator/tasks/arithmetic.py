@@ -7,10 +7,12 @@ exactly correct answer (see `parse_answer`), so partial credit cannot be
 gamed and the signal is unambiguous.
 
 Splits: `heldout` is a fixed sample of `heldout_size` problems; `train` is
-every other problem up to `train_size`. Disjointness is over *unordered*
+up to `train_size` of the remaining ones. Disjointness is over *unordered*
 operand pairs: if `12+34=` is held out then `34+12=` is never trained on, so
 held-out accuracy measures addition the model has not seen in either order.
-Both splits are pure functions of (seed, digits, sizes).
+Each unordered pair appears at most once (in a random operand order), so with
+2 digits `train` is all 4095 - heldout_size remaining pairs. Both splits are
+pure functions of (seed, digits, heldout_size, train_size).
 
 Optionally (`reverse_answer`) the answer is written least-significant digit
 first, the order in which carries propagate; small transformers learn that
@@ -22,7 +24,7 @@ import random
 from dataclasses import dataclass
 from functools import cached_property
 
-from services.common.char_tokenizer import EOS_TOKEN, PAD_TOKEN
+from services.common.char_tokenizer import EOS_TOKEN
 from services.coordinator.tasks.base import Problem, Task
 
 
@@ -75,16 +77,16 @@ def format_answer(value: int, reverse: bool) -> str:
 def parse_answer(response_text: str) -> str | None:
     """The answer a response commits to, or None when it does not commit to one.
 
-    The response ends at the first eos (if the decoder kept special tokens) and
-    anything after it is ignored. What is left, without surrounding whitespace
-    and pad tokens, must be one run of ASCII digits; anything else — empty,
-    signs, spaces inside, letters, a second number — is no answer. Strict on
-    purpose: a lenient parser ("first number in the text") would reward
-    responses that hedge with several numbers.
+    The response ends at the first eos (when the decoder kept special tokens)
+    and anything after it is ignored. What is left, without surrounding
+    whitespace, must be one run of ASCII digits; anything else — empty, signs,
+    spaces inside, letters, a second number, a special token such as pad in
+    the middle — is no answer. Strict on purpose: a lenient parser ("first
+    number in the text") would reward responses that hedge with several numbers.
     """
     if not isinstance(response_text, str):
         return None
-    text = response_text.split(EOS_TOKEN, 1)[0].replace(PAD_TOKEN, "").strip()
+    text = response_text.split(EOS_TOKEN, 1)[0].strip()
     if not text or len(text) > 32:
         return None
     if not all("0" <= c <= "9" for c in text):  # str.isdigit() accepts '²' and other Unicode digits
