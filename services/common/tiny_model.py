@@ -9,12 +9,13 @@ normal model directory: config.json, generation_config.json,
 model.safetensors and the character tokenizer.
 
 Same seed + same `TinyQwen3Config` -> bitwise-identical initial weights: the
-weights are drawn on CPU in float32 from a private `torch.Generator`-seeded
-global state, in the module's fixed construction order.
+weights are drawn on CPU in float32 from torch's global generator, seeded
+inside `fork_rng` (so the caller's RNG state is untouched), in the module's
+fixed construction order.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -126,7 +127,3 @@ def save_model_dir(model, out_dir: str | Path, vocab: CharVocab | None = None) -
 def build_model_dir(out_dir: str | Path, cfg: TinyQwen3Config | None = None, *, seed: int) -> Path:
     """Build the untrained tiny model from `seed` and write its directory (model + tokenizer)."""
     return save_model_dir(build_tiny_qwen3(cfg, seed=seed), out_dir)
-
-
-def config_dict(cfg: TinyQwen3Config) -> dict:
-    return asdict(cfg)
