@@ -187,7 +187,6 @@ def test_server_bootstrap_takes_its_group_down_when_the_rollout_service_dies(tmp
     scheduler) runs under the real BOOTSTRAP, launched by a parent process that
     is then SIGKILLed.
     """
-    import os
     import signal
     import subprocess
     import sys
