@@ -299,7 +299,10 @@ class RunDriver:
 
     def _decode(self, sample: pb.Sample) -> str:
         ids = from_proto(sample.response_token_ids, field="response_token_ids").tolist()
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        # Keep special tokens: the task decides where a response ends (eos) and
+        # must see a pad or bos inside an answer, which skipping would splice out
+        # ("1<pad>5" would read as a correct "15").
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _stop_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
