@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -156,8 +157,9 @@ def test_update_weights_from_disk_changes_logprobs_to_the_new_weights(engine):
 
 def test_server_killed_mid_batch_raises_unavailable_then_recovers_with_current_weights(engine):
     version, weights, pid = engine.policy_version, engine.weights_path, engine.server_pid
-    # 24 samples x 100 tokens keeps the 2-core server busy for seconds.
-    big = make_request(n=12, max_new_tokens=100)
+    # 64 samples x up to 100 tokens keeps the server busy; the kill lands as soon as
+    # SGLang reports the batch running (a fixed sleep raced a fast, idle machine).
+    big = make_request(n=32, max_new_tokens=100)
     outcome: dict = {}
 
     def run():
@@ -168,12 +170,21 @@ def test_server_killed_mid_batch_raises_unavailable_then_recovers_with_current_w
 
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 60
+    while t.is_alive() and time.monotonic() < deadline:
+        try:
+            text = httpx.get(f"{engine.url}/metrics", timeout=5).text
+            if any(line.startswith("sglang:num_running_reqs") and float(line.rsplit(" ", 1)[1]) > 0
+                   for line in text.splitlines()):
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.01)
     assert t.is_alive(), "the batch finished before the kill: the test would prove nothing"
     os.kill(pid, signal.SIGKILL)
     t.join(timeout=120)
     assert isinstance(outcome.get("error"), EngineUnavailable), outcome
-    assert "24 samples lost" in str(outcome["error"])
+    assert "64 samples lost" in str(outcome["error"])
 
     started = time.monotonic()
     req = make_request(n=2)

@@ -47,12 +47,15 @@ def client(stack):
     c.close()
 
 
-def spec(model_dir: Path, weights_dir: Path, name: str, max_new_tokens: int = 4) -> dict:
+KILL_STEPS = 8
+
+
+def spec(model_dir: Path, weights_dir: Path, name: str, max_new_tokens: int = 4, steps: int = STEPS) -> dict:
     return {
         "name": name,
         "model_path": str(model_dir),
         "seed": 7,
-        "steps": STEPS,
+        "steps": steps,
         "task": {"name": "arithmetic", "options": {"digits": 2, "heldout_size": 8}},
         "rollout": {
             "engine": "sglang",
@@ -65,9 +68,9 @@ def spec(model_dir: Path, weights_dir: Path, name: str, max_new_tokens: int = 4)
     }
 
 
-def assert_every_trajectory_once(client, run_id: str) -> list[dict]:
+def assert_every_trajectory_once(client, run_id: str, n_steps: int = STEPS) -> list[dict]:
     steps = client.metrics(run_id)["steps"]
-    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))  # each step recorded once
+    assert [s["step"] for s in steps] == list(range(1, n_steps + 1))  # each step recorded once
     for s in steps:
         m = s["metrics"]
         assert m["trajectories_trained"] + m["trajectories_dropped"] == PROMPTS * SAMPLES, m
@@ -111,8 +114,9 @@ def running_requests(port: int) -> float:
 
 
 def test_sglang_killed_mid_batch_run_completes_with_every_trajectory_once(client, model_dir, stack, tmp_path):
-    # Longer responses keep Generate in flight for most of each step.
-    run = client.submit(spec(model_dir, tmp_path, "sglang-kill", max_new_tokens=48))
+    # Longer responses and more steps keep Generate in flight long enough for the
+    # poll below to catch a running batch even on a fast, idle machine.
+    run = client.submit(spec(model_dir, tmp_path, "sglang-kill", max_new_tokens=100, steps=KILL_STEPS))
     rollout_pid = stack.rollouts[0].proc.pid
     deadline = time.monotonic() + 600
     killed = None
@@ -135,7 +139,7 @@ def test_sglang_killed_mid_batch_run_completes_with_every_trajectory_once(client
 
     done = client.wait(run["id"], timeout_s=900)
     assert done["status"] == "completed", (done, stack.rollouts[0].tail())
-    steps = assert_every_trajectory_once(client, run["id"])
+    steps = assert_every_trajectory_once(client, run["id"], KILL_STEPS)
     print("iw_mean per step:", [s["metrics"]["iw_mean"] for s in steps])
     events = [e["event"] for e in client.run(run["id"])["events"]]
     print("events:", events)
