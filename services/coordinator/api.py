@@ -18,7 +18,7 @@ from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_loop import RunDriver
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.scheduler import RunScheduler
-from services.coordinator.store import ACTIVE, STATUSES, RunStore
+from services.coordinator.store import STATUSES, RunStore
 
 
 def _field_errors(exc: RequestValidationError) -> list[dict]:
@@ -114,10 +114,10 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
 
     @app.post("/v1/runs/{run_id}/cancel")
     async def cancel_run(run_id: str, request: Request) -> dict:
-        run = await _run_or_404(request, run_id)
-        if run.status not in ACTIVE:
+        await _run_or_404(request, run_id)
+        if not await _store(request).set_status(run_id, "cancelled"):
+            run = await _store(request).get_run(run_id)
             raise HTTPException(status_code=409, detail={"error": f"run is already {run.status}", "run_id": run_id})
-        await _store(request).set_status(run_id, "cancelled")
         return (await _store(request).get_run(run_id)).to_dict()  # type: ignore[union-attr]
 
     @app.get("/healthz")

@@ -84,7 +84,8 @@ class RunDriver:
         spec = self.spec
         run = await self.store.get_run(self.run_id)
         assert run is not None
-        await self.store.set_status(self.run_id, "running")
+        if not await self.store.set_status(self.run_id, "running"):
+            raise RunCancelled(self.run_id)  # cancelled (or ended) before the driver started
         trainer_version = await self._configure_services()
         if await self.store.get_aux(self.run_id, "eval_initial") is None:
             acc = await self._evaluate(policy_version=trainer_version)
@@ -94,7 +95,8 @@ class RunDriver:
             await self._check_cancelled()
             await self._one_step(step, trainer_version)
             trainer_version = step
-        await self.store.set_status(self.run_id, "completed")
+        if not await self.store.set_status(self.run_id, "completed"):
+            raise RunCancelled(self.run_id)  # cancelled while the last step ran
         log_event(log, "run completed", run_id=self.run_id, steps=spec.steps)
 
     async def _one_step(self, step: int, trainer_version: int) -> None:

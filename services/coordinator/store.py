@@ -42,6 +42,18 @@ return 1
 """
 
 
+# Moves a run to a new status only while it is still active: a terminal status
+# (completed, failed, cancelled) is final, so a cancel that lands while the
+# driver starts or finishes a run is never overwritten. Returns 1 if changed.
+_SET_STATUS = """
+local current = redis.call('HGET', KEYS[1], 'status')
+if current ~= 'pending' and current ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'error', ARGV[3])
+redis.call('RPUSH', KEYS[2], ARGV[4])
+return 1
+"""
+
+
 class StoreError(RuntimeError):
     pass
 
@@ -66,6 +78,7 @@ class RunStore:
         self._r = aioredis.from_url(url, decode_responses=True)
         self._p = prefix
         self._record_step = self._r.register_script(_RECORD_STEP)
+        self._set_status = self._r.register_script(_SET_STATUS)
 
     def _k(self, *parts: str) -> str:
         return self._p + ":".join(parts)
@@ -110,14 +123,16 @@ class RunStore:
         runs = [await self.get_run(i) for i in ids]
         return [r for r in runs if r is not None]
 
-    async def set_status(self, run_id: str, status: str, error: str = "") -> None:
+    async def set_status(self, run_id: str, status: str, error: str = "") -> bool:
+        """Atomically move an active run to `status`; False (nothing written) if the run already ended."""
         if status not in STATUSES:
             raise StoreError(f"unknown status {status!r}")
         now = time.time()
-        async with self._r.pipeline(transaction=True) as p:
-            p.hset(self._k("run", run_id), mapping={"status": status, "updated_at": now, "error": error})
-            p.rpush(self._k("run", run_id, "events"), json.dumps({"ts": now, "event": status, "error": error}))
-            await p.execute()
+        event = json.dumps({"ts": now, "event": status, "error": error})
+        changed = await self._set_status(
+            keys=[self._k("run", run_id), self._k("run", run_id, "events")], args=[status, now, error, event]
+        )
+        return changed == 1
 
     async def add_event(self, run_id: str, event: str, **fields: object) -> None:
         await self._r.rpush(self._k("run", run_id, "events"), json.dumps({"ts": time.time(), "event": event, **fields}))

@@ -43,10 +43,15 @@ def test_status_events_and_lease(redis_url):
     async def go():
         store = RunStore(redis_url, prefix="t2:")
         r = await store.create_run("b", "{}", steps=1)
-        await store.set_status(r.id, "failed", error="boom")
+        assert await store.set_status(r.id, "running")
+        assert await store.set_status(r.id, "failed", error="boom")
         got = await store.get_run(r.id)
         assert got.status == "failed" and got.error == "boom"
-        assert [e["event"] for e in await store.events(r.id)] == ["submitted", "failed"]
+        # A terminal status is final: a late "completed" or "running" changes nothing.
+        assert not await store.set_status(r.id, "completed")
+        assert not await store.set_status(r.id, "running")
+        assert (await store.get_run(r.id)).status == "failed"
+        assert [e["event"] for e in await store.events(r.id)] == ["submitted", "running", "failed"]
         with pytest.raises(StoreError):
             await store.set_status(r.id, "exploded")
         assert await store.acquire_lease(r.id, "me", 5)
