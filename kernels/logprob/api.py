@@ -52,17 +52,21 @@ def _gather_partials(m, s, w, tgt, group):
     return layout_gathered(out, m.shape[1], w is not None)
 
 
+def _forward(logits, targets, active, backend, layout, temperature, group, with_entropy):
+    """(logp, lse, ent|None): the whole forward, with or without autograd around it."""
+    if layout.tp_world_size == 1 and hasattr(backend, "local_forward"):
+        # TP 1: the backend runs partials + merge its own cheapest way (bitwise equal to the path below).
+        return backend.local_forward(logits, targets, layout, temperature, with_entropy, active)
+    m, s, w, tgt = backend.partials(logits, targets, layout, temperature, with_entropy)
+    if group is not None and layout.tp_world_size > 1:
+        m, s, w, tgt = _gather_partials(m, s, w, tgt, group)
+    return backend.merge(m, s, w, tgt, targets, layout.global_vocab_size, active)
+
+
 class _TokenLogprobFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, active, backend, layout, temperature, group, with_entropy, fused):
-        if fused:
-            # TP 1 on a backend with a one-launch forward (bitwise equal to the path below).
-            logp, lse, ent = backend.fused_forward(logits, targets, layout, temperature, with_entropy, active)
-        else:
-            m, s, w, tgt = backend.partials(logits, targets, layout, temperature, with_entropy)
-            if group is not None and layout.tp_world_size > 1:
-                m, s, w, tgt = _gather_partials(m, s, w, tgt, group)
-            logp, lse, ent = backend.merge(m, s, w, tgt, targets, layout.global_vocab_size, active)
+    def forward(ctx, logits, targets, active, backend, layout, temperature, group, with_entropy):
+        logp, lse, ent = _forward(logits, targets, active, backend, layout, temperature, group, with_entropy)
         # Inactive rows have lse = 0 here; backward zeroes their gradient, so it needs no other value.
         mean_x = (lse - ent) if ent is not None else lse
         ctx.save_for_backward(logits, targets, lse, mean_x, active)
@@ -86,12 +90,12 @@ class _TokenLogprobFunction(torch.autograd.Function):
             g_lse = zeros if g_lse is None else g_lse.float().contiguous()
             g_ent = (zeros if g_ent is None else g_ent.float().contiguous()) if with_entropy else None
         if g_logp is None and g_lse is None and g_ent is None:
-            return None, None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         grad = backend.backward(
             logits, targets, lse, mean_x if with_entropy else None, g_logp, g_lse, g_ent,
             active if has_active else None, layout, temperature,
         )
-        return grad, None, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def build_contract(
@@ -189,11 +193,13 @@ def _run(logits, targets, temperature, vocab_start, global_vocab_size, tp_group,
         verify_group_agreement(tp_group, contract, impl.name)
     if logits.stride(1) != 1:
         logits = logits.contiguous()  # kernels assume unit column stride; rows may be strided
-    # Read per call (not planned): tests and the benchmark switch it to compare both paths.
-    fused = contract.sharding.tp_world_size == 1 and getattr(impl, "fused_enabled", lambda: False)()
-    return _TokenLogprobFunction.apply(
-        logits, targets.contiguous(), mask, impl, contract.sharding, float(temperature), tp_group, with_entropy, fused
-    )
+    if targets.stride(0) != 1:
+        targets = targets.contiguous()
+    args = (logits, targets, mask, impl, contract.sharding, float(temperature), tp_group, with_entropy)
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _TokenLogprobFunction.apply(*args)
+    # No graph to record (rollout scoring, the parity gate, eval): skip autograd's per-call cost.
+    return _forward(*args)
 
 
 def token_logprobs(

@@ -96,3 +96,20 @@ def test_resolved_backend_names_what_auto_runs():
     assert resolved_backend(torch.randn(2, 10)) == "reference"
     with pytest.raises(ValueError, match="native: no cpu implementation"):
         resolved_backend(torch.randn(2, 10), backend="native")
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_inference_calls_skip_autograd_and_give_the_same_bits(backend):
+    """Without a graph to record (no grad mode, or logits that need none) the forward runs
+    outside the autograd Function: same bits, and nothing to backpropagate through."""
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, 300, generator=g) * 3).requires_grad_()
+    targets = torch.randint(0, 300, (6,), generator=g)
+    with_graph = token_logprobs_with_entropy(logits, targets, temperature=0.9, backend=backend)
+    assert all(t.grad_fn is not None for t in with_graph)
+    with torch.no_grad():
+        no_grad = token_logprobs_with_entropy(logits, targets, temperature=0.9, backend=backend)
+    detached = token_logprobs_with_entropy(logits.detach(), targets, temperature=0.9, backend=backend)
+    for a, b, c in zip(with_graph, no_grad, detached):
+        assert b.grad_fn is None and not b.requires_grad and c.grad_fn is None
+        assert torch.equal(a.detach(), b) and torch.equal(a.detach(), c)

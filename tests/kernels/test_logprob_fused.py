@@ -58,6 +58,23 @@ def test_fused_equals_partials_then_merge_bitwise(dtype, V, gvs, tau, ent, maske
     assert torch.isfinite(one[1][:2]).all() and torch.isfinite(one[1][3:]).all()
 
 
+@pytest.mark.parametrize("tau,ent,masked", [(1.0, False, False), (0.7, True, True)])
+def test_tp1_short_path_equals_partials_then_merge_bitwise(tau, ent, masked):
+    """TP 1 hands the slot-major scratch straight to the merge kernel; TP > 1 goes through the
+    transposed [T, S] views (and the all-gather). Both must give the same bits."""
+    logits, targets, mask = _case(9, 520, seed=5, dtype=torch.bfloat16)
+    active = mask if masked else None
+    impl = _impl()
+    layout = ShardLayout(517, 0, 520)
+    m, s, w, tgt = impl.partials(logits, targets, layout, tau, ent)
+    two = impl.merge(m, s, w, tgt, targets, layout.global_vocab_size, active)
+    short = impl.local_forward(logits, targets, layout, tau, ent, active)
+    assert (short[2] is None) == (not ent)
+    for a, b in zip(two, short):
+        if a is not None:
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), "TP-1 short path changed bits"
+
+
 def test_public_entry_point_uses_fused_and_matches_unfused(monkeypatch):
     logits, targets, _ = _case(5, 384, seed=9, dtype=torch.bfloat16)
     calls = []
@@ -91,3 +108,16 @@ def test_backward_without_lse_gradient_equals_explicit_zeros():
     want = impl.backward(logits, targets, lse.detach(), None, torch.ones_like(lse), torch.zeros_like(lse), None,
                          mask, ShardLayout(384, 0, 384), 0.9)
     assert torch.equal(x.grad, want)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_zero_rows_give_empty_outputs_and_gradient(backend):
+    x = torch.randn(0, 384, device=DEV, requires_grad=True)
+    t = torch.empty(0, dtype=torch.long, device=DEV)
+    logp, lse = token_logprobs(x, t, backend=backend)
+    assert logp.shape == lse.shape == (0,)
+    (logp.sum() + lse.sum()).backward()
+    assert x.grad.shape == (0, 384)
+    with torch.no_grad():
+        from kernels.logprob import token_logprobs_with_entropy
+        assert all(o.shape == (0,) for o in token_logprobs_with_entropy(x, t, backend=backend))
