@@ -281,7 +281,9 @@ class Trainer:
         self._check_token_ids(request.samples, run.vocab_size)
         metrics = self._apply_update(run, request.samples, gate=s == 1)
         run.policy_version = s
-        run.step_metrics[s] = metrics
+        # Only the step at the current policy version can be replayed: keep its metrics alone,
+        # so a long run's trainer (and its checkpoints) do not grow with the step count.
+        run.step_metrics = {s: metrics}
         return StepOutcome(s, s, dict(metrics), replayed=False)
 
     @staticmethod

@@ -176,6 +176,7 @@ def test_checkpoint_round_trip_and_resume(tiny_model_dir, tmp_path):
     r.configure(run_id="run", model_path=str(tiny_model_dir), seed=11, config_json=json.dumps(RUN_CONFIG),
                 resume_checkpoint=str(ckpt_dir))
     assert r.run.policy_version == 2 and r.run.step_metrics == t.run.step_metrics
+    assert set(t.run.step_metrics) == {2}  # only the replayable step is kept: state does not grow per step
     assert r.train_step(StepRequest("run", 2, 1, [])).replayed
     step3 = on_policy_step(t, 3)
     assert r.train_step(step3).metrics == t.train_step(step3).metrics
