@@ -233,11 +233,9 @@ register_backend(BackendEntry(
     {p: Capability(dtypes=_ALL_FLOAT) for p in Platform},
     _load_triton,
 ))
-# The native kernels read bf16 as raw 16-bit words and fp32; no fp16 path, no
-# entropy (the trainer's entropy bonus uses the Triton or reference backend).
+# The native kernels (CUDA/HIP, one source) read bf16, fp16 and fp32 and return the entropy too.
 register_backend(BackendEntry(
     "native",
-    {p: Capability(dtypes=frozenset({torch.bfloat16, torch.float32}), entropy=False)
-     for p in (Platform.CUDA, Platform.ROCM)},
+    {p: Capability(dtypes=_ALL_FLOAT) for p in (Platform.CUDA, Platform.ROCM)},
     _load_native,
 ))

@@ -76,12 +76,16 @@ def test_native_has_no_cpu_build():
         token_logprobs(torch.randn(2, 8), torch.tensor([0, 1]), backend="native")
 
 
-def test_explicit_request_checks_capability_before_loading():
-    """fp16 and entropy are outside the native backend's declared capability: refused, nothing built."""
-    with pytest.raises(LogprobBackendError, match=r"native: dtype float16 not supported \(has bfloat16, float32\)"):
-        select("native", _contract(dtype=torch.float16))
-    with pytest.raises(LogprobBackendError, match="native: entropy output not supported"):
-        select("native", _contract(output=OutputSpec(entropy=True)))
+def test_explicit_request_checks_capability_before_loading(fake_registry):
+    """A contract outside a backend's declared capability is refused before anything is built."""
+    def never(platform):
+        raise AssertionError("loaded")
+
+    fake_registry("narrow", loader=never, entropy=False)  # dtypes default to bf16 + fp32
+    with pytest.raises(LogprobBackendError, match=r"narrow: dtype float16 not supported \(has bfloat16, float32\)"):
+        select("narrow", _contract(dtype=torch.float16))
+    with pytest.raises(LogprobBackendError, match="narrow: entropy output not supported"):
+        select("narrow", _contract(output=OutputSpec(entropy=True)))
 
 
 def test_auto_lists_every_rejected_candidate(fake_registry):

@@ -47,30 +47,39 @@ def _build(platform: Platform):
 
 
 class NativeBackend:
+    """The three steps of the definition on the native kernels (see logprob_kernels.cu for the design)."""
+
     name = "native"
+    # The autograd Function may pass g_logp / g_lse / g_ent as None (no gradient flows there) and
+    # g_logp with any row stride (0 for an expanded scalar): the kernels read them as they come.
+    accepts_none_grads = True
 
     def __init__(self, ext) -> None:
         self._ext = ext
 
     def partials(self, logits, targets, layout: ShardLayout, temperature: float, with_entropy: bool):
-        if with_entropy:
-            raise NotImplementedError("native backend has no entropy output (the registry refuses such contracts)")
         real_hi = min(layout.local_vocab_size, layout.global_vocab_size - layout.vocab_start)
-        m, s, tgt = self._ext.partials(
+        out = self._ext.partials(
             logits, targets, layout.slots_per_rank, real_hi, layout.slot_col_offset, layout.vocab_start,
-            layout.global_vocab_size, layout.tile_width, float(temperature),
+            layout.global_vocab_size, layout.tile_width, float(temperature), bool(with_entropy),
         )
+        # Stored slot-major [S, T] (the merge reads each slot coalesced); returned as [T, S] views.
+        if with_entropy:
+            m, s, w, tgt = out
+            return m.t(), s.t(), w.t(), tgt
+        m, s, tgt = out
         return m.t(), s.t(), None, tgt
 
     def merge(self, m, s, w, tgt, targets, global_vocab_size: int, active):
-        if s.stride() != m.stride():
-            m, s = m.contiguous(), s.contiguous()
-        logp, lse = self._ext.merge(m, s, tgt, targets, active, global_vocab_size)
-        return logp, lse, None
+        if s.stride() != m.stride() or (w is not None and w.stride() != m.stride()):
+            m, s, w = m.contiguous(), s.contiguous(), (w.contiguous() if w is not None else None)
+        out = self._ext.merge(m, s, w, tgt, targets, active, global_vocab_size)
+        return out[0], out[1], (out[2] if w is not None else None)
 
     def backward(self, logits, targets, lse, mean_x, g_logp, g_lse, g_ent, active, layout, temperature):
         return self._ext.backward(
-            logits, targets, lse, g_logp, g_lse, active, layout.vocab_start, layout.global_vocab_size, float(temperature)
+            logits, targets, lse, mean_x, g_logp, g_lse, g_ent, active, layout.vocab_start,
+            layout.global_vocab_size, float(temperature),
         )
 
 
