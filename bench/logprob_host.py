@@ -4,12 +4,13 @@
 
 At T=2048 an isolated call's latency is the host's time to issue the launches plus the
 kernels' GPU time, so the host layers matter as much as the kernels. Each figure here
-is wall time over `calls` back-to-back calls at a tiny T (GPU work negligible, so the
-host is the bottleneck), then one synchronize: microseconds of CPU per call.
+is wall time over back-to-back calls at a tiny T (GPU work negligible, so the host is the
+bottleneck), then one synchronize: microseconds of CPU per call, median of 7 rounds.
 Layers, outermost first: the public entry point with and without a graph to record;
-the backend's TP-1 forward; each raw Triton launch (JIT binder and launcher); the
-compiled kernel's launcher alone (what the binder costs is the difference); one
-torch.empty. Prints one JSON object.
+the backend's TP-1 forward (two launches through kernels/logprob/triton_launch.py); the
+partials launch alone; that launch through the JIT (`kernel[grid](...)`, binding every
+argument) and through the compiled kernel's launcher (what the binding costs is the
+difference); one torch.empty; an empty autograd Function. Prints one JSON object.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,15 +32,24 @@ from kernels.logprob.contract import Platform  # noqa: E402
 from kernels.logprob.tiling import ShardLayout  # noqa: E402
 
 
+ROUNDS = 7
+
+
 def per_call_us(fn, calls: int) -> float:
+    """Median over ROUNDS rounds of calls/ROUNDS back-to-back calls (host timings on a shared
+    machine are noisy; the median of rounds resists a round that a neighbour slowed)."""
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / calls * 1e6
+    per_round = max(1, calls // ROUNDS)
+    rounds = []
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(per_round):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / per_round * 1e6)
+    return statistics.median(rounds)
 
 
 def main() -> None:
@@ -63,6 +74,11 @@ def main() -> None:
     res["token_logprobs_with_graph"] = per_call_us(lambda: token_logprobs(x, targets, backend="triton"), n)
     res["backend_local_forward"] = per_call_us(
         lambda: impl.local_forward(logits, targets, layout, 1.0, False, None), n)
+    from kernels.logprob.triton_backend import TritonBackend
+
+    jit_only = TritonBackend(impl._k, reuse_compiled=False)  # every launch binds through the JIT
+    res["backend_local_forward_jit_binding"] = per_call_us(
+        lambda: jit_only.local_forward(logits, targets, layout, 1.0, False, None), n)
     res["backend_partials_only"] = per_call_us(lambda: impl._launch_partials(logits, targets, layout, 1.0, False), n)
 
     # The partials launch as the backend issues it, with arguments prepared once.

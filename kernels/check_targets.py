@@ -88,9 +88,11 @@ def check_triton() -> list[dict]:
     for fn, sig, const, num_warps, label in _triton_specs():
         full_sig = dict(sig)
         full_sig.update({name: "constexpr" for name in const})
-        # Pointers and leading strides 16-byte divisible, as the JIT would specialize them at runtime.
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]]
-                 for n, t in sig.items() if t.startswith("*") or n.startswith("stride")}
+        # As the JIT specializes a Qwen3 call: the logits and gradient pointers 16-byte aligned and
+        # the layout's sizes and strides divisible by 16; the kernels mark the other pointers and
+        # the per-call integers do_not_specialize* (the JIT leaves them without attributes).
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+                 if n in ("x_ptr", "g_ptr") or (t == "i32" and n not in fn.do_not_specialize)}
         for backend, arch, warp in TRITON_TARGETS:
             target = GPUTarget(backend, arch, warp)
             entry = {"kind": "triton", "kernel": fn.__name__, "spec": label, "target": f"{backend}:{arch}:w{warp}"}

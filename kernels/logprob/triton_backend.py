@@ -3,6 +3,10 @@
 Imported lazily by the registry. On CPU the Triton backend exists only as the
 interpreter (TRITON_INTERPRET=1, which Triton reads when the kernels are
 decorated, i.e. at import): for correctness tests, never for speed.
+
+Launches go through triton_launch.KernelLauncher: on NVIDIA a kernel compiled
+for a launch key is re-launched directly, without the JIT binding ~25
+arguments per call (H200 host: bench/results/logprob_host_h200.json).
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 from kernels.logprob.contract import Platform
 from kernels.logprob.registry import BackendUnavailable
 from kernels.logprob.tiling import ShardLayout
+from kernels.logprob.triton_launch import KernelLauncher, compiled_launch_supported
 
 
 
@@ -70,7 +75,7 @@ MERGE_BLOCK_T = 128
 FUSED_FORWARD = False
 """TP 1 forward as one launch (partials kernel with FUSED: the last program of a row merges it).
 Bitwise equal to partials + merge (tests check it; so did the H200 run), but OFF: on the H200 it
-was slower -- CUDA graph 0.284 vs 0.168 ms at T=2048, 2.27 vs 1.24 ms at T=16384 (the barrier and
+was slower -- do_bench 0.271 vs 0.172 ms at T=2048, 2.11 vs 1.27 ms at T=16384 (the barrier and
 counter atomic in every one of the T x 64 programs, and the merge code in the kernel, cost more
 than the merge launch they save). Kept, tested, so the benchmark can re-measure it."""
 
@@ -78,8 +83,12 @@ than the merge launch they save). Kept, tested, so the benchmark can re-measure 
 class TritonBackend:
     name = "triton"
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, reuse_compiled: bool = False) -> None:
         self._k = kernels
+        # Arguments go to the launchers positionally, in each kernel's signature order (constexprs too).
+        self._partials = KernelLauncher(kernels.logprob_partials_kernel, reuse_compiled)
+        self._merge = KernelLauncher(kernels.logprob_merge_kernel, reuse_compiled)
+        self._backward = KernelLauncher(kernels.logprob_backward_kernel, reuse_compiled)
 
     def _launch_partials(self, logits, targets, layout, temperature, with_entropy, fused=None):
         """Partials into one slot-major scratch [2|3, S, T] + [T]: one allocation, not four."""
@@ -88,8 +97,8 @@ class TritonBackend:
         esize = logits.element_size()
         # 16-byte vector loads need 16-byte aligned rows and a row length that the rounded-up
         # load bound cannot overrun; otherwise the same kernel runs with scalar loads.
-        aligned = (logits.data_ptr() % 16 == 0 and (logits.stride(0) * esize) % 16 == 0
-                   and (layout.local_vocab_size * esize) % 16 == 0)
+        ptr16 = logits.data_ptr() % 16 == 0
+        aligned = ptr16 and (logits.stride(0) * esize) % 16 == 0 and (layout.local_vocab_size * esize) % 16 == 0
         cfg = PartialsConfig.for_tile(layout.tile_width, logits.dtype, S, aligned)
         # Slot-major [S, T] so the merge reads each slot coalesced; returned as [T, S] views.
         # One split (one call) rather than view + index per part: host time is the T=2048 bottleneck.
@@ -100,18 +109,25 @@ class TritonBackend:
         real_hi = min(layout.local_vocab_size, layout.global_vocab_size - layout.vocab_start)
         if T > 0:
             if fused is None:
-                extra, fkw = (tgt, tgt, tgt, tgt, tgt), {}
+                extra, fused_const = (tgt, tgt, tgt, tgt, tgt), (False, 1, False)
             else:
                 cnt, active, logp, lse, ent = fused
                 extra = (cnt, active if active is not None else targets, logp, lse, ent if ent is not None else lse)
-                fkw = dict(FUSED=True, N_SLOTS=S, HAS_MASK=active is not None)
-            self._k.logprob_partials_kernel[(T, triton_cdiv(S, cfg.slots_per_program))](
-                logits, targets, m, s, w, tgt,
-                logits.stride(0), layout.local_vocab_size, real_hi, layout.slot_col_offset, layout.vocab_start,
-                layout.global_vocab_size, T, S, float(temperature), *extra,
-                TILE_W=cfg.tile_w, CHUNK=cfg.chunk, ALIGN=cfg.align, NUM_CHUNKS=cfg.num_chunks,
-                SPP=cfg.slots_per_program,
-                WITH_ENT=with_entropy, SCALE=temperature != 1.0, num_warps=cfg.num_warps, **fkw,
+                fused_const = (True, S, active is not None)
+            scale = temperature != 1.0
+            stride = logits.stride(0)
+            self._partials.launch(
+                # What the JIT specializes on besides the row count (see triton_kernels.py): the
+                # layout fixes every other size; the row stride and the pointer are the caller's.
+                (logits.dtype, ptr16, stride % 16 == 0, stride == 1, layout, cfg, with_entropy, scale, fused_const),
+                (T, triton_cdiv(S, cfg.slots_per_program), 1),
+                (logits, targets, m, s, w, tgt,
+                 stride, layout.local_vocab_size, real_hi, layout.slot_col_offset, layout.vocab_start,
+                 layout.global_vocab_size, T, S, float(temperature), *extra,
+                 # TILE_W, CHUNK, ALIGN, NUM_CHUNKS, SPP, WITH_ENT, SCALE, FUSED, N_SLOTS, HAS_MASK
+                 cfg.tile_w, cfg.chunk, cfg.align, cfg.num_chunks, cfg.slots_per_program, with_entropy, scale,
+                 *fused_const),
+                cfg.num_warps,
             )
         return m, s, (w if with_entropy else None), tgt
 
@@ -157,12 +173,13 @@ class TritonBackend:
         outs = torch.empty((3 if w is not None else 2, T), device=tgt.device, dtype=torch.float32).unbind(0)
         logp, lse, ent = outs[0], outs[1], (outs[2] if w is not None else None)
         if T > 0:
-            self._k.logprob_merge_kernel[(triton_cdiv(T, MERGE_BLOCK_T),)](
-                m, s, w if w is not None else s, tgt, targets, active if active is not None else targets,
-                logp, lse, ent if ent is not None else lse,
-                T, stride_row, stride_slot, global_vocab_size,
-                N_SLOTS=n_slots, BLOCK_T=MERGE_BLOCK_T, WITH_ENT=w is not None, HAS_MASK=active is not None,
-                num_warps=4,
+            const = (n_slots, MERGE_BLOCK_T, w is not None, active is not None)  # N_SLOTS, BLOCK_T, WITH_ENT, HAS_MASK
+            self._merge.launch(
+                const, (triton_cdiv(T, MERGE_BLOCK_T), 1, 1),
+                (m, s, w if w is not None else s, tgt, targets, active if active is not None else targets,
+                 logp, lse, ent if ent is not None else lse,
+                 T, stride_row, stride_slot, global_vocab_size, *const),
+                4,
             )
         return logp, lse, ent
 
@@ -177,14 +194,20 @@ class TritonBackend:
         grad = torch.empty((T, V), device=logits.device, dtype=logits.dtype)
         block = min(BACKWARD_BLOCK, _next_pow2(V))
         if T > 0:
-            self._k.logprob_backward_kernel[(T, triton_cdiv(V, block))](
-                logits, grad, targets, lse, mean_x if mean_x is not None else lse, g_logp,
-                g_lse if g_lse is not None else lse, g_ent if g_ent is not None else lse,
-                active if active is not None else targets,
-                logits.stride(0), grad.stride(0), V, layout.vocab_start, layout.global_vocab_size, float(temperature),
-                g_logp.stride(0),
-                BLOCK=block, WITH_ENT=g_ent is not None and mean_x is not None, HAS_MASK=active is not None,
-                SCALE=temperature != 1.0, HAS_GLSE=g_lse is not None, num_warps=BACKWARD_NUM_WARPS,
+            stride = logits.stride(0)
+            # BLOCK, WITH_ENT, HAS_MASK, SCALE, HAS_GLSE
+            const = (block, g_ent is not None and mean_x is not None, active is not None, temperature != 1.0,
+                     g_lse is not None)
+            self._backward.launch(
+                (logits.dtype, logits.data_ptr() % 16 == 0, stride % 16 == 0, stride == 1, grad.data_ptr() % 16 == 0,
+                 layout, BACKWARD_NUM_WARPS, *const),
+                (T, triton_cdiv(V, block), 1),
+                (logits, grad, targets, lse, mean_x if mean_x is not None else lse, g_logp,
+                 g_lse if g_lse is not None else lse, g_ent if g_ent is not None else lse,
+                 active if active is not None else targets,
+                 stride, grad.stride(0), V, layout.vocab_start, layout.global_vocab_size,
+                 float(temperature), g_logp.stride(0), *const),
+                BACKWARD_NUM_WARPS,
             )
         return grad
 
@@ -211,4 +234,4 @@ def load_triton_backend(platform: Platform) -> TritonBackend:
         raise BackendUnavailable(
             "TRITON_INTERPRET changed after the Triton kernels were imported; set it before the first import"
         )
-    return TritonBackend(triton_kernels)
+    return TritonBackend(triton_kernels, reuse_compiled=compiled_launch_supported(platform is Platform.CUDA, interpret))

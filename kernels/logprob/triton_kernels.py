@@ -18,7 +18,18 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+# What the JIT may specialize on. Every integer that changes from call to call (the row count, the
+# slot stride of the merge, the upstream gradient's row stride) is `do_not_specialize`, and every
+# pointer but the logits' and the gradient's is `do_not_specialize_on_alignment` (scratch views
+# and user tensors whose offsets vary; those accesses are one scalar per row anyway). Everything
+# else the JIT specializes on is fixed by the shard layout and the logits' row stride, so a
+# compiled kernel is a function of what triton_launch.py's key holds -- which lets it be
+# re-launched without re-binding arguments on every call.
+_SCRATCH_PTRS_PARTIALS = ["targets_ptr", "m_ptr", "s_ptr", "w_ptr", "tgt_ptr", "cnt_ptr", "active_ptr", "logp_ptr",
+                          "lse_ptr", "ent_ptr"]
+
+
+@triton.jit(do_not_specialize=["n_rows"], do_not_specialize_on_alignment=_SCRATCH_PTRS_PARTIALS)
 def logprob_partials_kernel(
     x_ptr, targets_ptr, m_ptr, s_ptr, w_ptr, tgt_ptr,
     stride_x, local_vocab, real_hi, col0, vocab_start, global_vocab, n_rows, n_slots, temperature,
@@ -156,7 +167,9 @@ def _merge_rows(
         tl.store(ent_ptr + rows, ent, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "stride_row", "stride_slot", "global_vocab"],
+            do_not_specialize_on_alignment=["m_ptr", "s_ptr", "w_ptr", "tgt_ptr", "targets_ptr", "active_ptr",
+                                            "logp_ptr", "lse_ptr", "ent_ptr"])
 def logprob_merge_kernel(
     m_ptr, s_ptr, w_ptr, tgt_ptr, targets_ptr, active_ptr, logp_ptr, lse_ptr, ent_ptr,
     n_rows, stride_row, stride_slot, global_vocab,
@@ -173,7 +186,9 @@ def logprob_merge_kernel(
                 rows, rows < n_rows, stride_row, stride_slot, global_vocab, N_SLOTS, WITH_ENT, HAS_MASK, "")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_glogp"],
+            do_not_specialize_on_alignment=["targets_ptr", "lse_ptr", "mean_ptr", "glogp_ptr", "glse_ptr", "gent_ptr",
+                                            "active_ptr"])
 def logprob_backward_kernel(
     x_ptr, g_ptr, targets_ptr, lse_ptr, mean_ptr, glogp_ptr, glse_ptr, gent_ptr, active_ptr,
     stride_x, stride_g, local_vocab, vocab_start, global_vocab, temperature, stride_glogp,

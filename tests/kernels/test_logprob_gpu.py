@@ -269,3 +269,49 @@ def test_native_unaligned_rows_take_element_loads_with_the_same_bits(dtype, layo
         got = (logp, lse, ent, leaf.grad[:, col:col + V])
         for name, a, b in zip(("logp", "lse", "entropy", "grad"), got, want):
             assert torch.equal(a, b), f"{name} differs between element and vector loads (tau={tau})"
+
+
+def test_triton_compiled_launches_give_the_jit_bits():
+    """The Triton backend on CUDA re-launches compiled kernels without the JIT's per-call binding
+    (triton_launch.py). Against a backend that binds every call through the JIT: same bits for
+    every shape the cache key must tell apart -- T of 1, odd and multiple-of-16 rows, aligned and
+    unaligned logits, temperature, entropy, mask, TP shards, backward with and without g_lse."""
+    import triton
+
+    from kernels.logprob import triton_kernels
+    from kernels.logprob.contract import Platform
+    from kernels.logprob.triton_backend import TritonBackend
+
+    fast = TritonBackend(triton_kernels, reuse_compiled=True)
+    jit = TritonBackend(triton_kernels, reuse_compiled=False)
+    assert registered_backends()["triton"].load(Platform.CUDA)._partials._reuse == triton.__version__.startswith("3.6.")
+    base, targets = _inputs(97, torch.bfloat16, seed=11, vocab=V + 8)
+    cases = []
+    for T in (1, 7, 16, 97, 1, 16):  # repeats: the second time each key is served from the cache
+        for offset in (0, 3):  # 3: the logits view starts 6 bytes into a row (scalar loads)
+            x = base[:T, offset:offset + V]
+            cases.append((x, targets[:T], 1.0, False, None, ShardLayout(V, 0, V)))
+    mask = torch.rand(97, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2)) > 0.3
+    x = base[:, :V]
+    cases.append((x, targets, 0.7, True, mask, ShardLayout(V, 0, V)))
+    cases.append((x[:, : V // 4], targets, 1.0, False, None, ShardLayout(V, 0, V // 4, 0, 4)))
+    cases.append((x[:, V // 4: V // 2], targets, 0.7, True, mask, ShardLayout(V, V // 4, V // 4, 1, 4)))
+    for logits, tg, tau, ent, active, lay in cases:
+        outs = []
+        for impl in (fast, jit):
+            m, s, w, tgt = impl.partials(logits, tg, lay, tau, ent)
+            merged = impl.merge(m, s, w, tgt, tg, lay.global_vocab_size, active)
+            ones = torch.full_like(merged[1], 0.5)
+            g_a = impl.backward(logits, tg, merged[1], (merged[1] - merged[2]) if ent else None, ones, ones,
+                                ones if ent else None, active, lay, tau)
+            g_b = impl.backward(logits, tg, merged[1], None, ones[:1].expand(ones.shape[0]), None, None, active,
+                                lay, tau)
+            local = impl.local_forward(logits, tg, lay, tau, ent, active) if lay.tp_world_size == 1 else merged
+            outs.append([m, s, tgt, *[o for o in merged if o is not None], *[o for o in local if o is not None],
+                         g_a, g_b])
+        for a, b in zip(*outs):
+            assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                               b.view(torch.int32) if b.dtype == torch.float32 else b), "compiled launch changed bits"
+    keys = fast._partials.cached_keys()
+    assert keys and len(keys) <= 8, keys  # a handful of specializations, not one per shape
+    assert fast._backward.cached_keys() and fast._merge.cached_keys()
