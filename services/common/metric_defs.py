@@ -64,6 +64,9 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef("lockstep_runs", "gauge", "Runs known to the coordinator by status.", ("status",)),
     MetricDef("lockstep_trajectories_total", "counter", "Trajectories accounted for by outcome.", ("run_id", "outcome")),
     MetricDef("lockstep_rollout_queue_depth", "gauge", "Prompts dispatched to rollout and not yet returned.", ("run_id",)),
+    MetricDef("lockstep_rollout_replicas_live", "gauge",
+              "Rollout replicas in service for the run (the others were evicted after they stopped answering).",
+              ("run_id",)),
     MetricDef("lockstep_weight_sync_seconds", "gauge", "Duration of the last weight sync to all rollout replicas.", ("run_id",)),
 )
 

@@ -2,11 +2,12 @@
 
     for step in cursor+1 .. steps:
         prompts   = step_problems(train, seed, step)         # deterministic
-        samples   = rollout(prompts, policy_version=step-1)  # every replica, re-dispatched on loss
+        readmit evicted replicas that answer again (after syncing their weights)
+        samples   = rollout(prompts, policy_version=step-1)  # live replicas, re-dispatched on loss
         rewards   = task.reward(...)                          # verifiable
         adv       = group-normalised advantages
         metrics   = trainer.train_step(trajectories)          # policy_version -> step
-        sync weights to every rollout replica
+        sync weights to every live replica (a replica that stopped answering is evicted)
         eval (greedy, held-out) when due; checkpoint when due
         record step exactly once (Redis), export metrics
 
@@ -32,6 +33,7 @@ from services.common.tensors import from_proto, ids_to_proto
 from services.coordinator.clients import RolloutClient, TrainerClient, is_unavailable
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.prompts import derived_seed, group_id, step_problems
+from services.coordinator.replicas import NoLiveReplica, ReplicaPool
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
 from services.coordinator.tasks import Problem, Task, build_task
@@ -71,7 +73,7 @@ class RunDriver:
         crash_after_train_step: int = 0,
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
-        self.rollouts, self.trainer, self.exporter = list(rollouts), trainer, exporter
+        self.replicas, self.trainer, self.exporter = ReplicaPool(rollouts), trainer, exporter
         self.run_dir = run_dir
         self.generate_retries = generate_retries
         self.crash_after_train_step = crash_after_train_step
@@ -93,7 +95,11 @@ class RunDriver:
             self.exporter.on_eval(self.run_id, acc)
         for step in range(run.step + 1, spec.steps + 1):
             await self._check_cancelled()
-            await self._one_step(step, trainer_version)
+            try:
+                await self._readmit_replicas(step, trainer_version)
+                await self._one_step(step, trainer_version)
+            except NoLiveReplica as exc:
+                raise RunFailed(f"step {step}: {exc}") from None
             trainer_version = step
         if not await self.store.set_status(self.run_id, "completed"):
             raise RunCancelled(self.run_id)  # cancelled while the last step ran
@@ -169,23 +175,68 @@ class RunDriver:
             self.run_id, spec.model_path, spec.seed, spec.trainer.model_dump_json()
         )
         version = info.policy_version
-        engine_json = json.dumps({"engine": spec.rollout.engine, **spec.rollout.engine_options})
-        for client in self.rollouts:
-            rinfo = await client.info()
-            if rinfo.run_id != self.run_id or rinfo.policy_version < 0:
-                await client.load_model(self.run_id, spec.model_path, 0, engine_json)
-                rinfo = await client.info()
-            if rinfo.policy_version != version:
-                await self._push_weights([client], await self.trainer.weights(self.run_id))
+        weights = None
+        for client in self.replicas.all():
+            try:
+                weights = await self._bring_up_to_date(client, version, weights)
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                await self._evict(client, step=0, reason=f"unreachable at run start ({exc.code()})")
+        try:
+            live = self.replicas.require_live("run start")
+        except NoLiveReplica as exc:
+            raise RunFailed(str(exc)) from None
         await self.store.add_event(self.run_id, "services_configured", policy_version=version,
-                                   rollouts=[c.address for c in self.rollouts])
+                                   rollouts=[c.address for c in live])
         return version
+
+    async def _bring_up_to_date(self, client: RolloutClient, version: int,
+                                weights: list[pb.WeightChunk] | None) -> list[pb.WeightChunk] | None:
+        """Load this run's model on `client` if it holds another, then push weights unless it holds
+        `version`. Returns the trainer's weights if they were fetched (reused for the next replica)."""
+        rinfo = await client.info()
+        if rinfo.run_id != self.run_id or rinfo.policy_version < 0:
+            engine_json = json.dumps({"engine": self.spec.rollout.engine, **self.spec.rollout.engine_options})
+            await client.load_model(self.run_id, self.spec.model_path, 0, engine_json)
+            rinfo = await client.info()
+        if rinfo.policy_version != version:
+            weights = weights if weights is not None else await self.trainer.weights(self.run_id)
+            got = (await client.update_weights(weights)).policy_version
+            if got != version:
+                raise RunFailed(f"replica {client.address} reports version {got} after sync, expected {version}")
+        return weights
+
+    async def _evict(self, client: RolloutClient, *, step: int, reason: str) -> None:
+        if self.replicas.evict(client):
+            await self.store.add_event(self.run_id, "replica_evicted", step=step, replica=client.address,
+                                       reason=reason, live=len(self.replicas.live()))
+            log_event(log, "rollout replica evicted", run_id=self.run_id, step=step, replica=client.address,
+                      reason=reason, live=len(self.replicas.live()))
+        self.exporter.replicas_live(self.run_id, len(self.replicas.live()))
+
+    async def _readmit_replicas(self, step: int, version: int) -> None:
+        """Probe each evicted replica; one that answers is brought to `version` and put back in service."""
+        weights = None
+        for client in self.replicas.evicted():
+            try:
+                await client.health()
+                weights = await self._bring_up_to_date(client, version, weights)
+            except Exception as exc:
+                if is_unavailable(exc):
+                    continue  # still down: probed again before the next step
+                raise
+            self.replicas.readmit(client)
+            await self.store.add_event(self.run_id, "replica_readmitted", step=step, replica=client.address,
+                                       policy_version=version, live=len(self.replicas.live()))
+            log_event(log, "rollout replica readmitted", run_id=self.run_id, step=step, replica=client.address)
+        self.exporter.replicas_live(self.run_id, len(self.replicas.live()))
 
     async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int,
                        greedy: bool = False) -> tuple[list[tuple[int, pb.Sample]], int]:
         """Samples as (problem index, sample) in problem order; returns also the dropped count."""
         spec = self.spec
-        n = len(self.rollouts)
+        n = len(self.replicas.require_live(f"step {step} rollout"))
         size = -(-len(problems) // n)
         shards = [Shard(problems[i:i + size], i) for i in range(0, len(problems), size)]
         samples_per_prompt = 1 if greedy else spec.rollout.samples_per_prompt
@@ -227,17 +278,28 @@ class RunDriver:
         )
         attempts = self.generate_retries + 1
         for attempt in range(attempts):
-            client = self.rollouts[(replica + attempt) % len(self.rollouts)]
+            candidates = self.replicas.retry_candidates()
+            client = candidates[(replica + attempt) % len(candidates)]
             try:
-                return await client.generate(request)
+                response = await client.generate(request)
             except Exception as exc:
                 if not is_unavailable(exc):
                     raise
+                await self._evict(client, step=step, reason=f"generate failed ({exc.code()})")
                 await self.store.add_event(self.run_id, "generate_redispatched", step=step, replica=client.address,
                                            attempt=attempt + 1, reason=str(exc.code()))
                 log_event(log, "rollout replica unavailable; re-dispatching", run_id=self.run_id, step=step,
                           replica=client.address, attempt=attempt + 1)
                 await asyncio.sleep(min(2.0 ** attempt, 10.0))
+                continue
+            if not self.replicas.is_live(client):
+                # It answered at the run's policy version (the server refuses any other), so it
+                # holds the current weights: back in service (e.g. its engine was relaunched).
+                self.replicas.readmit(client)
+                await self.store.add_event(self.run_id, "replica_readmitted", step=step, replica=client.address,
+                                           policy_version=policy_version, live=len(self.replicas.live()))
+                self.exporter.replicas_live(self.run_id, len(self.replicas.live()))
+            return response
         await self.store.add_event(self.run_id, "trajectories_dropped", step=step,
                                    count=len(shard.problems) * samples_per_prompt,
                                    reason=f"rollout unavailable after {attempts} attempts")
@@ -258,16 +320,27 @@ class RunDriver:
 
     async def _sync_weights(self, version: int) -> None:
         stale = []
-        for client in self.rollouts:
-            if (await client.info()).policy_version != version:
-                stale.append(client)
+        for client in self.replicas.live():
+            try:
+                if (await client.info()).policy_version != version:
+                    stale.append(client)
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                await self._evict(client, step=version, reason=f"unreachable before weight sync ({exc.code()})")
         if stale:
-            await self._push_weights(stale, await self.trainer.weights(self.run_id))
+            await self._push_weights(stale, await self.trainer.weights(self.run_id), step=version)
+        self.replicas.require_live(f"weight sync to version {version}")
 
-    async def _push_weights(self, clients: Sequence[RolloutClient], chunks: list[pb.WeightChunk]) -> None:
-        results = await asyncio.gather(*(c.update_weights(chunks) for c in clients))
+    async def _push_weights(self, clients: Sequence[RolloutClient], chunks: list[pb.WeightChunk], *,
+                            step: int = 0) -> None:
+        results = await asyncio.gather(*(c.update_weights(chunks) for c in clients), return_exceptions=True)
         for c, r in zip(clients, results):
-            if r.policy_version != chunks[-1].policy_version:
+            if isinstance(r, BaseException):
+                if not is_unavailable(r):
+                    raise r
+                await self._evict(c, step=step, reason=f"weight sync failed ({r.code()})")
+            elif r.policy_version != chunks[-1].policy_version:
                 raise RunFailed(f"replica {c.address} reports version {r.policy_version} after sync")
 
     async def _evaluate(self, *, policy_version: int) -> float:
