@@ -142,8 +142,8 @@ class TritonBackend:
         The common case's short path: the slot-major scratch goes straight to the merge kernel
         (no transposed views, stride checks or copies), so the host issues the two launches with
         as little Python between them as possible -- at T=2048 the host, not the GPU, is the
-        bottleneck of an isolated call. FUSED_FORWARD switches to
-        the one-launch kernel (slower on the H200, kept measurable)."""
+        bottleneck of an isolated call. FUSED_FORWARD switches to the one-launch kernel
+        (slower on the H200, kept measurable)."""
         if FUSED_FORWARD:
             return self.fused_forward(logits, targets, layout, temperature, with_entropy, active)
         m, s, w, tgt = self._launch_partials(logits, targets, layout, temperature, with_entropy)
@@ -155,9 +155,7 @@ class TritonBackend:
         if layout.tp_world_size != 1:
             raise ValueError("fused_forward needs every tile of the row in one launch (TP 1)")
         T = logits.shape[0]
-        out = torch.empty((3 if with_entropy else 2) * T, device=logits.device, dtype=torch.float32)
-        logp, lse = out[:T], out[T : 2 * T]
-        ent = out[2 * T:] if with_entropy else None
+        logp, lse, ent = _outputs(T, logits.device, with_entropy)
         cnt = torch.zeros((T,), device=logits.device, dtype=torch.int32)  # arrivals per row
         self._launch_partials(logits, targets, layout, temperature, with_entropy, (cnt, active, logp, lse, ent))
         return logp, lse, ent
@@ -170,8 +168,7 @@ class TritonBackend:
     def _launch_merge(self, m, s, w, tgt, targets, global_vocab_size, active, n_slots, stride_row, stride_slot):
         """m, s, w: n_slots partials per row, at base + row * stride_row + slot * stride_slot."""
         T = tgt.shape[0]
-        outs = torch.empty((3 if w is not None else 2, T), device=tgt.device, dtype=torch.float32).unbind(0)
-        logp, lse, ent = outs[0], outs[1], (outs[2] if w is not None else None)
+        logp, lse, ent = _outputs(T, tgt.device, w is not None)
         if T > 0:
             const = (n_slots, MERGE_BLOCK_T, w is not None, active is not None)  # N_SLOTS, BLOCK_T, WITH_ENT, HAS_MASK
             self._merge.launch(
@@ -210,6 +207,12 @@ class TritonBackend:
                 BACKWARD_NUM_WARPS,
             )
         return grad
+
+
+def _outputs(T: int, device, with_entropy: bool):
+    """logp, lse[, ent] fp32 [T] as rows of one allocation (ent None without entropy)."""
+    outs = torch.empty((3 if with_entropy else 2, T), device=device, dtype=torch.float32).unbind(0)
+    return outs[0], outs[1], (outs[2] if with_entropy else None)
 
 
 def triton_cdiv(a: int, b: int) -> int:

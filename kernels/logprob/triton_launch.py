@@ -4,10 +4,11 @@
 divisibility of every integer) and hashes the result on every call: on the
 H200 host that is ~25 us of a ~37 us launch, three times per forward+backward,
 as long as the kernels themselves at T=2048. The log-prob kernels are declared
-so that a compiled kernel depends on nothing the JIT would re-derive per call
-(triton_kernels.py: sizes `do_not_specialize`, scratch pointers
-`do_not_specialize_on_alignment`); what it still depends on -- constexprs,
-dtypes, the logits/gradient pointers' alignment -- is the `key` the launcher
+so that what the JIT specializes on changes only with what the caller can name
+cheaply (triton_kernels.py: the per-call integers are `do_not_specialize`, the
+scratch and user pointers `do_not_specialize_on_alignment`); the rest -- the
+constexprs, the dtypes, the shard layout that fixes every size, the logits row
+stride and the logits/gradient pointers' alignment -- is the `key` the backend
 passes. The first call for a key goes through the JIT (compiling if needed)
 and keeps the compiled kernel; later calls hand the arguments straight to it.
 

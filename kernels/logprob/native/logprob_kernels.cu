@@ -120,32 +120,34 @@ LS_DEVICE float div_by(float x, float t, float r) {
   return fabsf(q) == INFINITY ? q : c;
 }
 
-// Raw words of columns [c, c + VEC) of a row, -inf outside the tile [lo, hi) (whole vectors past
-// hi). VEC_LOADS: one 16-byte load; the launcher checked that rows, strides and the shard width are
-// 16-byte multiples, so c (a multiple of VEC) is aligned and c < hi <= local_vocab keeps the whole
-// vector inside the row; a tile edge inside the vector is masked later (widen_tile_vector).
-// Otherwise element loads that never touch a column outside [lo, hi), packed into the same words.
+// Raw words of columns [c, c + VEC) of a row, FILL (a word of two 16-bit, or one 32-bit, filler
+// elements) outside [lo, hi) (whole vectors past hi). VEC_LOADS: one 16-byte load; the launcher
+// checked that rows, strides and the shard width are 16-byte multiples, so c (a multiple of VEC)
+// is aligned and c < hi <= local_vocab keeps the whole vector inside the row; an edge inside the
+// vector is the caller's to mask. Otherwise element loads that never touch a column outside
+// [lo, hi), packed into the same words. The forward reads a tile with -inf as filler, the
+// backward a row (hi = 0 for an inactive row) with 0.
 template <int DT, bool VEC_LOADS>
-LS_DEVICE Vec16 fetch_tile_vector(const typename Elem<DT>::T* xr, int c, int lo, int hi) {
+LS_DEVICE Vec16 fetch_words(const typename Elem<DT>::T* xr, int c, int lo, int hi, uint32_t fill) {
   Vec16 q;
   if (VEC_LOADS) {
     if (c < hi) {
       q = load16(xr + c);
     } else {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) q.w[i] = Elem<DT>::NEG_INF_WORD;
+      for (int i = 0; i < 4; ++i) q.w[i] = fill;
     }
   } else {
     constexpr int PER_WORD = (int)(4 / sizeof(typename Elem<DT>::T));
     constexpr int BITS = 32 / PER_WORD;
-    constexpr uint32_t ONE_NEG_INF = Elem<DT>::NEG_INF_WORD >> (32 - BITS);
+    const uint32_t one_fill = fill >> (32 - BITS);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       uint32_t word = 0;
 #pragma unroll
       for (int p = 0; p < PER_WORD; ++p) {
         const int col = c + i * PER_WORD + p;
-        uint32_t b = ONE_NEG_INF;
+        uint32_t b = one_fill;
         if (col >= lo && col < hi) b = Elem<DT>::bits(xr[col]);
         word |= b << (p * BITS);
       }
@@ -155,7 +157,7 @@ LS_DEVICE Vec16 fetch_tile_vector(const typename Elem<DT>::T* xr, int c, int lo,
   return q;
 }
 
-// The words of fetch_tile_vector as (scaled) fp32: the same arithmetic for both load paths.
+// The words of fetch_words as (scaled) fp32: the same arithmetic for both load paths.
 template <int DT, bool VEC_LOADS, bool SCALE>
 LS_DEVICE void widen_tile_vector(const Vec16& q, int c, int lo, int hi, float temperature, float inv_temperature,
                                  float* v) {
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(LS_PARTIALS_THREADS) partials_kernel(
     Vec16 q[LS_CHUNK_VECS];
 #pragma unroll
     for (int u = 0; u < LS_CHUNK_VECS; ++u)
-      q[u] = fetch_tile_vector<DT, VEC_LOADS>(xr, start + (lane + (j0 + u) * LS_GROUP) * VEC, lo, hi);
+      q[u] = fetch_words<DT, VEC_LOADS>(xr, start + (lane + (j0 + u) * LS_GROUP) * VEC, lo, hi, Elem<DT>::NEG_INF_WORD);
     float v[LS_CHUNK_VECS][VEC];
 #pragma unroll
     for (int u = 0; u < LS_CHUNK_VECS; ++u)
@@ -354,22 +356,7 @@ __global__ void __launch_bounds__(LS_BWD_THREADS) backward_kernel(
 #pragma unroll
   for (int u = 0; u < LS_BWD_VECS; ++u) {
     const int c = cb * COLS + (u * LS_BWD_THREADS + (int)threadIdx.x) * VEC;
-    if (VEC_IO) {
-      const Vec16 zero = {{0u, 0u, 0u, 0u}};
-      q[u] = (on && c < local_vocab) ? load16(xr + c) : zero;
-    } else {
-      constexpr int PER_WORD = (int)(4 / sizeof(typename Elem<DT>::T));
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t word = 0;
-#pragma unroll
-        for (int p = 0; p < PER_WORD; ++p) {
-          const int col = c + i * PER_WORD + p;
-          if (on && col < local_vocab) word |= Elem<DT>::bits(xr[col]) << (p * (32 / PER_WORD));
-        }
-        q[u].w[i] = word;
-      }
-    }
+    q[u] = fetch_words<DT, VEC_IO>(xr, c, 0, on ? local_vocab : 0, 0u);
   }
 #pragma unroll
   for (int u = 0; u < LS_BWD_VECS; ++u) {
