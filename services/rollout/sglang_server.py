@@ -9,6 +9,7 @@ pid, so nothing is left behind even after the server itself was SIGKILLed.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import signal
 import socket
@@ -21,6 +22,8 @@ from pathlib import Path
 import httpx
 
 from services.common.platform import SGLangLaunchPlan
+
+log = logging.getLogger(__name__)
 
 # Variables that would change what the server reports, removed from its
 # environment: SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes /generate return
@@ -213,7 +216,14 @@ class SGLangServer:
                     time.sleep(0.1)
             if not _group_alive(pgid):
                 break
-        proc.poll()
+        # Reap the server itself. /proc shows a multi-threaded process whose
+        # main thread has exited as a zombie while its other threads are still
+        # tearing down, so the group can look gone before waitpid() can collect
+        # it; a bare poll() then misses it and leaves a zombie behind for good.
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            log.warning("sglang server pid %d still not reaped 5 s after SIGKILL", proc.pid)
         _LIVE.discard(self)
 
 
