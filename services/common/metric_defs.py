@@ -67,6 +67,8 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef("lockstep_rollout_replicas_live", "gauge",
               "Rollout replicas in service for the run (the others were evicted after they stopped answering).",
               ("run_id",)),
+    MetricDef("lockstep_rollout_replicas_configured", "gauge",
+              "Rollout replicas the coordinator was configured with (live + evicted).", ("run_id",)),
     MetricDef("lockstep_weight_sync_seconds", "gauge", "Duration of the last weight sync to all rollout replicas.", ("run_id",)),
 )
 

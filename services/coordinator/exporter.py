@@ -37,8 +37,9 @@ class CoordinatorExporter:
         if count:
             self._m["lockstep_trajectories_total"].labels(run_id, outcome).inc(count)
 
-    def replicas_live(self, run_id: str, live: int) -> None:
+    def replicas_live(self, run_id: str, live: int, configured: int) -> None:
         self._m["lockstep_rollout_replicas_live"].labels(run_id).set(live)
+        self._m["lockstep_rollout_replicas_configured"].labels(run_id).set(configured)
 
     def queue_depth(self, run_id: str, prompts: int) -> None:
         self._m["lockstep_rollout_queue_depth"].labels(run_id).set(prompts)

@@ -187,6 +187,7 @@ class RunDriver:
             live = self.replicas.require_live("run start")
         except NoLiveReplica as exc:
             raise RunFailed(str(exc)) from None
+        self._export_replicas()
         await self.store.add_event(self.run_id, "services_configured", policy_version=version,
                                    rollouts=[c.address for c in live])
         return version
@@ -213,7 +214,10 @@ class RunDriver:
                                        reason=reason, live=len(self.replicas.live()))
             log_event(log, "rollout replica evicted", run_id=self.run_id, step=step, replica=client.address,
                       reason=reason, live=len(self.replicas.live()))
-        self.exporter.replicas_live(self.run_id, len(self.replicas.live()))
+        self._export_replicas()
+
+    def _export_replicas(self) -> None:
+        self.exporter.replicas_live(self.run_id, len(self.replicas.live()), len(self.replicas.all()))
 
     async def _readmit_replicas(self, step: int, version: int) -> None:
         """Probe each evicted replica; one that answers is brought to `version` and put back in service."""
@@ -230,7 +234,7 @@ class RunDriver:
             await self.store.add_event(self.run_id, "replica_readmitted", step=step, replica=client.address,
                                        policy_version=version, live=len(self.replicas.live()))
             log_event(log, "rollout replica readmitted", run_id=self.run_id, step=step, replica=client.address)
-        self.exporter.replicas_live(self.run_id, len(self.replicas.live()))
+        self._export_replicas()
 
     async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int,
                        greedy: bool = False) -> tuple[list[tuple[int, pb.Sample]], int]:
@@ -298,7 +302,7 @@ class RunDriver:
                 self.replicas.readmit(client)
                 await self.store.add_event(self.run_id, "replica_readmitted", step=step, replica=client.address,
                                            policy_version=policy_version, live=len(self.replicas.live()))
-                self.exporter.replicas_live(self.run_id, len(self.replicas.live()))
+                self._export_replicas()
             return response
         await self.store.add_event(self.run_id, "trajectories_dropped", step=step,
                                    count=len(shard.problems) * samples_per_prompt,
