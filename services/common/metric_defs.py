@@ -34,6 +34,7 @@ STEP_METRIC_HELP: dict[str, str] = {
     "m2po_m2": "M2PO second moment: mean of 0.5 * (logp - rollout_logp)^2.",
     "clip_fraction": "Fraction of response tokens whose ratio was clipped.",
     "grad_norm": "Global gradient norm before clipping.",
+    "lr": "Learning rate applied by the step's optimizer update.",
     "entropy": "Mean per-token entropy of the trainer policy on response tokens.",
     "kl_ref": "Mean k3 KL to the reference policy (0 when disabled).",
     "reward_mean": "Mean reward of the step's samples.",

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from kernels.attention.registry import AttentionPolicy
+from services.trainer.lr_schedule import LRSchedule
 from services.trainer.parity_gate import ParityThresholds
 
 
@@ -56,7 +57,15 @@ class TrainerRunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (constant).")
+    lr: float = Field(
+        1e-5, gt=0, description="AdamW peak learning rate; lr_schedule scales it per step (by default it stays "
+        "at this value every step)."
+    )
+    lr_schedule: LRSchedule = Field(
+        default_factory=LRSchedule,
+        description="Learning-rate schedule: linear warmup, then constant, linear or cosine decay to "
+        "lr * min_lr_ratio. A pure function of the step, so resumed and replayed steps use the same rate.",
+    )
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")

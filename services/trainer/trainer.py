@@ -26,6 +26,7 @@ from services.trainer import checkpoint as ckpt
 from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
 from services.trainer.config import TrainerRunConfig, format_validation_error
 from services.trainer.grpo import kl_to_reference, mismatch_stats, ppo_clip_loss, reward_stats
+from services.trainer.lr_schedule import lr_at
 from services.trainer.packing import PackingConfig, pack_samples
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
@@ -279,7 +280,7 @@ class Trainer:
         if not request.samples:
             raise InvalidRequest(f"header.num_trajectories: 0, but step {s} has not been applied and needs trajectories")
         self._check_token_ids(request.samples, run.vocab_size)
-        metrics = self._apply_update(run, request.samples, gate=s == 1)
+        metrics = self._apply_update(run, request.samples, step=s)
         run.policy_version = s
         # Only the step at the current policy version can be replayed: keep its metrics alone,
         # so a long run's trainer (and its checkpoints) do not grow with the step count.
@@ -341,7 +342,7 @@ class Trainer:
                 logps.append(token_logprobs(logits, mb.response_targets, temperature=run.config.temperature)[0])
         return self._parity_verdict(run, microbatches, logps, request.samples, logits[:1])
 
-    def _apply_update(self, run: RunState, samples: list[TrainSample], *, gate: bool) -> dict[str, float]:
+    def _apply_update(self, run: RunState, samples: list[TrainSample], *, step: int) -> dict[str, float]:
         from kernels.logprob import token_logprobs, token_logprobs_with_entropy
 
         cfg, model = run.config, run.model
@@ -381,7 +382,7 @@ class Trainer:
                 rollouts.append(rollout_logp)
                 clipped.append(clip_mask)
                 entropies.append(ent.detach())
-            if gate:
+            if step == 1:
                 # Step-1 parity gate: same weights on both sides, so any
                 # disagreement is a bug (seed 000); refuse before the update.
                 verdict = self._parity_verdict(run, microbatches, logps, samples, logits[:1].detach())
@@ -393,6 +394,12 @@ class Trainer:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
                 raise StepFailed(f"non-finite update (loss={loss_value}, grad_norm={grad_norm}); no update applied")
+            # Set from the step every time, never carried: a param group's lr
+            # restored from a checkpoint's optimizer state (or left by the
+            # previous step) would otherwise survive into this update.
+            lr = lr_at(step, cfg.lr, cfg.lr_schedule)
+            for group in run.optimizer.param_groups:
+                group["lr"] = lr
             run.optimizer.step()
             run.weights_epoch += 1
         finally:
@@ -405,6 +412,7 @@ class Trainer:
             **mismatch_stats(torch.cat(logps), torch.cat(rollouts)).as_dict(),
             "clip_fraction": torch.cat(clipped).double().mean().item(),
             "grad_norm": grad_norm,
+            "lr": lr,
             "entropy": torch.cat(entropies).double().mean().item(),
             "kl_ref": torch.cat(kls).double().mean().item() if kls else 0.0,
             "reward_mean": reward_mean,
