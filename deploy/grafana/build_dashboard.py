@@ -262,13 +262,21 @@ def build_panels() -> list[dict]:
         "Policy version held by the trainer and loaded by each rollout replica; they must meet "
         "after every weight sync.",
         [(f'{m("lockstep_trainer_policy_version")}', "trainer {{instance}}"),
-         (f'{m("lockstep_rollout_policy_version")}', "rollout {{instance}}")]), w=12)
+         (f'{m("lockstep_rollout_policy_version")}', "rollout {{instance}}")]))
     L.add(timeseries(
         "RPC outcomes",
         "Generate requests and train steps per second by outcome; anything but ok/trained needs a look "
         "in the service's logs.",
         [(f'sum by (outcome) (rate({m("lockstep_rollout_requests_total")}[{rate}]))', "generate {{outcome}}"),
-         (f'sum by (outcome) (rate({m("lockstep_trainer_steps_total")}[{rate}]))', "train {{outcome}}")]), w=12)
+         (f'sum by (outcome) (rate({m("lockstep_trainer_steps_total")}[{rate}]))', "train {{outcome}}")]))
+    L.add(timeseries(
+        "Rollout replicas",
+        "Rollout replicas in service per run (solid) against the replicas it was configured with (dashed); "
+        "the gap is evicted replicas (LockstepRolloutReplicaEvicted, LockstepRolloutNoLiveReplica at 0). "
+        "Evicted replicas are probed before every step and re-admitted once synced.",
+        [(f'{m("lockstep_rollout_replicas_live")}{{{RUN}}}', "{{run_id}} live"),
+         (f'{m("lockstep_rollout_replicas_configured")}{{{RUN}}}', "{{run_id}} configured")],
+        decimals=0, unstacked_refs=("B",)))
     return L.panels
 
 

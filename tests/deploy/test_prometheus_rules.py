@@ -51,6 +51,7 @@ def test_every_alert_the_issue_asks_for_exists_and_is_unit_tested():
         "LockstepIWMeanOutOfBand", "LockstepIWMaxAboveBound", "LockstepLogprobDiffAboveGate",
         "LockstepApproxKLSpike", "LockstepRewardNaN", "LockstepRewardFlat", "LockstepServiceDown",
         "LockstepSGLangDown", "LockstepWeightSyncSlow", "LockstepRunStalled",
+        "LockstepRolloutReplicaEvicted", "LockstepRolloutNoLiveReplica",
     }
     assert alerts == wanted
     tested = set()
@@ -76,6 +77,12 @@ MUTATIONS = {
     "stall alert ignores run status": ("and on (run_id) lockstep_run_active == 1", ""),
     "KL spike without its floor": ("lockstep_step_approx_kl_k3 > 0.001", "lockstep_step_approx_kl_k3 > 0"),
     "reward flat without completed steps": ("and on (run_id) changes(lockstep_run_step[30m]) >= 3", ""),
+    "replica eviction alert ignores run status": (
+        "lockstep_rollout_replicas_live) > 0\n          and on (run_id) lockstep_run_active == 1",
+        "lockstep_rollout_replicas_live) > 0"),
+    "replica eviction alert fires on a one-step blip": ("for: 10m", "for: 1m"),
+    "no-live-replica alert fires with a replica left": ("lockstep_rollout_replicas_live == 0",
+                                                        "lockstep_rollout_replicas_live <= 1"),
 }
 
 
