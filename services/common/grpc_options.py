@@ -19,5 +19,9 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
     ]
 
 
-def insecure_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
+def insecure_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES,
+                     max_reconnect_backoff_ms: int | None = None) -> grpc.aio.Channel:
+    options: list[tuple[str, int]] = grpc_options(max_message_bytes)
+    if max_reconnect_backoff_ms is not None:
+        options.append(("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms))
+    return grpc.aio.insecure_channel(address, options=options)

@@ -1,6 +1,7 @@
 """Thin async gRPC clients for the rollout replicas and the trainer."""
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import grpc
@@ -10,10 +11,15 @@ from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import insecure_channel
 
 
+# gRPC's reconnect backoff grows to 120 s by default: a replica or trainer that
+# was down for a minute would then be found again only minutes after it is back.
+RECONNECT_BACKOFF_MAX_MS = 5_000
+
+
 class RolloutClient:
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
-        self._channel = insecure_channel(address)
+        self._channel = insecure_channel(address, max_reconnect_backoff_ms=RECONNECT_BACKOFF_MAX_MS)
         self._stub = pb_grpc.RolloutStub(self._channel)
         self._timeout = timeout_s
 
@@ -41,27 +47,58 @@ class RolloutClient:
         await self._channel.close()
 
 
+class TrainerUnavailable(Exception):
+    """The trainer did not answer (UNAVAILABLE or deadline): the run can wait for it to come back.
+
+    A type of its own, not the grpc error, so that code handling an unreachable
+    rollout replica can never mistake a lost trainer for one."""
+
+
+def _trainer_rpc(method):
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def call(self: "TrainerClient", *args, **kwargs):
+        try:
+            return await method(self, *args, **kwargs)
+        except grpc.aio.AioRpcError as exc:
+            if is_unavailable(exc):
+                raise TrainerUnavailable(
+                    f"trainer {self.address}: {name} failed with {exc.code().name}: {exc.details()}"
+                ) from exc
+            raise
+
+    return call
+
+
 class TrainerClient:
+    """Every RPC raises TrainerUnavailable when the trainer cannot be reached."""
+
     def __init__(self, address: str, timeout_s: float) -> None:
         self.address = address
-        self._channel = insecure_channel(address)
+        self._channel = insecure_channel(address, max_reconnect_backoff_ms=RECONNECT_BACKOFF_MAX_MS)
         self._stub = pb_grpc.TrainerStub(self._channel)
         self._timeout = timeout_s
 
+    @_trainer_rpc
     async def info(self) -> pb.ServiceInfo:
         return await self._stub.Info(pb.InfoRequest(), timeout=self._timeout)
 
+    @_trainer_rpc
     async def health(self) -> pb.HealthResponse:
         return await self._stub.Health(pb.HealthRequest(), timeout=5)
 
-    async def configure(self, run_id: str, model_path: str, seed: int, trainer_config_json: str) -> pb.ServiceInfo:
+    @_trainer_rpc
+    async def configure(self, run_id: str, model_path: str, seed: int, trainer_config_json: str,
+                        resume_checkpoint: str = "") -> pb.ServiceInfo:
         resp = await self._stub.ConfigureRun(
             pb.ConfigureRunRequest(run_id=run_id, model_path=model_path, seed=seed,
-                                   trainer_config_json=trainer_config_json),
+                                   trainer_config_json=trainer_config_json, resume_checkpoint=resume_checkpoint),
             timeout=self._timeout,
         )
         return resp.info
 
+    @_trainer_rpc
     async def train_step(self, header: pb.TrainStepHeader, trajectories: Iterable[pb.Trajectory]) -> pb.StepMetrics:
         def chunks():
             yield pb.TrainStepChunk(header=header)
@@ -70,10 +107,12 @@ class TrainerClient:
 
         return await self._stub.TrainStep(chunks(), timeout=self._timeout)
 
+    @_trainer_rpc
     async def weights(self, run_id: str) -> list[pb.WeightChunk]:
         call = self._stub.GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=self._timeout)
         return [chunk async for chunk in call]
 
+    @_trainer_rpc
     async def save_checkpoint(self, run_id: str, directory: str) -> pb.SaveCheckpointResponse:
         return await self._stub.SaveCheckpoint(
             pb.SaveCheckpointRequest(run_id=run_id, directory=directory), timeout=self._timeout

@@ -26,6 +26,12 @@ class CoordinatorConfig(BaseModel):
     generate_retries: int = Field(
         3, ge=0, description="Times a prompt shard is re-dispatched after its replica answers UNAVAILABLE."
     )
+    trainer_recovery_timeout_s: float = Field(
+        600.0, ge=0,
+        description="How long a run waits for a trainer that stopped answering to come back (restarted by "
+        "its supervisor). It is then re-configured from the run's last checkpoint and the steps after that "
+        "checkpoint are recomputed. 0 = fail the run at once.",
+    )
     log_level: str = Field("info", description="Log level.")
     crash_after_train_step: int = Field(
         0, ge=0,

@@ -15,6 +15,14 @@ Resuming: the trainer keeps its state across a coordinator restart and treats
 a TrainStep for a step it already applied as a replay (it returns that step's
 recorded metrics and does not train again), so a coordinator killed anywhere
 inside step s redoes step s without double-applying it.
+
+A trainer that stops answering is waited for (trainer_recovery_timeout_s), then
+re-configured from the run's last checkpoint: it comes back at that
+checkpoint's version k, the replicas are brought back to k, and steps k+1 ..
+cursor are recomputed. Prompts and sampling seeds are functions of (seed,
+step), so on deterministic hardware a recomputed step reproduces the recorded
+one bit for bit; the recorded history is never rewritten, and a
+`step_recomputed` event says whether the recomputation matched it.
 """
 from __future__ import annotations
 
@@ -30,7 +38,7 @@ from pathlib import Path
 from proto import lockstep_pb2 as pb
 from services.common.structured_logging import log_event
 from services.common.tensors import from_proto, ids_to_proto
-from services.coordinator.clients import RolloutClient, TrainerClient, is_unavailable
+from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.prompts import derived_seed, group_id, step_problems
 from services.coordinator.replicas import NoLiveReplica, ReplicaPool
@@ -71,12 +79,15 @@ class RunDriver:
         generate_retries: int,
         tokenizer_loader: Callable[[str], object],
         crash_after_train_step: int = 0,
+        *,
+        trainer_recovery_timeout_s: float = 0.0,
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
         self.replicas, self.trainer, self.exporter = ReplicaPool(rollouts), trainer, exporter
         self.run_dir = run_dir
         self.generate_retries = generate_retries
         self.crash_after_train_step = crash_after_train_step
+        self.trainer_recovery_timeout_s = trainer_recovery_timeout_s
         self.task: Task = build_task(spec.task.name, spec.task.options)
         self.tokenizer = tokenizer_loader(spec.model_path)
         self._prompt_ids: dict[str, list[int]] = {}
@@ -88,22 +99,39 @@ class RunDriver:
         assert run is not None
         if not await self.store.set_status(self.run_id, "running"):
             raise RunCancelled(self.run_id)  # cancelled (or ended) before the driver started
-        trainer_version = await self._configure_services()
+        try:
+            trainer_version = await self._configure_services()
+        except TrainerUnavailable as exc:
+            trainer_version = await self._recover_trainer(run.step + 1, exc)
         if await self.store.get_aux(self.run_id, "eval_initial") is None:
             acc = await self._evaluate(policy_version=trainer_version)
             await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": acc, "step": 0})
             self.exporter.on_eval(self.run_id, acc)
-        for step in range(run.step + 1, spec.steps + 1):
+        cursor = run.step
+        while (step := self._next_step(trainer_version, cursor)) <= spec.steps:
             await self._check_cancelled()
             try:
                 await self._readmit_replicas(step, trainer_version)
                 await self._one_step(step, trainer_version)
             except NoLiveReplica as exc:
                 raise RunFailed(f"step {step}: {exc}") from None
-            trainer_version = step
+            except TrainerUnavailable as exc:
+                trainer_version = await self._recover_trainer(step, exc)
+                continue
+            trainer_version, cursor = step, max(cursor, step)
         if not await self.store.set_status(self.run_id, "completed"):
             raise RunCancelled(self.run_id)  # cancelled while the last step ran
         log_event(log, "run completed", run_id=self.run_id, steps=spec.steps)
+
+    def _next_step(self, trainer_version: int, cursor: int) -> int:
+        """The step to run next: after the trainer's version, or the replay of an applied, unrecorded step.
+
+        The trainer may be behind the recorded cursor (it came back from an
+        older checkpoint: recompute from there), at it, or one step ahead (it
+        applied a step that was never recorded: replay it)."""
+        if trainer_version > cursor + 1:
+            raise RunFailed(f"trainer holds policy version {trainer_version}, but only {cursor} steps are recorded")
+        return min(trainer_version, cursor) + 1
 
     async def _one_step(self, step: int, trainer_version: int) -> None:
         spec, t0 = self.spec, time.monotonic()
@@ -155,7 +183,10 @@ class RunDriver:
             timings["eval"] = time.monotonic() - tr
         if self._checkpoint_due(step):
             tr = time.monotonic()
-            await self.trainer.save_checkpoint(self.run_id, str(self.run_dir / "checkpoints" / f"step_{step:06d}"))
+            path = str(self.run_dir / "checkpoints" / f"step_{step:06d}")
+            await self.trainer.save_checkpoint(self.run_id, path)
+            # What a restarted trainer resumes from (the coordinator need not see the trainer's disk).
+            await self.store.set_aux(self.run_id, "last_checkpoint", {"step": step, "path": path})
             timings["checkpoint"] = time.monotonic() - tr
         timings["total"] = time.monotonic() - t0
         if await self.store.record_step(self.run_id, step, metrics, timings):
@@ -164,15 +195,58 @@ class RunDriver:
                 self.exporter.on_eval(self.run_id, metrics["eval_accuracy"])
             self.exporter.trajectories(self.run_id, "trained", counts["trajectories_trained"])
             self.exporter.trajectories(self.run_id, "dropped", counts["trajectories_dropped"])
+        else:
+            await self._note_recomputed(step, metrics)
         log_event(log, "step recorded", run_id=self.run_id, step=step,
                   reward_mean=metrics.get("reward_mean"), iw_mean=metrics.get("iw_mean"),
                   eval_accuracy=metrics.get("eval_accuracy"), seconds=round(timings["total"], 3))
 
+    async def _note_recomputed(self, step: int, metrics: dict) -> None:
+        """A step recorded before the trainer was lost, computed again: say whether the bits matched."""
+        recorded = await self.store.step_metrics(self.run_id, step)
+        same = recorded is not None and json.dumps(recorded, sort_keys=True) == json.dumps(metrics, sort_keys=True)
+        differing = sorted(k for k in metrics if recorded is None or json.dumps(recorded.get(k)) != json.dumps(metrics[k]))
+        await self.store.add_event(self.run_id, "step_recomputed", step=step, matches_recorded=same,
+                                   differing_metrics=differing)
+        log_event(log, "step recomputed", run_id=self.run_id, step=step, matches_recorded=same,
+                  differing_metrics=differing)
+
+    # ------------------------------------------------------------- trainer --
+    async def _recover_trainer(self, step: int, lost: TrainerUnavailable) -> int:
+        """Wait for the trainer to answer again, re-configure it from the last checkpoint; its version."""
+        timeout = self.trainer_recovery_timeout_s
+        await self.store.add_event(self.run_id, "trainer_lost", step=step, reason=str(lost),
+                                   recovery_timeout_s=timeout)
+        log_event(log, "trainer lost", run_id=self.run_id, step=step, reason=str(lost), recovery_timeout_s=timeout)
+        if timeout <= 0:
+            raise RunFailed(f"step {step}: {lost} (trainer_recovery_timeout_s is 0)")
+        deadline, delay = time.monotonic() + timeout, 0.5
+        while True:
+            await self._check_cancelled()
+            try:
+                await self.trainer.health()
+                version = await self._configure_services()
+                break
+            except TrainerUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise RunFailed(f"step {step}: trainer did not come back within {timeout:.0f} s ({exc})") from None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+        checkpoint = await self.store.get_aux(self.run_id, "last_checkpoint")
+        await self.store.add_event(self.run_id, "trainer_recovered", step=step, policy_version=version,
+                                   resumed_from=checkpoint["path"] if checkpoint else "")
+        log_event(log, "trainer recovered", run_id=self.run_id, step=step, policy_version=version)
+        return version
+
     # ------------------------------------------------------------- phases --
     async def _configure_services(self) -> int:
         spec = self.spec
+        # A trainer that still holds the run keeps its state; one that does not
+        # (restarted) resumes from the last checkpoint, or starts from the model.
+        checkpoint = await self.store.get_aux(self.run_id, "last_checkpoint")
         info = await self.trainer.configure(
-            self.run_id, spec.model_path, spec.seed, spec.trainer.model_dump_json()
+            self.run_id, spec.model_path, spec.seed, spec.trainer.model_dump_json(),
+            resume_checkpoint=checkpoint["path"] if checkpoint else "",
         )
         version = info.policy_version
         weights = None
@@ -197,7 +271,10 @@ class RunDriver:
         """Load this run's model on `client` if it holds another, then push weights unless it holds
         `version`. Returns the trainer's weights if they were fetched (reused for the next replica)."""
         rinfo = await client.info()
-        if rinfo.run_id != self.run_id or rinfo.policy_version < 0:
+        # Reload when the replica holds another run, nothing, or a version ahead
+        # of the trainer (which came back from an older checkpoint): engines
+        # refuse to step a version back, so it starts again from the model.
+        if rinfo.run_id != self.run_id or not 0 <= rinfo.policy_version <= version:
             engine_json = json.dumps({"engine": self.spec.rollout.engine, **self.spec.rollout.engine_options})
             await client.load_model(self.run_id, self.spec.model_path, 0, engine_json)
             rinfo = await client.info()

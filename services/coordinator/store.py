@@ -151,6 +151,11 @@ class RunStore:
             raise StoreError(f"run {run_id}: cannot record step {step}, cursor is at {run.step if run else '?'}")
         return res == 1
 
+    async def step_metrics(self, run_id: str, step: int) -> dict | None:
+        """The recorded metrics of one step, None if it was not recorded."""
+        raw = await self._r.hget(self._k("run", run_id, "metrics"), str(step))
+        return json.loads(raw) if raw is not None else None
+
     async def metrics(self, run_id: str) -> list[dict]:
         raw = await self._r.hgetall(self._k("run", run_id, "metrics"))
         timings = await self._r.hgetall(self._k("run", run_id, "timings"))

@@ -1,0 +1,76 @@
+"""The trainer dies mid-run: the run waits for it, resumes it from the last checkpoint, recomputes the
+steps after that checkpoint and finishes with the same bits as a run that never lost its trainer.
+Real processes throughout (coordinator + Redis, trainer, rollout replica on loopback)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from services.cli.client import CoordinatorClient
+from services.common.tiny_model import build_model_dir
+from services.local_stack import LocalStack
+
+pytestmark = pytest.mark.slow
+STEPS, CHECKPOINT_EVERY = 8, 2
+
+
+def _spec(model, name: str) -> dict:
+    return {
+        "name": name, "model_path": str(model), "seed": 7, "steps": STEPS,
+        "task": {"name": "arithmetic", "options": {"heldout_size": 8}},
+        "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "sampling": {"max_new_tokens": 4}},
+        "eval": {"every": 4, "heldout_size": 8},
+        "checkpoint": {"every": CHECKPOINT_EVERY},
+    }
+
+
+def _final_weights(stack: LocalStack, run_id: str) -> dict:
+    return load_file(stack.run_dir / "coordinator" / run_id / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors")
+
+
+def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_if_never_lost(tmp_path):
+    model = build_model_dir(tmp_path / "model", seed=3)
+    with LocalStack(tmp_path / "stack") as stack:
+        client = CoordinatorClient(stack.api_url)
+        try:
+            clean = client.submit(_spec(model, "clean"))
+            assert client.wait(clean["id"], timeout_s=300)["status"] == "completed"
+
+            run = client.submit(_spec(model, "trainer-killed"))
+            deadline = time.monotonic() + 300
+            while client.run(run["id"])["step"] < CHECKPOINT_EVERY + 1:  # a checkpoint and a step after it
+                assert client.run(run["id"])["status"] in ("pending", "running")
+                assert time.monotonic() < deadline, "run did not reach step 3"
+                time.sleep(0.05)
+            stack.trainer.kill()  # SIGKILL: weights, optimizer state and policy version are gone
+            killed_at = client.run(run["id"])["step"]
+            assert killed_at < STEPS, "run finished before the trainer could be killed; the test shows nothing"
+            time.sleep(2.0)  # the coordinator finds the trainer gone and waits
+            stack.trainer.start()  # same port, fresh process holding no run
+            done = client.wait(run["id"], timeout_s=300)
+            assert done["status"] == "completed", done
+
+            events = client.run(run["id"])["events"]
+            lost = [e for e in events if e["event"] == "trainer_lost"]
+            recovered = [e for e in events if e["event"] == "trainer_recovered"]
+            recomputed = [e for e in events if e["event"] == "step_recomputed"]
+            assert lost and len(recovered) == 1, events
+            resumed = recovered[0]["policy_version"]
+            # It came back from the last checkpoint at or before the kill, not from scratch and not ahead.
+            assert resumed % CHECKPOINT_EVERY == 0 and CHECKPOINT_EVERY <= resumed <= killed_at, recovered
+            assert recovered[0]["resumed_from"].endswith(f"step_{resumed:06d}"), recovered
+            # Steps recorded after that checkpoint were recomputed, each matching its record bit for bit.
+            assert [e["step"] for e in recomputed] == list(range(resumed + 1, resumed + 1 + len(recomputed)))
+            assert all(e["matches_recorded"] and e["differing_metrics"] == [] for e in recomputed), recomputed
+            assert resumed + len(recomputed) >= killed_at
+
+            # The whole history and the final weights are those of the run that never lost its trainer.
+            steps = client.metrics(run["id"])["steps"]
+            assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+            assert [s["metrics"] for s in steps] == [s["metrics"] for s in client.metrics(clean["id"])["steps"]]
+            a, b = _final_weights(stack, clean["id"]), _final_weights(stack, run["id"])
+            assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+        finally:
+            client.close()
