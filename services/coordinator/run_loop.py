@@ -1,6 +1,6 @@
 """The run loop, short enough to read as the algorithm:
 
-    for step in cursor+1 .. steps:
+    for step in next_step(trainer version, cursor) .. steps:
         prompts   = step_problems(train, seed, step)         # deterministic
         readmit evicted replicas that answer again (after syncing their weights)
         samples   = rollout(prompts, policy_version=step-1)  # live replicas, re-dispatched on loss
@@ -10,6 +10,7 @@
         sync weights to every live replica (a replica that stopped answering is evicted)
         eval (greedy, held-out) when due; checkpoint when due
         record step exactly once (Redis), export metrics
+        (trainer lost: wait for it, resume it from the last checkpoint, go on from there)
 
 Resuming: the trainer keeps its state across a coordinator restart and treats
 a TrainStep for a step it already applied as a replay (it returns that step's
@@ -56,6 +57,17 @@ class RunCancelled(Exception):
 
 class RunFailed(Exception):
     pass
+
+
+def next_step(trainer_version: int, cursor: int) -> int:
+    """The step to run next, from the trainer's policy version and the last recorded step.
+
+    The trainer may be behind the cursor (it came back from an older
+    checkpoint: recompute from there), at it, or one step ahead (it applied a
+    step that was never recorded: replay it). Further ahead is inconsistent."""
+    if trainer_version > cursor + 1:
+        raise RunFailed(f"trainer holds policy version {trainer_version}, but only {cursor} steps are recorded")
+    return min(trainer_version, cursor) + 1
 
 
 @dataclass
@@ -108,7 +120,7 @@ class RunDriver:
             await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": acc, "step": 0})
             self.exporter.on_eval(self.run_id, acc)
         cursor = run.step
-        while (step := self._next_step(trainer_version, cursor)) <= spec.steps:
+        while (step := next_step(trainer_version, cursor)) <= spec.steps:
             await self._check_cancelled()
             try:
                 await self._readmit_replicas(step, trainer_version)
@@ -122,16 +134,6 @@ class RunDriver:
         if not await self.store.set_status(self.run_id, "completed"):
             raise RunCancelled(self.run_id)  # cancelled while the last step ran
         log_event(log, "run completed", run_id=self.run_id, steps=spec.steps)
-
-    def _next_step(self, trainer_version: int, cursor: int) -> int:
-        """The step to run next: after the trainer's version, or the replay of an applied, unrecorded step.
-
-        The trainer may be behind the recorded cursor (it came back from an
-        older checkpoint: recompute from there), at it, or one step ahead (it
-        applied a step that was never recorded: replay it)."""
-        if trainer_version > cursor + 1:
-            raise RunFailed(f"trainer holds policy version {trainer_version}, but only {cursor} steps are recorded")
-        return min(trainer_version, cursor) + 1
 
     async def _one_step(self, step: int, trainer_version: int) -> None:
         spec, t0 = self.spec, time.monotonic()

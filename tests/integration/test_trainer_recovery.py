@@ -74,3 +74,26 @@ def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_i
             assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
         finally:
             client.close()
+
+
+def test_trainer_that_never_comes_back_fails_the_run_after_the_recovery_timeout_naming_it(tmp_path):
+    model = build_model_dir(tmp_path / "model", seed=3)
+    timeout_s = 3
+    env = {"LOCKSTEP_COORDINATOR_TRAINER_RECOVERY_TIMEOUT_S": str(timeout_s)}
+    with LocalStack(tmp_path / "stack", extra_env=env) as stack:
+        client = CoordinatorClient(stack.api_url)
+        try:
+            run = client.submit(_spec(model, "trainer-gone") | {"steps": 1000})
+            deadline = time.monotonic() + 300
+            while client.run(run["id"])["step"] < 1:
+                assert time.monotonic() < deadline, "run did not reach step 1"
+                time.sleep(0.05)
+            stack.trainer.kill()
+            done = client.wait(run["id"], timeout_s=120)
+            assert done["status"] == "failed", done
+            assert f"trainer did not come back within {timeout_s} s" in done["error"], done["error"]
+            assert f"127.0.0.1:{stack.trainer_port}" in done["error"], done["error"]
+            events = [e["event"] for e in client.run(run["id"])["events"]]
+            assert "trainer_lost" in events and "trainer_recovered" not in events, events
+        finally:
+            client.close()
