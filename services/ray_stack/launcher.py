@@ -1,0 +1,218 @@
+"""Place a Lockstep stack on a Ray cluster.
+
+The trainer and every rollout replica get one bundle of a placement group (its
+strategy decides how they spread over nodes) and one named Ray actor in it; the
+actor runs the service's own entry point (`python -m services.trainer`, ...)
+under a ServiceSupervisor, bound to its node's address on a fixed port. The
+coordinator runs the same way on the node of the process that launched the
+stack, and dials the others by those addresses.
+
+Two layers of restart, so a crash anywhere is survived without a new address:
+the supervisor restarts a service process that exits, and Ray restarts an
+actor that dies (max_restarts) in the same bundle, hence on the same node with
+the same ports. What a restart loses the services already recover from: the
+coordinator evicts and re-admits rollout replicas and resumes a lost trainer
+from the run's last checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from services.ray_stack.config import RayStackConfig
+from services.ray_stack.supervisor import ServiceSupervisor, service_env
+
+log = logging.getLogger("lockstep.ray_stack")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RAY_INSTALL_HINT = "ray is not installed: pip install 'ray==2.60.0' (the version requirements.lock pins)"
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise RuntimeError(RAY_INSTALL_HINT) from exc
+    return ray
+
+
+@dataclass(frozen=True)
+class ServicePlan:
+    """One service of the stack: what runs, on which port, in which placement-group bundle."""
+
+    name: str          # Ray actor name in the stack's namespace
+    module: str        # python -m <module>
+    args: tuple[str, ...]  # its flags, except --host (the node's address, known only there)
+    port: int          # the port other services dial
+    num_cpus: float
+    num_gpus: float
+    bundle: int | None  # None: the launching node, outside the placement group
+
+
+def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
+    """Trainer and rollout replicas, bundle i for plan i. Pure: a test can pin it."""
+    threads = ("--num-threads", str(config.num_threads))
+    plans = [ServicePlan(
+        "trainer", "services.trainer",
+        ("--grpc-port", str(config.trainer_port), "--metrics-port", str(config.trainer_metrics_port),
+         *threads, *config.trainer_args),
+        config.trainer_port, config.trainer_cpus, config.trainer_gpus, 0,
+    )]
+    for i in range(config.rollout_replicas):
+        metrics = config.rollout_metrics_port_base + i if config.rollout_metrics_port_base else 0
+        plans.append(ServicePlan(
+            f"rollout-{i}", "services.rollout",
+            ("--grpc-port", str(config.rollout_port_base + i), "--metrics-port", str(metrics),
+             *threads, *config.rollout_args),
+            config.rollout_port_base + i, config.rollout_cpus, config.rollout_gpus, i + 1,
+        ))
+    return plans
+
+
+def plan_coordinator(config: RayStackConfig, trainer: str, rollouts: list[str]) -> ServicePlan:
+    data_dir = str(Path(config.data_dir).resolve())
+    args = ["--port", str(config.coordinator_port), "--data-dir", data_dir,
+            "--trainer-address", trainer, "--rollout-addresses", ",".join(rollouts)]
+    if config.redis_url:
+        args += ["--redis-url", config.redis_url]
+    return ServicePlan("coordinator", "services.coordinator", (*args, *config.coordinator_args),
+                       config.coordinator_port, 0, 0, None)
+
+
+def bundles(plans: list[ServicePlan]) -> list[dict[str, float]]:
+    out = []
+    for p in plans:
+        b = {"CPU": p.num_cpus}
+        if p.num_gpus:
+            b["GPU"] = p.num_gpus
+        out.append(b)
+    return out
+
+
+class ServiceActor:
+    """Body of each Ray actor: supervise one service process on this node."""
+
+    def __init__(self, plan: ServicePlan, log_dir: str, max_restarts: int, restart_delay_s: float) -> None:
+        import ray
+
+        self.ip = ray.util.get_node_ip_address()
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.plan = plan
+        argv = [sys.executable, "-m", plan.module, "--host", self.ip, *plan.args]
+        self.supervisor = ServiceSupervisor(
+            argv, env=service_env(os.environ, REPO_ROOT), log_path=Path(log_dir) / f"{plan.name}.log",
+            max_restarts=max_restarts, restart_delay_s=restart_delay_s,
+        )
+        self.supervisor.start()
+
+    def describe(self) -> dict:
+        status = asdict(self.supervisor.status())
+        status["exit_codes"] = list(status["exit_codes"])  # the same as in the JSON line
+        return {"address": f"{self.ip}:{self.plan.port}", "node_id": self.node_id, "actor_pid": os.getpid(), **status}
+
+    def stop(self, grace_s: float = 20.0) -> int | None:
+        return self.supervisor.stop(grace_s)
+
+
+class RayStack:
+    """start() places and starts everything and waits for the coordinator's /readyz; close() undoes it."""
+
+    def __init__(self, config: RayStackConfig) -> None:
+        self.config = config
+        self.ray = import_ray()
+        self.actors: dict[str, object] = {}
+        self.placement_group = None
+        self.api_url = ""
+
+    def connect(self) -> None:
+        """Join (or, for 'local', start) the cluster. Ray installs its own SIGTERM handler here, one that
+        aborts the process: an entry point sets its handlers after this."""
+        cfg, ray = self.config, self.ray
+        if cfg.ray_address == "local":
+            ray.init(namespace=cfg.namespace, include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=cfg.ray_address, namespace=cfg.namespace, log_to_driver=False)
+
+    def start(self) -> dict:
+        cfg, ray = self.config, self.ray
+        if not ray.is_initialized():
+            self.connect()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        workers = plan_workers(cfg)
+        self.placement_group = ray.util.placement_group(bundles(workers), strategy=cfg.placement_strategy,
+                                                        name=f"{cfg.namespace}-stack")
+        try:
+            ray.get(self.placement_group.ready(), timeout=cfg.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"placement_strategy: {cfg.placement_strategy} placement of {bundles(workers)} not possible within "
+                f"{cfg.ready_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
+            ) from None
+        log_dir = str(Path(cfg.data_dir).resolve() / "logs")
+        remote = ray.remote(ServiceActor)
+        for plan in workers:
+            self.actors[plan.name] = self._spawn(remote, plan, log_dir, PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=plan.bundle))
+        placed = {name: ray.get(a.describe.remote(), timeout=cfg.ready_timeout_s) for name, a in self.actors.items()}
+        coordinator = plan_coordinator(cfg, placed["trainer"]["address"],
+                                       [placed[p.name]["address"] for p in workers[1:]])
+        here = ray.get_runtime_context().get_node_id()
+        self.actors["coordinator"] = self._spawn(remote, coordinator, log_dir,
+                                                 NodeAffinitySchedulingStrategy(node_id=here, soft=False))
+        placed["coordinator"] = ray.get(self.actors["coordinator"].describe.remote(), timeout=cfg.ready_timeout_s)
+        self.api_url = f"http://{placed['coordinator']['address']}"
+        self._wait_ready()
+        return {"api_url": self.api_url, "trainer": placed["trainer"]["address"],
+                "rollouts": [placed[p.name]["address"] for p in workers[1:]], "services": self.describe()}
+
+    def _spawn(self, remote, plan: ServicePlan, log_dir: str, strategy):
+        cfg = self.config
+        return remote.options(
+            name=plan.name, num_cpus=plan.num_cpus, num_gpus=plan.num_gpus, scheduling_strategy=strategy,
+            max_restarts=cfg.service_restarts, max_task_retries=-1,
+        ).remote(plan, log_dir, cfg.service_restarts, cfg.restart_delay_s)
+
+    def _wait_ready(self) -> None:
+        deadline, last = time.monotonic() + self.config.ready_timeout_s, ""
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(f"{self.api_url}/readyz", timeout=5.0, trust_env=False)
+                if r.status_code == 200:
+                    return
+                last = r.text
+            except httpx.HTTPError as exc:
+                last = str(exc)
+            gone = {n: s for n, s in self.describe().items() if s["gave_up"]}
+            if gone:
+                raise RuntimeError(f"services exited during start-up and were not restarted: {json.dumps(gone)} "
+                                   f"(logs under {Path(self.config.data_dir).resolve() / 'logs'})")
+            time.sleep(0.5)
+        raise RuntimeError(f"coordinator at {self.api_url} not ready within {self.config.ready_timeout_s:.0f} s: {last}")
+
+    def describe(self) -> dict[str, dict]:
+        return {name: self.ray.get(a.describe.remote(), timeout=60) for name, a in self.actors.items()}
+
+    def close(self) -> None:
+        ray = self.ray
+        # Coordinator first, so no run is driven against services going away.
+        for name in ["coordinator", *[n for n in self.actors if n != "coordinator"]]:
+            actor = self.actors.pop(name, None)
+            if actor is None:
+                continue
+            try:
+                ray.get(actor.stop.remote(), timeout=60)
+            except Exception as exc:  # a dead actor's service died with it (PDEATHSIG)
+                log.warning("stopping %s: %s", name, exc)
+            ray.kill(actor, no_restart=True)
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if ray.is_initialized():
+            ray.shutdown()

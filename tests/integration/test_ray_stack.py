@@ -1,0 +1,126 @@
+"""The stack on a real two-node Ray cluster (two raylets on this machine): placed, serving a run through
+REST, surviving a killed trainer process, and gone after SIGTERM. `python -m services.ray_stack` as a
+real process, the services as real processes in Ray actors."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.cli.client import CoordinatorClient
+from services.common.tiny_model import build_model_dir
+from tests.conftest import require
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_run(n: int) -> int:
+    """A port p with p .. p+n-1 all free on loopback and the node address."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            for p in range(base, base + n):
+                with socket.socket() as s:
+                    s.bind(("", p))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError("no free port range")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state == "Z"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    try:
+        import ray
+        from ray.cluster_utils import Cluster
+    except ImportError:
+        require(False, "ray is not installed (pip install 'ray==2.60.0')")
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    c.add_node(num_cpus=2)
+    yield c
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops_cleanly(cluster, tmp_path):
+    model = build_model_dir(tmp_path / "model", seed=3)
+    ports = _free_run(7)
+    cmd = [sys.executable, "-m", "services.ray_stack", "--ray-address", cluster.address,
+           "--rollout-replicas", "2", "--placement-strategy", "SPREAD", "--data-dir", str(tmp_path / "data"),
+           "--coordinator-port", str(ports), "--trainer-port", str(ports + 1),
+           "--trainer-metrics-port", str(ports + 2), "--rollout-port-base", str(ports + 3),
+           "--rollout-metrics-port-base", str(ports + 5), "--restart-delay-s", "0.5", "--ready-timeout-s", "240"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / "launcher.log", "wb"),
+                                text=True)
+    try:
+        line = launcher.stdout.readline()
+        assert line, f"launcher exited with {launcher.wait()}:\n{(tmp_path / 'launcher.log').read_text()[-4000:]}"
+        ready = json.loads(line)
+        services = ready["services"]
+        assert set(services) == {"trainer", "rollout-0", "rollout-1", "coordinator"}
+        # SPREAD over two nodes: the three bundles cannot all share one node.
+        assert len({services[n]["node_id"] for n in ("trainer", "rollout-0", "rollout-1")}) == 2, services
+        assert ready["rollouts"] == [services["rollout-0"]["address"], services["rollout-1"]["address"]]
+        assert all(s["alive"] and s["restarts"] == 0 for s in services.values()), services
+
+        client = CoordinatorClient(ready["api_url"])
+        try:
+            run = client.submit({
+                "name": "on-ray", "model_path": str(model), "seed": 5, "steps": 6,
+                "task": {"name": "arithmetic", "options": {"heldout_size": 8}},
+                "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "sampling": {"max_new_tokens": 4}},
+                "eval": {"every": 0, "heldout_size": 8}, "checkpoint": {"every": 2},
+            })
+            deadline = time.monotonic() + 300
+            while client.run(run["id"])["step"] < 2:
+                assert client.run(run["id"])["status"] in ("pending", "running")
+                assert time.monotonic() < deadline, "run did not reach step 2"
+                time.sleep(0.05)
+            os.kill(services["trainer"]["pid"], signal.SIGKILL)  # the supervisor restarts it on the same port
+            done = client.wait(run["id"], timeout_s=300)
+            assert done["status"] == "completed", done
+            events = [e["event"] for e in client.run(run["id"])["events"]]
+            assert "trainer_lost" in events and "trainer_recovered" in events, events
+            assert [s["step"] for s in client.metrics(run["id"])["steps"]] == list(range(1, 7))
+        finally:
+            client.close()
+
+        import ray
+        ray.init(address=cluster.address, namespace="lockstep", log_to_driver=False)
+        trainer = ray.get(ray.get_actor("trainer").describe.remote())
+        assert trainer["restarts"] == 1 and trainer["exit_codes"] == [-9] and trainer["alive"], trainer
+        assert trainer["pid"] != services["trainer"]["pid"] and trainer["address"] == services["trainer"]["address"]
+        ray.shutdown()
+
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=120) == 0, (tmp_path / "launcher.log").read_text()[-4000:]
+        pids = [trainer["pid"]] + [s["pid"] for n, s in services.items() if n != "trainer"]
+        deadline = time.monotonic() + 30
+        while not all(_gone(p) for p in pids):
+            assert time.monotonic() < deadline, f"service processes left after SIGTERM: {pids}"
+            time.sleep(0.2)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
