@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("submit", help="Submit a recipe (YAML run spec).")
     s.add_argument("recipe")
     s.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                   help="Override a top-level spec field, e.g. --set steps=3")
+                   help="Override a spec field (dotted for nested ones), value as JSON, e.g. --set steps=3 "
+                        "--set task.options.path='\"/data/train.jsonl\"'")
     s.add_argument("--watch", action="store_true", help="Show live progress until the run ends.")
     sub.add_parser("list", help="List runs.")
     w = sub.add_parser("watch", help="Live progress of a run until it ends.")

@@ -57,13 +57,33 @@ class CoordinatorClient:
         self._http.close()
 
 
+def apply_overrides(spec: dict, overrides: dict) -> dict:
+    """Set each `key` (dotted for nested fields: 'task.options.path') to its value, in place.
+
+    Intermediate mappings are created when absent; one that holds something
+    other than a mapping is an error naming the key, never silently replaced.
+    """
+    for key, value in overrides.items():
+        parts = key.split(".")
+        if not all(parts):
+            raise ValueError(f"--set {key}: empty field name")
+        node = spec
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {key}: {'.'.join(parts[:i + 1])} is {child!r}, not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return spec
+
+
 def load_recipe(path: str | Path, overrides: dict | None = None) -> dict:
     """A recipe file is a run spec in YAML; relative model paths resolve against the recipe's folder."""
     path = Path(path)
     spec = yaml.safe_load(path.read_text())
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: a recipe must be a YAML mapping (a run spec)")
-    spec.update(overrides or {})
+    apply_overrides(spec, overrides or {})
     model = spec.get("model_path")
     if isinstance(model, str) and not Path(model).is_absolute() and (path.parent / model).exists():
         spec["model_path"] = str((path.parent / model).resolve())

@@ -4,7 +4,7 @@
         prompts   = step_problems(train, seed, step)         # deterministic
         readmit evicted replicas that answer again (after syncing their weights)
         samples   = rollout(prompts, policy_version=step-1)  # live replicas, re-dispatched on loss
-        rewards   = task.reward(...)                          # verifiable
+        rewards   = task.score(...)                           # verifiable
         adv       = group-normalised advantages
         metrics   = trainer.train_step(trajectories)          # policy_version -> step
         sync weights to every live replica (a replica that stopped answering is evicted)
@@ -106,6 +106,12 @@ class RunDriver:
 
     # ------------------------------------------------------------------ loop --
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            await asyncio.to_thread(self.task.close)
+
+    async def _run(self) -> None:
         spec = self.spec
         run = await self.store.get_run(self.run_id)
         assert run is not None
@@ -160,7 +166,7 @@ class RunDriver:
             samples, dropped = await self._rollout(problems, step=step, policy_version=step - 1)
             timings["rollout"] = time.monotonic() - tr
             tr = time.monotonic()
-            trajectories = self._score(problems, samples, step)
+            trajectories = await self._score(problems, samples, step)
             timings["reward"] = time.monotonic() - tr
             if not trajectories:
                 raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
@@ -388,8 +394,9 @@ class RunDriver:
                                    reason=f"rollout unavailable after {attempts} attempts")
         return None
 
-    def _score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]], step: int) -> list[pb.Trajectory]:
-        rewards = [self.task.reward(problems[i], self._decode(s)) for i, s in samples]
+    async def _score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
+                     step: int) -> list[pb.Trajectory]:
+        rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
         advantages = group_advantages(rewards, [s.group_id for _, s in samples])
         return [
             pb.Trajectory(
@@ -431,7 +438,7 @@ class RunDriver:
         samples, dropped = await self._rollout(heldout, step=0, policy_version=policy_version, greedy=True)
         if dropped:
             raise RunFailed(f"evaluation lost {dropped} samples: rollout unavailable")
-        correct = sum(self.task.reward(heldout[i], self._decode(s)) for i, s in samples)
+        correct = sum(await self.task.score([(heldout[i], self._decode(s)) for i, s in samples]))
         return correct / len(heldout)
 
     # ------------------------------------------------------------ helpers --

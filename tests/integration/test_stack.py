@@ -5,6 +5,7 @@ runs are submitted through the REST API exactly as a user would.
 """
 from __future__ import annotations
 
+import json
 import signal
 import time
 from pathlib import Path
@@ -175,3 +176,36 @@ def test_cancel(client, model_dir):
     with pytest.raises(ApiError) as err:
         client.cancel(run["id"])
     assert err.value.status == 409
+
+
+def _math_dataset(path: Path, n: int) -> Path:
+    path.write_text("".join(
+        json.dumps({"question": f"{i}+1=", "answer": f"{i}+1 is {i + 1}\n#### {i + 1}"}) + "\n" for i in range(n)))
+    return path
+
+
+def test_math_task_run_scores_with_math_verify_in_the_coordinator(client, model_dir, tmp_path):
+    data = _math_dataset(tmp_path / "math.jsonl", 40)
+    task = {"name": "math", "options": {"path": str(data), "answer_marker": "####", "heldout_size": 8,
+                                        "prompt_template": "{question}"}}
+    run = client.submit(spec(model_dir, task=task, steps=2, eval={"every": 1, "heldout_size": 8}))
+    done = client.wait(run["id"], timeout_s=300)
+    assert done["status"] == "completed", done
+    metrics = client.metrics(run["id"])
+    steps = metrics["steps"]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        m = s["metrics"]
+        assert 0.0 <= m["reward_mean"] <= 1.0 and 0.0 <= m["eval_accuracy"] <= 1.0
+        assert m["trajectories_trained"] == 16 and m["trajectories_dropped"] == 0
+    assert 0.0 <= metrics["eval_initial"]["accuracy"] <= 1.0
+
+
+def test_math_task_with_a_missing_dataset_is_refused_at_submit_naming_it(client, model_dir, tmp_path):
+    before = len(client.runs())
+    with pytest.raises(ApiError) as err:
+        client.submit(spec(model_dir, task={"name": "math", "options": {"path": str(tmp_path / "nope.jsonl")}}))
+    assert err.value.status == 422
+    reasons = {f["field"]: f["reason"] for f in err.value.body["fields"]}
+    assert "path: no such file" in reasons.get("task", ""), err.value.body
+    assert len(client.runs()) == before

@@ -12,7 +12,13 @@ def _arithmetic(options: dict) -> Task:
     return ArithmeticTask(ArithmeticConfig(**options))
 
 
-_REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic}
+def _math(options: dict) -> Task:
+    from services.coordinator.tasks.math_dataset import MathConfig, MathTask
+
+    return MathTask(MathConfig(**options))
+
+
+_REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math}
 
 
 def known_tasks() -> tuple[str, ...]:

@@ -23,3 +23,11 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def reward(self, problem: Problem, response_text: str) -> float:
         """Verifiable reward of one response (1.0 correct, 0.0 otherwise unless documented)."""
+
+    async def score(self, items: Sequence[tuple[Problem, str]]) -> list[float]:
+        """Rewards of many responses; what the run loop calls. Tasks whose reward is costly or
+        untrusted (parsing model output with sympy) run it elsewhere; the default runs it inline."""
+        return [self.reward(problem, text) for problem, text in items]
+
+    def close(self) -> None:
+        """Release what score() holds (worker processes); the run is over."""

@@ -1,0 +1,51 @@
+"""Recipe loading: dotted --set overrides, and the shipped GSM8K recipe is a valid run spec."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.cli.client import apply_overrides, load_recipe
+from services.coordinator.run_spec import RunSpec
+from tests.conftest import REPO_ROOT
+
+
+def test_dotted_overrides_set_nested_fields_and_create_missing_mappings():
+    spec = {"steps": 10, "task": {"name": "math", "options": {"path": "a"}}}
+    apply_overrides(spec, {"steps": 3, "task.options.path": "b", "trainer.lr_schedule.warmup_steps": 5})
+    assert spec == {"steps": 3, "task": {"name": "math", "options": {"path": "b"}},
+                    "trainer": {"lr_schedule": {"warmup_steps": 5}}}
+
+
+@pytest.mark.parametrize("key, message", [
+    ("steps.value", "steps is 10, not a mapping"),
+    ("task..path", "empty field name"),
+])
+def test_overrides_through_a_non_mapping_or_empty_name_are_refused(key, message):
+    with pytest.raises(ValueError, match=message):
+        apply_overrides({"steps": 10, "task": {}}, {key: 1})
+
+
+def test_gsm8k_recipe_is_a_valid_spec_once_its_paths_are_set(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    rows = [{"question": f"What is {i} + {i}?", "answer": f"{i} + {i} = {2 * i}\n#### {2 * i}"} for i in range(30)]
+    for name in ("train.jsonl", "test.jsonl"):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = load_recipe(REPO_ROOT / "recipes" / "gsm8k" / "recipe.yaml", {
+        "model_path": str(model), "task.options.path": str(tmp_path / "train.jsonl"),
+        "task.options.heldout_path": str(tmp_path / "test.jsonl"),
+    })
+    parsed = RunSpec.model_validate(spec)
+    assert parsed.task.name == "math" and parsed.trainer.lr_schedule.decay == "cosine"
+    assert parsed.rollout.engine_options["server"]["dtype"] == parsed.trainer.dtype
+    # The template asks for the boxed answer and keeps the question.
+    from services.coordinator.tasks import build_task
+    task = build_task(parsed.task.name, parsed.task.options)
+    try:
+        first = task.split("train")[0]
+        assert first.prompt.startswith("Question: What is 0 + 0?") and "\\boxed{}" in first.prompt
+        assert first.answer == "0"
+    finally:
+        task.close()
