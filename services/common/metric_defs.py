@@ -35,6 +35,8 @@ STEP_METRIC_HELP: dict[str, str] = {
     "clip_fraction": "Fraction of response tokens whose ratio was clipped.",
     "grad_norm": "Global gradient norm before clipping.",
     "lr": "Learning rate applied by the step's optimizer update.",
+    "is_weight_mean": "Mean mismatch-correction weight applied to token losses (1 with trainer.mismatch_correction.mode none).",
+    "is_affected_fraction": "Fraction of response tokens whose correction weight was truncated or masked.",
     "entropy": "Mean per-token entropy of the trainer policy on response tokens.",
     "kl_ref": "Mean k3 KL to the reference policy (0 when disabled).",
     "reward_mean": "Mean reward of the step's samples.",

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from kernels.attention.registry import AttentionPolicy
 from services.trainer.lr_schedule import LRSchedule
+from services.trainer.mismatch_correction import MismatchCorrection
 from services.trainer.parity_gate import ParityThresholds
 
 
@@ -114,6 +115,12 @@ class TrainerRunConfig(BaseModel):
     attention: AttentionPolicy = Field(
         default_factory=AttentionPolicy,
         description="Packed attention backend policy: force a backend by name, or require deterministic ones.",
+    )
+    mismatch_correction: MismatchCorrection = Field(
+        default_factory=MismatchCorrection,
+        description="Importance-sampling correction of the rollout/trainer mismatch: truncated (TIS) or masked "
+        "(MIS) weights at token or sequence level, with a decoupled PPO ratio; 'none' keeps the rollout as the "
+        "PPO old policy.",
     )
     parity_gate: ParityThresholds = Field(
         default_factory=ParityThresholds,

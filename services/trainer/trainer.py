@@ -27,6 +27,7 @@ from services.trainer.batching import Microbatch, TrainSample, canonical_order, 
 from services.trainer.config import TrainerRunConfig, format_validation_error
 from services.trainer.grpo import kl_to_reference, mismatch_stats, ppo_clip_loss, reward_stats
 from services.trainer.lr_schedule import lr_at
+from services.trainer.mismatch_correction import correction_weights
 from services.trainer.packing import PackingConfig, pack_samples
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
@@ -351,7 +352,8 @@ class Trainer:
         # by the step's response-token count, so summing the microbatch
         # gradients gives the same update however the step was split.
         n_total = sum(mb.num_response_tokens for mb in microbatches)
-        logps, rollouts, clipped, entropies, kls = [], [], [], [], []
+        logps, rollouts, clipped, entropies, kls, is_weights, is_affected = [], [], [], [], [], [], []
+        correction = cfg.mismatch_correction
         loss_value = 0.0
         params = [p for p in model.parameters() if p.requires_grad]
         model.zero_grad(set_to_none=True)
@@ -361,10 +363,17 @@ class Trainer:
                 logits = mb.response_logits(model)
                 logp, _lse, ent = token_logprobs_with_entropy(logits, targets, temperature=cfg.temperature)
                 rollout_logp = mb.response_rollout_logprobs
+                # mode 'none': the rollout is the PPO "old" policy. Otherwise the trainer's own
+                # pre-update log-probs are, and w = pi_train / pi_rollout weights each token.
+                weights = correction_weights(logp.detach() - rollout_logp, mb.response_sample_index, correction)
                 token_loss, clip_mask = ppo_clip_loss(
-                    logp, rollout_logp, mb.response_advantages,
+                    logp, rollout_logp if correction.mode == "none" else logp.detach(), mb.response_advantages,
                     clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                 )
+                if correction.mode != "none":
+                    token_loss = token_loss * weights.weights
+                is_weights.append(weights.weights)
+                is_affected.append(weights.affected)
                 if run.ref_model is not None:
                     with torch.no_grad():
                         ref_logp, _ = token_logprobs(
@@ -413,6 +422,8 @@ class Trainer:
             "clip_fraction": torch.cat(clipped).double().mean().item(),
             "grad_norm": grad_norm,
             "lr": lr,
+            "is_weight_mean": torch.cat(is_weights).double().mean().item(),
+            "is_affected_fraction": torch.cat(is_affected).double().mean().item(),
             "entropy": torch.cat(entropies).double().mean().item(),
             "kl_ref": torch.cat(kls).double().mean().item() if kls else 0.0,
             "reward_mean": reward_mean,
