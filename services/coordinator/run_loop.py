@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from proto import lockstep_pb2 as pb
+from services.common.step_record import StepRecordMeta, write_step_record
 from services.common.structured_logging import log_event
 from services.common.tensors import from_proto, ids_to_proto
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
@@ -175,6 +176,8 @@ class RunDriver:
             # Written before the trainer applies the step, so a replay after a
             # coordinator crash still accounts for every trajectory exactly once.
             await self.store.set_aux(self.run_id, "pending_step", {"step": step, "counts": counts})
+            if spec.debug.record_trajectories:
+                await asyncio.to_thread(self._record_step_input, header, trajectories)
             tr = time.monotonic()
             result = await self.trainer.train_step(header, trajectories)
             timings["train"] = time.monotonic() - tr
@@ -208,6 +211,14 @@ class RunDriver:
         log_event(log, "step recorded", run_id=self.run_id, step=step,
                   reward_mean=metrics.get("reward_mean"), iw_mean=metrics.get("iw_mean"),
                   eval_accuracy=metrics.get("eval_accuracy"), seconds=round(timings["total"], 3))
+
+    def _record_step_input(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory]) -> None:
+        spec = self.spec
+        meta = StepRecordMeta(run_id=self.run_id, step=header.step, policy_version=header.policy_version,
+                              model_path=spec.model_path, seed=spec.seed,
+                              trainer_config_json=spec.trainer.model_dump_json())
+        chunks = [pb.TrainStepChunk(header=header), *(pb.TrainStepChunk(trajectory=t) for t in trajectories)]
+        write_step_record(self.run_dir / "trajectories" / f"step_{header.step:06d}.pb", meta, chunks)
 
     async def _note_recomputed(self, step: int, metrics: dict) -> None:
         """A step recorded before the trainer was lost, computed again: say whether the bits matched."""

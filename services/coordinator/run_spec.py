@@ -55,6 +55,15 @@ class CheckpointSpec(_Strict):
     every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and after the last step); 0 = only after the last step.")
 
 
+class DebugSpec(_Strict):
+    record_trajectories: bool = Field(
+        False,
+        description="Write each step's TrainStep input (header + trajectories, as sent) to "
+        "<run dir>/trajectories/step_NNNNNN.pb, before the trainer applies it; "
+        "`python -m services.trainer.replay` replays one into a fresh trainer.",
+    )
+
+
 class RunSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Human-readable run name.")
     model_path: str = Field(..., description="Hugging Face causal-LM directory visible to the coordinator, rollout and trainer.")
@@ -65,6 +74,7 @@ class RunSpec(_Strict):
     trainer: TrainerRunConfig = Field(default_factory=TrainerRunConfig, description="Trainer hyperparameters.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Held-out evaluation.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
+    debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
 
     @field_validator("model_path")
     @classmethod

@@ -1,0 +1,79 @@
+"""`python -m services.trainer.replay --record R [--checkpoint C]`: one recorded step into a fresh trainer.
+
+parse -> build -> run -> close: read the step record (services/common/step_record.py), configure an
+in-process Trainer for its run from the checkpoint holding the step's starting weights (policy
+version step - 1; for step 1 the run's model itself), apply the step, print
+{"run_id", "step", "policy_version", "metrics"} as one JSON line. The record went through the same
+wire checks the gRPC server applies.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.common.service_config import parse_service_config
+from services.common.step_record import read_step_record
+from services.trainer import checkpoint as ckpt
+from services.trainer.trainer import StepFailed, Trainer
+from services.trainer.wire import FailedPrecondition, StepRequest, read_train_step
+
+
+class ReplayConfig(BaseModel):
+    """Replay one recorded training step (a run spec's debug.record_trajectories writes them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    record: str = Field(..., description="Step record file (<run dir>/trajectories/step_NNNNNN.pb).")
+    checkpoint: str = Field(
+        "", description="Checkpoint at the step's starting policy version (step - 1); empty for step 1, "
+        "which starts from the run's model.")
+    device: str = Field("cpu", description="torch device, as the trainer service's --device.")
+    num_threads: int = Field(
+        1, ge=0, description="torch CPU threads: equal to the trainer's for bitwise-equal results (0 = default).")
+
+
+async def _request(chunks) -> StepRequest:
+    async def stream():
+        for c in chunks:
+            yield c
+
+    return await read_train_step(stream())
+
+
+def replay(config: ReplayConfig) -> dict:
+    meta, chunks = read_step_record(config.record)
+    request = asyncio.run(_request(chunks))
+    if config.checkpoint:
+        version = ckpt.read_state(config.checkpoint).policy_version
+        if version != meta.step - 1:
+            raise ValueError(f"checkpoint: holds policy version {version}; step {meta.step} starts from "
+                             f"{meta.step - 1}")
+    elif meta.step != 1:
+        raise ValueError(f"checkpoint: required for step {meta.step} (the weights at policy version {meta.step - 1})")
+    trainer = Trainer(device=config.device, num_threads=config.num_threads)
+    trainer.configure(run_id=meta.run_id, model_path=meta.model_path, seed=meta.seed,
+                      config_json=meta.trainer_config_json, resume_checkpoint=config.checkpoint)
+    outcome = trainer.train_step(request)
+    return {"run_id": meta.run_id, "step": outcome.step, "policy_version": outcome.policy_version,
+            "metrics": outcome.metrics}
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_service_config(ReplayConfig, env_prefix="LOCKSTEP_REPLAY", argv=argv)
+    try:
+        result = replay(config)
+    except (ValueError, FileNotFoundError) as exc:  # a bad record or checkpoint (InvalidRequest included)
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
+    except (FailedPrecondition, StepFailed) as exc:  # the step itself was refused: the parity gate, a NaN
+        print(f"replay: step refused: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
