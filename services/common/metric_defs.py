@@ -46,7 +46,7 @@ STEP_METRIC_HELP: dict[str, str] = {
     "tokens_total": "Prompt plus response tokens in the step.",
     "eval_accuracy": "Held-out greedy accuracy (last evaluation).",
 }
-STEP_PHASES = ("rollout", "reward", "train", "weight_sync", "eval", "checkpoint")
+STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 
 
 def step_metric_name(key: str) -> str:

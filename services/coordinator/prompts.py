@@ -17,9 +17,11 @@ def derived_seed(*parts: object) -> int:
     return int.from_bytes(digest[:8], "little") >> 1  # non-negative int63
 
 
-def step_problems(train: Sequence[Problem], *, seed: int, step: int, count: int) -> list[Problem]:
-    """`count` distinct problems when the split allows, else sampled with replacement."""
-    rng = random.Random(derived_seed("prompts", seed, step))
+def step_problems(train: Sequence[Problem], *, seed: int, step: int, count: int, round: int = 0) -> list[Problem]:
+    """`count` distinct problems when the split allows, else sampled with replacement.
+
+    `round` > 0 is a further, independent draw for the same step (dynamic sampling's extra rounds)."""
+    rng = random.Random(derived_seed("prompts", seed, step) if round == 0 else derived_seed("prompts", seed, step, round))
     if count <= len(train):
         return [train[i] for i in rng.sample(range(len(train)), count)]
     return [train[rng.randrange(len(train))] for _ in range(count)]

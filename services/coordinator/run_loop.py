@@ -41,6 +41,7 @@ from services.common.step_record import StepRecordMeta, write_step_record
 from services.common.structured_logging import log_event
 from services.common.tensors import from_proto, ids_to_proto
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
+from services.coordinator.dynamic_sampling import select_informative
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.prompts import derived_seed, group_id, step_problems
 from services.coordinator.replicas import NoLiveReplica, ReplicaPool
@@ -171,8 +172,12 @@ class RunDriver:
             timings["reward"] = time.monotonic() - tr
             if not trajectories:
                 raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
-            header.num_trajectories = len(trajectories)
             counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped}
+            if spec.rollout.dynamic_sampling.enabled:
+                tr = time.monotonic()
+                trajectories, counts = await self._informative_groups(step, trajectories, dropped)
+                timings["dynamic_sampling"] = time.monotonic() - tr
+            header.num_trajectories = len(trajectories)
             # Written before the trainer applies the step, so a replay after a
             # coordinator crash still accounts for every trajectory exactly once.
             await self.store.set_aux(self.run_id, "pending_step", {"step": step, "counts": counts})
@@ -206,11 +211,38 @@ class RunDriver:
                 self.exporter.on_eval(self.run_id, metrics["eval_accuracy"])
             self.exporter.trajectories(self.run_id, "trained", counts["trajectories_trained"])
             self.exporter.trajectories(self.run_id, "dropped", counts["trajectories_dropped"])
+            for outcome in ("filtered", "surplus"):
+                self.exporter.trajectories(self.run_id, outcome, counts.get(f"trajectories_{outcome}", 0))
         else:
             await self._note_recomputed(step, metrics)
         log_event(log, "step recorded", run_id=self.run_id, step=step,
                   reward_mean=metrics.get("reward_mean"), iw_mean=metrics.get("iw_mean"),
                   eval_accuracy=metrics.get("eval_accuracy"), seconds=round(timings["total"], 3))
+
+    async def _informative_groups(self, step: int, first: list[pb.Trajectory],
+                                  dropped: int) -> tuple[list[pb.Trajectory], dict]:
+        """Dynamic sampling: extra rounds of prompts until prompts_per_step groups have differing rewards."""
+        spec = self.spec
+        want, max_rounds = spec.rollout.prompts_per_step, spec.rollout.dynamic_sampling.max_rounds
+        rounds = [first]
+        selection = select_informative(rounds, want)
+        while selection.groups < want and len(rounds) <= max_rounds:
+            r = len(rounds)
+            extra = step_problems(self.task.split("train"), seed=spec.seed, step=step, count=want, round=r)
+            samples, lost = await self._rollout(extra, step=step, policy_version=step - 1, first_index=r * want)
+            dropped += lost
+            rounds.append(await self._score(extra, samples, step))
+            selection = select_informative(rounds, want)
+        kept = selection.kept
+        if selection.groups < want:
+            await self.store.add_event(self.run_id, "dynamic_sampling_short", step=step, groups=selection.groups,
+                                       wanted=want, rounds=len(rounds))
+            if not kept:  # no signal anywhere: the first round's batch, whose advantages are all zero
+                kept = first
+        counts = {"trajectories_trained": len(kept), "trajectories_dropped": dropped,
+                  "trajectories_filtered": selection.filtered - (len(first) if kept is first else 0),
+                  "trajectories_surplus": selection.surplus, "rollout_rounds": len(rounds)}
+        return kept, counts
 
     def _record_step_input(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory]) -> None:
         spec = self.spec
@@ -332,13 +364,16 @@ class RunDriver:
             log_event(log, "rollout replica readmitted", run_id=self.run_id, step=step, replica=client.address)
         self._export_replicas()
 
-    async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int,
-                       greedy: bool = False) -> tuple[list[tuple[int, pb.Sample]], int]:
-        """Samples as (problem index, sample) in problem order; returns also the dropped count."""
+    async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int, greedy: bool = False,
+                       first_index: int = 0) -> tuple[list[tuple[int, pb.Sample]], int]:
+        """Samples as (index in `problems`, sample) in problem order; returns also the dropped count.
+
+        `first_index` numbers the problems within the step (group ids and sampling seeds derive from it),
+        so further rounds of one step never reuse a group id or a seed."""
         spec = self.spec
         n = len(self.replicas.require_live(f"step {step} rollout"))
         size = -(-len(problems) // n)
-        shards = [Shard(problems[i:i + size], i) for i in range(0, len(problems), size)]
+        shards = [Shard(problems[i:i + size], first_index + i) for i in range(0, len(problems), size)]
         samples_per_prompt = 1 if greedy else spec.rollout.samples_per_prompt
         self.exporter.queue_depth(self.run_id, len(problems))
         results = await asyncio.gather(*(
@@ -353,7 +388,8 @@ class RunDriver:
             if res is None:
                 dropped += len(shard.problems) * samples_per_prompt
                 continue
-            gids = {group_id(step, shard.first_index + j): shard.first_index + j for j in range(len(shard.problems))}
+            gids = {group_id(step, shard.first_index + j): shard.first_index - first_index + j
+                    for j in range(len(shard.problems))}
             for s in res.samples:
                 out.append((gids[s.group_id], s))
         return out, dropped

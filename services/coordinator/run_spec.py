@@ -26,12 +26,21 @@ class SamplingSpec(_Strict):
     max_new_tokens: int = Field(16, ge=1, le=32768, description="Response length cap in tokens.")
 
 
+class DynamicSamplingSpec(_Strict):
+    enabled: bool = Field(
+        False, description="Train only on groups whose rewards differ (DAPO): zero-variance groups are dropped and "
+        "further prompts sampled until the step holds prompts_per_step informative groups.")
+    max_rounds: int = Field(4, ge=1, le=64, description="Extra sampling rounds (prompts_per_step prompts each) at most.")
+
+
 class RolloutSpec(_Strict):
     engine: Literal["torch", "sglang"] = Field("torch", description="Rollout engine every replica loads.")
     engine_options: dict = Field(default_factory=dict, description="Engine-specific options, validated by the engine.")
     prompts_per_step: int = Field(16, ge=1, le=65536, description="Prompts (GRPO groups) sampled per step.")
     samples_per_prompt: int = Field(8, ge=2, le=1024, description="Group size; GRPO needs at least 2.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
+    dynamic_sampling: DynamicSamplingSpec = Field(
+        default_factory=DynamicSamplingSpec, description="Drop zero-variance groups and sample more (DAPO).")
 
 
 class TaskSpec(_Strict):
