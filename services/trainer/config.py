@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.attention.registry import AttentionPolicy
 from services.trainer.lr_schedule import LRSchedule
@@ -44,6 +44,22 @@ class TrainerServiceConfig(BaseModel):
     @classmethod
     def _split_plugins(cls, v: object) -> object:
         return [m.strip() for m in v.split(",") if m.strip()] if isinstance(v, str) else v
+
+    data_parallel: int = Field(
+        1, ge=1, le=64,
+        description="Data-parallel ranks on this host: this process is rank 0 and serves gRPC, it starts the "
+        "others; each holds a full replica and trains on its share of every step's microbatches (gradients "
+        "summed over ranks). With device 'cuda', rank r uses cuda:r (NCCL); with 'cpu', gloo.",
+    )
+    collective_timeout_s: float = Field(
+        600.0, gt=0, description="A data-parallel collective that waits longer than this fails the step.")
+
+    @model_validator(mode="after")
+    def _group_device(self) -> "TrainerServiceConfig":
+        if self.data_parallel > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} names one device; with data_parallel {self.data_parallel} "
+                             "use 'cuda' (rank r takes cuda:r) or 'cpu'")
+        return self
 
     weight_chunk_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Default chunk size of GetWeights streams (a request may override)."

@@ -37,6 +37,7 @@ from services.trainer.config import TrainerServiceConfig
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.trainer import StepFailed, Trainer
 from services.trainer.wire import FailedPrecondition, InvalidRequest, read_train_step, step_metrics_message
+from services.trainer.worker_group import GroupSpec, GroupTrainer
 
 log = logging.getLogger("lockstep.trainer")
 SERVICE = "trainer"
@@ -223,7 +224,7 @@ class TrainerServer:
         import_attention_plugins(config.attention_plugins)
         self.registry = CollectorRegistry()
         collectors = build_collectors(TRAINER_METRICS, self.registry)
-        self.trainer = Trainer(device=config.device, num_threads=config.num_threads)
+        self.trainer = build_trainer(config)
         self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes)
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
@@ -257,7 +258,17 @@ class TrainerServer:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server = None
+        if isinstance(self.trainer, GroupTrainer):
+            await asyncio.to_thread(self.trainer.close)
         log_event(log, "trainer stopped")
+
+
+def build_trainer(config: TrainerServiceConfig) -> Trainer | GroupTrainer:
+    if config.data_parallel == 1:
+        return Trainer(device=config.device, num_threads=config.num_threads)
+    return GroupTrainer(GroupSpec(world_size=config.data_parallel, device=config.device,
+                                  num_threads=config.num_threads, timeout_s=config.collective_timeout_s,
+                                  log_level=config.log_level, attention_plugins=tuple(config.attention_plugins)))
 
 
 async def serve(config: TrainerServiceConfig) -> None:

@@ -25,6 +25,7 @@ from services.common.models import load_causal_lm
 from services.trainer import checkpoint as ckpt
 from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
 from services.trainer.config import TrainerRunConfig, format_validation_error
+from services.trainer.data_parallel import DataParallel
 from services.trainer.grpo import kl_to_reference, mismatch_stats, ppo_clip_loss, reward_stats
 from services.trainer.lr_schedule import lr_at
 from services.trainer.mismatch_correction import correction_weights
@@ -159,9 +160,13 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> Non
 
 
 class Trainer:
-    def __init__(self, *, device: str = "cpu", num_threads: int = 0) -> None:
+    """One run's model and optimizer. With `dp` this is one rank of a data-parallel group
+    (services/trainer/data_parallel.py): it trains its share of each step's microbatches."""
+
+    def __init__(self, *, device: str = "cpu", num_threads: int = 0, dp: DataParallel | None = None) -> None:
         self.device = device
         self.num_threads = num_threads
+        self.dp = dp
         self.run: RunState | None = None
 
     # ------------------------------------------------------------ configure --
@@ -352,15 +357,16 @@ class Trainer:
         # by the step's response-token count, so summing the microbatch
         # gradients gives the same update however the step was split.
         n_total = sum(mb.num_response_tokens for mb in microbatches)
-        logps, rollouts, clipped, entropies, kls, is_weights, is_affected = [], [], [], [], [], [], []
         correction = cfg.mismatch_correction
-        loss_value = 0.0
+        local: list[dict] = []  # per microbatch: its loss and the pre-update tensors the metrics need
+        sample_logits = None
         params = [p for p in model.parameters() if p.requires_grad]
         model.zero_grad(set_to_none=True)
         try:
-            for mb in microbatches:
+            for mb in (microbatches if self.dp is None else self.dp.shard(microbatches)):
                 targets = mb.response_targets
                 logits = mb.response_logits(model)
+                sample_logits = logits[:1].detach()
                 logp, _lse, ent = token_logprobs_with_entropy(logits, targets, temperature=cfg.temperature)
                 rollout_logp = mb.response_rollout_logprobs
                 # mode 'none': the rollout is the PPO "old" policy. Otherwise the trainer's own
@@ -372,8 +378,7 @@ class Trainer:
                 )
                 if correction.mode != "none":
                     token_loss = token_loss * weights.weights
-                is_weights.append(weights.weights)
-                is_affected.append(weights.affected)
+                out = {"is_weight": weights.weights, "is_affected": weights.affected}
                 if run.ref_model is not None:
                     with torch.no_grad():
                         ref_logp, _ = token_logprobs(
@@ -381,20 +386,31 @@ class Trainer:
                         )
                     kl = kl_to_reference(logp, ref_logp)
                     token_loss = token_loss + cfg.kl_coef * kl
-                    kls.append(kl.detach())
+                    out["kl"] = kl.detach()
                 loss = token_loss.sum() / n_total
                 loss.backward()
-                loss_value += float(loss.detach())
                 # Every forward here runs before the optimizer step, so these are
                 # the pre-update log-probs: the train/inference mismatch measure.
-                logps.append(logp.detach())
-                rollouts.append(rollout_logp)
-                clipped.append(clip_mask)
-                entropies.append(ent.detach())
+                out.update(loss=float(loss.detach()), logp=logp.detach(), rollout=rollout_logp, clipped=clip_mask,
+                           entropy=ent.detach())
+                local.append(out)
+            outputs = local
+            if self.dp is not None:
+                self.dp.all_reduce_gradients(params)
+                outputs = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in o.items()}
+                           for o in self.dp.gather_in_order(
+                               [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()} for o in local],
+                               len(microbatches))]
+            loss_value = 0.0
+            for o in outputs:  # in microbatch order, one rank or many: the same sum
+                loss_value += o["loss"]
+            logps = [o["logp"] for o in outputs]
             if step == 1:
                 # Step-1 parity gate: same weights on both sides, so any
                 # disagreement is a bug (seed 000); refuse before the update.
-                verdict = self._parity_verdict(run, microbatches, logps, samples, logits[:1].detach())
+                if sample_logits is None:  # this rank had no microbatch; only dtype and device matter here
+                    sample_logits = torch.empty(1, run.vocab_size, dtype=outputs[0]["logp"].dtype, device=self.device)
+                verdict = self._parity_verdict(run, microbatches, logps, samples, sample_logits)
                 log.info("parity gate", extra={"fields": {"run_id": run.run_id, "passed": verdict.passed,
                                                           **verdict.stats}})
                 if not verdict.passed:
@@ -418,14 +434,14 @@ class Trainer:
         reward_mean, reward_std = reward_stats([s.reward for s in ordered])
         metrics: dict[str, float] = {
             "loss": loss_value,
-            **mismatch_stats(torch.cat(logps), torch.cat(rollouts)).as_dict(),
-            "clip_fraction": torch.cat(clipped).double().mean().item(),
+            **mismatch_stats(torch.cat(logps), torch.cat([o["rollout"] for o in outputs])).as_dict(),
+            "clip_fraction": torch.cat([o["clipped"] for o in outputs]).double().mean().item(),
             "grad_norm": grad_norm,
             "lr": lr,
-            "is_weight_mean": torch.cat(is_weights).double().mean().item(),
-            "is_affected_fraction": torch.cat(is_affected).double().mean().item(),
-            "entropy": torch.cat(entropies).double().mean().item(),
-            "kl_ref": torch.cat(kls).double().mean().item() if kls else 0.0,
+            "is_weight_mean": torch.cat([o["is_weight"] for o in outputs]).double().mean().item(),
+            "is_affected_fraction": torch.cat([o["is_affected"] for o in outputs]).double().mean().item(),
+            "entropy": torch.cat([o["entropy"] for o in outputs]).double().mean().item(),
+            "kl_ref": torch.cat([o["kl"] for o in outputs]).double().mean().item() if "kl" in outputs[0] else 0.0,
             "reward_mean": reward_mean,
             "reward_std": reward_std,
             "response_length_mean": n_total / len(samples),
@@ -500,6 +516,17 @@ class Trainer:
 
     # ------------------------------------------------------------ info --
 
+    def weights_digest(self) -> str:
+        """sha256 over every weight's bytes in state-dict order (replicas compare it)."""
+        import hashlib
+
+        run = self.require_run(self.run.run_id if self.run else "")
+        h = hashlib.sha256()
+        for name, t in run.model.state_dict().items():
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
     def info(self) -> dict[str, object]:
         import transformers
 
@@ -510,6 +537,7 @@ class Trainer:
             "transformers": transformers.__version__,
             "logprob": "kernels.logprob.token_logprobs (backend auto)",
             "num_threads": str(torch.get_num_threads()),
+            "data_parallel": str(self.dp.world_size if self.dp else 1),
         }
         if run is not None:
             details.update(

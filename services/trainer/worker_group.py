@@ -1,0 +1,173 @@
+"""A data-parallel trainer on one host: the serving process is rank 0, it starts ranks 1..N-1.
+
+Rank 0 answers every RPC. What changes a replica (ConfigureRun, TrainStep,
+LoadCheckpoint) is broadcast to every rank first and executed by all of them
+in the same order, each rank then reports (ok, error) and rank 0 compares:
+a rank that failed where rank 0 did not leaves the replicas unequal, so the
+group is marked broken and refuses everything after (fail closed). What only
+reads (GetWeights, SaveCheckpoint, CheckParity, Info) runs on rank 0 alone:
+the replicas are equal.
+
+A worker process that dies takes the service down (exit code 70): a group
+missing a rank cannot step, and the supervisor restarting the trainer plus
+the coordinator resuming it from the run's last checkpoint is the recovery.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from services.trainer.data_parallel import DataParallel
+from services.trainer.trainer import Trainer
+
+log = logging.getLogger("lockstep.trainer.group")
+WORKER_LOST_EXIT = 70
+# What rank 0 broadcasts: the Trainer methods that change a replica.
+REPLICATED = ("configure", "train_step", "load_checkpoint", "weights_digest")
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    world_size: int
+    device: str          # 'cpu' or 'cuda' (rank r uses cuda:r)
+    num_threads: int
+    timeout_s: float     # collective timeout: a rank stuck longer fails the step
+    log_level: str = "info"
+    attention_plugins: tuple[str, ...] = ()  # imported by every rank, as the service imports them
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" else "gloo"
+
+    def rank_device(self, rank: int) -> str:
+        return f"cuda:{rank}" if self.device == "cuda" else "cpu"
+
+
+def _join(spec: GroupSpec, rank: int, init_method: str) -> DataParallel:
+    if spec.device == "cuda":
+        import torch
+
+        torch.cuda.set_device(rank)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    dist.init_process_group(spec.backend, init_method=init_method, rank=rank, world_size=spec.world_size,
+                            timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout)
+    return DataParallel(rank, spec.world_size, control)
+
+
+def _worker_main(spec: GroupSpec, rank: int, init_method: str) -> None:
+    from services.common.structured_logging import configure_logging
+
+    from services.trainer.server import import_attention_plugins
+
+    configure_logging(f"trainer-rank{rank}", spec.log_level)
+    import_attention_plugins(list(spec.attention_plugins))
+    dp = _join(spec, rank, init_method)
+    trainer = Trainer(device=spec.rank_device(rank), num_threads=spec.num_threads, dp=dp)
+    while True:
+        command = dp.broadcast_command(None)
+        if command is None:
+            break
+        name, kwargs = command
+        try:
+            result = getattr(trainer, name)(**kwargs)
+            status = (True, result if isinstance(result, str) else "")
+        except Exception as exc:  # noqa: BLE001 - reported to rank 0, which decides
+            status = (False, f"{type(exc).__name__}: {exc}")
+        dp.gather_status(status)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GroupTrainer:
+    """Rank 0's face of the group: the Trainer interface the gRPC servicer uses."""
+
+    def __init__(self, spec: GroupSpec) -> None:
+        if spec.world_size < 2:
+            raise ValueError(f"world_size: a group needs 2 or more ranks, got {spec.world_size}")
+        self.spec = spec
+        self.broken = ""
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = multiprocessing.get_context("spawn")  # fork would copy gRPC and torch threads mid-flight
+        self.workers = [ctx.Process(target=_worker_main, args=(spec, r, init_method), name=f"trainer-rank{r}",
+                                    daemon=True) for r in range(1, spec.world_size)]
+        for w in self.workers:
+            w.start()
+        self.dp = _join(spec, 0, init_method)
+        self.trainer = Trainer(device=spec.rank_device(0), num_threads=spec.num_threads, dp=self.dp)
+        self._closing = False
+        threading.Thread(target=self._watch_workers, name="trainer-group-watch", daemon=True).start()
+        log.info("data-parallel trainer group up", extra={"fields": {
+            "world_size": spec.world_size, "backend": spec.backend, "device": spec.device}})
+
+    def _watch_workers(self) -> None:
+        from multiprocessing.connection import wait
+
+        wait([w.sentinel for w in self.workers])
+        if self._closing:
+            return
+        dead = [f"rank {i + 1} (exit {w.exitcode})" for i, w in enumerate(self.workers) if not w.is_alive()]
+        log.critical("trainer worker lost: %s; exiting so the service is restarted and resumed", ", ".join(dead))
+        os._exit(WORKER_LOST_EXIT)
+
+    def _replicated(self, name: str, **kwargs):
+        if self.broken:
+            raise RuntimeError(f"trainer group is broken ({self.broken}); restart the trainer service")
+        self.dp.broadcast_command((name, kwargs))
+        error: BaseException | None = None
+        try:
+            result = getattr(self.trainer, name)(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised after the ranks have compared notes
+            error, result = exc, None
+        statuses = self.dp.gather_status((error is None, "" if error is None else f"{type(error).__name__}: {error}"))
+        diverged = [f"rank {r}: {msg or 'ok'}" for r, (ok, msg) in enumerate(statuses) if ok != (error is None)]
+        if diverged:
+            self.broken = f"{name} failed on some ranks only: " + "; ".join(diverged)
+            log.critical("trainer group broken: %s", self.broken)
+            raise RuntimeError(self.broken) from error
+        if error is not None:
+            raise error
+        return result
+
+    def configure(self, **kwargs):
+        return self._replicated("configure", **kwargs)
+
+    def train_step(self, request):
+        return self._replicated("train_step", request=request)
+
+    def load_checkpoint(self, run_id: str, directory: str):
+        return self._replicated("load_checkpoint", run_id=run_id, directory=directory)
+
+    def replica_digests(self) -> list[str]:
+        """sha256 of every rank's weights, in rank order: all equal while the group is healthy."""
+        self.dp.broadcast_command(("weights_digest", {}))
+        mine = self.trainer.weights_digest()
+        return [msg for _, msg in self.dp.gather_status((True, mine))]
+
+    def __getattr__(self, name: str):
+        # Reads (weights, checkpoints, parity checks, info) on rank 0 alone.
+        if name in REPLICATED:
+            raise AttributeError(name)
+        return getattr(self.trainer, name)
+
+    def close(self) -> None:
+        self._closing = True
+        if not self.broken:
+            self.dp.broadcast_command(None)
+        for w in self.workers:
+            w.join(timeout=30)
+            if w.is_alive():
+                w.kill()
+        dist.destroy_process_group()
