@@ -35,6 +35,7 @@ from services.common.structured_logging import log_event
 from services.common.weight_stream import iter_weight_chunks
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.parity_gate import ParityVerdict
+from services.trainer.plugins import import_attention_plugins
 from services.trainer.trainer import StepFailed, Trainer
 from services.trainer.wire import FailedPrecondition, InvalidRequest, read_train_step, step_metrics_message
 from services.trainer.worker_group import GroupSpec, GroupTrainer
@@ -57,15 +58,6 @@ def parity_report(verdict: ParityVerdict) -> pb.ParityReport:
                                      rollout_logp=w.rollout_logp) for w in verdict.worst],
         attention_backend=verdict.attention_backend, logprob_backend=verdict.logprob_backend,
     )
-
-
-def import_attention_plugins(modules: list[str]) -> None:
-    """Import modules that register extra attention backends; a missing one stops start-up."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise RuntimeError(f"attention_plugins: cannot import {name!r}: {exc}") from exc
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:

@@ -65,7 +65,7 @@ def _join(spec: GroupSpec, rank: int, init_method: str) -> DataParallel:
 def _worker_main(spec: GroupSpec, rank: int, init_method: str) -> None:
     from services.common.structured_logging import configure_logging
 
-    from services.trainer.server import import_attention_plugins
+    from services.trainer.plugins import import_attention_plugins
 
     configure_logging(f"trainer-rank{rank}", spec.log_level)
     import_attention_plugins(list(spec.attention_plugins))
@@ -103,12 +103,14 @@ class GroupTrainer:
         ctx = multiprocessing.get_context("spawn")  # fork would copy gRPC and torch threads mid-flight
         self.workers = [ctx.Process(target=_worker_main, args=(spec, r, init_method), name=f"trainer-rank{r}",
                                     daemon=True) for r in range(1, spec.world_size)]
+        self._closing = False
         for w in self.workers:
             w.start()
+        # Watch from the start: a rank that dies before the rendezvous (an import error on that
+        # rank, say) would otherwise leave rank 0 waiting out the whole collective timeout.
+        threading.Thread(target=self._watch_workers, name="trainer-group-watch", daemon=True).start()
         self.dp = _join(spec, 0, init_method)
         self.trainer = Trainer(device=spec.rank_device(0), num_threads=spec.num_threads, dp=self.dp)
-        self._closing = False
-        threading.Thread(target=self._watch_workers, name="trainer-group-watch", daemon=True).start()
         log.info("data-parallel trainer group up", extra={"fields": {
             "world_size": spec.world_size, "backend": spec.backend, "device": spec.device}})
 

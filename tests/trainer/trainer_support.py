@@ -59,9 +59,10 @@ def rollout_logprobs(model, prompt: list[int], response: list[int], *, temperatu
     """Score `response` given `prompt` like the rollout engine: one unpadded sequence, shared kernel."""
     from kernels.logprob import token_logprobs
 
-    ids = torch.tensor([prompt + response])
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt + response], device=device)
     logits = model(input_ids=ids, use_cache=False).logits[0]
     p = len(prompt)
     sel = logits[p - 1 : p - 1 + len(response)]
-    logp, _ = token_logprobs(sel, torch.tensor(response), temperature=temperature)
+    logp, _ = token_logprobs(sel, torch.tensor(response, device=device), temperature=temperature)
     return logp.tolist()
