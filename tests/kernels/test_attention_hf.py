@@ -39,6 +39,18 @@ def tiny_qwen3(seed: int = 0) -> "transformers.Qwen3ForCausalLM":
     return transformers.Qwen3ForCausalLM(cfg).float().eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One CPU thread: with more, MKL may split a GEMM's reduction across threads depending on the
+    shape and on how busy the machine is, and the packed and one-at-a-time products then round
+    differently (a loaded CI run once saw logits 2.6e-5 apart). One thread makes the comparison
+    depend on the kernels alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def models():
     """(packed model on the registry's attention, the same weights on HF's own sdpa)."""

@@ -164,9 +164,10 @@ def test_update_weights_from_disk_changes_logprobs_to_the_new_weights(engine):
 
 def test_server_killed_mid_batch_raises_unavailable_then_recovers_with_current_weights(engine):
     version, weights, pid = engine.policy_version, engine.weights_path, engine.server_pid
-    # 64 samples x up to 100 tokens keeps the server busy; the kill lands as soon as
-    # SGLang reports the batch running (a fixed sleep raced a fast, idle machine).
-    big = make_request(n=32, max_new_tokens=100)
+    # 128 samples x up to 120 tokens keep the server busy (prompts are 4 tokens, positions 128);
+    # the kill lands as soon as SGLang reports the batch queued or running (a fixed sleep raced a
+    # fast, idle machine; 64 samples once finished before a loaded machine's poll saw them).
+    big = make_request(n=64, max_new_tokens=120)
     outcome: dict = {}
 
     def run():
@@ -181,17 +182,17 @@ def test_server_killed_mid_batch_raises_unavailable_then_recovers_with_current_w
     while t.is_alive() and time.monotonic() < deadline:
         try:
             text = httpx.get(f"{engine.url}/metrics", timeout=5).text
-            if any(line.startswith("sglang:num_running_reqs") and float(line.rsplit(" ", 1)[1]) > 0
-                   for line in text.splitlines()):
+            if any(line.startswith(("sglang:num_running_reqs", "sglang:num_queue_reqs"))
+                   and float(line.rsplit(" ", 1)[1]) > 0 for line in text.splitlines()):
                 break
         except httpx.HTTPError:
             pass
         time.sleep(0.01)
-    assert t.is_alive(), "the batch finished before the kill: the test would prove nothing"
+    assert t.is_alive(), f"the batch finished before the kill: the test would prove nothing ({outcome})"
     os.kill(pid, signal.SIGKILL)
     t.join(timeout=120)
     assert isinstance(outcome.get("error"), EngineUnavailable), outcome
-    assert "64 samples lost" in str(outcome["error"])
+    assert "128 samples lost" in str(outcome["error"])
 
     started = time.monotonic()
     req = make_request(n=2)
