@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,11 +17,7 @@ from pathlib import Path
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from services.common.ports import free_port
 
 
 @dataclass
@@ -109,9 +104,13 @@ class LocalStack:
         return [self.trainer, *self.rollouts, self.coordinator]
 
     def start(self, timeout_s: float = 120.0) -> "LocalStack":
-        for p in self.processes:
-            p.start()
-        self.wait_ready(timeout_s)
+        try:
+            for p in self.processes:
+                p.start()
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()  # `with` never reaches __exit__ when __enter__ raises: nothing may outlive it
+            raise
         return self
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:

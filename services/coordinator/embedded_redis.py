@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.common.ports import free_port
+
 
 def redis_server_binary() -> Path:
     try:
@@ -38,18 +40,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class EmbeddedRedis:
     """Owns one redis-server child process bound to loopback."""
 
     def __init__(self, data_dir: str | Path, port: int = 0) -> None:
         self.data_dir = Path(data_dir).resolve()
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self._proc: subprocess.Popen | None = None
 
     @property

@@ -12,7 +12,6 @@ import atexit
 import logging
 import os
 import signal
-import socket
 import subprocess
 import time
 import weakref
@@ -22,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from services.common.platform import SGLangLaunchPlan
+from services.common.ports import free_port
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +34,6 @@ SCRUBBED_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_USE_CPU_ENGINE")
 
 class SGLangStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message carries its log tail."""
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 # The child's entry point: SGLang's own launcher, plus a watchdog thread that

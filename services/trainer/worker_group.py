@@ -18,12 +18,12 @@ import datetime
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from services.common.ports import free_port
 from services.trainer.data_parallel import DataParallel
 from services.trainer.trainer import Trainer
 
@@ -85,12 +85,6 @@ def _worker_main(spec: GroupSpec, rank: int, init_method: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class GroupTrainer:
     """Rank 0's face of the group: the Trainer interface the gRPC servicer uses."""
 
@@ -99,7 +93,7 @@ class GroupTrainer:
             raise ValueError(f"world_size: a group needs 2 or more ranks, got {spec.world_size}")
         self.spec = spec
         self.broken = ""
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         ctx = multiprocessing.get_context("spawn")  # fork would copy gRPC and torch threads mid-flight
         self.workers = [ctx.Process(target=_worker_main, args=(spec, r, init_method), name=f"trainer-rank{r}",
                                     daemon=True) for r in range(1, spec.world_size)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,13 +24,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_run(n: int) -> int:
-    """A port p with p .. p+n-1 all free on loopback and the node address."""
+    """A port p with p .. p+n-1 all bindable on every interface, below the kernel's ephemeral range
+    (services/common/ports.py says why)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+        base = rng.randrange(20000, low - n)
         try:
             for p in range(base, base + n):
                 with socket.socket() as s:

@@ -40,6 +40,10 @@ def _run_one(logits, targets, mask, backend, **kw):
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    # One thread in the forked child: GNU OpenMP keeps the parent's thread-team bookkeeping across
+    # fork without its threads, so a child that opens a parallel region after the parent changed
+    # its thread count (an earlier test did) waits forever for threads that do not exist.
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         logits, targets, mask = _inputs()
@@ -72,14 +76,25 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_tp_matches_single_process_bitwise(world, tmp_path):
     logits, targets, mask = _inputs()
-    single = {b: _run_one(logits, targets, mask, b, global_vocab_size=GVS) for b in BACKENDS}
+    # The ranks compute on one thread (see _worker); so does the TP=1 baseline, since CPU reductions
+    # split work by thread count and bitwise claims hold at a fixed count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = {b: _run_one(logits, targets, mask, b, global_vocab_size=GVS) for b in BACKENDS}
+    finally:
+        torch.set_num_threads(threads)
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), str(tmp_path))) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=120)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:  # a hung rank must not outlive the test (it would hold CPU for the rest of the session)
+        p.kill()
+        p.join()
+    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     V_local = PADDED // world
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")
