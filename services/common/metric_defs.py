@@ -72,6 +72,11 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
               ("run_id",)),
     MetricDef("lockstep_rollout_replicas_configured", "gauge",
               "Rollout replicas the coordinator was configured with (live + evicted).", ("run_id",)),
+    MetricDef("lockstep_trainer_recoveries_total", "counter",
+              "Times the run's trainer was lost and resumed from the run's last checkpoint.", ("run_id",)),
+    MetricDef("lockstep_steps_recomputed_total", "counter",
+              "Steps recomputed after a trainer recovery, by whether they reproduced their record bit for bit "
+              "(outcome matched or differed).", ("run_id", "outcome")),
     MetricDef("lockstep_weight_sync_seconds", "gauge", "Duration of the last weight sync to all rollout replicas.", ("run_id",)),
 )
 

@@ -41,6 +41,12 @@ class CoordinatorExporter:
         self._m["lockstep_rollout_replicas_live"].labels(run_id).set(live)
         self._m["lockstep_rollout_replicas_configured"].labels(run_id).set(configured)
 
+    def trainer_recovered(self, run_id: str) -> None:
+        self._m["lockstep_trainer_recoveries_total"].labels(run_id).inc()
+
+    def step_recomputed(self, run_id: str, matched: bool) -> None:
+        self._m["lockstep_steps_recomputed_total"].labels(run_id, "matched" if matched else "differed").inc()
+
     def queue_depth(self, run_id: str, prompts: int) -> None:
         self._m["lockstep_rollout_queue_depth"].labels(run_id).set(prompts)
 

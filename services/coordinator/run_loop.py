@@ -259,6 +259,7 @@ class RunDriver:
         differing = sorted(k for k in metrics if recorded is None or json.dumps(recorded.get(k)) != json.dumps(metrics[k]))
         await self.store.add_event(self.run_id, "step_recomputed", step=step, matches_recorded=same,
                                    differing_metrics=differing)
+        self.exporter.step_recomputed(self.run_id, same)
         log_event(log, "step recomputed", run_id=self.run_id, step=step, matches_recorded=same,
                   differing_metrics=differing)
 
@@ -286,6 +287,7 @@ class RunDriver:
         checkpoint = await self.store.get_aux(self.run_id, "last_checkpoint")
         await self.store.add_event(self.run_id, "trainer_recovered", step=step, policy_version=version,
                                    resumed_from=checkpoint["path"] if checkpoint else "")
+        self.exporter.trainer_recovered(self.run_id)
         log_event(log, "trainer recovered", run_id=self.run_id, step=step, policy_version=version)
         return version
 

@@ -38,6 +38,8 @@ HEALTHCHECK = REPO_ROOT / "deploy" / "docker" / "healthcheck.py"
 MAY_BE_ABSENT = {
     **{name: f"SGLang's own metric ({why}); this run uses engine=torch" for name, why in SGLANG_METRICS.items()},
     "ALERTS": PROMETHEUS_SERIES["ALERTS"] + "; a healthy run has none",
+    "lockstep_steps_recomputed_total": "labelled counter, first exported when a lost trainer is recovered "
+    "(tests/integration/test_trainer_recovery.py checks it on the coordinator's /metrics)",
 }
 MISMATCH_AND_SERVICE_ALERTS = (
     "LockstepIWMeanOutOfBand|LockstepIWMaxAboveBound|LockstepLogprobDiffAboveGate|LockstepApproxKLSpike"

@@ -51,7 +51,7 @@ def test_every_alert_the_issue_asks_for_exists_and_is_unit_tested():
         "LockstepIWMeanOutOfBand", "LockstepIWMaxAboveBound", "LockstepLogprobDiffAboveGate",
         "LockstepApproxKLSpike", "LockstepRewardNaN", "LockstepRewardFlat", "LockstepServiceDown",
         "LockstepSGLangDown", "LockstepWeightSyncSlow", "LockstepRunStalled",
-        "LockstepRolloutReplicaEvicted", "LockstepRolloutNoLiveReplica",
+        "LockstepRolloutReplicaEvicted", "LockstepRolloutNoLiveReplica", "LockstepRecomputedStepDiffers",
     }
     assert alerts == wanted
     tested = set()
@@ -81,6 +81,7 @@ MUTATIONS = {
         "lockstep_rollout_replicas_live) > 0\n          and on (run_id) lockstep_run_active == 1",
         "lockstep_rollout_replicas_live) > 0"),
     "replica eviction alert fires on a one-step blip": ("for: 10m", "for: 1m"),
+    "recomputed-step alert fires on matched steps too": ('{outcome="differed"}[1h]', "[1h]"),
     "no-live-replica alert fires with a replica left": ("lockstep_rollout_replicas_live == 0",
                                                         "lockstep_rollout_replicas_live <= 1"),
 }

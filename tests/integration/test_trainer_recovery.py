@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
 from safetensors.torch import load_file
 
@@ -66,6 +67,13 @@ def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_i
             assert all(e["matches_recorded"] and e["differing_metrics"] == [] for e in recomputed), recomputed
             assert resumed + len(recomputed) >= killed_at
 
+            # The coordinator's counters say the same as the events.
+            exported = httpx.get(f"{stack.api_url}/metrics", timeout=10).text
+            rid = run["id"]
+            assert f'lockstep_trainer_recoveries_total{{run_id="{rid}"}} 1.0' in exported
+            assert (f'lockstep_steps_recomputed_total{{outcome="matched",run_id="{rid}"}} {float(len(recomputed))}'
+                    in exported), exported[-2000:]
+            assert f'outcome="differed",run_id="{rid}"' not in exported
             # The whole history and the final weights are those of the run that never lost its trainer.
             steps = client.metrics(run["id"])["steps"]
             assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
