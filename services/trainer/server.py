@@ -16,7 +16,6 @@ Every one of them leaves the server serving.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import signal
 import threading
