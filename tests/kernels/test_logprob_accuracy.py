@@ -16,6 +16,12 @@ import pytest  # noqa: E402
 
 from kernels.logprob import token_logprobs, token_logprobs_with_entropy  # noqa: E402
 from tests.conftest import require  # noqa: E402
+from tests.kernels.logprob_oracle import (  # noqa: E402
+    check_adversarial_rows,
+    check_padded_columns_are_excluded,
+    close,
+    oracle,
+)
 
 BACKENDS = ["reference", "triton"]
 # The interpreter evaluates masked-off lanes too (exp(-inf - -inf) and the like) and warns; results are where()'d.
@@ -30,25 +36,6 @@ def _need(backend: str) -> None:
             require(False, "triton is not installed")
 
 
-def _oracle(logits: torch.Tensor, targets: torch.Tensor, tau: float, gvs: int | None = None):
-    """fp64 log_softmax over the real vocab (columns >= gvs are padding, excluded)."""
-    x = logits.detach().double().requires_grad_()
-    xs = x / tau
-    if gvs is not None:
-        xs = xs[:, :gvs]
-    ls = torch.log_softmax(xs, dim=-1)
-    safe = targets.clamp(0, ls.shape[1] - 1)
-    logp = ls.gather(1, safe[:, None])[:, 0]
-    lse = torch.logsumexp(xs, dim=-1)
-    p = ls.exp()
-    ent = -(torch.where(p > 0, p * ls, torch.zeros_like(p))).sum(-1)
-    return x, logp, lse, ent
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:
-    torch.testing.assert_close(got.double(), want.detach().double(), rtol=0, atol=atol, equal_nan=True)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("tau", [1.0, 0.7])
@@ -59,16 +46,16 @@ def test_random_logits_forward_backward(backend, dtype, tau):
     logits = (torch.randn(T, V, generator=g) * 5).to(dtype).requires_grad_()
     targets = torch.randint(0, V, (T,), generator=g)
     logp, lse, ent = token_logprobs_with_entropy(logits, targets, temperature=tau, backend=backend)
-    x, r_logp, r_lse, r_ent = _oracle(logits, targets, tau)
-    _close(logp, r_logp, 3e-5)
-    _close(lse, r_lse, 3e-5)
-    _close(ent, r_ent, 3e-5)
+    x, r_logp, r_lse, r_ent = oracle(logits, targets, tau)
+    close(logp, r_logp, 3e-5)
+    close(lse, r_lse, 3e-5)
+    close(ent, r_ent, 3e-5)
     up = torch.randn(3, T, generator=g)
     ((logp * up[0]).sum() + (lse * up[1]).sum() + (ent * up[2]).sum()).backward()
     ((r_logp * up[0]).sum() + (r_lse * up[1]).sum() + (r_ent * up[2]).sum()).backward()
     # Gradients come back in the logits dtype: one rounding at that dtype's resolution.
     atol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
-    _close(logits.grad, x.grad, atol)
+    close(logits.grad, x.grad, atol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -80,65 +67,24 @@ def test_vocab_not_divisible_by_tile_count(backend):
     logits = (torch.randn(T, V, generator=g) * 3).to(torch.bfloat16).requires_grad_()
     targets = torch.tensor([0, 50256, 49518])  # first column, last column, first column of the last tile
     logp, lse = token_logprobs(logits, targets, backend=backend)
-    x, r_logp, r_lse, _ = _oracle(logits, targets, 1.0)
-    _close(logp, r_logp, 3e-5)
-    _close(lse, r_lse, 3e-5)
+    x, r_logp, r_lse, _ = oracle(logits, targets, 1.0)
+    close(logp, r_logp, 3e-5)
+    close(lse, r_lse, 3e-5)
     logp.sum().backward()
     r_logp.sum().backward()
-    _close(logits.grad, x.grad, 4e-3)
+    close(logits.grad, x.grad, 4e-3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_columns_are_excluded(backend):
-    """global_vocab_size < V_local: columns past it are padding, even if they hold huge values."""
     _need(backend)
-    g = torch.Generator().manual_seed(12)
-    logits = torch.randn(4, 200, generator=g)
-    logits[:, 190:] = 1e4  # padding that would dominate if it were counted
-    logits.requires_grad_()
-    targets = torch.tensor([0, 5, 189, 190])  # the last is padding: out of range -> NaN
-    logp, lse = token_logprobs(logits, targets, global_vocab_size=190, backend=backend)
-    x, r_logp, r_lse, _ = _oracle(logits, targets, 1.0, gvs=190)
-    _close(logp[:3], r_logp[:3], 2e-5)
-    _close(lse, r_lse, 2e-5)
-    assert torch.isnan(logp[3])
-    logp[:3].sum().backward()
-    assert torch.all(logits.grad[:, 190:] == 0)
-    r_logp[:3].sum().backward()
-    _close(logits.grad, x.grad, 2e-6)
+    check_padded_columns_are_excluded(backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_adversarial_rows(backend):
     _need(backend)
-    g = torch.Generator().manual_seed(13)
-    T, V = 7, 256
-    x = torch.randn(T, V, generator=g)
-    x[0] = x[0] * 1e30  # huge magnitudes (fp32 only: beyond bf16/fp16 in part)
-    x[1] = 0.0  # ties everywhere: logp = -log(V)
-    x[2, ::2] = float("-inf")  # half the vocab impossible; target on a live column
-    x[3, ::2] = float("-inf")  # target on an impossible column -> logp = -inf
-    x[4] = float("-inf")  # no distribution at all: lse = -inf, logp = NaN (as fp64 torch)
-    x[5, 17] = 80.0  # one dominant logit: logp(17) ~ 0, others ~ -80
-    x[6] = -3e4  # large negative offset: lse must not underflow
-    targets = torch.tensor([3, 9, 1, 2, 0, 17, 100])
-    logits = x.requires_grad_()
-    logp, lse = token_logprobs(logits, targets, backend=backend)
-    xd, r_logp, r_lse, _ = _oracle(logits, targets, 1.0)
-    assert torch.equal(torch.isnan(logp), torch.isnan(r_logp)) and torch.isnan(logp[4])
-    assert logp[3] == float("-inf") and lse[4] == float("-inf")
-    _close(logp[0], r_logp[0], 1e30 * 2e-7)  # fp32 carries ~7 digits of a 1e30-sized difference
-    _close(lse[0], r_lse[0], 1e30 * 2e-7)
-    for i in (1, 2, 5, 6):
-        _close(logp[i], r_logp[i], 1e-5 * max(1.0, abs(r_lse[i].item()) / 100))
-        _close(lse[i], r_lse[i], 1e-5 * max(1.0, abs(r_lse[i].item()) / 100))
-    assert abs(logp[1].item() + torch.log(torch.tensor(float(V), dtype=torch.float64)).item()) < 1e-6
-    # Gradient of the well-defined rows against fp64 autograd; impossible columns get exactly 0.
-    rows = [1, 2, 5, 6]
-    logp[rows].sum().backward()
-    r_logp[rows].sum().backward()
-    _close(logits.grad[rows], xd.grad[rows], 2e-6)
-    assert torch.all(logits.grad[2, ::2] == 0)
+    check_adversarial_rows(backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -25,6 +25,7 @@ from kernels.logprob.native import SRC_DIR, NativeBackend
 from kernels.logprob.reference import ReferenceBackend
 from kernels.logprob.tiling import ShardLayout
 from tests.conftest import require
+from tests.kernels.logprob_oracle import check_adversarial_rows, check_padded_columns_are_excluded, close, oracle
 
 # The emulator: just enough of the CUDA runtime for logprob_kernels.cu. One OS thread runs a block's
 # lanes as ucontext fibers, round robin; ls_shfl_xor32 is two barriers (write, then read), and it
@@ -246,20 +247,6 @@ def _inputs(T, V, dtype, seed, scale=4.0):
     return logits, torch.randint(0, V, (T,), generator=g)
 
 
-def _oracle(logits, targets, tau, gvs=None):
-    x = logits.detach().double().requires_grad_()
-    xs = (x / tau)[:, :gvs] if gvs is not None else x / tau
-    ls = torch.log_softmax(xs, -1)
-    logp = ls.gather(1, targets.clamp(0, ls.shape[1] - 1)[:, None])[:, 0]
-    p = ls.exp()
-    ent = -(p * torch.where(p > 0, ls, torch.zeros_like(ls))).sum(-1)  # no 0 * -inf, in value or gradient
-    return x, logp, torch.logsumexp(xs, -1), ent
-
-
-def _close(got, want, atol):
-    torch.testing.assert_close(got.double(), want.detach().double(), rtol=0, atol=atol, equal_nan=True)
-
-
 # ---- accuracy against fp64 and the reference backend, through the public API ----
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -273,21 +260,21 @@ def test_forward_backward_with_entropy_and_mask_vs_fp64(native_on_cpu, dtype, ta
     mask = torch.tensor([True, True, False])
     x = logits.clone().requires_grad_()
     logp, lse, ent = token_logprobs_with_entropy(x, targets, temperature=tau, backend="native", mask=mask)
-    xd, r_logp, r_lse, r_ent = _oracle(logits, targets, tau)
+    xd, r_logp, r_lse, r_ent = oracle(logits, targets, tau)
     on = mask
-    _close(logp[on], r_logp[on], 5e-5)
-    _close(lse[on], r_lse[on], 5e-5)
-    _close(ent[on], r_ent[on], 5e-5)
+    close(logp[on], r_logp[on], 5e-5)
+    close(lse[on], r_lse[on], 5e-5)
+    close(ent[on], r_ent[on], 5e-5)
     assert logp[2] == 0 and lse[2] == 0 and ent[2] == 0
     up = torch.tensor([[1.5, -0.5, 2.0], [0.25, 0.75, 1.0], [-1.0, 0.5, 3.0]])
     ((logp * up[0]).sum() + (lse * up[1]).sum() + (ent * up[2]).sum()).backward()
     (((r_logp * up[0]) + (r_lse * up[1]) + (r_ent * up[2])) * mask).sum().backward()
-    _close(x.grad, xd.grad, ATOL_GRAD[dtype])
+    close(x.grad, xd.grad, ATOL_GRAD[dtype])
     assert torch.all(x.grad[2] == 0) and torch.all(x.grad[1, ::3] == 0)
     ref = token_logprobs_with_entropy(logits, targets, temperature=tau, backend="reference", mask=mask)
-    _close(logp, ref[0], 5e-6)
-    _close(lse, ref[1], 5e-6)
-    _close(ent, ref[2], 2e-5)  # lse - W/S cancels two ~20-sized terms: a few of their ulps
+    close(logp, ref[0], 5e-6)
+    close(lse, ref[1], 5e-6)
+    close(ent, ref[2], 2e-5)  # lse - W/S cancels two ~20-sized terms: a few of their ulps
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -300,43 +287,19 @@ def test_gpt2_vocab_takes_the_element_path_and_stays_accurate(native_on_cpu, nat
     x = logits.clone().requires_grad_()
     logp, lse = token_logprobs(x, targets, backend="native")
     (logp.sum() + 0.5 * lse.sum()).backward()  # the `.sum()` case: g_logp arrives with stride 0
-    xd, r_logp, r_lse, _ = _oracle(logits, targets, 1.0)
-    _close(logp, r_logp, 5e-5)
-    _close(lse, r_lse, 5e-5)
+    xd, r_logp, r_lse, _ = oracle(logits, targets, 1.0)
+    close(logp, r_logp, 5e-5)
+    close(lse, r_lse, 5e-5)
     (r_logp.sum() + 0.5 * r_lse.sum()).backward()
-    _close(x.grad, xd.grad, ATOL_GRAD[dtype])
+    close(x.grad, xd.grad, ATOL_GRAD[dtype])
 
 
 def test_padding_columns_and_out_of_range_targets(native_on_cpu):
-    logits = torch.randn(4, 200, generator=torch.Generator().manual_seed(3))
-    logits[:, 190:] = 1e4  # padding that would dominate if it were counted
-    targets = torch.tensor([0, 5, 189, 190])  # the last is padding: out of range -> NaN
-    x = logits.clone().requires_grad_()
-    logp, lse = token_logprobs(x, targets, global_vocab_size=190, backend="native")
-    _, r_logp, r_lse, _ = _oracle(logits, targets, 1.0, gvs=190)
-    _close(logp[:3], r_logp[:3], 2e-5)
-    _close(lse, r_lse, 2e-5)
-    assert torch.isnan(logp[3])
-    logp[:3].sum().backward()
-    assert torch.all(x.grad[:, 190:] == 0)
+    check_padded_columns_are_excluded("native")
 
 
 def test_adversarial_rows(native_on_cpu):
-    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(4))
-    x[0] = 0.0  # ties: logp = -log(V)
-    x[1, ::2] = float("-inf")  # target on an impossible column -> -inf
-    x[2] = float("-inf")  # no distribution: lse = -inf, logp = NaN
-    x[3, 17] = 80.0  # one dominant logit
-    x[4] = -3e4  # large offset
-    x[5] = x[5] * 1e30
-    targets = torch.tensor([9, 2, 0, 17, 100, 3])
-    logp, lse = token_logprobs(x, targets, backend="native")
-    _, r_logp, r_lse, _ = _oracle(x, targets, 1.0)
-    assert abs(logp[0].item() + torch.log(torch.tensor(256.0, dtype=torch.float64)).item()) < 1e-6
-    assert logp[1] == float("-inf") and lse[2] == float("-inf") and torch.isnan(logp[2])
-    _close(logp[3], r_logp[3], 1e-5)
-    _close(lse[4], r_lse[4], 3e4 * 2e-7)  # ~1 ulp of lse
-    _close(lse[5], r_lse[5], 1e30 * 2e-7)
+    check_adversarial_rows("native")
 
 
 # ---- bitwise claims ----
@@ -398,9 +361,9 @@ def test_fixed_topology_shards_that_cut_tiles(native_on_cpu):
     targets = torch.tensor([0, 333, 999])  # 333: last column of rank 0, inside a cut tile
     kw = dict(tp=3, backend="native", global_vocab_size=1000, determinism="fixed_topology", temperature=0.9)
     logp, lse = emulate_tensor_parallel(logits, targets, **kw)
-    _, r_logp, r_lse, _ = _oracle(logits, targets, 0.9, gvs=1000)
-    _close(logp, r_logp, 2e-5)
-    _close(lse, r_lse, 2e-5)
+    _, r_logp, r_lse, _ = oracle(logits, targets, 0.9, gvs=1000)
+    close(logp, r_logp, 2e-5)
+    close(lse, r_lse, 2e-5)
     again = emulate_tensor_parallel(logits, targets, **kw)
     assert torch.equal(logp, again[0]) and torch.equal(lse, again[1])
 
