@@ -5,12 +5,7 @@ import pytest
 import torch
 
 from kernels.logprob import token_logprobs, token_logprobs_with_entropy
-
-
-def _fp64_oracle(logits, targets, tau):
-    x = logits.detach().double().requires_grad_()
-    ref = torch.log_softmax(x / tau, dim=-1)
-    return x, ref.gather(1, targets[:, None])[:, 0], torch.logsumexp(x / tau, -1), -(ref.exp() * ref).sum(-1)
+from tests.kernels.logprob_oracle import oracle
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -22,7 +17,7 @@ def test_forward_backward_match_fp64(dtype, tau):
     targets = torch.randint(0, V, (T,), generator=g)
     logp, lse = token_logprobs(logits, targets, temperature=tau)
     assert logp.dtype == lse.dtype == torch.float32
-    x, ref_logp, ref_lse, _ = _fp64_oracle(logits, targets, tau)
+    x, ref_logp, ref_lse, _ = oracle(logits, targets, tau)
     torch.testing.assert_close(logp.double(), ref_logp.detach(), rtol=0, atol=2e-5)
     torch.testing.assert_close(lse.double(), ref_lse.detach(), rtol=0, atol=2e-5)
     up = torch.randn(T, generator=g)
@@ -39,7 +34,7 @@ def test_entropy_and_its_gradient():
     logits = (torch.randn(5, 200, generator=g) * 3).requires_grad_()
     targets = torch.randint(0, 200, (5,), generator=g)
     _, _, ent = token_logprobs_with_entropy(logits, targets, temperature=0.8)
-    x, _, _, ref_ent = _fp64_oracle(logits, targets, 0.8)
+    x, _, _, ref_ent = oracle(logits, targets, 0.8)
     torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=0, atol=2e-5)
     ent.sum().backward()
     ref_ent.sum().backward()
