@@ -38,17 +38,27 @@ def _bindable(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    return free_port_run(1, host)
+
+
+def free_port_run(n: int, host: str = "127.0.0.1") -> int:
+    """A port p with p .. p+n-1 all free (for services numbered from a base port)."""
     high = _ephemeral_low()
     with _lock:
-        if high - _LOW >= 1000:
+        if high - _LOW >= 1000 + n:
             for _ in range(200):
-                port = _rng.randrange(_LOW, high)
-                if port not in _handed_out and _bindable(host, port):
-                    _handed_out.add(port)
-                    return port
-        # No room below the ephemeral range (or not Linux): the kernel's pick.
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        _handed_out.add(port)
-        return port
+                base = _rng.randrange(_LOW, high - n)
+                run = range(base, base + n)
+                if not _handed_out.intersection(run) and all(_bindable(host, p) for p in run):
+                    _handed_out.update(run)
+                    return base
+        # No room below the ephemeral range (or not Linux): the kernel's pick, then its neighbours.
+        for _ in range(200):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                base = int(s.getsockname()[1])
+            run = range(base, base + n)
+            if base + n <= 65536 and not _handed_out.intersection(run) and all(_bindable(host, p) for p in run):
+                _handed_out.update(run)
+                return base
+    raise RuntimeError(f"no {n} consecutive free ports on {host}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.ports import free_port
+from services.common.ports import free_port, free_port_run
 
 
 def test_ports_are_below_the_ephemeral_range_distinct_and_bindable():
@@ -35,3 +35,11 @@ def test_a_port_in_use_is_never_handed_out():
     finally:
         for s in taken:
             s.close()
+
+
+def test_a_run_of_ports_is_free_as_a_whole_and_not_handed_out_again():
+    base = free_port_run(5)
+    for p in range(base, base + 5):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    assert not set(range(base, base + 5)) & {free_port() for _ in range(100)}

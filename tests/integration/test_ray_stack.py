@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,28 +14,12 @@ from pathlib import Path
 import pytest
 
 from services.cli.client import CoordinatorClient
+from services.common.ports import free_port_run
 from services.common.tiny_model import build_model_dir
 from tests.conftest import require
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_run(n: int) -> int:
-    """A port p with p .. p+n-1 all bindable on every interface, below the kernel's ephemeral range
-    (services/common/ports.py says why)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, low - n)
-        try:
-            for p in range(base, base + n):
-                with socket.socket() as s:
-                    s.bind(("", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 def _gone(pid: int) -> bool:
@@ -65,7 +47,7 @@ def cluster():
 
 def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops_cleanly(cluster, tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    ports = _free_run(7)
+    ports = free_port_run(7, "")  # every interface: the services bind the node address
     cmd = [sys.executable, "-m", "services.ray_stack", "--ray-address", cluster.address,
            "--rollout-replicas", "2", "--placement-strategy", "SPREAD", "--data-dir", str(tmp_path / "data"),
            "--coordinator-port", str(ports), "--trainer-port", str(ports + 1),
