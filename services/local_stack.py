@@ -12,12 +12,25 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from services.common.ports import free_port
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def service_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The environment a service process gets (here, and from a Ray actor): `base` (with any device
+    visibility it sets), this checkout importable, unbuffered output for its log file."""
+    env = dict(base)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 @dataclass
@@ -76,8 +89,7 @@ class LocalStack:
         self.trainer_port = free_port()
         self.rollout_ports = [free_port() for _ in range(self.rollout_replicas)]
         self.metrics_ports = {"trainer": free_port(), **{f"rollout{i}": free_port() for i in range(self.rollout_replicas)}}
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])
+        env = service_env({**os.environ, **self.extra_env})
         logs = self.run_dir / "logs"
         threads = str(self.num_threads)
         self.trainer = ServiceProcess("trainer", [

@@ -27,10 +27,10 @@ from pathlib import Path
 import httpx
 
 from services.ray_stack.config import RayStackConfig
-from services.ray_stack.supervisor import ServiceSupervisor, service_env
+from services.local_stack import service_env
+from services.ray_stack.supervisor import ServiceSupervisor
 
 log = logging.getLogger("lockstep.ray_stack")
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY_INSTALL_HINT = "ray is not installed: pip install 'ray==2.60.0' (the version requirements.lock pins)"
 
 
@@ -106,7 +106,7 @@ class ServiceActor:
         self.plan = plan
         argv = [sys.executable, "-m", plan.module, "--host", self.ip, *plan.args]
         self.supervisor = ServiceSupervisor(
-            argv, env=service_env(os.environ, REPO_ROOT), log_path=Path(log_dir) / f"{plan.name}.log",
+            argv, env=service_env(os.environ), log_path=Path(log_dir) / f"{plan.name}.log",
             max_restarts=max_restarts, restart_delay_s=restart_delay_s,
         )
         self.supervisor.start()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -112,13 +111,4 @@ class ServiceSupervisor:
                 proc.wait()
         self._thread.join(timeout=5.0)
         return proc.returncode
-
-
-def service_env(base: Mapping[str, str], repo_root: Path) -> dict[str, str]:
-    """The environment a service process gets: the actor's (Ray's device visibility included), with
-    the Lockstep checkout importable and unbuffered output for its log."""
-    env = dict(base)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(repo_root), env.get("PYTHONPATH", "")) if p)
-    return env
 
