@@ -119,6 +119,10 @@ class GroupTrainer:
         os._exit(WORKER_LOST_EXIT)
 
     def _replicated(self, name: str, **kwargs):
+        return self._on_all_ranks(name, **kwargs)[0]
+
+    def _on_all_ranks(self, name: str, **kwargs) -> tuple[object, list[tuple[bool, str]]]:
+        """Run Trainer.<name> on every rank: rank 0's result and every rank's (ok, message)."""
         if self.broken:
             raise RuntimeError(f"trainer group is broken ({self.broken}); restart the trainer service")
         self.dp.broadcast_command((name, kwargs))
@@ -135,7 +139,7 @@ class GroupTrainer:
             raise RuntimeError(self.broken) from error
         if error is not None:
             raise error
-        return result
+        return result, statuses
 
     def configure(self, **kwargs):
         return self._replicated("configure", **kwargs)
@@ -148,9 +152,8 @@ class GroupTrainer:
 
     def replica_digests(self) -> list[str]:
         """sha256 of every rank's weights, in rank order: all equal while the group is healthy."""
-        self.dp.broadcast_command(("weights_digest", {}))
-        mine = self.trainer.weights_digest()
-        return [msg for _, msg in self.dp.gather_status((True, mine))]
+        mine, statuses = self._on_all_ranks("weights_digest")
+        return [mine, *(msg for _, msg in statuses[1:])]
 
     def __getattr__(self, name: str):
         # Reads (weights, checkpoints, parity checks, info) on rank 0 alone.

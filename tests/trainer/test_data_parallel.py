@@ -16,7 +16,7 @@ from trainer_support import make_episodes, rollout_logprobs
 from services.trainer.batching import TrainSample
 from services.trainer.grpo import group_advantages
 from services.trainer.trainer import Trainer
-from services.trainer.wire import InvalidRequest, StepRequest
+from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
 from services.trainer.worker_group import GroupSpec, GroupTrainer
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
@@ -44,6 +44,9 @@ def _configure(trainer, model_dir):
 def _group_run(model_dir, world: int, steps: int):
     group = GroupTrainer(GroupSpec(world_size=world, device="cpu", num_threads=1, timeout_s=120))
     try:
+        # Every rank refuses a digest before a run is configured, and the group stays in step.
+        with pytest.raises(FailedPrecondition, match="no run configured"):
+            group.replica_digests()
         _configure(group, model_dir)
         metrics = _steps(group, steps)
         digests = group.replica_digests()
