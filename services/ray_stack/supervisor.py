@@ -8,27 +8,17 @@ so a restarted actor finds its port free instead of held by an orphan.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.parent_death import die_with_parent
+
 log = logging.getLogger("lockstep.ray_stack.supervisor")
-
-_PR_SET_PDEATHSIG = 1
-# Looked up in the parent: the child, between fork and exec in a multi-threaded
-# actor, should do as little as possible (no dlopen, no imports).
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 @dataclass(frozen=True)
@@ -62,7 +52,7 @@ class ServiceSupervisor:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
             proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent(signal.SIGKILL))
         with self._lock:
             self._proc = proc
 
