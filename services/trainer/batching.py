@@ -1,7 +1,7 @@
 """Microbatches of trajectories under a token budget (padded rows for now).
 
 The training loop sees a microbatch only through the `Microbatch` protocol:
-"give me the logits at the response positions, and the per-token targets,
+"give me the final hidden states at the response positions, and the per-token targets,
 rollout log-probs and advantages in the same order". A padded microbatch
 (here) and a packed one (services/trainer/packing.py, issue 6) both satisfy
 it, so packing replaces `plan_padded` + `PaddedMicrobatch` without touching
@@ -49,8 +49,9 @@ class Microbatch(Protocol):
     @property
     def num_response_tokens(self) -> int: ...
 
-    def response_logits(self, model: torch.nn.Module) -> torch.Tensor:
-        """[N, V] logits that score the N response tokens, in `response_targets` order."""
+    def response_hidden(self, lm: torch.nn.Module) -> torch.Tensor:
+        """[N, H] final hidden states of the HF causal LM `lm` that score the N response tokens, in
+        `response_targets` order (its lm_head turns them into logits)."""
 
     @property
     def response_targets(self) -> torch.Tensor: ...        # int64 [N]
@@ -149,9 +150,9 @@ class PaddedMicrobatch(ResponseSelection):
     def num_padded_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def response_logits(self, model: torch.nn.Module) -> torch.Tensor:
-        logits = model(input_ids=self.input_ids, use_cache=False).logits
-        return logits[self.loss_mask]
+    def response_hidden(self, lm: torch.nn.Module) -> torch.Tensor:
+        hidden = lm.model(input_ids=self.input_ids, use_cache=False).last_hidden_state
+        return hidden[self.loss_mask]
 
     @property
     def response_sample_index(self) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """Trainer checkpoints in Hugging Face layout, plus what resuming a run needs.
 
 A checkpoint directory is a normal model directory — config.json,
-model.safetensors (or sharded safetensors + index), generation config and the
-tokenizer files copied from the run's model — so AutoModelForCausalLM,
-AutoTokenizer and SGLang load it as is. Beside those:
-- optimizer.pt: the AdamW state_dict (tensors and plain numbers only, so it
-  loads with torch.load(weights_only=True));
+model.safetensors holding the float32 master weights (tied aliases once),
+generation config and the tokenizer files copied from the run's model — so
+AutoModelForCausalLM (with any dtype), AutoTokenizer and SGLang load it as is;
+loading it in bf16 gives exactly the tensors rollout was sent. Beside those:
+- optimizer.pt: the whole AdamW state keyed by parameter name (float32;
+  tensors and plain numbers only, so it loads with torch.load(weights_only=True)),
+  independent of how many ranks the optimizer was sharded over;
 - lockstep_trainer_state.json: run id, policy version, seed, the run's model
   path and trainer config, and the recorded metrics of every applied step (so
   a replayed TrainStep after a restart still answers with the real numbers).
@@ -25,7 +27,7 @@ import torch
 
 STATE_FILE = "lockstep_trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: float32 masters and a name-keyed optimizer state
 
 # Tokenizer files Hugging Face tokenizers write; copied so the checkpoint is a
 # complete model directory. Weights, configs and our own files are not copied.
@@ -94,8 +96,10 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
 def save_checkpoint(
     directory: str | Path,
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    lm: torch.nn.Module,
+    weights: dict[str, torch.Tensor],
+    compute_dtype: torch.dtype,
+    optimizer_state: dict,
     state: TrainerState,
     tokenizer_dir: str | Path | None,
 ) -> Path:
@@ -107,12 +111,10 @@ def save_checkpoint(
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        model.save_pretrained(str(tmp))  # transformers 5 always writes safetensors
-        if not (tmp / "model.safetensors").is_file() and not (tmp / "model.safetensors.index.json").is_file():
-            raise RuntimeError(f"save_pretrained wrote no safetensors into {tmp}")
+        write_model_dir(tmp, lm, weights, compute_dtype)
         if tokenizer_dir is not None:
             copy_tokenizer_files(Path(tokenizer_dir), tmp)
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(state.to_json())
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -125,6 +127,33 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def write_model_dir(directory: Path, lm: torch.nn.Module, weights: dict[str, torch.Tensor],
+                    compute_dtype: torch.dtype) -> None:
+    """config.json, generation_config.json and model.safetensors of `weights` (whole tensors, no aliases).
+
+    config.json names the run's compute dtype, so a loader that follows it ("auto") serves the
+    same cast the rollout was sent; the stored tensors are the float32 masters."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    config = copy.deepcopy(lm.config)
+    config.dtype = compute_dtype
+    config.save_pretrained(str(directory))
+    generation = getattr(lm, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(str(directory))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def read_optimizer_state(directory: str | Path) -> dict:
+    path = Path(directory) / OPTIMIZER_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {OPTIMIZER_FILE}")
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def read_state(directory: str | Path) -> TrainerState:
@@ -152,11 +181,12 @@ def load_safetensors_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def copy_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], *, where: str) -> None:
-    """Copy checkpoint weights into `model`; every model tensor must be covered, nothing extra allowed.
+def check_weights_match(model: torch.nn.Module, weights: dict[str, torch.Tensor], *, where: str) -> None:
+    """Refuse checkpoint weights that do not cover every model tensor exactly (names, shapes, dtypes).
 
     Tied tensors (one storage under several names) count once, under any of
-    their names, because save_pretrained drops tied aliases.
+    their names, because checkpoints drop tied aliases. Shapes of sharded
+    parameters are their whole shapes.
     """
     targets = model.state_dict(keep_vars=True)
     problems = [f"{n}: not a tensor of the model" for n in weights if n not in targets]
@@ -176,13 +206,3 @@ def copy_weights_into(model: torch.nn.Module, weights: dict[str, torch.Tensor], 
     problems += [f"{names[0]}: missing" for names in groups.values() if not any(n in weights for n in names)]
     if problems:
         raise ValueError(f"{where}: weights do not match the model: " + "; ".join(problems[:8]))
-    with torch.no_grad():
-        for name, t in weights.items():
-            targets[name].copy_(t)
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, directory: str | Path, *, device: torch.device) -> None:
-    path = Path(directory) / OPTIMIZER_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory}: no {OPTIMIZER_FILE}")
-    optimizer.load_state_dict(torch.load(path, map_location=device, weights_only=True))

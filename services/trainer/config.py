@@ -47,9 +47,10 @@ class TrainerServiceConfig(BaseModel):
 
     data_parallel: int = Field(
         1, ge=1, le=64,
-        description="Data-parallel ranks on this host: this process is rank 0 and serves gRPC, it starts the "
-        "others; each holds a full replica and trains on its share of every step's microbatches (gradients "
-        "summed over ranks). With device 'cuda', rank r uses cuda:r (NCCL); with 'cpu', gloo.",
+        description="Ranks on this host (FSDP): this process is rank 0 and serves gRPC, it starts the others; "
+        "each holds 1/N of every float32 master weight, gradient and AdamW state and trains on its share of "
+        "every step's microbatches (gradients reduce-scattered and summed). With device 'cuda', rank r uses "
+        "cuda:r (NCCL); with 'cpu', gloo.",
     )
     collective_timeout_s: float = Field(
         600.0, gt=0, description="A data-parallel collective that waits longer than this fails the step.")
@@ -111,7 +112,17 @@ class TrainerRunConfig(BaseModel):
         "log_softmax(logits / temperature), the same definition the rollout reports.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Dtype of the trained weights (and of the weights GetWeights streams)."
+        "float32", description="Compute dtype: forward and backward run on this cast of the weights, and GetWeights "
+        "streams it (tensor.to(dtype) of each master, round to nearest even). Master weights, gradients and AdamW "
+        "state are float32 whatever this says, so small updates at RL learning rates are not rounded away."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer's activations in backward instead of keeping them "
+        "(less memory for longer microbatches; the step's numbers are unchanged)."
+    )
+    optimizer_offload: bool = Field(
+        False, description="Keep master weights, gradients and AdamW state in CPU memory and step the optimizer "
+        "there (FSDP CPU offload): for models whose float32 state does not fit the accelerators."
     )
     loss_agg: Literal["token_mean"] = Field(
         "token_mean",

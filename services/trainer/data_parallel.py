@@ -1,17 +1,18 @@
-"""Data parallelism inside one trainer service: the collectives a step needs, and nothing else.
+"""The control collectives of a multi-rank trainer: commands, statuses, results in order.
 
-Every rank holds a full replica of the model and optimizer. A step's
+The model itself is sharded by FSDP (services/trainer/sharding.py), which
+reduce-scatters the gradients; this is what travels beside it. A step's
 microbatches are built identically on every rank (canonical sample order);
-rank r trains on microbatches r, r + N, r + 2N, ... The gradients are summed
-over ranks with one all-reduce per dtype bucket, so every rank applies the
-same update and the replicas stay bitwise equal.
+rank r trains on microbatches r, r + N, r + 2N, ...
 
 Determinism: the per-microbatch results the metrics are made from (log-probs,
-losses, masks) are gathered back into global microbatch order, so the step's
-metrics other than grad_norm are bitwise those of one rank. Gradients are
-summed in a different order than one process accumulates them, so weights and
-grad_norm are reproducible run to run at a fixed world size, but not bitwise
-equal to world size 1.
+losses, masks) are gathered back into global microbatch order. Each
+microbatch's forward runs on the same compute-dtype weights whatever N is, so
+a step's metrics other than grad_norm are bitwise those of one rank for the
+same weights. Gradients are summed in another order than one rank
+accumulates them, so the updated weights (and grad_norm) are reproducible run
+to run at a fixed N, equal across N only to float rounding — and so are the
+metrics of the steps after the first.
 """
 from __future__ import annotations
 
@@ -43,27 +44,6 @@ class DataParallel:
         for i in range(total):
             out.append(per_rank[i % self.world_size][i // self.world_size])
         return out
-
-    def all_reduce_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Sum .grad over ranks. A parameter no rank produced a gradient for keeps grad None (as one process
-        would: the optimizer skips it); one that only some ranks touched counts zero on the others."""
-        flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.control)
-        used = [p for p, f in zip(params, flags.tolist()) if f]
-        for p in used:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        buckets: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in used:
-            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-        for bucket in buckets.values():
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in bucket:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
 
     def broadcast_command(self, command: object | None) -> object:
         """Rank 0 sends `command`; every rank returns it."""

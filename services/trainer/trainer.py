@@ -21,8 +21,9 @@ from pydantic import ValidationError
 
 from services.common.determinism import configure_determinism
 from services.common.metric_defs import STEP_METRIC_HELP
-from services.common.models import load_causal_lm
+from services.common.models import load_causal_lm, resolve_dtype
 from services.trainer import checkpoint as ckpt
+from services.trainer import sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
 from services.trainer.config import TrainerRunConfig, format_validation_error
 from services.trainer.data_parallel import DataParallel
@@ -31,6 +32,7 @@ from services.trainer.lr_schedule import lr_at
 from services.trainer.mismatch_correction import correction_weights
 from services.trainer.packing import PackingConfig, pack_samples
 from services.trainer.parity_gate import ParityVerdict, check_parity
+from services.trainer.policy import PolicyModule
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
 
 log = logging.getLogger("lockstep.trainer")
@@ -60,13 +62,22 @@ class RunState:
     model_path: str          # the run's initial model: reference policy and tokenizer come from here
     seed: int
     config: TrainerRunConfig
-    model: torch.nn.Module
-    ref_model: torch.nn.Module | None
+    policy: PolicyModule     # FSDP-sharded float32 masters; forward and backward in config.dtype
+    ref_model: PolicyModule | None  # frozen initial policy in config.dtype, whole on every rank
     optimizer: torch.optim.Optimizer
     policy_version: int
     vocab_size: int
     step_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     weights_epoch: int = 0   # bumped by every change of the weights (step, checkpoint load)
+
+    @property
+    def model(self) -> PolicyModule:
+        """The policy; called with Hugging Face arguments it returns the HF model's output (`.logits`)."""
+        return self.policy
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.config.dtype)
 
     def trainer_state(self) -> ckpt.TrainerState:
         return ckpt.TrainerState(
@@ -114,9 +125,10 @@ def _attn_implementation(config: TrainerRunConfig) -> str:
     return config.attn_implementation
 
 
-def _load_model(path: str | Path, config: TrainerRunConfig, device: str, *, field_name: str) -> torch.nn.Module:
+def _load_model(path: str | Path, config: TrainerRunConfig, device: str, *, dtype: str,
+                field_name: str) -> torch.nn.Module:
     try:
-        model = load_causal_lm(path, dtype=config.dtype, device=device, attn_implementation=_attn_implementation(config))
+        model = load_causal_lm(path, dtype=dtype, device=device, attn_implementation=_attn_implementation(config))
     except FileNotFoundError as exc:
         raise InvalidRequest(f"{field_name}: {str(exc).removeprefix('model_path: ')}") from None
     # eval(): no dropout. The update must score tokens with exactly the
@@ -124,6 +136,16 @@ def _load_model(path: str | Path, config: TrainerRunConfig, device: str, *, fiel
     # gradients flow in eval mode all the same.
     model.eval()
     return model
+
+
+def _load_policy(path: str | Path, config: TrainerRunConfig, device: torch.device, *, field_name: str) -> PolicyModule:
+    """float32 masters loaded on the CPU, then sharded onto `device` (each rank keeps its 1/N)."""
+    lm = _load_model(path, config, "cpu", dtype="float32", field_name=field_name)
+    policy = PolicyModule(lm)
+    sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
+        compute_dtype=resolve_dtype(config.dtype), activation_checkpointing=config.activation_checkpointing,
+        cpu_offload=config.optimizer_offload))
+    return policy
 
 
 def _build_optimizer(model: torch.nn.Module, config: TrainerRunConfig) -> torch.optim.Optimizer:
@@ -168,6 +190,12 @@ class Trainer:
         self.num_threads = num_threads
         self.dp = dp
         self.run: RunState | None = None
+        if dp is None:
+            sharding.ensure_single_process_group(torch.device(device))
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.dp is None or self.dp.rank == 0
 
     # ------------------------------------------------------------ configure --
 
@@ -222,30 +250,32 @@ class Trainer:
                 raise InvalidRequest(f"resume_checkpoint: {exc}") from None
             if state.run_id != run_id:
                 raise InvalidRequest(f"resume_checkpoint: belongs to run {state.run_id!r}, not {run_id!r}")
-            model = _load_model(resume_checkpoint, config, self.device, field_name="resume_checkpoint")
+            policy = _load_policy(resume_checkpoint, config, torch.device(self.device), field_name="resume_checkpoint")
         else:
-            model = _load_model(model_path, config, self.device, field_name="model_path")
-        optimizer = _build_optimizer(model, config)
+            policy = _load_policy(model_path, config, torch.device(self.device), field_name="model_path")
+        optimizer = _build_optimizer(policy, config)
         if state is not None:
             try:
-                ckpt.load_optimizer_state(optimizer, resume_checkpoint, device=torch.device(self.device))
+                sharding.load_optimizer_state(policy.lm, optimizer, ckpt.read_optimizer_state(resume_checkpoint))
             except (FileNotFoundError, ValueError) as exc:
                 raise InvalidRequest(f"resume_checkpoint: {exc}") from None
         ref_model = None
         if config.kl_coef > 0:
-            # The reference is the run's initial policy, also when resuming.
-            ref_model = _load_model(model_path, config, self.device, field_name="model_path")
+            # The reference is the run's initial policy, also when resuming: frozen, in the compute
+            # dtype (the same cast of the same masters the policy computes with at step 1).
+            ref_model = PolicyModule(_load_model(model_path, config, self.device, dtype=config.dtype,
+                                                 field_name="model_path"))
             ref_model.requires_grad_(False)
         run = RunState(
             run_id=run_id,
             model_path=model_path,
             seed=seed,
             config=config,
-            model=model,
+            policy=policy,
             ref_model=ref_model,
             optimizer=optimizer,
             policy_version=state.policy_version if state else 0,
-            vocab_size=int(model.get_input_embeddings().num_embeddings),
+            vocab_size=int(policy.lm.get_input_embeddings().num_embeddings),
             step_metrics=dict(state.step_metrics) if state else {},
         )
         log.info("run configured", extra={"fields": {
@@ -310,7 +340,7 @@ class Trainer:
         REGISTRY.reset_usage()
         return [mb.to(self.device) for mb in build_microbatches(samples, run.config)]
 
-    def _backends_in_use(self, run: RunState, logits: torch.Tensor) -> tuple[str, str]:
+    def _backends_in_use(self, run: RunState) -> tuple[str, str]:
         from kernels.attention import REGISTRY
         from kernels.logprob.api import resolved_backend
 
@@ -318,11 +348,13 @@ class Trainer:
             attention = ",".join(sorted(REGISTRY.usage())) or "(none dispatched)"
         else:
             attention = f"hf:{run.config.attn_implementation} (padded)"
-        return attention, resolved_backend(logits, temperature=run.config.temperature, with_entropy=True)
+        # The log-prob backend depends on the logits' dtype and device only.
+        probe = torch.empty(1, run.vocab_size, dtype=run.compute_dtype, device=self.device)
+        return attention, resolved_backend(probe, temperature=run.config.temperature, with_entropy=True)
 
     def _parity_verdict(self, run: RunState, microbatches: list[Microbatch], logps: list[torch.Tensor],
-                        samples: list[TrainSample], sample_logits: torch.Tensor) -> ParityVerdict:
-        attention, logprob = self._backends_in_use(run, sample_logits)
+                        samples: list[TrainSample]) -> ParityVerdict:
+        attention, logprob = self._backends_in_use(run)
         return check_parity(
             torch.cat(logps).cpu(), torch.cat([mb.response_rollout_logprobs for mb in microbatches]).cpu(),
             sample_index=torch.cat([mb.response_sample_index for mb in microbatches]).cpu(),
@@ -333,25 +365,32 @@ class Trainer:
         )
 
     def check_parity(self, request: StepRequest) -> ParityVerdict:
-        """On-demand parity check: score the trajectories with the current weights, no update."""
-        from kernels.logprob import token_logprobs
+        """On-demand parity check: score the trajectories with the current weights, no update.
 
+        Every rank of a group scores every microbatch (each forward is a collective of the shards)."""
         run = self.require_run(request.run_id)
         if not request.samples:
             raise InvalidRequest("header.num_trajectories: 0, a parity check needs trajectories")
         self._check_token_ids(request.samples, run.vocab_size)
         microbatches = self._microbatches(run, request.samples)
-        logps = []
         with torch.no_grad():
-            for mb in microbatches:
-                logits = mb.response_logits(run.model)
-                logps.append(token_logprobs(logits, mb.response_targets, temperature=run.config.temperature)[0])
-        return self._parity_verdict(run, microbatches, logps, request.samples, logits[:1])
+            logps = [run.policy(mb, temperature=run.config.temperature)[0] for mb in microbatches]
+        return self._parity_verdict(run, microbatches, logps, request.samples)
+
+    def _my_passes(self, microbatches: list[Microbatch]) -> list[Microbatch | None]:
+        """This rank's microbatches, padded with None to the count every rank runs.
+
+        Each forward and backward of a sharded model is a collective, so every
+        rank makes the same number of passes; a None pass re-runs a microbatch
+        with its loss scaled by zero (no gradient, no metrics)."""
+        if self.dp is None:
+            return list(microbatches)
+        mine: list[Microbatch | None] = list(self.dp.shard(microbatches))
+        passes = -(-len(microbatches) // self.dp.world_size)
+        return mine + [None] * (passes - len(mine))
 
     def _apply_update(self, run: RunState, samples: list[TrainSample], *, step: int) -> dict[str, float]:
-        from kernels.logprob import token_logprobs, token_logprobs_with_entropy
-
-        cfg, model = run.config, run.model
+        cfg, policy = run.config, run.policy
         microbatches = self._microbatches(run, samples)
         # token_mean over the whole step: each microbatch's token sum is divided
         # by the step's response-token count, so summing the microbatch
@@ -359,15 +398,17 @@ class Trainer:
         n_total = sum(mb.num_response_tokens for mb in microbatches)
         correction = cfg.mismatch_correction
         local: list[dict] = []  # per microbatch: its loss and the pre-update tensors the metrics need
-        sample_logits = None
-        params = [p for p in model.parameters() if p.requires_grad]
-        model.zero_grad(set_to_none=True)
+        # The optimizer holds the sharded float32 masters; the module registers its unsharded
+        # compute-dtype parameters while they are gathered, so never take parameters from it.
+        params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        run.optimizer.zero_grad(set_to_none=True)
         try:
-            for mb in (microbatches if self.dp is None else self.dp.shard(microbatches)):
-                targets = mb.response_targets
-                logits = mb.response_logits(model)
-                sample_logits = logits[:1].detach()
-                logp, _lse, ent = token_logprobs_with_entropy(logits, targets, temperature=cfg.temperature)
+            for mb in self._my_passes(microbatches):
+                if mb is None:
+                    logp, _lse, _ent = policy(microbatches[0], temperature=cfg.temperature)
+                    (logp.sum() * 0.0).backward()
+                    continue
+                logp, _lse, ent = policy(mb, temperature=cfg.temperature)
                 rollout_logp = mb.response_rollout_logprobs
                 # mode 'none': the rollout is the PPO "old" policy. Otherwise the trainer's own
                 # pre-update log-probs are, and w = pi_train / pi_rollout weights each token.
@@ -381,9 +422,7 @@ class Trainer:
                 out = {"is_weight": weights.weights, "is_affected": weights.affected}
                 if run.ref_model is not None:
                     with torch.no_grad():
-                        ref_logp, _ = token_logprobs(
-                            mb.response_logits(run.ref_model), targets, temperature=cfg.temperature
-                        )
+                        ref_logp = run.ref_model(mb, temperature=cfg.temperature)[0]
                     kl = kl_to_reference(logp, ref_logp)
                     token_loss = token_loss + cfg.kl_coef * kl
                     out["kl"] = kl.detach()
@@ -396,7 +435,6 @@ class Trainer:
                 local.append(out)
             outputs = local
             if self.dp is not None:
-                self.dp.all_reduce_gradients(params)
                 outputs = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in o.items()}
                            for o in self.dp.gather_in_order(
                                [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()} for o in local],
@@ -408,15 +446,12 @@ class Trainer:
             if step == 1:
                 # Step-1 parity gate: same weights on both sides, so any
                 # disagreement is a bug (seed 000); refuse before the update.
-                if sample_logits is None:  # this rank had no microbatch; only dtype and device matter here
-                    sample_logits = torch.empty(1, run.vocab_size, dtype=outputs[0]["logp"].dtype, device=self.device)
-                verdict = self._parity_verdict(run, microbatches, logps, samples, sample_logits)
+                verdict = self._parity_verdict(run, microbatches, logps, samples)
                 log.info("parity gate", extra={"fields": {"run_id": run.run_id, "passed": verdict.passed,
                                                           **verdict.stats}})
                 if not verdict.passed:
                     raise ParityGateFailed(verdict)
-            max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            grad_norm = self._clip_gradients(params, cfg.grad_clip)
             if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
                 raise StepFailed(f"non-finite update (loss={loss_value}, grad_norm={grad_norm}); no update applied")
             # Set from the step every time, never carried: a param group's lr
@@ -428,7 +463,7 @@ class Trainer:
             run.optimizer.step()
             run.weights_epoch += 1
         finally:
-            model.zero_grad(set_to_none=True)
+            run.optimizer.zero_grad(set_to_none=True)
 
         ordered = canonical_order(samples)
         reward_mean, reward_std = reward_stats([s.reward for s in ordered])
@@ -452,23 +487,29 @@ class Trainer:
             raise AssertionError(f"step metric keys drifted from STEP_METRIC_HELP: {sorted(set(metrics) ^ set(TRAIN_STEP_METRIC_KEYS))}")
         return {k: metrics[k] for k in TRAIN_STEP_METRIC_KEYS}
 
+    @staticmethod
+    def _clip_gradients(params: list[torch.nn.Parameter], grad_clip: float) -> float:
+        """Global L2 norm of the (sharded) gradients, clipped to grad_clip (0: measured only)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = sharding.full_tensor(torch.nn.utils.get_total_norm(grads))
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, grad_clip, norm)
+        return float(norm)
+
     # ------------------------------------------------------------ weights --
 
     def weight_tensors(self, run_id: str) -> WeightSnapshot:
-        """Every model tensor as (HF name, live tensor), tied aliases once, with the policy version.
+        """Every model tensor as (HF name, whole tensor in the compute dtype), tied aliases once.
 
-        The tensors are the model's own (no copy); `check_weights_unchanged`
-        tells a reader whether they still hold that version.
+        What rollout receives: the compute-dtype cast (`tensor.to(dtype)`, round
+        to nearest even) of each float32 master — the very tensors forward runs
+        on. Collective in a group (every rank gathers; rank 0 streams).
+        `check_weights_unchanged` tells a reader whether they still hold that version.
         """
         run = self.require_run(run_id)
-        seen: set[int] = set()
-        out = []
-        for name, t in run.model.state_dict(keep_vars=True).items():
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            out.append((name, t.detach()))
-        return WeightSnapshot(run, run.weights_epoch, run.policy_version, out)
+        sharding.reshard(run.policy)
+        out = [(name, t.to(run.compute_dtype)) for name, t in sharding.named_master_tensors(run.policy.lm)]
+        return WeightSnapshot(run, run.weights_epoch, run.policy_version, out if self.is_rank0 else [])
 
     def check_weights_unchanged(self, snapshot: WeightSnapshot) -> None:
         if self.run is not snapshot.run or snapshot.run.weights_epoch != snapshot.weights_epoch:
@@ -476,18 +517,31 @@ class Trainer:
                 f"weights of policy_version {snapshot.policy_version} changed while they were being read"
             )
 
+    def master_state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the whole float32 master tensors by HF name, every alias included. Collective in a group."""
+        run = self.require_run(self.run.run_id if self.run else "")
+        sharding.reshard(run.policy)
+        return {name: sharding.full_tensor(t.detach()).clone()
+                for name, t in run.policy.lm.state_dict(keep_vars=True).items()}
+
     # ------------------------------------------------------------ checkpoints --
 
     def save_checkpoint(self, run_id: str, directory: str) -> tuple[Path, int]:
+        """Masters (float32 safetensors, HF-loadable) and whole optimizer state; rank 0 writes. Collective."""
         run = self.require_run(run_id)
         if not directory:
             raise InvalidRequest("directory: empty")
-        path = ckpt.save_checkpoint(
-            directory, model=run.model, optimizer=run.optimizer, state=run.trainer_state(),
-            tokenizer_dir=run.model_path,
-        )
-        log.info("checkpoint saved", extra={"fields": {"run_id": run_id, "directory": str(path),
-                                                       "policy_version": run.policy_version}})
+        sharding.reshard(run.policy)
+        weights = {name: t.cpu() for name, t in sharding.named_master_tensors(run.policy.lm)}
+        optim_state = sharding.optimizer_state(run.policy.lm, run.optimizer)
+        path = Path(directory).resolve()
+        if self.is_rank0:
+            path = ckpt.save_checkpoint(
+                directory, lm=run.policy.lm, weights=weights, compute_dtype=run.compute_dtype, optimizer_state=optim_state,
+                state=run.trainer_state(), tokenizer_dir=run.model_path,
+            )
+            log.info("checkpoint saved", extra={"fields": {"run_id": run_id, "directory": str(path),
+                                                           "policy_version": run.policy_version}})
         return path, run.policy_version
 
     def load_checkpoint(self, run_id: str, directory: str) -> int:
@@ -500,14 +554,16 @@ class Trainer:
             if state.run_id != run_id:
                 raise ValueError(f"checkpoint belongs to run {state.run_id!r}, not {run_id!r}")
             weights = ckpt.load_safetensors_weights(directory)
-            optim_state = torch.load(Path(directory) / ckpt.OPTIMIZER_FILE, map_location=self.device, weights_only=True)
+            optim_state = ckpt.read_optimizer_state(directory)
             _check_optimizer_state(run.optimizer, optim_state)
             # Validates every name/shape/dtype before the first copy.
-            ckpt.copy_weights_into(run.model, weights, where="directory")
+            ckpt.check_weights_match(run.policy.lm, weights, where="directory")
         except (FileNotFoundError, ValueError) as exc:
             raise InvalidRequest(f"directory: {exc}") from None
         run.weights_epoch += 1
-        run.optimizer.load_state_dict(optim_state)
+        sharding.reshard(run.policy)
+        sharding.load_master_tensors(run.policy.lm, weights)
+        sharding.load_optimizer_state(run.policy.lm, run.optimizer, optim_state)
         run.policy_version = state.policy_version
         run.step_metrics = dict(state.step_metrics)
         log.info("checkpoint loaded", extra={"fields": {"run_id": run_id, "directory": directory,
@@ -517,14 +573,13 @@ class Trainer:
     # ------------------------------------------------------------ info --
 
     def weights_digest(self) -> str:
-        """sha256 over every weight's bytes in state-dict order (replicas compare it)."""
+        """sha256 over every float32 master's bytes in state-dict order. Collective in a group."""
         import hashlib
 
-        run = self.require_run(self.run.run_id if self.run else "")
         h = hashlib.sha256()
-        for name, t in run.model.state_dict().items():
+        for name, t in self.master_state_dict().items():
             h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     def info(self) -> dict[str, object]:
@@ -542,6 +597,7 @@ class Trainer:
         if run is not None:
             details.update(
                 dtype=run.config.dtype,
+                master_dtype="float32",
                 attn_implementation=run.config.attn_implementation,
                 batching=run.config.batching,
                 reference_model=str(run.ref_model is not None).lower(),

@@ -1,12 +1,13 @@
-"""A data-parallel trainer on one host: the serving process is rank 0, it starts ranks 1..N-1.
+"""A multi-rank (FSDP) trainer on one host: the serving process is rank 0, it starts ranks 1..N-1.
 
-Rank 0 answers every RPC. What changes a replica (ConfigureRun, TrainStep,
-LoadCheckpoint) is broadcast to every rank first and executed by all of them
-in the same order, each rank then reports (ok, error) and rank 0 compares:
-a rank that failed where rank 0 did not leaves the replicas unequal, so the
-group is marked broken and refuses everything after (fail closed). What only
-reads (GetWeights, SaveCheckpoint, CheckParity, Info) runs on rank 0 alone:
-the replicas are equal.
+Rank 0 answers every RPC. Every rank holds 1/N of each master weight, so
+whatever touches the weights (ConfigureRun, TrainStep, CheckParity,
+GetWeights, SaveCheckpoint, LoadCheckpoint, digests) is broadcast to every
+rank first and executed by all of them in the same order (each is a sequence
+of collectives); each rank then reports (ok, error) and rank 0 compares: a
+rank that failed where rank 0 did not leaves the shards out of step, so the
+group is marked broken and refuses everything after (fail closed). Info
+runs on rank 0 alone.
 
 A worker process that dies takes the service down (exit code 70): a group
 missing a rank cannot step, and the supervisor restarting the trainer plus
@@ -24,13 +25,15 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from services.common.ports import free_port
+from services.trainer import sharding
 from services.trainer.data_parallel import DataParallel
 from services.trainer.trainer import Trainer
 
 log = logging.getLogger("lockstep.trainer.group")
 WORKER_LOST_EXIT = 70
-# What rank 0 broadcasts: the Trainer methods that change a replica.
-REPLICATED = ("configure", "train_step", "load_checkpoint", "weights_digest")
+# What rank 0 broadcasts: the Trainer methods every rank must run (collectives over the shards).
+REPLICATED = ("configure", "train_step", "check_parity", "weight_tensors", "save_checkpoint", "load_checkpoint",
+              "weights_digest", "master_state_dict")
 
 
 @dataclass(frozen=True)
@@ -55,10 +58,9 @@ def _join(spec: GroupSpec, rank: int, init_method: str) -> DataParallel:
         import torch
 
         torch.cuda.set_device(rank)
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    dist.init_process_group(spec.backend, init_method=init_method, rank=rank, world_size=spec.world_size,
-                            timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout)
+    sharding.join_group(spec.backend, init_method=init_method, rank=rank, world_size=spec.world_size,
+                        timeout_s=spec.timeout_s)
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=spec.timeout_s))
     return DataParallel(rank, spec.world_size, control)
 
 
@@ -147,16 +149,26 @@ class GroupTrainer:
     def train_step(self, request):
         return self._replicated("train_step", request=request)
 
+    def check_parity(self, request):
+        return self._replicated("check_parity", request=request)
+
+    def weight_tensors(self, run_id: str):
+        return self._replicated("weight_tensors", run_id=run_id)
+
+    def save_checkpoint(self, run_id: str, directory: str):
+        return self._replicated("save_checkpoint", run_id=run_id, directory=directory)
+
     def load_checkpoint(self, run_id: str, directory: str):
         return self._replicated("load_checkpoint", run_id=run_id, directory=directory)
 
-    def replica_digests(self) -> list[str]:
-        """sha256 of every rank's weights, in rank order: all equal while the group is healthy."""
-        mine, statuses = self._on_all_ranks("weights_digest")
-        return [mine, *(msg for _, msg in statuses[1:])]
+    def weights_digest(self) -> str:
+        return self._replicated("weights_digest")
+
+    def master_state_dict(self):
+        return self._replicated("master_state_dict")
 
     def __getattr__(self, name: str):
-        # Reads (weights, checkpoints, parity checks, info) on rank 0 alone.
+        # What reads no weights (info, run state, the snapshot check) on rank 0 alone.
         if name in REPLICATED:
             raise AttributeError(name)
         return getattr(self.trainer, name)

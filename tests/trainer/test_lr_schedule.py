@@ -140,7 +140,7 @@ def _on_policy_step(trainer: Trainer, step: int) -> StepRequest:
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.run.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.master_state_dict().items()}
 
 
 def _group_lrs(trainer: Trainer) -> set[float]:

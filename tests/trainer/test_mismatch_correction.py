@@ -100,7 +100,7 @@ def test_trainer_applies_and_reports_the_correction(tiny_model_dir):
             "lr": 1e-2, "mismatch_correction": correction,
             "parity_gate": {"iw_mean_tolerance": 10.0, "iw_max": 100.0, "logprob_abs_diff_mean": 10.0}}))
         out = t.train_step(_step_with_mismatch(t, shift=-1.0))  # rollout less likely: w = e on those tokens
-        results[mode] = (out.metrics, {k: v.clone() for k, v in t.run.model.state_dict().items()})
+        results[mode] = (out.metrics, {k: v.clone() for k, v in t.master_state_dict().items()})
     m_none, m_trunc, m_mask = (results[k][0] for k in ("none", "truncate", "mask"))
     assert m_none["is_weight_mean"] == 1.0 and m_none["is_affected_fraction"] == 0.0
     assert m_none["clip_fraction"] > 0  # without correction the PPO clip acts on the mismatch

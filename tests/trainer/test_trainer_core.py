@@ -40,7 +40,7 @@ def on_policy_step(trainer: Trainer, step: int, *, temperature: float = 1.0, see
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.run.model.state_dict().items()}
+    return {k: v.detach().clone() for k, v in trainer.master_state_dict().items()}
 
 
 def test_step1_on_policy_metrics(tiny_model_dir):
@@ -196,7 +196,7 @@ def test_weight_tensors_cover_the_model_once(tiny_model_dir):
     t = configure(tiny_model_dir)
     snap = t.weight_tensors("run")
     names = [n for n, _ in snap.tensors]
-    assert snap.policy_version == 0 and len(names) == len(set(names)) == len(t.run.model.state_dict())
+    assert snap.policy_version == 0 and len(names) == len(set(names)) == len(t.master_state_dict())
     t.check_weights_unchanged(snap)
     t.train_step(on_policy_step(t, 1))
     with pytest.raises(FailedPrecondition, match="weights of policy_version 0 changed while they were being read"):

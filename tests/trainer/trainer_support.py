@@ -66,3 +66,18 @@ def rollout_logprobs(model, prompt: list[int], response: list[int], *, temperatu
     sel = logits[p - 1 : p - 1 + len(response)]
     logp, _ = token_logprobs(sel, torch.tensor(response, device=device), temperature=temperature)
     return logp.tolist()
+
+
+def current_policy(trainer, model_dir: Path, *, device: str = "cpu") -> torch.nn.Module:
+    """A plain HF model holding what the trainer computes with now: the compute-dtype cast of its masters.
+
+    What a rollout engine synced to the trainer holds. Works for a multi-rank trainer too (the masters
+    are gathered by every rank), where calling rank 0's sharded module alone would wait for the others."""
+    from transformers import AutoModelForCausalLM
+
+    from services.common.models import resolve_dtype
+
+    dtype = resolve_dtype(trainer.run.config.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    model.load_state_dict({k: v.to(dtype) for k, v in trainer.master_state_dict().items()})
+    return model.to(device)

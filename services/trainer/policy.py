@@ -1,0 +1,42 @@
+"""The policy as the trainer runs it: a Hugging Face causal LM whose head scores response tokens.
+
+`PolicyModule` holds the HF model and is the root FSDP unit (embeddings,
+final norm and lm_head live there; decoder layers are units of their own),
+so one module call covers the whole path from token ids to a token's
+log-prob. Called with a microbatch it runs the backbone, keeps the hidden
+states at the response positions only, and scores them with the lm_head
+through the log-prob head (`kernels.logprob`): the [T, V] logits of the
+whole buffer are never built. Called with Hugging Face arguments it is the
+HF model (`.logits` and all), for callers that want plain logits.
+"""
+from __future__ import annotations
+
+import torch
+
+from services.trainer.batching import Microbatch
+
+
+def score_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, lse, entropy) of `targets` under logits = hidden @ weight.T, through the shared log-prob kernel."""
+    from kernels.logprob import token_logprobs_with_entropy
+
+    logits = torch.nn.functional.linear(hidden, weight)
+    return token_logprobs_with_entropy(logits, targets, temperature=temperature)
+
+
+class PolicyModule(torch.nn.Module):
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def config(self):
+        return self.lm.config
+
+    def forward(self, microbatch: Microbatch | None = None, *, temperature: float = 1.0, **hf_kwargs):
+        if microbatch is None:
+            return self.lm(**hf_kwargs)
+        hidden = microbatch.response_hidden(self.lm)
+        weight = self.lm.get_output_embeddings().weight
+        return score_hidden(hidden, weight, microbatch.response_targets, temperature=temperature)

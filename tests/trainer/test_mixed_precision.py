@@ -1,0 +1,121 @@
+"""bf16 compute over float32 masters: small updates are kept, and bf16 training tracks fp32.
+
+At lr 1e-6 an AdamW update (|update| ~ lr) is far below half a bf16 ulp of a
+weight near 0.02 (~6e-5), so bf16 weights would round almost every update
+away; float32 masters (ulp ~2e-9 there) keep them. Rollout gets the bf16 cast
+of the masters, which is also what forward runs on.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_support import current_policy, make_episodes, rollout_logprobs
+
+from services.trainer.batching import TrainSample
+from services.trainer.grpo import group_advantages
+from services.trainer.trainer import Trainer
+from services.trainer.wire import StepRequest
+
+pytestmark = pytest.mark.usefixtures("restore_torch_globals")
+
+
+def _trainer(model_dir, **config) -> Trainer:
+    t = Trainer(num_threads=1)
+    t.configure(run_id="run", model_path=str(model_dir), seed=3,
+                config_json=json.dumps({"microbatch_tokens": 24, "grad_clip": 0.0, **config}))
+    return t
+
+
+def _request(trainer, model_dir, step: int) -> StepRequest:
+    policy = current_policy(trainer, model_dir)
+    eps = make_episodes(n_groups=3, per_group=4, seed=100 + step)
+    adv = group_advantages([e["reward"] for e in eps], [e["group_id"] for e in eps])
+    samples = [TrainSample(e["sample_id"], e["group_id"], torch.tensor(e["prompt"]), torch.tensor(e["response"]),
+                           torch.tensor(rollout_logprobs(policy, e["prompt"], e["response"])), e["reward"], a)
+               for e, a in zip(eps, adv)]
+    return StepRequest("run", step, step - 1, samples)
+
+
+def _first_moments(trainer) -> dict[str, torch.Tensor]:
+    """AdamW's exp_avg per master (after step 1 it is (1 - beta1) * grad: nonzero exactly where the gradient was)."""
+    names = {id(p): n for n, p in trainer.run.policy.lm.named_parameters()}
+    out = {}
+    for group in trainer.run.optimizer.param_groups:
+        for p in group["params"]:
+            out[names[id(p)]] = trainer.run.optimizer.state[p]["exp_avg"].full_tensor()
+    return out
+
+
+def test_an_lr_1e6_step_moves_every_master_weight_with_a_gradient(tiny_model_dir):
+    t = _trainer(tiny_model_dir, lr=1e-6, dtype="bfloat16")
+    before = t.master_state_dict()
+    assert {v.dtype for v in before.values()} == {torch.float32}
+    t.train_step(_request(t, tiny_model_dir, 1))
+    after = t.master_state_dict()
+    moments = _first_moments(t)
+    with_grad = moved = 0
+    for name, m in moments.items():
+        has_grad = m != 0
+        changed = after[name] != before[name]
+        assert changed[has_grad].any(), f"{name}: no master weight with a gradient moved"
+        assert not changed[~has_grad].any(), f"{name}: a weight without gradient moved"
+        with_grad += int(has_grad.sum())
+        moved += int((changed & has_grad).sum())
+    assert with_grad > 0.5 * sum(v.numel() for v in before.values())
+    assert moved / with_grad >= 0.999
+    # The same update applied to bf16 weights would round nearly all of it away: the test can fail.
+    as_bf16 = sum(int((after[n].bfloat16() != before[n].bfloat16()).sum()) for n in moments)
+    assert as_bf16 / with_grad < 0.1
+
+
+def test_rollout_gets_the_bf16_cast_of_the_masters(tiny_model_dir, tmp_path):
+    t = _trainer(tiny_model_dir, lr=1e-3, dtype="bfloat16")
+    t.train_step(_request(t, tiny_model_dir, 1))
+    masters = t.master_state_dict()
+    streamed = dict(t.weight_tensors("run").tensors)
+    assert streamed.keys() <= masters.keys()
+    for name, tensor in streamed.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, masters[name].to(torch.bfloat16)), name
+    # The checkpoint keeps the float32 masters; its config names the compute dtype.
+    path, _ = t.save_checkpoint("run", str(tmp_path / "step_1"))
+    stored = load_file(str(path / "model.safetensors"))
+    assert all(stored[n].dtype == torch.float32 and torch.equal(stored[n], masters[n]) for n in stored)
+    assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_bf16_training_tracks_fp32_over_20_steps(tiny_model_dir):
+    """On-policy, the PPO loss is -mean(advantage) whatever the weights (ratio 1), so the trajectories
+    here keep the initial policy's log-probs (off-policy as the run goes on): loss and entropy then
+    follow the weights, and bf16 must follow fp32's path."""
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    requests = []
+    for step in range(1, 21):
+        eps = make_episodes(n_groups=3, per_group=4, seed=100 + step)
+        adv = group_advantages([e["reward"] for e in eps], [e["group_id"] for e in eps])
+        requests.append([TrainSample(e["sample_id"], e["group_id"], torch.tensor(e["prompt"]),
+                                     torch.tensor(e["response"]),
+                                     torch.tensor(rollout_logprobs(initial, e["prompt"], e["response"])),
+                                     e["reward"], a) for e, a in zip(eps, adv)])
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        # A wide parity gate: step 1 compares bf16 scores with fp32 rollout log-probs on purpose here.
+        t = _trainer(tiny_model_dir, lr=1e-3, dtype=dtype,
+                     parity_gate={"iw_mean_tolerance": 1.0, "iw_max": 100.0, "logprob_abs_diff_mean": 1.0})
+        runs[dtype] = [t.train_step(StepRequest("run", s, s - 1, requests[s - 1])).metrics for s in range(1, 21)]
+    # Tolerance: bf16 rounds each op to 2^-9 relative, which puts a token's log-prob of this 2-layer
+    # model ~1e-3 off fp32; the loss is a mean of advantage-weighted ratios exp(dlogp), the entropy a
+    # mean over tokens, so each stays within a few 1e-3 while the weights follow the same path (measured:
+    # loss 4.6e-4, entropy 3.1e-5 over 20 steps). A run whose updates were rounded away would stay at
+    # step 1's loss while fp32's moves by ~0.37.
+    bounds = {"loss": 5e-3, "entropy": 5e-3}
+    for key, bound in bounds.items():
+        fp32 = torch.tensor([m[key] for m in runs["float32"]], dtype=torch.float64)
+        bf16 = torch.tensor([m[key] for m in runs["bfloat16"]], dtype=torch.float64)
+        assert (bf16 - fp32).abs().max() <= bound, (key, (bf16 - fp32).abs().max())
+    fp32_loss = [m["loss"] for m in runs["float32"]]
+    assert abs(fp32_loss[-1] - fp32_loss[0]) > 0.1  # the weights moved far enough for tracking to mean something
