@@ -29,7 +29,7 @@ CONFIG = {"lr": 1e-2, "microbatch_tokens": 12, "grad_clip": 1.0}
 
 def step_request(trainer, model_dir, step: int) -> StepRequest:
     """Step `step`'s trajectories, scored by the trainer's current weights as a synced rollout would."""
-    policy = current_policy(trainer, model_dir)
+    policy = current_policy(trainer, model_dir, device=trainer.device)
     eps = make_episodes(n_groups=3, per_group=3, seed=10 + step)
     adv = group_advantages([e["reward"] for e in eps], [e["group_id"] for e in eps])
     samples = [TrainSample(e["sample_id"], e["group_id"], torch.tensor(e["prompt"]), torch.tensor(e["response"]),

@@ -22,15 +22,15 @@ from services.trainer.wire import StepRequest
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
 
 
-def _trainer(model_dir, **config) -> Trainer:
-    t = Trainer(num_threads=1)
+def _trainer(model_dir, device: str = "cpu", **config) -> Trainer:
+    t = Trainer(device=device, num_threads=1)
     t.configure(run_id="run", model_path=str(model_dir), seed=3,
                 config_json=json.dumps({"microbatch_tokens": 24, "grad_clip": 0.0, **config}))
     return t
 
 
 def _request(trainer, model_dir, step: int) -> StepRequest:
-    policy = current_policy(trainer, model_dir)
+    policy = current_policy(trainer, model_dir, device=trainer.device)
     eps = make_episodes(n_groups=3, per_group=4, seed=100 + step)
     adv = group_advantages([e["reward"] for e in eps], [e["group_id"] for e in eps])
     samples = [TrainSample(e["sample_id"], e["group_id"], torch.tensor(e["prompt"]), torch.tensor(e["response"]),
@@ -49,8 +49,8 @@ def _first_moments(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_an_lr_1e6_step_moves_every_master_weight_with_a_gradient(tiny_model_dir):
-    t = _trainer(tiny_model_dir, lr=1e-6, dtype="bfloat16")
+def test_an_lr_1e6_step_moves_every_master_weight_with_a_gradient(tiny_model_dir, device="cpu"):
+    t = _trainer(tiny_model_dir, device, lr=1e-6, dtype="bfloat16")
     before = t.master_state_dict()
     assert {v.dtype for v in before.values()} == {torch.float32}
     t.train_step(_request(t, tiny_model_dir, 1))
@@ -71,8 +71,8 @@ def test_an_lr_1e6_step_moves_every_master_weight_with_a_gradient(tiny_model_dir
     assert as_bf16 / with_grad < 0.1
 
 
-def test_rollout_gets_the_bf16_cast_of_the_masters(tiny_model_dir, tmp_path):
-    t = _trainer(tiny_model_dir, lr=1e-3, dtype="bfloat16")
+def test_rollout_gets_the_bf16_cast_of_the_masters(tiny_model_dir, tmp_path, device="cpu"):
+    t = _trainer(tiny_model_dir, device, lr=1e-3, dtype="bfloat16")
     t.train_step(_request(t, tiny_model_dir, 1))
     masters = t.master_state_dict()
     streamed = dict(t.weight_tensors("run").tensors)
@@ -82,7 +82,7 @@ def test_rollout_gets_the_bf16_cast_of_the_masters(tiny_model_dir, tmp_path):
     # The checkpoint keeps the float32 masters; its config names the compute dtype.
     path, _ = t.save_checkpoint("run", str(tmp_path / "step_1"))
     stored = load_file(str(path / "model.safetensors"))
-    assert all(stored[n].dtype == torch.float32 and torch.equal(stored[n], masters[n]) for n in stored)
+    assert all(stored[n].dtype == torch.float32 and torch.equal(stored[n], masters[n].cpu()) for n in stored)
     assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
 
 
@@ -119,3 +119,36 @@ def test_bf16_training_tracks_fp32_over_20_steps(tiny_model_dir):
         assert (bf16 - fp32).abs().max() <= bound, (key, (bf16 - fp32).abs().max())
     fp32_loss = [m["loss"] for m in runs["float32"]]
     assert abs(fp32_loss[-1] - fp32_loss[0]) > 0.1  # the weights moved far enough for tracking to mean something
+
+
+def test_float32_on_one_rank_is_bitwise_a_plain_module(tiny_model_dir):
+    """FSDP2 at world size 1 without casts adds nothing to the math: the same step on an unwrapped HF
+    model (same microbatches, head, loss, clipping and AdamW) gives the same float32 weights, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from kernels.attention import register_hf_attention
+    from services.trainer.grpo import ppo_clip_loss
+    from services.trainer.policy import score_hidden
+    from services.trainer.trainer import build_microbatches
+
+    t = _trainer(tiny_model_dir, lr=1e-2, grad_clip=0.5)
+    request = _request(t, tiny_model_dir, 1)
+    t.train_step(request)
+
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32,
+                                                 attn_implementation=register_hf_attention()).eval()
+    cfg = t.run.config
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay)
+    microbatches = build_microbatches(request.samples, cfg)
+    n_total = sum(mb.num_response_tokens for mb in microbatches)
+    for mb in microbatches:
+        logp = score_hidden(mb.response_hidden(plain), plain.lm_head.weight, mb.response_targets,
+                            temperature=cfg.temperature)[0]
+        loss, _ = ppo_clip_loss(logp, mb.response_rollout_logprobs, mb.response_advantages,
+                                clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high)
+        (loss.sum() / n_total).backward()
+    torch.nn.utils.clip_grad_norm_(list(plain.parameters()), cfg.grad_clip)
+    optimizer.step()
+    sharded = t.master_state_dict()
+    assert all(torch.equal(sharded[k], v) for k, v in plain.state_dict().items())
