@@ -41,15 +41,20 @@ from services.trainer.packing import plan_microbatches  # noqa: E402
 HIDDEN, MLP, HQ, HKV, HEAD_DIM = 4096, 12288, 32, 8, 128
 
 
-def sample_lengths(n: int, seed: int) -> list[int]:
-    """RL-like (prompt + response) lengths: prompts uniform in [100, 500]; responses log-normal around 450
+def sample_prompt_response_lengths(n: int, seed: int) -> list[tuple[int, int]]:
+    """RL-like (prompt, response) lengths: prompts uniform in [100, 500]; responses log-normal around 450
     tokens, one in ten instead log-uniform in [2000, 8192] (the long reasoning tail), clipped to [200, 8192]."""
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(100, 501, (n,), generator=g)
     body = torch.exp(torch.randn(n, generator=g, dtype=torch.float64) * 0.8 + math.log(450))
     tail = torch.exp(torch.rand(n, generator=g, dtype=torch.float64) * math.log(8192 / 2000) + math.log(2000))
     responses = torch.where(torch.rand(n, generator=g) < 0.1, tail, body).round().clamp(200, 8192).long()
-    return (prompts + responses).tolist()
+    return list(zip(prompts.tolist(), responses.tolist()))
+
+
+def sample_lengths(n: int, seed: int) -> list[int]:
+    """Total (prompt + response) lengths of `sample_prompt_response_lengths`."""
+    return [p + r for p, r in sample_prompt_response_lengths(n, seed)]
 
 
 def timed(fn, reps: int, warmup: int = 2) -> float:

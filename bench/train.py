@@ -1,0 +1,217 @@
+"""Trainer throughput, MFU and memory on one GPU: the real `Trainer` on Qwen3-shaped models (random init).
+
+Prints one JSON object (and writes it to --out). Needs a CUDA/ROCm GPU.
+
+Per shape (`--shapes`, Qwen3 0.6B/4B/8B dimensions, vocab 151936): a model
+directory is written (bf16 safetensors, random init), `Trainer.configure`
+loads it as float32 masters sharded by FSDP2 (world of one) with bf16
+compute, and `train_step` runs `--steps` steps of `--samples` trajectories
+whose lengths follow bench/packing.py's RL mix (prompts 100-500 tokens,
+responses log-normal around 450 with a tail to 8192), capped at the
+microbatch budget. Measured:
+- step 1 at lr 1e-6: the fraction of float32 master elements with a nonzero
+  gradient (AdamW's exp_avg after step 1) whose value changed;
+- steady state (steps after the first two): tokens/s, model FLOP/s and MFU.
+  Model FLOPs are counted as work the step must do: 6 x (non-embedding
+  parameters) per token, 6 x V x H per scored (response) token for the
+  lm_head (prompt rows are never projected to the vocabulary), and causal
+  attention 6 x L^2 x (heads x head_dim) per layer per sequence of length L;
+  MFU is that rate over a bf16 8192^3 GEMM's rate measured in the same process;
+- peak GPU memory (torch.cuda.max_memory_allocated) over the run, and what the
+  float32 state (masters + gradients + AdamW) alone takes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.packing import sample_prompt_response_lengths  # noqa: E402
+
+SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+VOCAB = 151936
+
+
+def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return 2 * n ** 3 / statistics.median(times) / 1e12
+
+
+def write_model(shape: str, directory: Path, seed: int) -> dict:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=VOCAB, max_position_embeddings=40960, rope_theta=1e6, **SHAPES[shape])
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg)
+    model.to(torch.bfloat16).save_pretrained(str(directory))
+    counts = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "embedding_params": model.get_input_embeddings().weight.numel(),
+    }
+    counts["lm_head_params"] = model.get_output_embeddings().weight.numel()
+    counts["non_embedding_params"] = counts["params"] - counts["embedding_params"] - (
+        0 if cfg.tie_word_embeddings else counts["lm_head_params"])
+    del model
+    torch.cuda.empty_cache()
+    return counts
+
+
+def make_request(step: int, lengths: list[tuple[int, int]], seed: int):
+    from services.trainer.batching import TrainSample
+    from services.trainer.wire import StepRequest
+
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    samples = []
+    for i, (p, r) in enumerate(lengths):
+        ids = torch.randint(0, VOCAB, (p + r,), generator=g)
+        # A random-init model is near uniform: rollout log-probs of -ln V keep the PPO ratio near 1.
+        samples.append(TrainSample(f"s{i}", f"g{i // 8}", ids[:p], ids[p:],
+                                   torch.full((r,), -math.log(VOCAB)), 1.0, 1.0 if i % 2 else -1.0))
+    return StepRequest("bench", step, step - 1, samples)
+
+
+def model_flops(lengths: list[tuple[int, int]], counts: dict, cfg: dict) -> float:
+    tokens = sum(p + r - 1 for p, r in lengths)
+    scored = sum(r for _, r in lengths)
+    d_attn = cfg["num_attention_heads"] * cfg["head_dim"]
+    # Causal: QK^T and PV over half the L x L square, 2 flops per MAC -> 2 L^2 d forward, x3 with backward.
+    attention = sum(6 * (p + r - 1) ** 2 * d_attn for p, r in lengths) * cfg["num_hidden_layers"]
+    return 6 * counts["non_embedding_params"] * tokens + 6 * VOCAB * cfg["hidden_size"] * scored + attention
+
+
+def moved_fraction(trainer, before: dict[str, torch.Tensor]) -> dict:
+    run = trainer.run
+    names = {id(p): n for n, p in run.policy.lm.named_parameters()}
+    with_grad = moved = 0
+    for group in run.optimizer.param_groups:
+        for p in group["params"]:
+            has_grad = run.optimizer.state[p]["exp_avg"].full_tensor() != 0
+            changed = p.detach().full_tensor() != before[names[id(p)]].to(p.device)
+            with_grad += int(has_grad.sum())
+            moved += int((changed & has_grad).sum())
+    return {"elements_with_gradient": with_grad, "moved": moved, "moved_fraction": moved / max(with_grad, 1)}
+
+
+def bench_shape(shape: str, args, gemm: float) -> dict:
+    from services.trainer.trainer import Trainer
+
+    cfg = SHAPES[shape]
+    budget = args.microbatch_tokens
+    # Capped so that every trajectory fits one microbatch (a longer one would be refused).
+    lengths = [(p, min(r, budget - p + 1)) for p, r in sample_prompt_response_lengths(args.samples, args.seed)]
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        counts = write_model(shape, Path(tmp), args.seed)
+        torch.cuda.reset_peak_memory_stats()
+        trainer = Trainer(device="cuda", num_threads=8)
+        run_config = {
+            "lr": 1e-6, "dtype": "bfloat16", "microbatch_tokens": budget, "grad_clip": 1.0,
+            "activation_checkpointing": args.activation_checkpointing,
+            "parity_gate": {"iw_mean_tolerance": 1e9, "iw_max": 1e30, "logprob_abs_diff_mean": 1e9},
+        }
+        t0 = time.monotonic()
+        trainer.configure(run_id="bench", model_path=tmp, seed=args.seed, config_json=json.dumps(run_config))
+        configure_s = time.monotonic() - t0
+    state_bytes = sum(p.numel() for p in trainer.run.optimizer.param_groups[0]["params"]) * 16
+    before = {n: t.cpu() for n, t in trainer.master_state_dict().items()}
+    step_times, metrics = [], []
+    for step in range(1, args.steps + 1):
+        request = make_request(step, lengths, args.seed)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = trainer.train_step(request)
+        torch.cuda.synchronize()
+        step_times.append(time.perf_counter() - t0)
+        metrics.append(out.metrics)
+        if step == 1:
+            moved = moved_fraction(trainer, before)
+            del before
+    steady = step_times[2:] if len(step_times) > 2 else step_times[-1:]
+    seconds = statistics.median(steady)
+    tokens = sum(p + r for p, r in lengths)
+    flops = model_flops(lengths, counts, cfg)
+    result = {
+        "shape": shape, **cfg, "vocab_size": VOCAB, **counts,
+        "samples": len(lengths), "tokens_per_step": tokens, "response_tokens_per_step": sum(r for _, r in lengths),
+        "longest_sample": max(p + r for p, r in lengths), "microbatch_tokens": budget,
+        "activation_checkpointing": args.activation_checkpointing,
+        "configure_seconds": round(configure_s, 1),
+        "step_seconds": [round(t, 4) for t in step_times], "steady_step_seconds": round(seconds, 4),
+        "tokens_per_second": round(tokens / seconds, 1),
+        "model_tflops_per_step": round(flops / 1e12, 2), "model_tflop_per_second": round(flops / seconds / 1e12, 1),
+        "mfu": round(flops / seconds / 1e12 / gemm, 4),
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+        "fp32_state_gb": round(state_bytes / 1e9, 2),
+        "lr_1e-6_step": moved,
+        "step1_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"],
+    }
+    del trainer
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--microbatch-tokens", type=int, default=16384)
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tmp", default=None, help="where model directories are written")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    import transformers
+    import triton
+
+    gemm = gemm_tflops()
+    out = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "gemm_bf16_8192_tflops": round(gemm, 1), "runs": [],
+    }
+    for shape in args.shapes.split(","):
+        try:
+            out["runs"].append(bench_shape(shape, args, gemm))
+        except torch.OutOfMemoryError as exc:
+            out["runs"].append({"shape": shape, "microbatch_tokens": args.microbatch_tokens,
+                                "activation_checkpointing": args.activation_checkpointing,
+                                "error": f"out of memory: {str(exc).splitlines()[0]}"})
+            torch.cuda.empty_cache()
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
