@@ -240,6 +240,9 @@ class Trainer:
     def _load_run(
         self, run_id: str, model_path: str, seed: int, config: TrainerRunConfig, resume_checkpoint: str
     ) -> RunState:
+        if config.optimizer_offload and torch.device(self.device).type == "cpu":
+            raise InvalidRequest(f"trainer_config_json.optimizer_offload: the trainer runs on device {self.device!r}, "
+                                 "where the optimizer state already lives in CPU memory; offload needs an accelerator")
         configure_determinism(seed, num_threads=self.num_threads or None)
         self._apply_attention_policy(config)
         state: ckpt.TrainerState | None = None

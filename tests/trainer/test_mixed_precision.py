@@ -152,3 +152,34 @@ def test_float32_on_one_rank_is_bitwise_a_plain_module(tiny_model_dir):
     optimizer.step()
     sharded = t.master_state_dict()
     assert all(torch.equal(sharded[k], v) for k, v in plain.state_dict().items())
+
+
+def test_activation_checkpointing_changes_memory_not_numbers(tiny_model_dir):
+    """Recomputing a layer in backward repeats the same deterministic forward: bitwise the same step."""
+    results, saved = [], []
+    for checkpointing in (False, True):
+        t = _trainer(tiny_model_dir, lr=1e-2, dtype="bfloat16", activation_checkpointing=checkpointing)
+        request = _request(t, tiny_model_dir, 1)
+        mb = t._microbatches(t.run, request.samples)[0]
+        sizes: list[int] = []
+
+        def keep(x):
+            sizes.append(x.numel() * x.element_size())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda x: x):
+            t.run.policy(mb)[0].sum().backward()
+        t.run.optimizer.zero_grad(set_to_none=True)
+        saved.append(sum(sizes))
+        results.append((t.train_step(request).metrics, t.master_state_dict()))
+    (m0, w0), (m1, w1) = results
+    assert m0 == m1
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert saved[1] < 0.5 * saved[0]  # the decoder layers' activations were not kept
+
+
+def test_optimizer_offload_needs_an_accelerator(tiny_model_dir):
+    from services.trainer.wire import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="optimizer_offload: .*device 'cpu'"):
+        _trainer(tiny_model_dir, optimizer_offload=True)
