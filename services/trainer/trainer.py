@@ -148,13 +148,17 @@ def _load_policy(path: str | Path, config: TrainerRunConfig, device: torch.devic
     return policy
 
 
-def _build_optimizer(model: torch.nn.Module, config: TrainerRunConfig) -> torch.optim.Optimizer:
+def _build_optimizer(model: torch.nn.Module, config: TrainerRunConfig, device: torch.device) -> torch.optim.Optimizer:
+    # On an accelerator one fused kernel updates every shard (elementwise, deterministic); on the
+    # CPU, and for offloaded state, torch's default implementation.
+    fused = device.type == "cuda" and not config.optimizer_offload
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=config.lr,
         betas=config.betas,
         eps=config.eps,
         weight_decay=config.weight_decay,
+        fused=fused or None,
     )
 
 
@@ -256,7 +260,7 @@ class Trainer:
             policy = _load_policy(resume_checkpoint, config, torch.device(self.device), field_name="resume_checkpoint")
         else:
             policy = _load_policy(model_path, config, torch.device(self.device), field_name="model_path")
-        optimizer = _build_optimizer(policy, config)
+        optimizer = _build_optimizer(policy, config, torch.device(self.device))
         if state is not None:
             try:
                 sharding.load_optimizer_state(policy.lm, optimizer, ckpt.read_optimizer_state(resume_checkpoint))
