@@ -122,6 +122,24 @@ def moved_fraction(trainer, before: dict[str, torch.Tensor]) -> dict:
     return {"elements_with_gradient": with_grad, "moved": moved, "moved_fraction": moved / max(with_grad, 1)}
 
 
+def profile_step(trainer, request, top: int = 30) -> dict:
+    """One more step under torch.profiler: GPU time by kernel (top `top`), and the step's GPU-busy share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        trainer.train_step(request)
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
+    rows = sorted(((e.key, getattr(e, "self_device_time_total", 0) / 1e3, e.count) for e in events),
+                  key=lambda r: -r[1])
+    busy = sum(r[1] for r in rows) / 1e3
+    return {"wall_seconds": round(wall, 3), "gpu_kernel_seconds": round(busy, 3),
+            "top_kernels_ms": [[k[:90], round(ms, 2), n] for k, ms, n in rows[:top]]}
+
+
 def bench_shape(shape: str, args, gemm: float) -> dict:
     from services.trainer.trainer import Trainer
 
@@ -155,6 +173,7 @@ def bench_shape(shape: str, args, gemm: float) -> dict:
         if step == 1:
             moved = moved_fraction(trainer, before)
             del before
+    profile = profile_step(trainer, make_request(args.steps + 1, lengths, args.seed)) if args.profile else None
     steady = step_times[2:] if len(step_times) > 2 else step_times[-1:]
     seconds = statistics.median(steady)
     tokens = sum(p + r for p, r in lengths)
@@ -174,6 +193,8 @@ def bench_shape(shape: str, args, gemm: float) -> dict:
         "lr_1e-6_step": moved,
         "step1_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"],
     }
+    if profile is not None:
+        result["profile"] = profile
     del trainer
     torch.cuda.empty_cache()
     return result
@@ -186,6 +207,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--microbatch-tokens", type=int, default=16384)
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile one extra step: GPU time by kernel")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", default=None, help="where model directories are written")
     ap.add_argument("--out", default="")
