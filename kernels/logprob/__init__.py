@@ -4,6 +4,9 @@
 temperature) at the targets and the logsumexp, over a fixed global tiling of
 the vocab (tiling.py), dispatched by contract (contract.py) to a registered
 backend (registry.py): reference (pure torch), triton, native (CUDA/HIP).
+
+`linear_token_logprobs(hidden, weight, targets, ...)`: the same outputs for
+logits = hidden @ weight.T without materialising them (linear_head.py).
 """
 from kernels.logprob.api import (
     build_contract,
@@ -20,6 +23,7 @@ from kernels.logprob.contract import (
     OutputSpec,
     Platform,
 )
+from kernels.logprob.linear_head import DEFAULT_CHUNK_TOKENS, linear_token_logprobs
 from kernels.logprob.registry import (
     BackendEntry,
     BackendUnavailable,
@@ -32,6 +36,7 @@ from kernels.logprob.registry import (
 from kernels.logprob.tiling import TILE_COUNT, ShardLayout, num_tiles, tile_width
 
 __all__ = [
+    "DEFAULT_CHUNK_TOKENS",
     "TILE_COUNT",
     "BackendEntry",
     "BackendUnavailable",
@@ -46,6 +51,7 @@ __all__ = [
     "ShardLayout",
     "build_contract",
     "emulate_tensor_parallel",
+    "linear_token_logprobs",
     "num_tiles",
     "register_backend",
     "registered_backends",
