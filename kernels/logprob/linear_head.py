@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from kernels.logprob.api import _gather_partials, build_contract
-from kernels.logprob.contract import LogprobContractError
 from kernels.logprob.registry import select, verify_group_agreement
 from kernels.logprob.vocab_blocks import (
     DEFAULT_VOCAB_BLOCK_TILES,
@@ -341,10 +340,8 @@ def linear_token_logprobs(
     )
     impl = select(backend, contract)
     blocks = plan_vocab_blocks(contract.sharding, vocab_block_tiles)
-    # The backend runs each block as a vocab shard: it must serve that contract too, or refuse here.
-    block_contract = dataclasses.replace(contract, sharding=blocks.block_layout(0))
-    if select(impl.name, block_contract) is not impl:
-        raise LogprobContractError(f"backend {impl.name!r} resolved to another implementation for vocab blocks")
+    # The backend runs each block as a vocab shard: it must serve that contract too (select raises).
+    select(impl.name, dataclasses.replace(contract, sharding=blocks.block_layout(0)))
     if contract.sharding.tp_world_size > 1:
         verify_group_agreement(
             tp_group, contract,

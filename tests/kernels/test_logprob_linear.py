@@ -299,3 +299,24 @@ def test_zero_tokens_and_no_grad():
         a = linear_token_logprobs(hidden, weight, targets, chunk_tokens=2, global_vocab_size=GVS, backend="reference")
     b = linear_token_logprobs(hidden, weight, targets, chunk_tokens=2, global_vocab_size=GVS, backend="reference")
     assert a[2] is None and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_a_backend_that_cannot_serve_vocab_shards_is_refused(monkeypatch):
+    """The head runs every vocab block as a shard of the kernel's TP path; a backend declared
+    without that capability must be refused up front, not run on a contract it never promised."""
+    from kernels.logprob import BackendEntry, Capability, Platform, register_backend
+    from kernels.logprob import registry
+    from kernels.logprob.reference import ReferenceBackend
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    register_backend(BackendEntry(
+        "reference",
+        {Platform.CPU: Capability(dtypes=frozenset({torch.float32}), tensor_parallel=False)},
+        lambda platform: ReferenceBackend(),
+    ))
+    hidden, weight, targets, _ = _data(3, torch.float32, seed=11)
+    with pytest.raises(LogprobBackendError, match="tensor-parallel vocab shards not supported"):
+        linear_token_logprobs(hidden, weight, targets, global_vocab_size=GVS, backend="reference")
+    logits = hidden @ weight.t()  # the unfused path on the whole vocab is still served
+    assert torch.isfinite(token_logprobs_with_entropy(logits, targets, global_vocab_size=GVS,
+                                                      backend="reference")[0]).all()
