@@ -24,6 +24,7 @@ from kernels.logprob import (  # noqa: E402
 )
 from kernels.logprob.vocab_blocks import pairwise_tree_sum, plan_vocab_blocks  # noqa: E402
 from tests.conftest import require  # noqa: E402
+from tests.kernels.logprob_oracle import oracle  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 H, V, GVS = 16, 512, 500  # 64 tiles of 8 columns; blocks of 8 tiles = 64 columns, the last real one cut at 500
@@ -67,19 +68,14 @@ def _unfused(hidden, weight, targets, up, *, with_entropy, chunk_tokens=None, **
 
 
 def _oracle(hidden, weight, targets, up, tau, mask, with_entropy):
-    """fp64 autograd from hidden and weight; inactive rows contribute nothing."""
-    h = hidden.detach().double().requires_grad_()
-    w = weight.detach().double().requires_grad_()
-    x = (h @ w.t())[:, :GVS] / tau
-    ls = torch.log_softmax(x, -1)
-    logp = ls.gather(1, targets[:, None])[:, 0]
-    lse = torch.logsumexp(x, -1)
-    ent = -(ls.exp() * ls).sum(-1) if with_entropy else None
+    """The shared fp64 oracle on the exact (fp64) product hidden @ weight.T, its logits gradient
+    carried to hidden and weight by the chain rule; inactive rows contribute nothing."""
+    h, w = hidden.detach().double(), weight.detach().double()
+    x, logp, lse, ent = oracle(h @ w.t(), targets, tau, gvs=GVS)
     keep = torch.ones_like(lse) if mask is None else mask.double()
-    logp, lse = logp * keep, lse * keep
-    ent = ent * keep if ent is not None else None
+    logp, lse, ent = logp * keep, lse * keep, (ent * keep if with_entropy else None)
     _loss(logp, lse, ent, up.double()).backward()
-    return logp.detach(), lse.detach(), None if ent is None else ent.detach(), h.grad, w.grad
+    return logp.detach(), lse.detach(), None if ent is None else ent.detach(), x.grad @ w, x.grad.t() @ h
 
 
 def _maxerr(a, b):
@@ -320,3 +316,15 @@ def test_a_backend_that_cannot_serve_vocab_shards_is_refused(monkeypatch):
     logits = hidden @ weight.t()  # the unfused path on the whole vocab is still served
     assert torch.isfinite(token_logprobs_with_entropy(logits, targets, global_vocab_size=GVS,
                                                       backend="reference")[0]).all()
+
+
+def test_weight_gradient_accumulates_in_fp32_across_chunks():
+    """256 chunks of one token each: d(W) summed in bf16 would round 256 times; the fp32
+    accumulator rounds once, so the fused d(W) is as close to fp64 as the unfused one."""
+    N = 256
+    hidden, weight, targets, up = _data(N, torch.bfloat16, seed=12)
+    fused = _fused(hidden, weight, targets, up, chunk_tokens=1, backend="reference", with_entropy=False)
+    unfused = _unfused(hidden, weight, targets, up, backend="reference", with_entropy=False)
+    want = _oracle(hidden, weight, targets, up, 1.0, None, False)[4]
+    err_f, err_u = _maxerr(fused[4], want), _maxerr(unfused[4], want)
+    assert err_f <= 1.5 * err_u, f"d_weight: fused {err_f} vs unfused {err_u} from fp64"
