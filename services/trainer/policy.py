@@ -5,8 +5,9 @@ final norm and lm_head live there; decoder layers are units of their own),
 so one module call covers the whole path from token ids to a token's
 log-prob. Called with a microbatch it runs the backbone, keeps the hidden
 states at the response positions only, and scores them with the lm_head
-through the log-prob head (`kernels.logprob`): the [T, V] logits of the
-whole buffer are never built. Called with Hugging Face arguments it is the
+through the log-prob head (`score_hidden`): the [T, V] logits of the whole
+buffer are never built, and in 16-bit compute not even the [N, V] logits of
+the response rows. Called with Hugging Face arguments it is the
 HF model (`.logits` and all), for callers that want plain logits.
 """
 from __future__ import annotations
@@ -18,11 +19,18 @@ from services.trainer.batching import Microbatch
 
 def score_hidden(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, temperature: float
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logp, lse, entropy) of `targets` under logits = hidden @ weight.T, through the shared log-prob kernel."""
-    from kernels.logprob import token_logprobs_with_entropy
+    """(logp, lse, entropy) of `targets` under logits = hidden @ weight.T, through the shared log-prob kernel.
 
-    logits = torch.nn.functional.linear(hidden, weight)
-    return token_logprobs_with_entropy(logits, targets, temperature=temperature)
+    16-bit compute (every GPU run) goes through the fused head: logits one [chunk, vocab block] piece
+    at a time, recomputed in backward, never [N, V]. float32 (CPU runs) projects the response rows
+    in one GEMM, as it always has, so float32 runs keep their bits; both give the kernel's log-probs
+    of the same logits (the fused head's contract, tested against this path)."""
+    from kernels.logprob import linear_token_logprobs, token_logprobs_with_entropy
+
+    if hidden.dtype == torch.float32:
+        return token_logprobs_with_entropy(torch.nn.functional.linear(hidden, weight), targets,
+                                           temperature=temperature)
+    return linear_token_logprobs(hidden, weight, targets, temperature=temperature, with_entropy=True)
 
 
 class PolicyModule(torch.nn.Module):
