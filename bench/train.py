@@ -23,6 +23,7 @@ microbatch budget. Measured:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -140,11 +141,10 @@ def profile_step(trainer, request, top: int = 30) -> dict:
             "top_kernels_ms": [[k[:90], round(ms, 2), n] for k, ms, n in rows[:top]]}
 
 
-def bench_shape(shape: str, args, gemm: float) -> dict:
+def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float) -> dict:
     from services.trainer.trainer import Trainer
 
     cfg = SHAPES[shape]
-    budget = args.microbatch_tokens
     # Capped so that every trajectory fits one microbatch (a longer one would be refused).
     lengths = [(p, min(r, budget - p + 1)) for p, r in sample_prompt_response_lengths(args.samples, args.seed)]
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
@@ -153,14 +153,16 @@ def bench_shape(shape: str, args, gemm: float) -> dict:
         trainer = Trainer(device="cuda", num_threads=8)
         run_config = {
             "lr": 1e-6, "dtype": "bfloat16", "microbatch_tokens": budget, "grad_clip": 1.0,
-            "activation_checkpointing": args.activation_checkpointing,
+            "activation_checkpointing": checkpointing,
             "parity_gate": {"iw_mean_tolerance": 1e9, "iw_max": 1e30, "logprob_abs_diff_mean": 1e9},
         }
         t0 = time.monotonic()
         trainer.configure(run_id="bench", model_path=tmp, seed=args.seed, config_json=json.dumps(run_config))
         configure_s = time.monotonic() - t0
     state_bytes = sum(p.numel() for p in trainer.run.optimizer.param_groups[0]["params"]) * 16
-    before = {n: t.cpu() for n, t in trainer.master_state_dict().items()}
+    names = {id(p): n for n, p in trainer.run.policy.lm.named_parameters()}
+    before = {names[id(p)]: p.detach().full_tensor().cpu() for p in trainer.run.optimizer.param_groups[0]["params"]}
+    torch.cuda.reset_peak_memory_stats()  # the peak of training, not of this snapshot
     step_times, metrics = [], []
     for step in range(1, args.steps + 1):
         request = make_request(step, lengths, args.seed)
@@ -182,7 +184,7 @@ def bench_shape(shape: str, args, gemm: float) -> dict:
         "shape": shape, **cfg, "vocab_size": VOCAB, **counts,
         "samples": len(lengths), "tokens_per_step": tokens, "response_tokens_per_step": sum(r for _, r in lengths),
         "longest_sample": max(p + r for p, r in lengths), "microbatch_tokens": budget,
-        "activation_checkpointing": args.activation_checkpointing,
+        "activation_checkpointing": checkpointing,
         "configure_seconds": round(configure_s, 1),
         "step_seconds": [round(t, 4) for t in step_times], "steady_step_seconds": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 1),
@@ -200,18 +202,30 @@ def bench_shape(shape: str, args, gemm: float) -> dict:
     return result
 
 
+def parse_runs(text: str) -> list[tuple[str, int, bool]]:
+    """'qwen3-4b@16384+ac,qwen3-0.6b@32768' -> [(shape, microbatch_tokens, activation_checkpointing)]."""
+    runs = []
+    for item in text.split(","):
+        head, _, budget = item.strip().partition("@")
+        budget, _, ac = budget.partition("+")
+        if head not in SHAPES or not budget.isdigit() or ac not in ("", "ac"):
+            raise SystemExit(f"--runs: {item!r} is not SHAPE@TOKENS[+ac] with SHAPE one of {sorted(SHAPES)}")
+        runs.append((head, int(budget), ac == "ac"))
+    return runs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b", help=f"comma-separated, of {sorted(SHAPES)}")
+    ap.add_argument("--runs", default="qwen3-0.6b@32768+ac,qwen3-4b@16384+ac",
+                    help="comma-separated SHAPE@MICROBATCH_TOKENS[+ac] (+ac: activation checkpointing)")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--microbatch-tokens", type=int, default=16384)
-    ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--profile", action="store_true", help="profile one extra step: GPU time by kernel")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", default=None, help="where model directories are written")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    runs = parse_runs(args.runs)
     import transformers
     import triton
 
@@ -221,14 +235,16 @@ def main() -> None:
         "transformers": transformers.__version__, "python": platform.python_version(),
         "gemm_bf16_8192_tflops": round(gemm, 1), "runs": [],
     }
-    for shape in args.shapes.split(","):
+    for shape, budget, checkpointing in runs:
         try:
-            out["runs"].append(bench_shape(shape, args, gemm))
+            out["runs"].append(bench_shape(shape, budget, checkpointing, args, gemm))
         except torch.OutOfMemoryError as exc:
-            out["runs"].append({"shape": shape, "microbatch_tokens": args.microbatch_tokens,
-                                "activation_checkpointing": args.activation_checkpointing,
+            out["runs"].append({"shape": shape, "microbatch_tokens": budget,
+                                "activation_checkpointing": checkpointing,
                                 "error": f"out of memory: {str(exc).splitlines()[0]}"})
-            torch.cuda.empty_cache()
+        gc.collect()  # a failed run's trainer lives in its traceback until collected
+        torch.cuda.empty_cache()
+        print(json.dumps(out["runs"][-1]), flush=True)
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
