@@ -1,24 +1,26 @@
-"""Trainer throughput, MFU and memory on one GPU: the real `Trainer` on Qwen3-shaped models (random init).
+"""Trainer throughput, MFU and memory: the real `Trainer` on Qwen3-shaped models (random init).
 
-Prints one JSON object (and writes it to --out). Needs a CUDA/ROCm GPU.
+Prints one JSON object (and writes it to --out). Needs CUDA/ROCm GPUs: one, or
+`--world-size N` of one host (an FSDP group over NCCL, rank 0 in this process).
 
-Per shape (`--shapes`, Qwen3 0.6B/4B/8B dimensions, vocab 151936): a model
-directory is written (bf16 safetensors, random init), `Trainer.configure`
-loads it as float32 masters sharded by FSDP2 (world of one) with bf16
+Per run (`--runs SHAPE@MICROBATCH[+ac]`, Qwen3 0.6B/4B/8B dimensions, vocab
+151936): a model directory is written (bf16 safetensors, random init),
+`Trainer.configure` loads it as float32 masters sharded by FSDP2 with bf16
 compute, and `train_step` runs `--steps` steps of `--samples` trajectories
 whose lengths follow bench/packing.py's RL mix (prompts 100-500 tokens,
 responses log-normal around 450 with a tail to 8192), capped at the
 microbatch budget. Measured:
 - step 1 at lr 1e-6: the fraction of float32 master elements with a nonzero
-  gradient (AdamW's exp_avg after step 1) whose value changed;
+  gradient (AdamW's exp_avg after step 1) whose value changed (over rank 0's
+  shards in a group);
 - steady state (steps after the first two): tokens/s, model FLOP/s and MFU.
   Model FLOPs are counted as work the step must do: 6 x (non-embedding
   parameters) per token, 6 x V x H per scored (response) token for the
   lm_head (prompt rows are never projected to the vocabulary), and causal
   attention 6 x L^2 x (heads x head_dim) per layer per sequence of length L;
-  MFU is that rate over a bf16 8192^3 GEMM's rate measured in the same process;
-- peak GPU memory (torch.cuda.max_memory_allocated) over the run, and what the
-  float32 state (masters + gradients + AdamW) alone takes.
+  MFU is that rate over N x a bf16 8192^3 GEMM's rate measured in the same process;
+- peak GPU memory (torch.cuda.max_memory_allocated, rank 0's GPU) over the
+  run, and what rank 0's float32 state (masters + gradients + AdamW) takes.
 """
 from __future__ import annotations
 
@@ -110,14 +112,21 @@ def model_flops(lengths: list[tuple[int, int]], counts: dict, cfg: dict) -> floa
     return 6 * counts["non_embedding_params"] * tokens + 6 * VOCAB * cfg["hidden_size"] * scored + attention
 
 
+def master_shards(trainer) -> dict[str, torch.Tensor]:
+    """This process's shard of every float32 master (the whole tensor at world size 1), on the CPU."""
+    names = {id(p): n for n, p in trainer.run.policy.lm.named_parameters()}
+    return {names[id(p)]: p.detach().to_local().cpu() for p in trainer.run.optimizer.param_groups[0]["params"]}
+
+
 def moved_fraction(trainer, before: dict[str, torch.Tensor]) -> dict:
+    """Over rank 0's shards (every element at world size 1)."""
     run = trainer.run
     names = {id(p): n for n, p in run.policy.lm.named_parameters()}
     with_grad = moved = 0
     for group in run.optimizer.param_groups:
         for p in group["params"]:
-            has_grad = run.optimizer.state[p]["exp_avg"].full_tensor() != 0
-            changed = p.detach().full_tensor() != before[names[id(p)]].to(p.device)
+            has_grad = run.optimizer.state[p]["exp_avg"].to_local() != 0
+            changed = p.detach().to_local() != before[names[id(p)]].to(p.device)
             with_grad += int(has_grad.sum())
             moved += int((changed & has_grad).sum())
     return {"elements_with_gradient": with_grad, "moved": moved, "moved_fraction": moved / max(with_grad, 1)}
@@ -143,6 +152,7 @@ def profile_step(trainer, request, top: int = 30) -> dict:
 
 def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float) -> dict:
     from services.trainer.trainer import Trainer
+    from services.trainer.worker_group import GroupSpec, GroupTrainer
 
     cfg = SHAPES[shape]
     # Capped so that every trajectory fits one microbatch (a longer one would be refused).
@@ -150,7 +160,11 @@ def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float)
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         counts = write_model(shape, Path(tmp), args.seed)
         torch.cuda.reset_peak_memory_stats()
-        trainer = Trainer(device="cuda", num_threads=8)
+        if args.world_size == 1:
+            trainer = Trainer(device="cuda", num_threads=8)
+        else:
+            trainer = GroupTrainer(GroupSpec(world_size=args.world_size, device="cuda", num_threads=8,
+                                             timeout_s=1800))
         run_config = {
             "lr": 1e-6, "dtype": "bfloat16", "microbatch_tokens": budget, "grad_clip": 1.0,
             "activation_checkpointing": checkpointing,
@@ -160,8 +174,7 @@ def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float)
         trainer.configure(run_id="bench", model_path=tmp, seed=args.seed, config_json=json.dumps(run_config))
         configure_s = time.monotonic() - t0
     state_bytes = sum(p.numel() for p in trainer.run.optimizer.param_groups[0]["params"]) * 16
-    names = {id(p): n for n, p in trainer.run.policy.lm.named_parameters()}
-    before = {names[id(p)]: p.detach().full_tensor().cpu() for p in trainer.run.optimizer.param_groups[0]["params"]}
+    before = master_shards(trainer)
     torch.cuda.reset_peak_memory_stats()  # the peak of training, not of this snapshot
     step_times, metrics = [], []
     for step in range(1, args.steps + 1):
@@ -189,14 +202,17 @@ def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float)
         "step_seconds": [round(t, 4) for t in step_times], "steady_step_seconds": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 1),
         "model_tflops_per_step": round(flops / 1e12, 2), "model_tflop_per_second": round(flops / seconds / 1e12, 1),
-        "mfu": round(flops / seconds / 1e12 / gemm, 4),
-        "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
-        "fp32_state_gb": round(state_bytes / 1e9, 2),
+        "world_size": args.world_size,
+        "mfu": round(flops / seconds / 1e12 / gemm / args.world_size, 4),
+        "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),  # rank 0's GPU
+        "fp32_state_gb": round(state_bytes / 1e9, 2),  # rank 0's shards
         "lr_1e-6_step": moved,
         "step1_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"],
     }
     if profile is not None:
         result["profile"] = profile
+    if args.world_size > 1:
+        trainer.close()
     del trainer
     torch.cuda.empty_cache()
     return result
@@ -221,6 +237,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="profile one extra step: GPU time by kernel")
+    ap.add_argument("--world-size", type=int, default=1,
+                    help="FSDP ranks on this host, one GPU each (rank 0 in this process; NCCL)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", default=None, help="where model directories are written")
     ap.add_argument("--out", default="")
