@@ -44,6 +44,8 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     # fork without its threads, so a child that opens a parallel region after the parent changed
     # its thread count (an earlier test did) waits forever for threads that do not exist.
     torch.set_num_threads(1)
+    if dist.is_initialized():  # the fork inherited the test process's group (a Trainer forms a world of one)
+        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         logits, targets, mask = _inputs()

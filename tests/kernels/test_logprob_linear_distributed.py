@@ -46,6 +46,8 @@ def _run_one(hidden, weight, targets, mask, up, backend, **kw):
 
 def _worker(rank: int, world: int, rows: int, dtype: torch.dtype, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # see test_logprob_distributed.py: forked children must not open thread teams
+    if dist.is_initialized():  # the fork inherited the test process's group (a Trainer forms a world of one)
+        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         hidden, weight, targets, mask, up = _inputs(rows, dtype)
