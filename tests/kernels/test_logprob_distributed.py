@@ -44,8 +44,6 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     # fork without its threads, so a child that opens a parallel region after the parent changed
     # its thread count (an earlier test did) waits forever for threads that do not exist.
     torch.set_num_threads(1)
-    if dist.is_initialized():  # the fork inherited the test process's group (a Trainer forms a world of one)
-        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         logits, targets, mask = _inputs()
@@ -86,6 +84,10 @@ def test_gloo_tp_matches_single_process_bitwise(world, tmp_path):
         single = {b: _run_one(logits, targets, mask, b, global_vocab_size=GVS) for b in BACKENDS}
     finally:
         torch.set_num_threads(threads)
+    if dist.is_initialized():
+        # A Trainer earlier in this process formed a world-of-one group. Leave it here, before the fork:
+        # a child cannot shut down a group whose threads it did not inherit (it waits for them forever).
+        dist.destroy_process_group()
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), str(tmp_path))) for r in range(world)]
     for p in procs:

@@ -46,8 +46,6 @@ def _run_one(hidden, weight, targets, mask, up, backend, **kw):
 
 def _worker(rank: int, world: int, rows: int, dtype: torch.dtype, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # see test_logprob_distributed.py: forked children must not open thread teams
-    if dist.is_initialized():  # the fork inherited the test process's group (a Trainer forms a world of one)
-        dist.destroy_process_group()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         hidden, weight, targets, mask, up = _inputs(rows, dtype)
@@ -81,6 +79,10 @@ def test_gloo_vocab_parallel_matches_one_process_bitwise(world, rows, dtype, tmp
         single = {b: _run_one(hidden, weight, targets, mask, up, b) for b in BACKENDS}
     finally:
         torch.set_num_threads(threads)
+    if dist.is_initialized():
+        # A Trainer earlier in this process formed a world-of-one group. Leave it here, before the fork:
+        # a child cannot shut down a group whose threads it did not inherit (it waits for them forever).
+        dist.destroy_process_group()
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_worker, args=(r, world, rows, dtype, str(tmp_path / "init"), str(tmp_path)))
              for r in range(world)]
