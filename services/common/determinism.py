@@ -19,6 +19,11 @@ def configure_determinism(seed: int, *, num_threads: int | None = None) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True, warn_only=False)
+    # Deterministic mode also fills every new allocation with NaN by default, a debugging aid that
+    # surfaces reads of uninitialised memory. It is not part of what makes results reproducible
+    # (nothing here reads memory it did not write) and costs a fill kernel per allocation: ~5% of
+    # a Qwen3-4B training step on an H200.
+    torch.utils.deterministic.fill_uninitialized_memory = False
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = False
         torch.backends.cuda.matmul.allow_tf32 = False
