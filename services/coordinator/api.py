@@ -68,7 +68,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         def make_driver(run_id: str, spec: RunSpec, run_dir: Path) -> RunDriver:
             return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,
                              config.generate_retries, load_tokenizer, config.crash_after_train_step,
-                             trainer_recovery_timeout_s=config.trainer_recovery_timeout_s)
+                             trainer_recovery_timeout_s=config.trainer_recovery_timeout_s,
+                             replica_recovery_timeout_s=config.replica_recovery_timeout_s)
 
         scheduler = RunScheduler(store, make_driver, data_dir, _coordinator_id(data_dir), exporter)
         app.state.store, app.state.exporter, app.state.scheduler = store, exporter, scheduler

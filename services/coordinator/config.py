@@ -43,6 +43,12 @@ class CoordinatorConfig(BaseModel):
         "its supervisor). It is then re-configured from the run's last checkpoint and the steps after that "
         "checkpoint are recomputed. 0 = fail the run at once.",
     )
+    replica_recovery_timeout_s: float = Field(
+        600.0, ge=0,
+        description="How long a run waits when every rollout replica stopped answering, for one to come back "
+        "(restarted by its supervisor). It is then given the run's model and current weights and readmitted. "
+        "0 = fail the run at once.",
+    )
     log_level: str = Field("info", description="Log level.")
     crash_after_train_step: int = Field(
         0, ge=0,
