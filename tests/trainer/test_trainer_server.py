@@ -134,6 +134,26 @@ def test_check_parity_on_demand_trains_nothing(parity_server, tiny_model_dir):
     assert stub.Info(pb.InfoRequest()).policy_version == 0
 
 
+def test_replay_with_other_trajectories_is_refused_naming_the_step(parity_server, tiny_model_dir):
+    stub, _, _ = parity_server
+    run = "replay-run"
+    stub.ConfigureRun(pb.ConfigureRunRequest(run_id=run, model_path=str(tiny_model_dir), seed=1,
+                                             trainer_config_json=json.dumps({"microbatch_tokens": 32})))
+    trajs = trajectories(load_causal_lm(tiny_model_dir), 1, seed=4)
+    for t in trajs:
+        t.run_id = run
+    m = dict(train(stub, 1, trajs, run_id=run).metrics)
+    replay = train(stub, 1, list(reversed(trajs)), run_id=run)  # same trajectories, another arrival order
+    assert replay.replayed and dict(replay.metrics) == m
+    other = [pb.Trajectory(), *trajs[1:]]
+    other[0].CopyFrom(trajs[0])
+    other[0].reward = 1.0 - trajs[0].reward
+    code, msg = code_of(lambda: train(stub, 1, other, run_id=run))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, msg)
+    assert msg.startswith("step 1: replayed with trajectories other than the ones it was trained on"), msg
+    assert stub.Info(pb.InfoRequest()).policy_version == 1
+
+
 def test_trainer_service_end_to_end(server, tiny_model_dir, tmp_path):
     stub, proc, metrics_port = server
     assert stub.Health(pb.HealthRequest()).status == "not_loaded"
