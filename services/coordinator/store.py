@@ -48,11 +48,14 @@ return 1
 # Moves a run to a new status only while it is still active: a terminal status
 # (completed, failed, cancelled) is final, so a cancel that lands while the
 # driver starts or finishes a run is never overwritten. Returns 1 if changed.
+# The event is pushed first: a script that fails half-way keeps the writes made
+# before the error, and an event list that cannot take the event (WRONGTYPE)
+# must leave the status untouched too.
 _SET_STATUS = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if current ~= 'pending' and current ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'error', ARGV[3])
 redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'error', ARGV[3])
 return 1
 """
 
