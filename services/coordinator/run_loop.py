@@ -106,6 +106,7 @@ class RunDriver:
         self.trainer_recovery_timeout_s = trainer_recovery_timeout_s
         self.replica_recovery_timeout_s = replica_recovery_timeout_s
         self._replica_recovery = asyncio.Lock()  # concurrent shards wait for one recovery, not one each
+        self._reloads: dict[str, int] = {}  # replica address -> times it was found restarted and reloaded
         self.task: Task = build_task(spec.task.name, spec.task.options)
         self.tokenizer = tokenizer_loader(spec.model_path)
         self._prompt_ids: dict[str, list[int]] = {}
@@ -389,13 +390,17 @@ class RunDriver:
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, 5.0)
 
-    async def _reload_if_restarted(self, client: RolloutClient, info: pb.ServiceInfo, *, step: int,
+    async def _reload_if_restarted(self, client: RolloutClient, info: pb.ServiceInfo | None, *, step: int,
                                    version: int) -> bool:
         """A replica that answers but holds no model at all was restarted since it last served the run:
-        load the run's model and weights at `version`. False (nothing done) for one holding a model."""
-        if info.run_id or info.policy_version >= 0:
-            return False
-        await self._bring_up_to_date(client, version, None)
+        load the run's model and weights at `version`. False (nothing done) for one holding a model.
+        `info` None: ask the replica (under the recovery lock, so concurrent shards reload it once)."""
+        async with self._replica_recovery:
+            info = info if info is not None else await client.info()
+            if info.run_id or info.policy_version >= 0:
+                return False
+            await self._bring_up_to_date(client, version, None)
+            self._reloads[client.address] = self._reloads.get(client.address, 0) + 1
         await self.store.add_event(self.run_id, "replica_reloaded", step=step, replica=client.address,
                                    policy_version=version)
         log_event(log, "restarted rollout replica reloaded", run_id=self.run_id, step=step,
@@ -456,14 +461,18 @@ class RunDriver:
             await self._await_replica(step, policy_version)
             candidates = self.replicas.live()
             client = candidates[(replica + attempt) % len(candidates)]
+            reloads = self._reloads.get(client.address, 0)
             try:
                 try:
                     return await client.generate(request)
                 except Exception as exc:
                     # A refusal from a replica that lost its model (restarted between two calls) is
-                    # answered by reloading it; any other refusal fails the run.
-                    if is_unavailable(exc) or not await self._reload_if_restarted(
-                            client, await client.info(), step=step, version=policy_version):
+                    # answered by reloading it -- here, or by a concurrent shard meanwhile; any other
+                    # refusal fails the run.
+                    if is_unavailable(exc):
+                        raise
+                    if not await self._reload_if_restarted(client, None, step=step, version=policy_version) \
+                            and self._reloads.get(client.address, 0) == reloads:
                         raise
                     continue
             except Exception as exc:
