@@ -82,6 +82,7 @@ class LocalStack:
     num_threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
+    redis_url: str = ""  # empty: the coordinator starts (and supervises) its embedded Redis
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).resolve()
@@ -105,6 +106,7 @@ class LocalStack:
             "--data-dir", str(self.run_dir / "coordinator"),
             "--trainer-address", f"127.0.0.1:{self.trainer_port}",
             "--rollout-addresses", ",".join(f"127.0.0.1:{p}" for p in self.rollout_ports),
+            *(["--redis-url", self.redis_url] if self.redis_url else []),
         ], env, logs / "coordinator.log")
 
     @property

@@ -232,6 +232,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("snapshot", help="record the base image's packages and torch build")
     s.add_argument("out")
+    s.add_argument("--expect-python", metavar="X.Y",
+                   help="the Python the Dockerfile declares for its base image (BASE_PYTHON); fail if it is another")
     c = sub.add_parser("constraints", help="print pip constraints that keep the base image intact")
     c.add_argument("base")
     c.add_argument("--platform", choices=PLATFORMS, required=True)
@@ -246,6 +248,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.cmd == "snapshot":
         env = current_env()
+        found_python = ".".join(map(str, env.python[:2]))
+        if args.expect_python and args.expect_python != found_python:
+            print(f"image check failed: the base image's Python is {found_python}, the Dockerfile declares "
+                  f"BASE_PYTHON={args.expect_python}: update BASE_PYTHON with BASE_IMAGE", file=sys.stderr)
+            return 1
         if tuple(env.python[:2]) < MIN_PYTHON:  # fail before a long pip install would
             print(f"image check failed: {problems(env, env, 'cpu')[0]}", file=sys.stderr)
             return 1

@@ -4,15 +4,18 @@
     python3 deploy/docker/healthcheck.py grpc trainer 127.0.0.1:50052
     python3 deploy/docker/healthcheck.py http http://127.0.0.1:8000/healthz
 
-The gRPC form calls the service's own Health RPC (proto/lockstep.proto), which
-both servers answer even while a batch or a train step runs, so a busy service
-is healthy and a wedged event loop is not. "not_loaded" (no run yet) is
-healthy. The HTTP form is for the coordinator: /healthz says the process
-serves requests; /readyz would also require every rollout and the trainer, and
-a healthcheck that depends on other containers restarts the wrong one.
+The gRPC form is the standard health check (grpc.health.v1 Health/Check, the
+protocol grpc_health_probe and orchestrators speak) for the service's full
+name (lockstep.v1.Rollout / lockstep.v1.Trainer): SERVING while the server
+runs, also while a batch or a train step does, so a busy service is healthy
+and a wedged event loop is not; NOT_SERVING once it is shutting down; a
+server of the other service answers NOT_FOUND. The HTTP form is for the
+coordinator: /healthz says the process serves requests; /readyz would also
+require every rollout and the trainer, and a healthcheck that depends on other
+containers restarts the wrong one.
 
-Uses the standard library plus grpcio (already in the image), not curl: the
-SGLang base images do not promise one.
+Uses the standard library plus grpcio and grpcio-health-checking (installed
+with Lockstep), not curl: the SGLang base images do not promise one.
 """
 from __future__ import annotations
 
@@ -29,19 +32,21 @@ TIMEOUT_S = 5.0
 
 def check_grpc(service: str, address: str) -> tuple[bool, str]:
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from proto import lockstep_pb2 as pb
-    from proto import lockstep_pb2_grpc as pb_grpc
+    from services.common.health_service import SERVICE_NAMES
 
-    stubs = {"rollout": pb_grpc.RolloutStub, "trainer": pb_grpc.TrainerStub}
-    if service not in stubs:
-        return False, f"unknown service {service!r}; expected one of {sorted(stubs)}"
+    if service not in SERVICE_NAMES:
+        return False, f"unknown service {service!r}; expected one of {sorted(SERVICE_NAMES)}"
+    name = SERVICE_NAMES[service]
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = stubs[service](channel).Health(pb.HealthRequest(), timeout=TIMEOUT_S)
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=name),
+                                                              timeout=TIMEOUT_S)
         except grpc.RpcError as exc:
-            return False, f"{service} at {address}: {exc.code().name} {exc.details()}"
-    return reply.ok, f"{service} at {address}: {reply.status or ('ok' if reply.ok else 'not ok')}"
+            return False, f"{name} at {address}: {exc.code().name} {exc.details() or ''}".rstrip()
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING, f"{name} at {address}: {status}"
 
 
 def check_http(url: str) -> tuple[bool, str]:

@@ -18,6 +18,18 @@ Why each ROCm decision (seed 003, miles PR #3183, an AMD LoRA RL launcher):
   HIP_VISIBLE_DEVICES is copied there.
 - NCCL_NVLS_ENABLE=0: NVLink SHARP does not exist on ROCm and RCCL's topology
   probe for it must not run.
+
+Log-prob parity with the trainer on ROCm (measured on MI300X with Qwen3:
+exact agreement needed every one of these):
+- SGLANG_ROPE_CACHE_FP32=1: SGLang keeps its RoPE cos/sin cache in fp32 on
+  CUDA but casts it to the model dtype on every other platform unless told
+  not to; the trainer's (Hugging Face) rotary tables are fp32, and the BF16
+  cache alone kept the log-probs apart.
+- deterministic mode adds `--rl-on-policy-target fsdp` (SGLang's kernels
+  follow the Hugging Face / FSDP training forward: RMSNorm cast order, RoPE
+  numerics, decode through the extend attention kernel) and
+  NCCL_ALGO=allreduce:tree (RCCL reduces in one fixed order under tensor
+  parallelism), beside --enable-deterministic-inference.
 """
 from __future__ import annotations
 
@@ -36,6 +48,12 @@ PLATFORM_ENV = "LOCKSTEP_PLATFORM"
 # decisions, and checked against the plugin's own constants by a test.
 SGLANG_CPU_PLUGIN_NAME = "lockstep_cpu"
 SGLANG_CPU_PLUGIN_ENV = "LOCKSTEP_SGLANG_CPU_PLATFORM"
+
+# Set for every SGLang server on ROCm (why: module docstring).
+ROCM_LOGPROB_PARITY_ENV: dict[str, str] = {"SGLANG_ROPE_CACHE_FP32": "1"}
+# Added on ROCm in deterministic mode.
+ROCM_DETERMINISTIC_FLAGS: tuple[str, ...] = ("--rl-on-policy-target", "fsdp")
+ROCM_DETERMINISTIC_ENV: dict[str, str] = {"NCCL_ALGO": "allreduce:tree"}
 
 
 class Platform(str, enum.Enum):
@@ -164,6 +182,10 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
         env_updates["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"] = "1"
         env_updates["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
         env_updates["NCCL_NVLS_ENABLE"] = "0"
+        env_updates.update(ROCM_LOGPROB_PARITY_ENV)
+        if config.deterministic:
+            flags += ROCM_DETERMINISTIC_FLAGS
+            env_updates.update(ROCM_DETERMINISTIC_ENV)
     elif platform is Platform.CUDA:
         flags = ["--attention-backend", config.cuda_attention_backend, "--dtype", config.dtype]
         if config.cuda_lora_backend is not None:

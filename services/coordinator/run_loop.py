@@ -8,6 +8,7 @@
         adv       = group-normalised advantages
         metrics   = trainer.train_step(trajectories)          # policy_version -> step
         sync weights to every live replica (a replica that stopped answering is evicted)
+        (no replica left: wait for one to answer again, reload it at the current weights)
         eval (greedy, held-out) when due; checkpoint when due
         record step exactly once (Redis), export metrics
         (trainer lost: wait for it, resume it from the last checkpoint, go on from there)
@@ -95,6 +96,7 @@ class RunDriver:
         crash_after_train_step: int = 0,
         *,
         trainer_recovery_timeout_s: float = 0.0,
+        replica_recovery_timeout_s: float = 0.0,
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
         self.replicas, self.trainer, self.exporter = ReplicaPool(rollouts), trainer, exporter
@@ -102,6 +104,9 @@ class RunDriver:
         self.generate_retries = generate_retries
         self.crash_after_train_step = crash_after_train_step
         self.trainer_recovery_timeout_s = trainer_recovery_timeout_s
+        self.replica_recovery_timeout_s = replica_recovery_timeout_s
+        self._replica_recovery = asyncio.Lock()  # concurrent shards wait for one recovery, not one each
+        self._reloads: dict[str, int] = {}  # replica address -> times it was found restarted and reloaded
         self.task: Task = build_task(spec.task.name, spec.task.options)
         self.tokenizer = tokenizer_loader(spec.model_path)
         self._prompt_ids: dict[str, list[int]] = {}
@@ -311,9 +316,10 @@ class RunDriver:
                     raise
                 await self._evict(client, step=0, reason=f"unreachable at run start ({exc.code()})")
         try:
-            live = self.replicas.require_live("run start")
+            await self._await_replica(0, version)
         except NoLiveReplica as exc:
             raise RunFailed(str(exc)) from None
+        live = self.replicas.live()
         self._export_replicas()
         await self.store.add_event(self.run_id, "services_configured", policy_version=version,
                                    rollouts=[c.address for c in live])
@@ -366,6 +372,41 @@ class RunDriver:
             log_event(log, "rollout replica readmitted", run_id=self.run_id, step=step, replica=client.address)
         self._export_replicas()
 
+    async def _await_replica(self, step: int, version: int) -> None:
+        """With no live replica, wait up to replica_recovery_timeout_s for an evicted one to answer again
+        (restarted by its supervisor), bring it to `version` and readmit it; NoLiveReplica if none does."""
+        async with self._replica_recovery:
+            if self.replicas.live():
+                return
+            timeout = self.replica_recovery_timeout_s
+            deadline, delay = time.monotonic() + timeout, 0.5
+            while True:
+                await self._check_cancelled()
+                await self._readmit_replicas(step, version)
+                if self.replicas.live():
+                    return
+                if time.monotonic() + delay > deadline:
+                    self.replicas.require_live(f"step {step} (waited {timeout:.0f} s for one to come back)")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    async def _reload_if_restarted(self, client: RolloutClient, info: pb.ServiceInfo | None, *, step: int,
+                                   version: int) -> bool:
+        """A replica that answers but holds no model at all was restarted since it last served the run:
+        load the run's model and weights at `version`. False (nothing done) for one holding a model.
+        `info` None: ask the replica (under the recovery lock, so concurrent shards reload it once)."""
+        async with self._replica_recovery:
+            info = info if info is not None else await client.info()
+            if info.run_id or info.policy_version >= 0:
+                return False
+            await self._bring_up_to_date(client, version, None)
+            self._reloads[client.address] = self._reloads.get(client.address, 0) + 1
+        await self.store.add_event(self.run_id, "replica_reloaded", step=step, replica=client.address,
+                                   policy_version=version)
+        log_event(log, "restarted rollout replica reloaded", run_id=self.run_id, step=step,
+                  replica=client.address, policy_version=version)
+        return True
+
     async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int, greedy: bool = False,
                        first_index: int = 0) -> tuple[list[tuple[int, pb.Sample]], int]:
         """Samples as (index in `problems`, sample) in problem order; returns also the dropped count.
@@ -373,7 +414,8 @@ class RunDriver:
         `first_index` numbers the problems within the step (group ids and sampling seeds derive from it),
         so further rounds of one step never reuse a group id or a seed."""
         spec = self.spec
-        n = len(self.replicas.require_live(f"step {step} rollout"))
+        await self._await_replica(step, policy_version)
+        n = len(self.replicas.live())
         size = -(-len(problems) // n)
         shards = [Shard(problems[i:i + size], first_index + i) for i in range(0, len(problems), size)]
         samples_per_prompt = 1 if greedy else spec.rollout.samples_per_prompt
@@ -416,10 +458,23 @@ class RunDriver:
         )
         attempts = self.generate_retries + 1
         for attempt in range(attempts):
-            candidates = self.replicas.retry_candidates()
+            await self._await_replica(step, policy_version)
+            candidates = self.replicas.live()
             client = candidates[(replica + attempt) % len(candidates)]
+            reloads = self._reloads.get(client.address, 0)
             try:
-                response = await client.generate(request)
+                try:
+                    return await client.generate(request)
+                except Exception as exc:
+                    # A refusal from a replica that lost its model (restarted between two calls) is
+                    # answered by reloading it -- here, or by a concurrent shard meanwhile; any other
+                    # refusal fails the run.
+                    if is_unavailable(exc):
+                        raise
+                    if not await self._reload_if_restarted(client, None, step=step, version=policy_version) \
+                            and self._reloads.get(client.address, 0) == reloads:
+                        raise
+                    continue
             except Exception as exc:
                 if not is_unavailable(exc):
                     raise
@@ -429,15 +484,6 @@ class RunDriver:
                 log_event(log, "rollout replica unavailable; re-dispatching", run_id=self.run_id, step=step,
                           replica=client.address, attempt=attempt + 1)
                 await asyncio.sleep(min(2.0 ** attempt, 10.0))
-                continue
-            if not self.replicas.is_live(client):
-                # It answered at the run's policy version (the server refuses any other), so it
-                # holds the current weights: back in service (e.g. its engine was relaunched).
-                self.replicas.readmit(client)
-                await self.store.add_event(self.run_id, "replica_readmitted", step=step, replica=client.address,
-                                           policy_version=policy_version, live=len(self.replicas.live()))
-                self._export_replicas()
-            return response
         await self.store.add_event(self.run_id, "trajectories_dropped", step=step,
                                    count=len(shard.problems) * samples_per_prompt,
                                    reason=f"rollout unavailable after {attempts} attempts")
@@ -461,7 +507,9 @@ class RunDriver:
         stale = []
         for client in self.replicas.live():
             try:
-                if (await client.info()).policy_version != version:
+                info = await client.info()
+                if not await self._reload_if_restarted(client, info, step=version, version=version) \
+                        and info.policy_version != version:
                     stale.append(client)
             except Exception as exc:
                 if not is_unavailable(exc):
@@ -469,7 +517,7 @@ class RunDriver:
                 await self._evict(client, step=version, reason=f"unreachable before weight sync ({exc.code()})")
         if stale:
             await self._push_weights(stale, await self.trainer.weights(self.run_id), step=version)
-        self.replicas.require_live(f"weight sync to version {version}")
+        await self._await_replica(version, version)
 
     async def _push_weights(self, clients: Sequence[RolloutClient], chunks: list[pb.WeightChunk], *,
                             step: int = 0) -> None:

@@ -3,6 +3,12 @@
 Runs are taken oldest first. A run whose driver raises is marked failed with
 the error; a cancelled run stops between steps. A coordinator restarted on the
 same Redis picks up runs left `running` and resumes them from their cursor.
+
+Redis going away is not a run's failure: the run stays `running`, the
+scheduler keeps trying (with backoff) and, once Redis answers again, drives it
+on from its cursor exactly as a restarted coordinator would. No error of any
+kind ends the scheduler's loop; `healthy` is False while its last attempt
+failed, and /readyz reports it.
 """
 from __future__ import annotations
 
@@ -17,11 +23,12 @@ from services.common.structured_logging import log_event
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_loop import RunCancelled, RunDriver
 from services.coordinator.run_spec import RunSpec
-from services.coordinator.store import ACTIVE, RunStore
+from services.coordinator.store import ACTIVE, RunStore, is_outage
 
 log = logging.getLogger("lockstep.coordinator.scheduler")
 
 LEASE_TTL_S = 30.0
+RETRY_BACKOFF_MAX_S = 5.0
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -39,6 +46,12 @@ class RunScheduler:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.current_run: str | None = None
+        self.last_error = ""  # why the scheduler cannot make progress right now ("" = it can)
+
+    @property
+    def healthy(self) -> bool:
+        """The loop runs and its last attempt to find or drive a run reached Redis."""
+        return self._task is not None and not self._task.done() and not self.last_error
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="run-scheduler")
@@ -61,21 +74,39 @@ class RunScheduler:
         return None
 
     async def _loop(self) -> None:
+        backoff = 0.5
         while True:
-            run_id = await self._next_run()
-            if run_id is None:
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=5.0)
-                except asyncio.TimeoutError:
-                    pass
+            try:
+                await self._schedule_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - nothing may end the loop: runs would wait forever
+                self.last_error = describe_failure(exc)
+                log.warning("scheduler cannot make progress; retrying", extra={"fields": {
+                    "error": self.last_error, "retry_in_s": backoff, "run_store_outage": is_outage(exc)}})
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, RETRY_BACKOFF_MAX_S)
                 continue
-            if not await self.store.acquire_lease(run_id, self.owner, LEASE_TTL_S):
-                await asyncio.sleep(1.0)  # another coordinator drives it
-                continue
-            await self._drive(run_id)
+            backoff = 0.5
+
+    async def _schedule_once(self) -> None:
+        """Find the next active run and drive it; wait for a submit when there is none."""
+        run_id = await self._next_run()
+        self.last_error = ""
+        if run_id is None:
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=5.0)
+            except asyncio.TimeoutError:
+                pass
+            return
+        if not await self.store.acquire_lease(run_id, self.owner, LEASE_TTL_S):
+            await asyncio.sleep(1.0)  # another coordinator drives it
+            return
+        await self._drive(run_id)
 
     async def _drive(self, run_id: str) -> None:
+        """Drive one run until it ends. A Redis outage inside raises (the run stays `running`)."""
         self.current_run = run_id
         renew = asyncio.create_task(self._renew(run_id))
         self.exporter.run_active(run_id, True)
@@ -88,16 +119,21 @@ class RunScheduler:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the run fails loudly, the coordinator keeps serving
+            if is_outage(exc):
+                raise  # not the run's fault: it is resumed from its cursor once Redis answers
             log.exception("run failed")
             await self.store.set_status(run_id, "failed", error=describe_failure(exc))
         finally:
-            run = await self.store.get_run(run_id)
-            self.exporter.run_active(run_id, run is not None and run.status == "running")
             renew.cancel()
             self.current_run = None
-            await self.store.release_lease(run_id, self.owner)
+        run = await self.store.get_run(run_id)
+        self.exporter.run_active(run_id, run is not None and run.status == "running")
+        await self.store.release_lease(run_id, self.owner)
 
     async def _renew(self, run_id: str) -> None:
         while True:
             await asyncio.sleep(LEASE_TTL_S / 3)
-            await self.store.acquire_lease(run_id, self.owner, LEASE_TTL_S)
+            try:
+                await self.store.acquire_lease(run_id, self.owner, LEASE_TTL_S)
+            except Exception as exc:  # noqa: BLE001 - the driver meets the same outage and reports it
+                log_event(log, "lease renewal failed", run_id=run_id, error=describe_failure(exc))

@@ -19,6 +19,9 @@ import uuid
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 ACTIVE = ("pending", "running")
 TERMINAL = ("completed", "failed", "cancelled")
@@ -45,17 +48,30 @@ return 1
 # Moves a run to a new status only while it is still active: a terminal status
 # (completed, failed, cancelled) is final, so a cancel that lands while the
 # driver starts or finishes a run is never overwritten. Returns 1 if changed.
+# The event is pushed first: a script that fails half-way keeps the writes made
+# before the error, and an event list that cannot take the event (WRONGTYPE)
+# must leave the status untouched too.
 _SET_STATUS = """
 local current = redis.call('HGET', KEYS[1], 'status')
 if current ~= 'pending' and current ~= 'running' then return 0 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'error', ARGV[3])
 redis.call('RPUSH', KEYS[2], ARGV[4])
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'error', ARGV[3])
 return 1
 """
 
 
 class StoreError(RuntimeError):
     pass
+
+
+# What a lost or not-yet-ready Redis raises (BusyLoadingError, while a restarted
+# server replays its append-only file, is a ConnectionError): an outage the
+# coordinator waits out, never a reason to fail a run.
+OUTAGE_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+def is_outage(exc: BaseException) -> bool:
+    return isinstance(exc, OUTAGE_ERRORS)
 
 
 @dataclass
@@ -74,8 +90,17 @@ class RunRecord:
 
 
 class RunStore:
-    def __init__(self, url: str, prefix: str = "lockstep:") -> None:
-        self._r = aioredis.from_url(url, decode_responses=True)
+    """Every command is retried `retries` times with exponential backoff (jittered, capped at
+    `backoff_max_s`) when the connection is lost; after that the outage error reaches the caller."""
+
+    def __init__(self, url: str, prefix: str = "lockstep:", *, retries: int = 5, backoff_max_s: float = 2.0,
+                 socket_timeout_s: float = 10.0) -> None:
+        self._r = aioredis.from_url(
+            url, decode_responses=True,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=backoff_max_s), retries,
+                        supported_errors=OUTAGE_ERRORS),
+            socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s,
+        )
         self._p = prefix
         self._record_step = self._r.register_script(_RECORD_STEP)
         self._set_status = self._r.register_script(_SET_STATUS)

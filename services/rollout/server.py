@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import grpc_options
+from services.common.health_service import add_health_service
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.structured_logging import log_event
 from services.common.weight_stream import WeightStreamAssembler
@@ -239,6 +240,7 @@ class RolloutService:
         self.server = grpc.aio.server(options=grpc_options())
         pb_grpc.add_RolloutServicer_to_server(self.servicer, self.server)
         self.grpc_port = 0
+        self.health: Any = None  # grpc.health.v1 servicer, added in start() (it needs the event loop)
         self._metrics_server: Any = None
         self._stopped = asyncio.Event()
 
@@ -246,6 +248,7 @@ class RolloutService:
         self.grpc_port = self.server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
         if self.grpc_port == 0:
             raise OSError(f"grpc_port: could not bind {self.config.host}:{self.config.grpc_port}")
+        self.health = await add_health_service(self.server, SERVICE)
         await self.server.start()
         if self.config.metrics_port:
             self._metrics_server, _ = start_http_server(
@@ -261,6 +264,8 @@ class RolloutService:
         await self._stopped.wait()
 
     async def stop(self) -> None:
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()  # NOT_SERVING while in-flight RPCs drain
         await self.server.stop(grace=self.config.shutdown_grace_s)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()

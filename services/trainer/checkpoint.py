@@ -10,7 +10,9 @@ loading it in bf16 gives exactly the tensors rollout was sent. Beside those:
   independent of how many ranks the optimizer was sharded over;
 - lockstep_trainer_state.json: run id, policy version, seed, the run's model
   path and trainer config, and the recorded metrics of every applied step (so
-  a replayed TrainStep after a restart still answers with the real numbers).
+  a replayed TrainStep after a restart still answers with the real numbers)
+  with the digest of the trajectories it was trained on (so such a replay is
+  still checked against them; absent in checkpoints written before).
 
 The directory is written under a temporary sibling and renamed into place, and
 the state file is written last: a directory without it is not a checkpoint.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,6 +49,7 @@ class TrainerState:
     model_path: str
     trainer_config_json: str
     step_metrics: dict[int, dict[str, float]]
+    step_digests: dict[int, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -58,6 +61,7 @@ class TrainerState:
                 "model_path": self.model_path,
                 "trainer_config_json": self.trainer_config_json,
                 "step_metrics": {str(k): v for k, v in sorted(self.step_metrics.items())},
+                "step_digests": {str(k): v for k, v in sorted(self.step_digests.items())},
             },
             indent=1,
         )
@@ -75,9 +79,16 @@ class TrainerState:
                 model_path=str(d["model_path"]),
                 trainer_config_json=str(d["trainer_config_json"]),
                 step_metrics={int(k): {m: float(x) for m, x in v.items()} for k, v in d["step_metrics"].items()},
+                step_digests={int(k): _digest(v) for k, v in d.get("step_digests", {}).items()},
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"{where}: unreadable trainer state ({exc})") from None
+
+
+def _digest(value: object) -> str:
+    if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise ValueError(f"step_digests: {value!r} is not a sha256 hex digest")
+    return value
 
 
 def is_tokenizer_file(name: str) -> bool:

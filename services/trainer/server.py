@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import grpc_options
+from services.common.health_service import add_health_service
 from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.structured_logging import log_event
 from services.common.weight_stream import iter_weight_chunks
@@ -219,6 +220,7 @@ class TrainerServer:
         self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes)
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
+        self.health = None  # grpc.health.v1 servicer, added in start() (it needs the event loop)
         self._metrics_server = None
         self._stop = asyncio.Event()
 
@@ -226,6 +228,7 @@ class TrainerServer:
         cfg = self.config
         server = grpc.aio.server(options=grpc_options())
         pb_grpc.add_TrainerServicer_to_server(self.servicer, server)
+        self.health = await add_health_service(server, SERVICE)
         self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         if self.grpc_port == 0:
             raise RuntimeError(f"grpc_port: could not bind {cfg.host}:{cfg.grpc_port}")
@@ -243,6 +246,8 @@ class TrainerServer:
         await self._stop.wait()
 
     async def close(self) -> None:
+        if self.health is not None:
+            await self.health.enter_graceful_shutdown()  # NOT_SERVING while in-flight RPCs drain
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=self.config.shutdown_grace_s)
             self.grpc_server = None

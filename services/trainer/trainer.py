@@ -5,6 +5,8 @@ Step semantics (what the coordinator relies on for exactly-once training):
   iff v == s - 1, after which v = s and the step's metrics are recorded.
 - TrainStep(s) with v == s is a replay (the coordinator died after the update
   but before recording it): the recorded metrics come back, nothing trains.
+  A replay that carries trajectories must carry the ones step s was trained on
+  (step_digest.py), in any order.
 - Anything else is refused (FailedPrecondition) and changes nothing.
 
 Calls are not thread-safe; the server serializes them.
@@ -33,6 +35,7 @@ from services.trainer.mismatch_correction import correction_weights
 from services.trainer.packing import PackingConfig, pack_samples
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.policy import PolicyModule
+from services.trainer.step_digest import check_replay, trajectories_digest
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
 
 log = logging.getLogger("lockstep.trainer")
@@ -68,6 +71,7 @@ class RunState:
     policy_version: int
     vocab_size: int
     step_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    step_digests: dict[int, str] = field(default_factory=dict)  # step -> trajectories_digest, beside its metrics
     weights_epoch: int = 0   # bumped by every change of the weights (step, checkpoint load)
 
     @property
@@ -87,6 +91,7 @@ class RunState:
             model_path=self.model_path,
             trainer_config_json=self.config.model_dump_json(),
             step_metrics=dict(self.step_metrics),
+            step_digests=dict(self.step_digests),
         )
 
 
@@ -284,6 +289,7 @@ class Trainer:
             policy_version=state.policy_version if state else 0,
             vocab_size=int(policy.lm.get_input_embeddings().num_embeddings),
             step_metrics=dict(state.step_metrics) if state else {},
+            step_digests=dict(state.step_digests) if state else {},
         )
         log.info("run configured", extra={"fields": {
             "run_id": run_id, "model_path": model_path, "policy_version": run.policy_version,
@@ -314,6 +320,7 @@ class Trainer:
         if run.policy_version == s:
             if s not in run.step_metrics:
                 raise FailedPrecondition(f"step {s}: policy_version is {s} but no metrics were recorded for it")
+            check_replay(s, run.step_digests.get(s), request.samples)
             return StepOutcome(s, s, dict(run.step_metrics[s]), replayed=True)
         if run.policy_version != s - 1:
             raise FailedPrecondition(
@@ -323,11 +330,13 @@ class Trainer:
         if not request.samples:
             raise InvalidRequest(f"header.num_trajectories: 0, but step {s} has not been applied and needs trajectories")
         self._check_token_ids(request.samples, run.vocab_size)
+        digest = trajectories_digest(request.samples)
         metrics = self._apply_update(run, request.samples, step=s)
         run.policy_version = s
         # Only the step at the current policy version can be replayed: keep its metrics alone,
         # so a long run's trainer (and its checkpoints) do not grow with the step count.
         run.step_metrics = {s: metrics}
+        run.step_digests = {s: digest}
         return StepOutcome(s, s, dict(metrics), replayed=False)
 
     @staticmethod
@@ -573,6 +582,7 @@ class Trainer:
         sharding.load_optimizer_state(run.policy.lm, run.optimizer, optim_state)
         run.policy_version = state.policy_version
         run.step_metrics = dict(state.step_metrics)
+        run.step_digests = dict(state.step_digests)
         log.info("checkpoint loaded", extra={"fields": {"run_id": run_id, "directory": directory,
                                                         "policy_version": run.policy_version}})
         return run.policy_version

@@ -31,6 +31,7 @@ def test_rocm_flags_and_environment_exactly():
         "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
         "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
         "NCCL_NVLS_ENABLE": "0",
+        "SGLANG_ROPE_CACHE_FP32": "1",  # fp32 RoPE cache, as the trainer's: log-prob parity on MI300X
     }
     child = plan.child_env(ROCM_ENV)
     assert child["CUDA_VISIBLE_DEVICES"] == child["HIP_VISIBLE_DEVICES"] == "2,3"
@@ -43,6 +44,7 @@ def test_rocm_deterministic_bf16_and_no_hip_devices():
     plan = sglang_launch_plan(Platform.ROCM, cfg, {})
     assert plan.flags == (
         "--attention-backend", "triton", "--lora-backend", "triton", "--dtype", "bfloat16",
+        "--rl-on-policy-target", "fsdp",  # SGLang's kernels follow the HF training forward
         "--mem-fraction-static", "0.4", "--enable-deterministic-inference", "--enable-metrics",
     )
     # No HIP_VISIBLE_DEVICES: nothing to bridge, CUDA_VISIBLE_DEVICES left alone.
@@ -50,7 +52,19 @@ def test_rocm_deterministic_bf16_and_no_hip_devices():
         "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
         "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
         "NCCL_NVLS_ENABLE": "0",
+        "SGLANG_ROPE_CACHE_FP32": "1",
+        "NCCL_ALGO": "allreduce:tree",  # one fixed all-reduce order under tensor parallelism
     }
+
+
+def test_rocm_parity_settings_stay_on_rocm():
+    # CUDA keeps its RoPE cache fp32 by itself, and its deterministic mode is SGLang's own; CPU runs
+    # torch_native. Neither gets the ROCm parity settings.
+    for platform, cfg in ((Platform.CUDA, SGLangPlatformConfig(deterministic=True)),
+                          (Platform.CPU, SGLangPlatformConfig())):
+        plan = sglang_launch_plan(platform, cfg, {})
+        assert "SGLANG_ROPE_CACHE_FP32" not in plan.env_updates and "NCCL_ALGO" not in plan.env_updates
+        assert "--rl-on-policy-target" not in plan.flags
 
 
 def test_cuda_flags_exactly():

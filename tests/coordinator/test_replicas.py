@@ -1,4 +1,4 @@
-"""ReplicaPool bookkeeping: which replicas a run shards over, retries on, and syncs."""
+"""ReplicaPool bookkeeping: which replicas a run shards over, probes, and syncs."""
 from __future__ import annotations
 
 import pytest
@@ -21,15 +21,15 @@ def test_evicted_replicas_leave_sharding_until_readmitted_in_configuration_order
     assert pool.live() == [a, b, c]  # back in its configured place: sharding stays a function of the list
 
 
-def test_no_live_replica_is_an_error_naming_every_address_but_retries_may_still_try_them():
+def test_no_live_replica_is_an_error_naming_every_address():
     a, b = _Client("a:1"), _Client("b:1")
     pool = ReplicaPool([a, b])
     pool.evict(a)
-    assert pool.retry_candidates() == [b]
+    assert pool.require_live("weight sync") == [b]
     pool.evict(b)
     with pytest.raises(NoLiveReplica, match=r"weight sync: every rollout replica is unavailable \(a:1, b:1\)"):
         pool.require_live("weight sync")
-    assert pool.retry_candidates() == [a, b]  # an engine relaunched behind a replica answers again
+    assert pool.evicted() == [a, b]  # what the driver probes while it waits for one to come back
 
 
 def test_a_pool_needs_a_replica():

@@ -1,7 +1,8 @@
 """deploy/docker-compose.yml (MI300) and its NVIDIA override, read structurally with PyYAML.
 
-`docker compose config` validates the files against Compose's schema where a
-compose plugin exists (not on CI machines: that test skips, saying so). The
+The files are validated against the official Compose JSON schema everywhere
+(test_compose_schema.py), and by `docker compose config` where a compose
+plugin exists (not on CI machines: that test skips, saying so). The
 structural tests below run everywhere and check what the schema cannot: the
 services' environment names real config fields with valid values, addresses
 and scrape targets agree, GPU services get the AMD devices, and only the API

@@ -156,9 +156,61 @@ def test_dockerfile_runs_the_guard_around_every_install(platform):
     assert f"--platform {platform}" in runs[snapshot] and f"--platform {platform}" in runs[verify]
     assert "--sglang-python" in runs[verify] and "--overrides" in runs[verify]
     base = re.search(r"ARG BASE_IMAGE=(\S+)", text).group(1)
-    assert base.startswith("lmsysorg/sglang:") and (("rocm" in base) == (platform == "rocm")), base
+    assert base.startswith(("lmsysorg/sglang:", "lmsysorg/sglang-rocm:")) and \
+        (("rocm" in base) == (platform == "rocm")), base
     if platform == "rocm":
         assert "FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE" in text
+
+
+# The Python of SGLang's ROCm image flavours, as SGLang's own rocm.Dockerfile builds them: the
+# ROCm 7.0 and 7.2.0 flavours on Python 3.10, the ROCm 7.2.4 one on Python 3.12.
+SGLANG_ROCM_FLAVOUR_PYTHON = {"rocm700": "3.10", "rocm720": "3.10", "rocm724": "3.12"}
+
+
+def _arg(text: str, name: str) -> str:
+    return re.search(rf"^ARG {name}=(\S+)$", text, flags=re.M).group(1)
+
+
+@pytest.mark.parametrize("platform", sorted(DOCKERFILES))
+def test_base_image_python_is_one_the_package_accepts(platform):
+    from packaging.specifiers import SpecifierSet
+
+    text = DOCKERFILES[platform].read_text()
+    declared = _arg(text, "BASE_PYTHON")
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    requires = SpecifierSet(re.search(r'^requires-python\s*=\s*"([^"]+)"', pyproject, flags=re.M).group(1))
+    assert declared in requires, f"{platform}: BASE_PYTHON={declared} but the package requires Python {requires}"
+    if platform == "rocm":
+        base = _arg(text, "BASE_IMAGE")
+        flavour = re.search(r"-(rocm\d+)-", base).group(1)
+        assert SGLANG_ROCM_FLAVOUR_PYTHON[flavour] == declared, f"{base} ships Python {SGLANG_ROCM_FLAVOUR_PYTHON[flavour]}"
+    # The build checks the declaration against the image itself, before anything is installed.
+    runs = [r for r in re.split(r"\n(?=RUN )", text) if r.startswith("RUN ")]
+    snapshot = next(r for r in runs if "check_image.py snapshot" in r)
+    assert '--expect-python "$BASE_PYTHON"' in snapshot
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}\nARG BASE_PYTHON$", text, flags=re.M), "BASE_PYTHON not in scope after FROM"
+
+
+@pytest.mark.parametrize("platform", sorted(DOCKERFILES))
+def test_images_install_the_math_extra_and_check_it_imports(platform):
+    text = DOCKERFILES[platform].read_text()
+    install = next(r for r in re.split(r"\n(?=RUN )", text) if "requirements-overrides.txt ." in r
+                   or 'requirements-overrides.txt ".[' in r)
+    assert '".[math]"' in install, install  # task: math scores with math-verify
+    verify = next(r for r in re.split(r"\n(?=RUN )", text) if "check_image.py verify" in r)
+    assert "math_verify" in verify
+
+
+def test_snapshot_refuses_a_base_whose_python_is_not_the_declared_one(tmp_path):
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    run = lambda *a: subprocess.run([sys.executable, str(CHECK), "snapshot", str(tmp_path / "base.json"), *a],  # noqa: E731
+                                    capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    wrong = run("--expect-python", "3.10")
+    assert wrong.returncode == 1 and not (tmp_path / "base.json").exists()
+    assert f"the base image's Python is {here}, the Dockerfile declares BASE_PYTHON=3.10" in wrong.stderr
+    right = run("--expect-python", here)
+    assert right.returncode == 0, right.stderr
+    assert ci.Env.from_json((tmp_path / "base.json").read_text()).python[:2] == sys.version_info[:2]
 
 
 @pytest.mark.parametrize("platform", sorted(DOCKERFILES))

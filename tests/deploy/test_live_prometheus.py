@@ -19,9 +19,11 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cli.client import CoordinatorClient
 from services.common.tiny_model import build_model_dir
@@ -202,5 +204,12 @@ def test_healthcheck_script_against_live_and_dead_services(stack):
     dead = free_port()
     assert check("grpc", "trainer", f"127.0.0.1:{dead}") == 1
     assert check("http", f"http://127.0.0.1:{dead}/healthz") == 1
-    # The wrong service's stub on a live port is an error too (UNIMPLEMENTED), not a pass.
+    # The wrong service on a live port is an error too (NOT_FOUND), not a pass.
     assert check("grpc", "trainer", f"127.0.0.1:{stack.rollout_ports[0]}") == 1
+    # What the script asks is the standard grpc.health.v1 check, which any probe can ask.
+    for port, name in ((stack.trainer_port, "lockstep.v1.Trainer"), (stack.rollout_ports[0], "lockstep.v1.Rollout")):
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for service in ("", name):
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING, (port, service)

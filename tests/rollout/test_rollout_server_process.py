@@ -19,7 +19,10 @@ import grpc
 import pytest
 import torch
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kernels.logprob import token_logprobs
+
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import grpc_options
@@ -169,6 +172,15 @@ def test_unloaded_server_refuses_and_keeps_serving(server, model_dir):
     code, msg = code_of(lambda: load("{}", path=str(model_dir / "nope")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "model_path" in msg
     assert server.stub.Health(pb.HealthRequest(), timeout=5).status == "not_loaded"
+
+
+def test_standard_grpc_health_check_is_served(server):
+    check = health_pb2_grpc.HealthStub(server.channel).Check
+    for service in ("", "lockstep.v1.Rollout"):
+        reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+    code, _ = code_of(lambda: check(health_pb2.HealthCheckRequest(service="lockstep.v1.Trainer"), timeout=10))
+    assert code == grpc.StatusCode.NOT_FOUND  # a probe aimed at the wrong service fails
 
 
 def test_generate_returns_finite_aligned_logprobs_matching_recompute(loaded, model_dir):

@@ -203,3 +203,58 @@ def test_weight_tensors_cover_the_model_once(tiny_model_dir):
         t.check_weights_unchanged(snap)
     with pytest.raises(FailedPrecondition, match="no run configured"):
         Trainer().weight_tensors("run")
+
+
+def _with_reward(sample: TrainSample, reward: float) -> TrainSample:
+    return TrainSample(sample.sample_id, sample.group_id, sample.prompt_ids, sample.response_ids,
+                       sample.rollout_logprobs, reward, sample.advantage)
+
+
+def test_replay_is_checked_against_the_trajectories_the_step_was_trained_on(tiny_model_dir, tmp_path):
+    t = configure(tiny_model_dir)
+    req = on_policy_step(t, 1)
+    first = t.train_step(req)
+    after = weights(t)
+    # The same trajectories in another order: a replay, the recorded metrics.
+    shuffled = StepRequest("run", 1, 0, list(reversed(req.samples)))
+    again = t.train_step(shuffled)
+    assert again.replayed and again.metrics == first.metrics
+    # One reward changed, one trajectory left out, one extra: refused naming the step, nothing changed.
+    changed = [_with_reward(req.samples[0], 1.0 - req.samples[0].reward), *req.samples[1:]]
+    extra = on_policy_step(t, 1, seed=40).samples[:1]
+    for samples in (changed, req.samples[1:], [*req.samples, *extra]):
+        with pytest.raises(FailedPrecondition, match="step 1: replayed with trajectories other than the ones it was"):
+            t.train_step(StepRequest("run", 1, 0, samples))
+    assert t.run.policy_version == 1 and all(torch.equal(after[k], v) for k, v in weights(t).items())
+    assert t.train_step(StepRequest("run", 1, 0, [])).replayed  # metrics only: nothing to compare
+
+    # The digest is kept in the checkpoint: a trainer resumed from it checks a replay the same way.
+    ckpt_dir, _ = t.save_checkpoint("run", str(tmp_path / "step_1"))
+    r = Trainer(num_threads=1)
+    r.configure(run_id="run", model_path=str(tiny_model_dir), seed=11, config_json=json.dumps(RUN_CONFIG),
+                resume_checkpoint=str(ckpt_dir))
+    assert r.train_step(shuffled).metrics == first.metrics
+    with pytest.raises(FailedPrecondition, match="step 1: replayed with trajectories other"):
+        r.train_step(StepRequest("run", 1, 0, changed))
+    # LoadCheckpoint into a held run restores it too.
+    t.train_step(on_policy_step(t, 2))
+    t.load_checkpoint("run", str(ckpt_dir))
+    with pytest.raises(FailedPrecondition, match="step 1: replayed with trajectories other"):
+        t.train_step(StepRequest("run", 1, 0, changed))
+
+    # A checkpoint written before digests were kept: a replay with trajectories cannot be checked, so it is
+    # refused; one without trajectories still gets the recorded metrics.
+    state_file = ckpt_dir / "lockstep_trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["step_digests"]
+    state_file.write_text(json.dumps(state))
+    old = Trainer(num_threads=1)
+    old.configure(run_id="run", model_path=str(tiny_model_dir), seed=11, config_json=json.dumps(RUN_CONFIG),
+                  resume_checkpoint=str(ckpt_dir))
+    with pytest.raises(FailedPrecondition, match="step 1: replayed with 6 trajectories, but no digest"):
+        old.train_step(shuffled)
+    assert old.train_step(StepRequest("run", 1, 0, [])).metrics == first.metrics
+    state_file.write_text(json.dumps({**state, "step_digests": {"1": "not-a-digest"}}))
+    with pytest.raises(InvalidRequest, match="step_digests: 'not-a-digest' is not a sha256 hex digest"):
+        Trainer(num_threads=1).configure(run_id="run", model_path=str(tiny_model_dir), seed=11,
+                                         config_json=json.dumps(RUN_CONFIG), resume_checkpoint=str(ckpt_dir))

@@ -16,6 +16,8 @@ import pytest
 import torch
 from trainer_support import make_episodes, rollout_logprobs
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import grpc_options
@@ -55,6 +57,7 @@ def trainer_process():
     )
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=grpc_options())
     stub = pb_grpc.TrainerStub(channel)
+    stub.channel = channel  # for the stubs of other services on the same server
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -132,6 +135,36 @@ def test_check_parity_on_demand_trains_nothing(parity_server, tiny_model_dir):
     bad = check_parity(stub, 1, trajs, run_id=run)
     assert not bad.passed and "step-1 parity gate FAILED" in bad.message and "IW mean" in bad.message
     assert stub.Info(pb.InfoRequest()).policy_version == 0
+
+
+def test_standard_grpc_health_check_is_served(parity_server):
+    stub, _, _ = parity_server
+    check = health_pb2_grpc.HealthStub(stub.channel).Check
+    for service in ("", "lockstep.v1.Trainer"):
+        reply = check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+    code, _ = code_of(lambda: check(health_pb2.HealthCheckRequest(service="lockstep.v1.Rollout"), timeout=10))
+    assert code == grpc.StatusCode.NOT_FOUND  # a probe aimed at the wrong service fails
+
+
+def test_replay_with_other_trajectories_is_refused_naming_the_step(parity_server, tiny_model_dir):
+    stub, _, _ = parity_server
+    run = "replay-run"
+    stub.ConfigureRun(pb.ConfigureRunRequest(run_id=run, model_path=str(tiny_model_dir), seed=1,
+                                             trainer_config_json=json.dumps({"microbatch_tokens": 32})))
+    trajs = trajectories(load_causal_lm(tiny_model_dir), 1, seed=4)
+    for t in trajs:
+        t.run_id = run
+    m = dict(train(stub, 1, trajs, run_id=run).metrics)
+    replay = train(stub, 1, list(reversed(trajs)), run_id=run)  # same trajectories, another arrival order
+    assert replay.replayed and dict(replay.metrics) == m
+    other = [pb.Trajectory(), *trajs[1:]]
+    other[0].CopyFrom(trajs[0])
+    other[0].reward = 1.0 - trajs[0].reward
+    code, msg = code_of(lambda: train(stub, 1, other, run_id=run))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, msg)
+    assert msg.startswith("step 1: replayed with trajectories other than the ones it was trained on"), msg
+    assert stub.Info(pb.InfoRequest()).policy_version == 1
 
 
 def test_trainer_service_end_to_end(server, tiny_model_dir, tmp_path):

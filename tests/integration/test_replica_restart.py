@@ -1,0 +1,54 @@
+"""The only rollout replica dies mid-run and is restarted a few seconds later (holding no model): the
+run waits for it, gives it the run's model and current weights, and completes. Real processes throughout."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from services.cli.client import CoordinatorClient
+from services.common.tiny_model import build_model_dir
+from services.local_stack import LocalStack
+
+pytestmark = pytest.mark.slow
+STEPS, PROMPTS, SAMPLES = 12, 4, 2
+
+
+def test_single_replica_killed_and_restarted_is_reloaded_and_the_run_completes(tmp_path):
+    model = build_model_dir(tmp_path / "model", seed=3)
+    with LocalStack(tmp_path / "stack", rollout_replicas=1) as stack:
+        client = CoordinatorClient(stack.api_url)
+        try:
+            run = client.submit({
+                "name": "replica-restart", "model_path": str(model), "seed": 5, "steps": STEPS,
+                "task": {"name": "arithmetic", "options": {"heldout_size": 8}},
+                "rollout": {"prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES,
+                            "sampling": {"max_new_tokens": 4}},
+                "eval": {"every": 4, "heldout_size": 8},
+            })
+            deadline = time.monotonic() + 300
+            while (at := client.run(run["id"]))["step"] < 2:
+                assert at["status"] in ("pending", "running") and time.monotonic() < deadline, at
+                time.sleep(0.05)
+            victim = stack.rollouts[0]
+            victim.kill()  # SIGKILL: the run's only replica, its model and weights gone
+            killed_at = client.run(run["id"])["step"]
+            time.sleep(3.0)
+            victim.start()  # same port, a fresh process with no model loaded
+            done = client.wait(run["id"], timeout_s=300)
+            assert done["status"] == "completed", done
+            assert killed_at < STEPS, "run finished before the replica was killed; the test shows nothing"
+
+            steps = client.metrics(run["id"])["steps"]
+            assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+            for s in steps:  # nothing was dropped, and every sample came from the step's weights
+                m = s["metrics"]
+                assert (m["trajectories_trained"], m["trajectories_dropped"]) == (PROMPTS * SAMPLES, 0), s
+                assert abs(m["iw_mean"] - 1) <= 1e-3, s
+            events = client.run(run["id"])["events"]
+            names = [e["event"] for e in events]
+            back = [e for e in events if e["event"] in ("replica_readmitted", "replica_reloaded")]
+            assert back and all(e["replica"] == f"127.0.0.1:{stack.rollout_ports[0]}" for e in back), events
+            assert back[0]["step"] >= killed_at and "failed" not in names, names
+        finally:
+            client.close()
