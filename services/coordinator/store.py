@@ -74,8 +74,9 @@ class RunRecord:
 
 
 class RunStore:
-    def __init__(self, url: str, prefix: str = "lockstep:") -> None:
-        self._r = aioredis.from_url(url, decode_responses=True)
+    def __init__(self, url: str, prefix: str = "lockstep:", password: str | None = None) -> None:
+        # The password is passed beside the URL, never inside it: URLs end up in logs and errors.
+        self._r = aioredis.from_url(url, decode_responses=True, password=password)
         self._p = prefix
         self._record_step = self._r.register_script(_RECORD_STEP)
         self._set_status = self._r.register_script(_SET_STATUS)

@@ -249,10 +249,27 @@ def test_sglang_weight_sync_directory_is_on_the_runs_volume(svc):
 
 def test_redis_keeps_an_append_only_file_on_a_volume(svc):
     r = svc["redis"]
-    cmd = r["command"]
-    assert cmd[cmd.index("--appendonly") + 1] == "yes"
+    script = r["command"][-1]
+    assert r["command"][:2] == ["sh", "-c"] and "redis-server - --appendonly yes" in script
     assert _mounts(r)["/data"] == "redis-data"
     assert "redis-data" in load(COMPOSE)["volumes"]
+
+
+def test_redis_requires_the_secret_password_and_has_no_dangerous_commands(svc):
+    from services.coordinator.embedded_redis import DISABLED_COMMANDS
+
+    r, c = svc["redis"], svc["coordinator"]
+    script = r["command"][-1]
+    assert r["secrets"] == ["redis_password"]
+    # The password is read from the secret into the configuration on stdin, never put on a command line.
+    assert "printf 'requirepass %s\\n' \"$$(cat /run/secrets/redis_password)\"" in script
+    assert "--requirepass" not in script
+    renamed = re.search(r"for c in ([A-Z ]+); do", script).group(1).split()
+    assert sorted(renamed) == sorted(DISABLED_COMMANDS)  # the same lock-down as the embedded Redis
+    assert "redis_password" in r["healthcheck"]["test"][-1]  # an unauthenticated ping would fail
+    cfg = service_config("coordinator", c)
+    assert cfg.redis_password_file == "/run/secrets/redis_password" and "redis_password" in c["secrets"]
+
 
 
 # ------------------------------------------------------------ NVIDIA nodes --
