@@ -4,6 +4,10 @@ Starts one trainer, N rollout replicas and a coordinator (which starts its
 embedded Redis) with `python -m services.<name>`, each on a free port, logs in
 `<run_dir>/logs/`. Used by `make demo` and by the integration tests, so both
 exercise exactly what a user runs.
+
+Secure like any deployment: a bearer token is generated into
+`<run_dir>/auth_token` (mode 0600; kept across restarts on the same run_dir)
+and handed to every service as $LOCKSTEP_AUTH_TOKEN_FILE; `client()` sends it.
 """
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from services.cli.client import CoordinatorClient
+from services.common.auth import TOKEN_FILE_ENV, BearerToken, read_token_file, write_token_file
 from services.common.ports import free_port
 
 
@@ -85,11 +91,16 @@ class LocalStack:
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.token_file = self.run_dir / "auth_token"
+        if not self.token_file.exists():
+            write_token_file(self.token_file)
+        self.token: BearerToken = read_token_file(self.token_file)
         self.api_port = free_port()
         self.trainer_port = free_port()
         self.rollout_ports = [free_port() for _ in range(self.rollout_replicas)]
         self.metrics_ports = {"trainer": free_port(), **{f"rollout{i}": free_port() for i in range(self.rollout_replicas)}}
-        env = service_env({**os.environ, **self.extra_env})
+        env = service_env({**os.environ, **self.extra_env, TOKEN_FILE_ENV: str(self.token_file)})
         logs = self.run_dir / "logs"
         threads = str(self.num_threads)
         self.trainer = ServiceProcess("trainer", [
@@ -110,6 +121,10 @@ class LocalStack:
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}"
+
+    def client(self, timeout_s: float = 30.0) -> CoordinatorClient:
+        """A REST client of this stack's coordinator that sends the stack's token."""
+        return CoordinatorClient(self.api_url, token=self.token, timeout_s=timeout_s)
 
     @property
     def processes(self) -> list[ServiceProcess]:

@@ -7,7 +7,8 @@
 The gRPC form calls the service's own Health RPC (proto/lockstep.proto), which
 both servers answer even while a batch or a train step runs, so a busy service
 is healthy and a wedged event loop is not. "not_loaded" (no run yet) is
-healthy. The HTTP form is for the coordinator: /healthz says the process
+healthy. The call carries the deployment's bearer token ($LOCKSTEP_AUTH_TOKEN_FILE,
+services/common/auth.py), like every call to these services. The HTTP form is for the coordinator: /healthz says the process
 serves requests; /readyz would also require every rollout and the trainer, and
 a healthcheck that depends on other containers restarts the wrong one.
 
@@ -36,7 +37,14 @@ def check_grpc(service: str, address: str) -> tuple[bool, str]:
     stubs = {"rollout": pb_grpc.RolloutStub, "trainer": pb_grpc.TrainerStub}
     if service not in stubs:
         return False, f"unknown service {service!r}; expected one of {sorted(stubs)}"
-    with grpc.insecure_channel(address) as channel:
+    from services.common.auth import AuthConfigError, load_token
+    from services.common.grpc_options import sync_channel
+
+    try:
+        token = load_token()  # the container's own token (compose secret)
+    except AuthConfigError as exc:
+        return False, str(exc)
+    with sync_channel(address, token) as channel:
         try:
             reply = stubs[service](channel).Health(pb.HealthRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError as exc:

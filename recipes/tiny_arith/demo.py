@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from services.cli.client import CoordinatorClient, load_recipe
+from services.cli.client import load_recipe
 from services.cli.progress import RunProgress
 from services.local_stack import LocalStack
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     spec["model_path"] = str(model_dir)
     with LocalStack(run_dir) as stack:
         console.print(f"services up: coordinator {stack.api_url}, logs in {run_dir / 'logs'}")
-        client = CoordinatorClient(stack.api_url)
+        client = stack.client()
         t_rl = time.monotonic()
         run = client.submit(spec)
         with RunProgress(console) as progress:

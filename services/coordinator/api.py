@@ -1,15 +1,22 @@
-"""REST API (FastAPI). Handlers are thin: validate, call the store, answer."""
+"""REST API (FastAPI). Handlers are thin: validate, call the store, answer.
+
+Every /v1 route requires the deployment's bearer token (401 with a JSON body
+otherwise, before the request body is even parsed); /healthz, /readyz,
+/metrics and the OpenAPI docs stay open.
+"""
 from __future__ import annotations
 
 import contextlib
 import uuid
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.common.auth import BearerToken
 from services.common.models import load_tokenizer
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.config import CoordinatorConfig
@@ -46,7 +53,19 @@ def redis_password(config: CoordinatorConfig) -> str | None:
         raise ValueError(f"redis_password_file: cannot read it: {exc.strerror or exc}") from None
 
 
-def create_app(config: CoordinatorConfig) -> FastAPI:
+def bearer_dependency(token: BearerToken):
+    """A FastAPI dependency answering 401 unless the request carries `token` (documented in the OpenAPI)."""
+    scheme = HTTPBearer(auto_error=False, description="The deployment's shared token (services/common/auth.py).")
+
+    async def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:
+        if credentials is None or not token.matches(credentials.credentials):
+            raise HTTPException(status_code=401, detail={"error": "missing or invalid bearer token"},
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    return require_token
+
+
+def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
     data_dir = Path(config.data_dir).resolve()
     password = redis_password(config)  # read before anything starts: a bad file fails the start
 
@@ -60,8 +79,8 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             url, store_password = redis.url, redis.password
         store = RunStore(url, password=store_password)
         exporter = CoordinatorExporter()
-        rollouts = [RolloutClient(a, config.rpc_timeout_s) for a in config.rollout_addresses]
-        trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s)
+        rollouts = [RolloutClient(a, config.rpc_timeout_s, token) for a in config.rollout_addresses]
+        trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s, token)
 
         def make_driver(run_id: str, spec: RunSpec, run_dir: Path) -> RunDriver:
             return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,
@@ -97,17 +116,20 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             raise HTTPException(status_code=404, detail={"error": "run not found", "run_id": run_id})
         return run
 
-    @app.post("/v1/runs", status_code=201)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_dependency(token))],
+                   responses={401: {"description": "Missing or invalid bearer token"}})
+
+    @v1.post("/runs", status_code=201)
     async def submit_run(spec: RunSpec, request: Request) -> dict:
         run = await _store(request).create_run(spec.name, spec.model_dump_json(), spec.steps)
         request.app.state.scheduler.wake()
         return run.to_dict()
 
-    @app.get("/v1/runs")
+    @v1.get("/runs")
     async def list_runs(request: Request) -> dict:
         return {"runs": [r.to_dict() for r in await _store(request).list_runs()]}
 
-    @app.get("/v1/runs/{run_id}")
+    @v1.get("/runs/{run_id}")
     async def get_run(run_id: str, request: Request) -> dict:
         run = await _run_or_404(request, run_id)
         store = _store(request)
@@ -116,20 +138,22 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         return {**run.to_dict(), "spec": spec, "eval_initial": await store.get_aux(run_id, "eval_initial"),
                 "latest": latest[0], "events": await store.events(run_id)}
 
-    @app.get("/v1/runs/{run_id}/metrics")
+    @v1.get("/runs/{run_id}/metrics")
     async def run_metrics(run_id: str, request: Request) -> dict:
         await _run_or_404(request, run_id)
         store = _store(request)
         return {"run_id": run_id, "eval_initial": await store.get_aux(run_id, "eval_initial"),
                 "steps": await store.metrics(run_id)}
 
-    @app.post("/v1/runs/{run_id}/cancel")
+    @v1.post("/runs/{run_id}/cancel")
     async def cancel_run(run_id: str, request: Request) -> dict:
         await _run_or_404(request, run_id)
         if not await _store(request).set_status(run_id, "cancelled"):
             run = await _store(request).get_run(run_id)
             raise HTTPException(status_code=409, detail={"error": f"run is already {run.status}", "run_id": run_id})
         return (await _store(request).get_run(run_id)).to_dict()  # type: ignore[union-attr]
+
+    app.include_router(v1)
 
     @app.get("/healthz")
     async def healthz() -> dict:

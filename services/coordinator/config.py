@@ -22,6 +22,12 @@ class CoordinatorConfig(BaseModel):
         "is sent (the embedded Redis always gets a generated one).",
     )
     data_dir: str = Field("runs", description="Run directories (checkpoints, summaries) and embedded Redis data.")
+    auth_token_file: str = Field(
+        "",
+        description="File holding the deployment's shared bearer token, required on every call. Empty: "
+        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
+        "(`python -m services.common.auth FILE` writes a token).",
+    )
     rollout_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50051"],
         description="Comma-separated host:port of every rollout replica.",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -53,6 +54,12 @@ class RayStackConfig(BaseModel):
         "storage, since the trainer writes checkpoints into it."
     )
     redis_url: str = Field("", description="Redis for run state; empty = the coordinator's embedded Redis.")
+    auth_token_file: str = Field(
+        "",
+        description="File holding the stack's bearer token, on storage every node sees. Empty: data_dir/auth_token, "
+        "generated (mode 0600) at the first start and reused after. Every service reads it; clients (the "
+        "`lockstep` CLI: --token-file) send it.",
+    )
     num_threads: int = Field(1, ge=0, description="torch CPU threads of the trainer and rollout services (0 = torch's default).")
     trainer_args: list[str] = Field(
         default_factory=list, description="Extra flags for `python -m services.trainer` (shell-quoted string), e.g. '--device cuda'."
@@ -71,6 +78,9 @@ class RayStackConfig(BaseModel):
     @classmethod
     def _split(cls, v: object) -> object:
         return shlex.split(v) if isinstance(v, str) else v
+
+    def token_path(self) -> Path:
+        return Path(self.auth_token_file or Path(self.data_dir) / "auth_token").resolve()
 
     @model_validator(mode="after")
     def _ports_distinct(self) -> RayStackConfig:

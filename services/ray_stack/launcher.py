@@ -26,8 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from services.ray_stack.config import RayStackConfig
+from services.common.auth import TOKEN_FILE_ENV, BearerToken, read_token_file, write_token_file
 from services.local_stack import service_env
+from services.ray_stack.config import RayStackConfig
 from services.ray_stack.supervisor import ServiceSupervisor
 
 log = logging.getLogger("lockstep.ray_stack")
@@ -85,6 +86,17 @@ def plan_coordinator(config: RayStackConfig, trainer: str, rollouts: list[str]) 
                        config.coordinator_port, 0, 0, None)
 
 
+def ensure_token_file(path: Path) -> BearerToken:
+    """The stack's token: generated once into `path` (mode 0600), the same for every service and restart."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            write_token_file(path)
+        except FileExistsError:  # another launcher wrote it first: use theirs
+            pass
+    return read_token_file(path)
+
+
 def bundles(plans: list[ServicePlan]) -> list[dict[str, float]]:
     out = []
     for p in plans:
@@ -98,15 +110,18 @@ def bundles(plans: list[ServicePlan]) -> list[dict[str, float]]:
 class ServiceActor:
     """Body of each Ray actor: supervise one service process on this node."""
 
-    def __init__(self, plan: ServicePlan, log_dir: str, max_restarts: int, restart_delay_s: float) -> None:
+    def __init__(self, plan: ServicePlan, log_dir: str, max_restarts: int, restart_delay_s: float,
+                 token_file: str) -> None:
         import ray
 
         self.ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.plan = plan
         argv = [sys.executable, "-m", plan.module, "--host", self.ip, *plan.args]
+        # The token travels as the path of its file on shared storage, never as a value through Ray.
         self.supervisor = ServiceSupervisor(
-            argv, env=service_env(os.environ), log_path=Path(log_dir) / f"{plan.name}.log",
+            argv, env={**service_env(os.environ), TOKEN_FILE_ENV: token_file},
+            log_path=Path(log_dir) / f"{plan.name}.log",
             max_restarts=max_restarts, restart_delay_s=restart_delay_s,
         )
         self.supervisor.start()
@@ -129,6 +144,7 @@ class RayStack:
         self.actors: dict[str, object] = {}
         self.placement_group = None
         self.api_url = ""
+        self.token_file = config.token_path()
 
     def connect(self) -> None:
         """Join (or, for 'local', start) the cluster. Ray installs its own SIGTERM handler here, one that
@@ -145,6 +161,7 @@ class RayStack:
             self.connect()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+        ensure_token_file(self.token_file)
         workers = plan_workers(cfg)
         self.placement_group = ray.util.placement_group(bundles(workers), strategy=cfg.placement_strategy,
                                                         name=f"{cfg.namespace}-stack")
@@ -169,7 +186,7 @@ class RayStack:
         placed["coordinator"] = ray.get(self.actors["coordinator"].describe.remote(), timeout=cfg.ready_timeout_s)
         self.api_url = f"http://{placed['coordinator']['address']}"
         self._wait_ready()
-        return {"api_url": self.api_url, "trainer": placed["trainer"]["address"],
+        return {"api_url": self.api_url, "token_file": str(self.token_file), "trainer": placed["trainer"]["address"],
                 "rollouts": [placed[p.name]["address"] for p in workers[1:]], "services": self.describe()}
 
     def _spawn(self, remote, plan: ServicePlan, log_dir: str, strategy):
@@ -177,7 +194,7 @@ class RayStack:
         return remote.options(
             name=plan.name, num_cpus=plan.num_cpus, num_gpus=plan.num_gpus, scheduling_strategy=strategy,
             max_restarts=cfg.service_restarts, max_task_retries=-1,
-        ).remote(plan, log_dir, cfg.service_restarts, cfg.restart_delay_s)
+        ).remote(plan, log_dir, cfg.service_restarts, cfg.restart_delay_s, str(self.token_file))
 
     def _wait_ready(self) -> None:
         deadline, last = time.monotonic() + self.config.ready_timeout_s, ""

@@ -41,3 +41,9 @@ class RolloutServiceConfig(BaseModel):
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="On SIGTERM, seconds in-flight RPCs get to finish before they are cancelled."
     )
+    auth_token_file: str = Field(
+        "",
+        description="File holding the deployment's shared bearer token, required on every call. Empty: "
+        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
+        "(`python -m services.common.auth FILE` writes a token).",
+    )

@@ -1,6 +1,8 @@
 """gRPC (grpc.aio) rollout service: thin handlers over one Engine.
 
 Status codes the coordinator can rely on:
+- UNAUTHENTICATED: the call lacks the deployment's bearer token (every method;
+  checked by services.common.auth.BearerTokenInterceptor before any handler).
 - INVALID_ARGUMENT: a malformed request (message names the field), an unknown
   engine (message lists the known ones), bad engine options, a weight stream
   that fails any checksum / structure check or does not match the model. The
@@ -33,6 +35,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.auth import BearerToken, BearerTokenInterceptor
 from services.common.grpc_options import grpc_options
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.structured_logging import log_event
@@ -230,13 +233,13 @@ class RolloutServicer(pb_grpc.RolloutServicer):
 class RolloutService:
     """The process: gRPC server + metrics server around one servicer. start() -> wait() -> stop()."""
 
-    def __init__(self, config: RolloutServiceConfig) -> None:
+    def __init__(self, config: RolloutServiceConfig, token: BearerToken) -> None:
         self.config = config
         self.registry = CollectorRegistry()
         self.metrics = build_collectors(ROLLOUT_METRICS, self.registry)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(-1)
         self.servicer = RolloutServicer(config, self.metrics)
-        self.server = grpc.aio.server(options=grpc_options())
+        self.server = grpc.aio.server(options=grpc_options(), interceptors=[BearerTokenInterceptor(token)])
         pb_grpc.add_RolloutServicer_to_server(self.servicer, self.server)
         self.grpc_port = 0
         self._metrics_server: Any = None
@@ -269,9 +272,9 @@ class RolloutService:
         log_event(log, "rollout stopped")
 
 
-async def serve(config: RolloutServiceConfig) -> None:
+async def serve(config: RolloutServiceConfig, token: BearerToken) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get shutdown_grace_s)."""
-    service = RolloutService(config)
+    service = RolloutService(config, token)
     await service.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -7,6 +7,7 @@ the worker thread: when a client goes away mid-step the handler is cancelled
 but the thread finishes its update still holding the lock, so a retried
 TrainStep waits for it and then sees a replay instead of training twice.
 Status codes:
+- no or a wrong bearer token (any method)   -> UNAUTHENTICATED (services.common.auth's interceptor)
 - InvalidRequest (malformed request)        -> INVALID_ARGUMENT
 - FailedPrecondition (state does not allow) -> FAILED_PRECONDITION
 - StepFailed (update not applied)           -> ABORTED
@@ -28,6 +29,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.auth import BearerToken, BearerTokenInterceptor
 from services.common.grpc_options import grpc_options
 from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.structured_logging import log_event
@@ -210,8 +212,9 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 class TrainerServer:
     """Build -> start -> wait -> close. Owns the gRPC server, the metrics server and the trainer."""
 
-    def __init__(self, config: TrainerServiceConfig) -> None:
+    def __init__(self, config: TrainerServiceConfig, token: BearerToken) -> None:
         self.config = config
+        self.token = token
         import_attention_plugins(config.attention_plugins)
         self.registry = CollectorRegistry()
         collectors = build_collectors(TRAINER_METRICS, self.registry)
@@ -224,7 +227,7 @@ class TrainerServer:
 
     async def start(self) -> None:
         cfg = self.config
-        server = grpc.aio.server(options=grpc_options())
+        server = grpc.aio.server(options=grpc_options(), interceptors=[BearerTokenInterceptor(self.token)])
         pb_grpc.add_TrainerServicer_to_server(self.servicer, server)
         self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
         if self.grpc_port == 0:
@@ -262,9 +265,9 @@ def build_trainer(config: TrainerServiceConfig) -> Trainer | GroupTrainer:
                                   log_level=config.log_level, attention_plugins=tuple(config.attention_plugins)))
 
 
-async def serve(config: TrainerServiceConfig) -> None:
+async def serve(config: TrainerServiceConfig, token: BearerToken) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get `shutdown_grace_s`)."""
-    server = TrainerServer(config)
+    server = TrainerServer(config, token)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)

@@ -271,6 +271,15 @@ def test_redis_requires_the_secret_password_and_has_no_dangerous_commands(svc):
     assert cfg.redis_password_file == "/run/secrets/redis_password" and "redis_password" in c["secrets"]
 
 
+def test_every_lockstep_service_reads_the_auth_token_secret(svc):
+    secrets = load(COMPOSE)["secrets"]
+    assert secrets["lockstep_auth_token"]["file"].endswith("/auth_token")
+    assert secrets["redis_password"]["file"].endswith("/redis_password")
+    for name in LOCKSTEP:
+        s = svc[name]
+        assert "lockstep_auth_token" in s["secrets"], name
+        assert env_of(s)["LOCKSTEP_AUTH_TOKEN_FILE"] == "/run/secrets/lockstep_auth_token", name
+
 
 # ------------------------------------------------------------ NVIDIA nodes --
 

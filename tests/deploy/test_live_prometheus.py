@@ -13,6 +13,7 @@ rule files) pointed at the local ports and scraping every second. Checks:
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,6 @@ import httpx
 import pytest
 import yaml
 
-from services.cli.client import CoordinatorClient
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack, free_port
 from tests.conftest import REPO_ROOT, require
@@ -143,7 +143,7 @@ def wait_for(prom: str, expr: str, timeout_s: float = 30.0) -> list[dict]:
 @pytest.fixture(scope="module")
 def finished_run(stack, prometheus, tmp_path_factory):
     model_dir = build_model_dir(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-    client = CoordinatorClient(stack.api_url)
+    client = stack.client()
     try:
         run = client.submit(spec(model_dir))
         done = client.wait(run["id"], timeout_s=300)
@@ -192,9 +192,11 @@ def test_a_healthy_run_trips_no_mismatch_or_service_alert(prometheus, finished_r
 
 
 def test_healthcheck_script_against_live_and_dead_services(stack):
-    def check(*args: str) -> int:
+    def check(*args: str, env: dict[str, str] | None = None) -> int:
+        # The container's environment: the deployment's token in $LOCKSTEP_AUTH_TOKEN_FILE.
+        env = {**os.environ, "LOCKSTEP_AUTH_TOKEN_FILE": str(stack.token_file)} if env is None else env
         return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True, text=True,
-                              timeout=30).returncode
+                              timeout=30, env=env).returncode
 
     assert check("grpc", "rollout", f"127.0.0.1:{stack.rollout_ports[0]}") == 0
     assert check("grpc", "trainer", f"127.0.0.1:{stack.trainer_port}") == 0
@@ -204,3 +206,6 @@ def test_healthcheck_script_against_live_and_dead_services(stack):
     assert check("http", f"http://127.0.0.1:{dead}/healthz") == 1
     # The wrong service's stub on a live port is an error too (UNIMPLEMENTED), not a pass.
     assert check("grpc", "trainer", f"127.0.0.1:{stack.rollout_ports[0]}") == 1
+    # Without the token a live service is refused (UNAUTHENTICATED): the check fails rather than passes blind.
+    no_token = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_AUTH_TOKEN")}
+    assert check("grpc", "trainer", f"127.0.0.1:{stack.trainer_port}", env=no_token) == 1

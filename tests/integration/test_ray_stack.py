@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.client import CoordinatorClient
+from services.common.auth import read_token_file
 from services.common.ports import free_port_run
 from services.common.tiny_model import build_model_dir
 from tests.conftest import require
@@ -66,7 +67,8 @@ def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops
         assert ready["rollouts"] == [services["rollout-0"]["address"], services["rollout-1"]["address"]]
         assert all(s["alive"] and s["restarts"] == 0 for s in services.values()), services
 
-        client = CoordinatorClient(ready["api_url"])
+        assert ready["token_file"] == str(tmp_path / "data" / "auth_token")
+        client = CoordinatorClient(ready["api_url"], token=read_token_file(ready["token_file"]))
         try:
             run = client.submit({
                 "name": "on-ray", "model_path": str(model), "seed": 5, "steps": 6,

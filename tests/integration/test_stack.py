@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.client import ApiError, CoordinatorClient
+from services.cli.client import ApiError
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
@@ -34,7 +34,7 @@ def stack(tmp_path_factory):
 
 @pytest.fixture
 def client(stack):
-    c = CoordinatorClient(stack.api_url)
+    c = stack.client()
     yield c
     c.close()
 
@@ -124,7 +124,7 @@ def test_coordinator_sigkill_resumes_with_every_step_once(client, model_dir, sta
     stack.coordinator.proc.send_signal(signal.SIGKILL)
     stack.coordinator.proc.wait()
     stack.restart_coordinator()
-    fresh = CoordinatorClient(stack.api_url)
+    fresh = stack.client()
     try:
         done = fresh.wait(run["id"], timeout_s=300)
         assert done["status"] == "completed", done
@@ -145,7 +145,7 @@ def test_crash_between_train_and_record_replays_the_step(client, model_dir, stac
     stack.coordinator.stop()
     stack.coordinator.args = args + ["--crash-after-train-step", "2"]
     stack.restart_coordinator()
-    c = CoordinatorClient(stack.api_url)
+    c = stack.client()
     try:
         run = c.submit(spec(model_dir, name="replay", steps=3))
         stack.coordinator.proc.wait(timeout=300)
@@ -154,7 +154,7 @@ def test_crash_between_train_and_record_replays_the_step(client, model_dir, stac
         c.close()
     stack.coordinator.args = args
     stack.restart_coordinator()
-    fresh = CoordinatorClient(stack.api_url)
+    fresh = stack.client()
     try:
         assert fresh.wait(run["id"], timeout_s=300)["status"] == "completed"
         steps = fresh.metrics(run["id"])["steps"]

@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.ray_stack.config import RayStackConfig
-from services.ray_stack.launcher import bundles, plan_coordinator, plan_workers
+from services.ray_stack.launcher import bundles, ensure_token_file, plan_coordinator, plan_workers
 
 
 def test_plan_gives_each_service_its_fixed_ports_and_bundle():
@@ -29,6 +29,11 @@ def test_coordinator_plan_dials_the_placed_addresses(tmp_path):
     assert plan.args == ("--port", "8000", "--data-dir", str(tmp_path), "--trainer-address", "10.0.0.1:50052",
                          "--rollout-addresses", "10.0.0.2:50061,10.0.0.3:50062", "--redis-url", "redis://r:6379/0",
                          "--log-level", "debug")
+    # One token for the whole stack, generated once beside the data.
+    assert cfg.token_path() == tmp_path / "auth_token"
+    first = ensure_token_file(cfg.token_path())
+    assert ensure_token_file(cfg.token_path()).secret == first.secret
+    assert (tmp_path / "auth_token").stat().st_mode & 0o077 == 0
 
 
 @pytest.mark.parametrize("fields, field, reason", [

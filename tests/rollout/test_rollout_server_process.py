@@ -22,7 +22,8 @@ import torch
 from kernels.logprob import token_logprobs
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc_options import grpc_options
+from services.common.auth import TOKEN_ENV, BearerToken, generate_token
+from services.common.grpc_options import sync_channel
 from services.common.models import load_causal_lm
 from services.common.tensors import from_proto, ids_to_proto
 from services.common.weight_stream import iter_weight_chunks
@@ -31,6 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = "run-test"
 PROMPTS = [[3], [1, 2, 3, 4, 5, 6, 7], [9, 30, 2]]
 TEMPERATURE = 0.8
+TOKEN = BearerToken(generate_token())
 
 
 def build_tiny_qwen3(path: Path) -> Path:
@@ -56,13 +58,14 @@ class Server:
     def __init__(self, tmp: Path, repo_root: Path) -> None:
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.log_path = tmp / "rollout.log"
-        env = {**os.environ, "PYTHONPATH": str(repo_root), "LOCKSTEP_ROLLOUT_LOG_LEVEL": "info"}
+        env = {**os.environ, "PYTHONPATH": str(repo_root), "LOCKSTEP_ROLLOUT_LOG_LEVEL": "info",
+               TOKEN_ENV: TOKEN.secret}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.rollout", "--host", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)],
             cwd=repo_root, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
         )
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}", options=grpc_options())
+        self.channel = sync_channel(f"127.0.0.1:{self.grpc_port}", TOKEN)
         self.stub = pb_grpc.RolloutStub(self.channel)
 
     def wait_ready(self, timeout: float = 90.0) -> None:

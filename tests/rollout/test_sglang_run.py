@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli.client import CoordinatorClient
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 from services.rollout.registry import ENGINES
@@ -42,7 +41,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def client(stack):
-    c = CoordinatorClient(stack.api_url)
+    c = stack.client()
     yield c
     c.close()
 

@@ -18,7 +18,8 @@ from trainer_support import make_episodes, rollout_logprobs
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc_options import grpc_options
+from services.common.auth import TOKEN_ENV, BearerToken, generate_token
+from services.common.grpc_options import sync_channel
 from services.common.metric_defs import STEP_METRIC_HELP
 from services.common.models import load_causal_lm
 from services.common.tensors import ids_to_proto, logprobs_to_proto
@@ -27,6 +28,7 @@ from services.trainer.grpo import group_advantages
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "itest"
+TOKEN = BearerToken(generate_token())
 
 
 def free_port() -> int:
@@ -47,13 +49,15 @@ def parity_server():
 
 
 def trainer_process():
+    """A trainer process; every call to it carries TOKEN."""
     grpc_port, metrics_port = free_port(), free_port()
-    env = dict(os.environ, LOCKSTEP_TRAINER_METRICS_PORT=str(metrics_port), PYTHONPATH=str(REPO))
+    env = dict(os.environ, LOCKSTEP_TRAINER_METRICS_PORT=str(metrics_port), PYTHONPATH=str(REPO),
+               **{TOKEN_ENV: TOKEN.secret})
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.trainer", "--grpc-port", str(grpc_port), "--num-threads", "1"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=grpc_options())
+    channel = sync_channel(f"127.0.0.1:{grpc_port}", TOKEN)
     stub = pb_grpc.TrainerStub(channel)
     deadline = time.monotonic() + 60
     while True:
