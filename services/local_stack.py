@@ -8,6 +8,8 @@ exercise exactly what a user runs.
 Secure like any deployment: a bearer token is generated into
 `<run_dir>/auth_token` (mode 0600; kept across restarts on the same run_dir)
 and handed to every service as $LOCKSTEP_AUTH_TOKEN_FILE; `client()` sends it.
+Models, datasets and checkpoints must lie under run_dir or one of
+`path_roots` (each service's *_roots settings).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,6 +90,8 @@ class LocalStack:
     num_threads: int = 1
     extra_env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
+    path_roots: Sequence[str | Path] = ()
+    """Directories besides run_dir that models and datasets may come from (the services' *_roots)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).resolve()
@@ -96,6 +100,7 @@ class LocalStack:
         if not self.token_file.exists():
             write_token_file(self.token_file)
         self.token: BearerToken = read_token_file(self.token_file)
+        roots = ",".join(str(Path(r).resolve()) for r in (self.run_dir, *self.path_roots))
         self.api_port = free_port()
         self.trainer_port = free_port()
         self.rollout_ports = [free_port() for _ in range(self.rollout_replicas)]
@@ -106,16 +111,19 @@ class LocalStack:
         self.trainer = ServiceProcess("trainer", [
             self.python, "-m", "services.trainer", "--grpc-port", str(self.trainer_port),
             "--metrics-port", str(self.metrics_ports["trainer"]), "--num-threads", threads,
+            "--model-roots", roots, "--checkpoint-roots", roots,
         ], env, logs / "trainer.log")
         self.rollouts = [ServiceProcess(f"rollout{i}", [
             self.python, "-m", "services.rollout", "--grpc-port", str(port),
             "--metrics-port", str(self.metrics_ports[f"rollout{i}"]), "--num-threads", threads,
+            "--model-roots", roots,
         ], env, logs / f"rollout{i}.log") for i, port in enumerate(self.rollout_ports)]
         self.coordinator = ServiceProcess("coordinator", [
             self.python, "-m", "services.coordinator", "--port", str(self.api_port),
             "--data-dir", str(self.run_dir / "coordinator"),
             "--trainer-address", f"127.0.0.1:{self.trainer_port}",
             "--rollout-addresses", ",".join(f"127.0.0.1:{p}" for p in self.rollout_ports),
+            "--model-roots", roots, "--data-roots", roots,
         ], env, logs / "coordinator.log")
 
     @property

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"warm start: held-out greedy accuracy {prep.get('heldout_accuracy')} "
                   f"({prep.get('seconds', 0):.0f}s)")
     spec["model_path"] = str(model_dir)
-    with LocalStack(run_dir) as stack:
+    with LocalStack(run_dir, path_roots=[model_dir.parent]) as stack:
         console.print(f"services up: coordinator {stack.api_url}, logs in {run_dir / 'logs'}")
         client = stack.client()
         t_rl = time.monotonic()

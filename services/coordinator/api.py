@@ -2,10 +2,12 @@
 
 Every /v1 route requires the deployment's bearer token (401 with a JSON body
 otherwise, before the request body is even parsed); /healthz, /readyz,
-/metrics and the OpenAPI docs stay open.
+/metrics and the OpenAPI docs stay open. Run specs are validated against the
+coordinator's model_roots and data_roots (run_spec.confined_run_spec).
 """
-from __future__ import annotations
 
+# No `from __future__ import annotations`: FastAPI reads the submit handler's body type, a class made
+# per app (confined_run_spec), from its annotation, which must be the object, not a name to resolve.
 import contextlib
 import uuid
 from pathlib import Path
@@ -23,7 +25,7 @@ from services.coordinator.config import CoordinatorConfig
 from services.coordinator.embedded_redis import EmbeddedRedis
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_loop import RunDriver
-from services.coordinator.run_spec import RunSpec
+from services.coordinator.run_spec import RunSpec, confined_run_spec
 from services.coordinator.scheduler import RunScheduler
 from services.coordinator.store import STATUSES, RunStore
 
@@ -67,6 +69,7 @@ def bearer_dependency(token: BearerToken):
 
 def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
     data_dir = Path(config.data_dir).resolve()
+    SubmittedRunSpec = confined_run_spec(config.model_roots, config.data_roots)
     password = redis_password(config)  # read before anything starts: a bad file fails the start
 
     @contextlib.asynccontextmanager
@@ -120,7 +123,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
                    responses={401: {"description": "Missing or invalid bearer token"}})
 
     @v1.post("/runs", status_code=201)
-    async def submit_run(spec: RunSpec, request: Request) -> dict:
+    async def submit_run(spec: SubmittedRunSpec, request: Request) -> dict:  # type: ignore[valid-type]
         run = await _store(request).create_run(spec.name, spec.model_dump_json(), spec.steps)
         request.app.state.scheduler.wake()
         return run.to_dict()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from services.common.path_roots import DEFAULT_ROOTS, RootList
+
 
 class CoordinatorConfig(BaseModel):
     """Lockstep coordinator: REST API, run state machine, run loop."""
@@ -27,6 +29,16 @@ class CoordinatorConfig(BaseModel):
         description="File holding the deployment's shared bearer token, required on every call. Empty: "
         "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
         "(`python -m services.common.auth FILE` writes a token).",
+    )
+    model_roots: RootList = Field(
+        default_factory=lambda: list(DEFAULT_ROOTS),
+        description="Comma-separated directories a run spec's model_path must resolve inside (symlinks followed); "
+        "anything else is refused with 422. '/' is not accepted. Default: runs (relative to the working directory).",
+    )
+    data_roots: RootList = Field(
+        default_factory=lambda: list(DEFAULT_ROOTS),
+        description="Comma-separated directories a task's data files (e.g. the math task's path and heldout_path) "
+        "must resolve inside; anything else is refused with 422. Default: runs.",
     )
     rollout_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50051"],

@@ -59,10 +59,12 @@ class ServicePlan:
 def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
     """Trainer and rollout replicas, bundle i for plan i. Pure: a test can pin it."""
     threads = ("--num-threads", str(config.num_threads))
+    roots = config.roots()
+    data_dir = str(Path(config.data_dir).resolve())
     plans = [ServicePlan(
         "trainer", "services.trainer",
         ("--grpc-port", str(config.trainer_port), "--metrics-port", str(config.trainer_metrics_port),
-         *threads, *config.trainer_args),
+         *threads, "--model-roots", roots, "--checkpoint-roots", data_dir, *config.trainer_args),
         config.trainer_port, config.trainer_cpus, config.trainer_gpus, 0,
     )]
     for i in range(config.rollout_replicas):
@@ -70,7 +72,7 @@ def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
         plans.append(ServicePlan(
             f"rollout-{i}", "services.rollout",
             ("--grpc-port", str(config.rollout_port_base + i), "--metrics-port", str(metrics),
-             *threads, *config.rollout_args),
+             *threads, "--model-roots", roots, *config.rollout_args),
             config.rollout_port_base + i, config.rollout_cpus, config.rollout_gpus, i + 1,
         ))
     return plans
@@ -79,7 +81,8 @@ def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
 def plan_coordinator(config: RayStackConfig, trainer: str, rollouts: list[str]) -> ServicePlan:
     data_dir = str(Path(config.data_dir).resolve())
     args = ["--port", str(config.coordinator_port), "--data-dir", data_dir,
-            "--trainer-address", trainer, "--rollout-addresses", ",".join(rollouts)]
+            "--trainer-address", trainer, "--rollout-addresses", ",".join(rollouts),
+            "--model-roots", config.roots(), "--data-roots", config.roots()]
     if config.redis_url:
         args += ["--redis-url", config.redis_url]
     return ServicePlan("coordinator", "services.coordinator", (*args, *config.coordinator_args),

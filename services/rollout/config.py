@@ -10,8 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ENV_PREFIX = "LOCKSTEP_ROLLOUT"
+from services.common.path_roots import DEFAULT_ROOTS, RootList
 
+ENV_PREFIX = "LOCKSTEP_ROLLOUT"
 
 class RolloutServiceConfig(BaseModel):
     """Lockstep rollout service: gRPC Generate / LoadModel / UpdateWeights over one engine."""
@@ -46,4 +47,9 @@ class RolloutServiceConfig(BaseModel):
         description="File holding the deployment's shared bearer token, required on every call. Empty: "
         "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
         "(`python -m services.common.auth FILE` writes a token).",
+    )
+    model_roots: RootList = Field(
+        default_factory=lambda: list(DEFAULT_ROOTS),
+        description="Comma-separated directories LoadModel's model_path must resolve inside (INVALID_ARGUMENT "
+        "otherwise). '/' is not accepted. Default: runs (relative to the working directory).",
     )

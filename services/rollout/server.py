@@ -3,7 +3,8 @@
 Status codes the coordinator can rely on:
 - UNAUTHENTICATED: the call lacks the deployment's bearer token (every method;
   checked by services.common.auth.BearerTokenInterceptor before any handler).
-- INVALID_ARGUMENT: a malformed request (message names the field), an unknown
+- INVALID_ARGUMENT: a malformed request (message names the field), a
+  model_path outside the service's model_roots, an unknown
   engine (message lists the known ones), bad engine options, a weight stream
   that fails any checksum / structure check or does not match the model. The
   state is unchanged and the server keeps serving.
@@ -38,6 +39,7 @@ from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken, BearerTokenInterceptor
 from services.common.grpc_options import grpc_options
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
+from services.common.path_roots import resolve_inside
 from services.common.structured_logging import log_event
 from services.common.weight_stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
@@ -163,19 +165,18 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @_rpc("LoadModel")
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.LoadModelResponse:
         name, options = split_engine_config(request.engine_config_json, self.config.engine)
-        if not request.model_path:
-            raise ValueError("model_path: empty")
+        model_path = str(resolve_inside(request.model_path, self.config.model_roots, "model_path"))
         async with self._lock:
             # Build and load completely before swapping: a failed load leaves
             # the previously loaded engine serving, untouched.
             engine = await self._in_worker(build_engine, name, options)
-            await self._in_worker(engine.load, request.model_path, request.policy_version)
+            await self._in_worker(engine.load, model_path, request.policy_version)
             old, self.engine = self.engine, engine
             self.engine_name, self.run_id = name, request.run_id
             if old is not None:
                 await self._in_worker(old.close)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(engine.policy_version)
-        log_event(log, "model loaded", engine=name, model_path=request.model_path,
+        log_event(log, "model loaded", engine=name, model_path=model_path,
                   run_id=request.run_id, policy_version=engine.policy_version)
         return pb.LoadModelResponse(info=self._info())
 

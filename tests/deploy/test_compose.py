@@ -281,6 +281,14 @@ def test_every_lockstep_service_reads_the_auth_token_secret(svc):
         assert env_of(s)["LOCKSTEP_AUTH_TOKEN_FILE"] == "/run/secrets/lockstep_auth_token", name
 
 
+def test_services_accept_paths_only_under_the_mounted_volumes(svc):
+    c, r, t = (service_config(n, svc[n]) for n in ("coordinator", "rollout", "trainer"))
+    mounts = set(_mounts(svc["trainer"]))
+    for roots in (c.model_roots, c.data_roots, r.model_roots, t.model_roots, t.checkpoint_roots):
+        assert roots and set(roots) <= mounts, roots
+    assert t.checkpoint_roots == ["/runs"]  # written there: never the read-only models volume
+
+
 # ------------------------------------------------------------ NVIDIA nodes --
 
 def test_nvidia_override_swaps_devices_and_image(nvidia_svc):

@@ -86,7 +86,7 @@ def live_config(stack: LocalStack, sglang_port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 

@@ -27,7 +27,7 @@ WRONG = BearerToken(generate_token())
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 

@@ -32,7 +32,7 @@ def _spec(model: Path, name: str) -> dict:
 
 
 def _run(tmp: Path, model: Path, env: dict, name: str) -> tuple[list[dict], dict]:
-    with LocalStack(tmp, extra_env=env) as stack:
+    with LocalStack(tmp, extra_env=env, path_roots=[model.parent]) as stack:
         client = stack.client()
         try:
             run = client.submit(_spec(model, name))

@@ -24,7 +24,7 @@ def test_only_informative_groups_are_trained_and_every_trajectory_is_counted(tmp
                            "--threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert prep.returncode == 0, prep.stderr[-3000:]
     assert 0.05 < json.loads(prep.stdout.strip().splitlines()[-1])["heldout_accuracy"] < 0.95
-    with LocalStack(tmp_path / "stack") as stack:
+    with LocalStack(tmp_path / "stack", path_roots=[tmp_path]) as stack:
         client = stack.client()
         try:
             run = client.submit({

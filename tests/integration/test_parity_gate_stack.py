@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     env = {"LOCKSTEP_TRAINER_ATTENTION_PLUGINS": "tests.support.boundary_blind_plugin"}
-    with LocalStack(tmp_path_factory.mktemp("stack"), extra_env=env) as stack:
+    with LocalStack(tmp_path_factory.mktemp("stack"), extra_env=env, path_roots=[tmp_path_factory.getbasetemp()]) as stack:
         c = stack.client()
         yield c
         c.close()

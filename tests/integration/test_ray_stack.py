@@ -51,6 +51,7 @@ def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops
     ports = free_port_run(7, "")  # every interface: the services bind the node address
     cmd = [sys.executable, "-m", "services.ray_stack", "--ray-address", cluster.address,
            "--rollout-replicas", "2", "--placement-strategy", "SPREAD", "--data-dir", str(tmp_path / "data"),
+           "--path-roots", str(model),
            "--coordinator-port", str(ports), "--trainer-port", str(ports + 1),
            "--trainer-metrics-port", str(ports + 2), "--rollout-port-base", str(ports + 3),
            "--rollout-metrics-port-base", str(ports + 5), "--restart-delay-s", "0.5", "--ready-timeout-s", "240"]

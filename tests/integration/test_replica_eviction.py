@@ -33,7 +33,7 @@ def _info(port: int, token: BearerToken) -> pb.ServiceInfo:
 
 def test_dead_replica_is_evicted_and_readmitted_after_restart(tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    with LocalStack(tmp_path / "stack", rollout_replicas=2) as stack:
+    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[tmp_path]) as stack:
         client = stack.client()
         try:
             run = client.submit({

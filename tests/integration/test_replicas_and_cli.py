@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack2"), rollout_replicas=2) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack2"), rollout_replicas=2, path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 

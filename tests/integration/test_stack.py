@@ -28,7 +28,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 
@@ -105,6 +105,33 @@ def test_invalid_spec_is_422_naming_the_field_and_stores_nothing(client, model_d
     fields = [f["field"] for f in err.value.body["fields"]]
     assert any(f == field or f.startswith(field + ".") for f in fields), err.value.body
     assert all(f["reason"] for f in err.value.body["fields"])
+    assert len(client.runs()) == before
+
+
+def _refusal(client, body: dict) -> list[dict]:
+    with pytest.raises(ApiError) as err:
+        client.submit(body)
+    assert err.value.status == 422, err.value.body
+    return err.value.body["fields"]
+
+
+def test_paths_outside_the_roots_are_422_naming_the_field(client, model_dir, tmp_path):
+    before = len(client.runs())
+    escape = str(model_dir) + "/.." * 40 + "/etc"
+    link = tmp_path / "link-to-usr"  # inside the roots, pointing out of them
+    link.symlink_to("/usr")
+    for model_path in ("/etc", escape, str(link)):
+        fields = _refusal(client, spec(model_dir, model_path=model_path))
+        assert [f["field"] for f in fields] == ["model_path"], fields
+        assert "outside the allowed roots" in fields[0]["reason"], fields
+    # A dataset that exists and one that does not are refused alike: no oracle for files outside the roots.
+    reasons = []
+    for path in ("/etc/shadow", "/nonexistent/problems.jsonl"):
+        fields = _refusal(client, spec(model_dir, task={"name": "math", "options": {"path": path}}))
+        assert [f["field"] for f in fields] == ["task"], fields
+        assert "options.path" in fields[0]["reason"] and "outside the allowed roots" in fields[0]["reason"]
+        reasons.append(fields[0]["reason"].replace(path, "<path>"))
+    assert reasons[0] == reasons[1]
     assert len(client.runs()) == before
 
 

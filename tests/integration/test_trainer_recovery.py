@@ -32,7 +32,7 @@ def _final_weights(stack: LocalStack, run_id: str) -> dict:
 
 def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_if_never_lost(tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    with LocalStack(tmp_path / "stack") as stack:
+    with LocalStack(tmp_path / "stack", path_roots=[tmp_path]) as stack:
         client = stack.client()
         try:
             clean = client.submit(_spec(model, "clean"))
@@ -87,7 +87,7 @@ def test_trainer_that_never_comes_back_fails_the_run_after_the_recovery_timeout_
     model = build_model_dir(tmp_path / "model", seed=3)
     timeout_s = 3
     env = {"LOCKSTEP_COORDINATOR_TRAINER_RECOVERY_TIMEOUT_S": str(timeout_s)}
-    with LocalStack(tmp_path / "stack", extra_env=env) as stack:
+    with LocalStack(tmp_path / "stack", extra_env=env, path_roots=[tmp_path]) as stack:
         client = stack.client()
         try:
             run = client.submit(_spec(model, "trainer-gone") | {"steps": 1000})

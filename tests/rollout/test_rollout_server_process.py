@@ -55,11 +55,11 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, repo_root: Path) -> None:
+    def __init__(self, tmp: Path, repo_root: Path, model_roots: Path) -> None:
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.log_path = tmp / "rollout.log"
         env = {**os.environ, "PYTHONPATH": str(repo_root), "LOCKSTEP_ROLLOUT_LOG_LEVEL": "info",
-               TOKEN_ENV: TOKEN.secret}
+               "LOCKSTEP_ROLLOUT_MODEL_ROOTS": str(model_roots), TOKEN_ENV: TOKEN.secret}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.rollout", "--host", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)],
@@ -97,7 +97,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, request):
-    s = Server(tmp_path_factory.mktemp("rollout"), REPO_ROOT)
+    s = Server(tmp_path_factory.mktemp("rollout"), REPO_ROOT, tmp_path_factory.getbasetemp())
     try:
         request.getfixturevalue("model_dir")  # built while the server process imports torch
         s.wait_ready()
@@ -171,6 +171,10 @@ def test_unloaded_server_refuses_and_keeps_serving(server, model_dir):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "engine_config.dtyp" in msg
     code, msg = code_of(lambda: load("{}", path=str(model_dir / "nope")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "model_path" in msg
+    # Outside the service's model_roots: refused before the path is looked at, existing or not.
+    for outside in ("/usr", "/nonexistent/model", str(model_dir) + "/.." * 40 + "/usr"):
+        code, msg = code_of(lambda: load("{}", path=outside))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("model_path: ") and "outside the allowed roots" in msg
     assert server.stub.Health(pb.HealthRequest(), timeout=5).status == "not_loaded"
 
 

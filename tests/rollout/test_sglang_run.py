@@ -30,7 +30,7 @@ def stack(tmp_path_factory):
     require(Path(default_python()).is_file(),
             f"SGLang virtualenv not built ({default_python()} missing): run `make sglang-venv`")
     require("sglang" in ENGINES, "services/rollout/registry.py does not register the 'sglang' engine")
-    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 
