@@ -116,7 +116,7 @@ class LocalStack:
         self.rollouts = [ServiceProcess(f"rollout{i}", [
             self.python, "-m", "services.rollout", "--grpc-port", str(port),
             "--metrics-port", str(self.metrics_ports[f"rollout{i}"]), "--num-threads", threads,
-            "--model-roots", roots,
+            "--model-roots", roots, "--sglang-weights-dir", str(self.run_dir / "sglang-weights"),
         ], env, logs / f"rollout{i}.log") for i, port in enumerate(self.rollout_ports)]
         self.coordinator = ServiceProcess("coordinator", [
             self.python, "-m", "services.coordinator", "--port", str(self.api_port),

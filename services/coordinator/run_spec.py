@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from services.common.models import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, task_path_options
+from services.rollout.sglang_config import SERVICE_OWNED_OPTIONS, service_owned_reason
 from services.trainer.config import TrainerRunConfig
 
 
@@ -37,12 +38,24 @@ class DynamicSamplingSpec(_Strict):
 
 class RolloutSpec(_Strict):
     engine: Literal["torch", "sglang"] = Field("torch", description="Rollout engine every replica loads.")
-    engine_options: dict = Field(default_factory=dict, description="Engine-specific options, validated by the engine.")
+    engine_options: dict = Field(
+        default_factory=dict,
+        description="Engine-specific options, validated by the engine. What runs on the rollout host and where it "
+        "writes (the SGLang interpreter, weight and log directories, server URL, extra flags) is the rollout "
+        "service's configuration and cannot be set here.")
     prompts_per_step: int = Field(16, ge=1, le=65536, description="Prompts (GRPO groups) sampled per step.")
     samples_per_prompt: int = Field(8, ge=2, le=1024, description="Group size; GRPO needs at least 2.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
     dynamic_sampling: DynamicSamplingSpec = Field(
         default_factory=DynamicSamplingSpec, description="Drop zero-variance groups and sample more (DAPO).")
+
+    @field_validator("engine_options")
+    @classmethod
+    def _no_service_options(cls, options: dict, info: ValidationInfo) -> dict:
+        if info.data.get("engine") == "sglang":
+            for key in sorted(set(options) & set(SERVICE_OWNED_OPTIONS)):
+                raise ValueError(service_owned_reason(key))
+        return options
 
 
 class TaskSpec(_Strict):

@@ -169,7 +169,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         async with self._lock:
             # Build and load completely before swapping: a failed load leaves
             # the previously loaded engine serving, untouched.
-            engine = await self._in_worker(build_engine, name, options)
+            engine = await self._in_worker(build_engine, name, options, self.config)
             await self._in_worker(engine.load, model_path, request.policy_version)
             old, self.engine = self.engine, engine
             self.engine_name, self.run_id = name, request.run_id

@@ -115,7 +115,7 @@ def _refusal(client, body: dict) -> list[dict]:
     return err.value.body["fields"]
 
 
-def test_paths_outside_the_roots_are_422_naming_the_field(client, model_dir, tmp_path):
+def test_paths_outside_the_roots_and_service_options_are_422_naming_the_field(client, model_dir, tmp_path):
     before = len(client.runs())
     escape = str(model_dir) + "/.." * 40 + "/etc"
     link = tmp_path / "link-to-usr"  # inside the roots, pointing out of them
@@ -132,6 +132,12 @@ def test_paths_outside_the_roots_are_422_naming_the_field(client, model_dir, tmp
         assert "options.path" in fields[0]["reason"] and "outside the allowed roots" in fields[0]["reason"]
         reasons.append(fields[0]["reason"].replace(path, "<path>"))
     assert reasons[0] == reasons[1]
+    # The SGLang interpreter (and the directories it writes) belong to the rollout service's configuration.
+    for option, value in (("python", "/bin/sh"), ("weights_dir", "/etc/x"), ("extra_args", ["--help"])):
+        fields = _refusal(client, spec(model_dir, rollout={"engine": "sglang", "engine_options": {option: value},
+                                                           "prompts_per_step": 2, "samples_per_prompt": 2}))
+        assert [f["field"] for f in fields] == ["rollout.engine_options"], fields
+        assert fields[0]["reason"].removeprefix("Value error, ").startswith(f"{option}: set by the rollout service")
     assert len(client.runs()) == before
 
 

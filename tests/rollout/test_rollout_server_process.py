@@ -6,6 +6,7 @@ weight streams (which bump the policy version), then SIGTERM.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -175,6 +176,10 @@ def test_unloaded_server_refuses_and_keeps_serving(server, model_dir):
     for outside in ("/usr", "/nonexistent/model", str(model_dir) + "/.." * 40 + "/usr"):
         code, msg = code_of(lambda: load("{}", path=outside))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("model_path: ") and "outside the allowed roots" in msg
+    # What SGLang executes and where it writes are the service's configuration, not a request's.
+    for option, value in (("python", "/bin/sh"), ("weights_dir", "/etc/lockstep"), ("url", "http://attacker:1")):
+        code, msg = code_of(lambda: load(json.dumps({"engine": "sglang", option: value})))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"{option}: set by the rollout service" in msg, msg
     assert server.stub.Health(pb.HealthRequest(), timeout=5).status == "not_loaded"
 
 
