@@ -4,6 +4,12 @@ Starts one trainer, N rollout replicas and a coordinator (which starts its
 embedded Redis) with `python -m services.<name>`, each on a free port, logs in
 `<run_dir>/logs/`. Used by `make demo` and by the integration tests, so both
 exercise exactly what a user runs.
+
+Secure like any deployment: a bearer token is generated into
+`<run_dir>/auth_token` (mode 0600; kept across restarts on the same run_dir)
+and handed to every service as $LOCKSTEP_AUTH_TOKEN_FILE; `client()` sends it.
+Models, datasets and checkpoints must lie under run_dir or one of
+`path_roots` (each service's *_roots settings).
 """
 from __future__ import annotations
 
@@ -12,12 +18,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from services.cli.client import CoordinatorClient
+from services.common.auth import TOKEN_FILE_ENV, BearerToken, read_token_file, write_token_file
 from services.common.ports import free_port
 
 
@@ -83,35 +91,58 @@ class LocalStack:
     extra_env: dict[str, str] = field(default_factory=dict)
     python: str = sys.executable
     redis_url: str = ""  # empty: the coordinator starts (and supervises) its embedded Redis
+    redis_password: str = ""
+    """The requirepass of the Redis at redis_url (handed to the coordinator in a 0600 file)."""
+    path_roots: Sequence[str | Path] = ()
+    """Directories besides run_dir that models and datasets may come from (the services' *_roots)."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.token_file = self.run_dir / "auth_token"
+        if not self.token_file.exists():
+            write_token_file(self.token_file)
+        self.token: BearerToken = read_token_file(self.token_file)
+        roots = ",".join(str(Path(r).resolve()) for r in (self.run_dir, *self.path_roots))
+        redis_args = ["--redis-url", self.redis_url] if self.redis_url else []
+        if self.redis_password:
+            password_file = self.run_dir / "redis_password"
+            password_file.touch(mode=0o600)
+            password_file.write_text(self.redis_password)
+            redis_args += ["--redis-password-file", str(password_file)]
         self.api_port = free_port()
         self.trainer_port = free_port()
         self.rollout_ports = [free_port() for _ in range(self.rollout_replicas)]
         self.metrics_ports = {"trainer": free_port(), **{f"rollout{i}": free_port() for i in range(self.rollout_replicas)}}
-        env = service_env({**os.environ, **self.extra_env})
+        env = service_env({**os.environ, **self.extra_env, TOKEN_FILE_ENV: str(self.token_file)})
         logs = self.run_dir / "logs"
         threads = str(self.num_threads)
         self.trainer = ServiceProcess("trainer", [
             self.python, "-m", "services.trainer", "--grpc-port", str(self.trainer_port),
             "--metrics-port", str(self.metrics_ports["trainer"]), "--num-threads", threads,
+            "--model-roots", roots, "--checkpoint-roots", roots,
         ], env, logs / "trainer.log")
         self.rollouts = [ServiceProcess(f"rollout{i}", [
             self.python, "-m", "services.rollout", "--grpc-port", str(port),
             "--metrics-port", str(self.metrics_ports[f"rollout{i}"]), "--num-threads", threads,
+            "--model-roots", roots, "--sglang-weights-dir", str(self.run_dir / "sglang-weights"),
         ], env, logs / f"rollout{i}.log") for i, port in enumerate(self.rollout_ports)]
         self.coordinator = ServiceProcess("coordinator", [
             self.python, "-m", "services.coordinator", "--port", str(self.api_port),
             "--data-dir", str(self.run_dir / "coordinator"),
             "--trainer-address", f"127.0.0.1:{self.trainer_port}",
             "--rollout-addresses", ",".join(f"127.0.0.1:{p}" for p in self.rollout_ports),
-            *(["--redis-url", self.redis_url] if self.redis_url else []),
+            *redis_args,
+            "--model-roots", roots, "--data-roots", roots,
         ], env, logs / "coordinator.log")
 
     @property
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}"
+
+    def client(self, timeout_s: float = 30.0) -> CoordinatorClient:
+        """A REST client of this stack's coordinator that sends the stack's token."""
+        return CoordinatorClient(self.api_url, token=self.token, timeout_s=timeout_s)
 
     @property
     def processes(self) -> list[ServiceProcess]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from services.cli.client import CoordinatorClient, load_recipe
+from services.cli.client import load_recipe
 from services.cli.progress import RunProgress
 from services.local_stack import LocalStack
 
@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"warm start: held-out greedy accuracy {prep.get('heldout_accuracy')} "
                   f"({prep.get('seconds', 0):.0f}s)")
     spec["model_path"] = str(model_dir)
-    with LocalStack(run_dir) as stack:
+    with LocalStack(run_dir, path_roots=[model_dir.parent]) as stack:
         console.print(f"services up: coordinator {stack.api_url}, logs in {run_dir / 'logs'}")
-        client = CoordinatorClient(stack.api_url)
+        client = stack.client()
         t_rl = time.monotonic()
         run = client.submit(spec)
         with RunProgress(console) as progress:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli.client import ApiError, CoordinatorClient, load_recipe
+from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, AuthConfigError, load_token
 from services.cli.progress import RunProgress
 
 
@@ -17,6 +18,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lockstep", description="Lockstep command line (talks to the coordinator's REST API).")
     p.add_argument("--url", default=os.environ.get("LOCKSTEP_URL", "http://127.0.0.1:8000"),
                    help="Coordinator URL [env LOCKSTEP_URL]")
+    p.add_argument("--token-file", default="",
+                   help=f"File holding the deployment's bearer token [env {TOKEN_FILE_ENV}, else the token itself in "
+                        f"{TOKEN_ENV}]")
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("submit", help="Submit a recipe (YAML run spec).")
     s.add_argument("recipe")
@@ -55,7 +59,12 @@ def _watch(client: CoordinatorClient, run_id: str, console: Console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
-    client = CoordinatorClient(args.url)
+    try:
+        token = load_token(args.token_file)
+    except AuthConfigError as exc:
+        console.print(f"[red]error[/red] {exc}")
+        return 2
+    client = CoordinatorClient(args.url, token=token)
     try:
         if args.cmd == "submit":
             run = client.submit(load_recipe(args.recipe, _overrides(args.set)))

@@ -7,6 +7,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from services.common.auth import BearerToken
+
 TERMINAL = ("completed", "failed", "cancelled")
 
 
@@ -17,8 +19,11 @@ class ApiError(RuntimeError):
 
 
 class CoordinatorClient:
-    def __init__(self, base_url: str, timeout_s: float = 30.0) -> None:
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s)
+    """Every request carries the deployment's bearer token (the API answers 401 without it)."""
+
+    def __init__(self, base_url: str, *, token: BearerToken, timeout_s: float = 30.0) -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout_s,
+                                  headers={"Authorization": token.header})
 
     def _json(self, r: httpx.Response) -> dict:
         body = r.json() if r.headers.get("content-type", "").startswith("application/json") else r.text

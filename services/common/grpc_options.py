@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import grpc
 
+from services.common.auth import BearerToken, SyncBearerTokenClientInterceptor, aio_client_interceptors
+
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -19,9 +21,16 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
     ]
 
 
-def insecure_channel(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES,
+def insecure_channel(address: str, token: BearerToken, max_message_bytes: int = MAX_MESSAGE_BYTES,
                      max_reconnect_backoff_ms: int | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel whose every call carries `token` (services refuse calls without it)."""
     options: list[tuple[str, int]] = grpc_options(max_message_bytes)
     if max_reconnect_backoff_ms is not None:
         options.append(("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms))
-    return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.insecure_channel(address, options=options, interceptors=aio_client_interceptors(token))
+
+
+def sync_channel(address: str, token: BearerToken, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.Channel:
+    """A blocking channel whose every call carries `token` (tools, healthchecks, tests)."""
+    channel = grpc.insecure_channel(address, options=grpc_options(max_message_bytes))
+    return grpc.intercept_channel(channel, SyncBearerTokenClientInterceptor(token))

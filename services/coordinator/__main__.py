@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import uvicorn
 
+from services.common.auth import load_token_or_exit
 from services.common.service_config import parse_service_config
 from services.common.structured_logging import configure_logging
 from services.coordinator.api import create_app
@@ -11,8 +12,12 @@ from services.coordinator.config import CoordinatorConfig
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_service_config(CoordinatorConfig, env_prefix="LOCKSTEP_COORDINATOR", argv=argv)
+    token = load_token_or_exit(config.auth_token_file)
     configure_logging("coordinator", config.log_level)
-    app = create_app(config)
+    try:
+        app = create_app(config, token)
+    except ValueError as exc:  # a named configuration field that cannot be used
+        raise SystemExit(f"configuration error: {exc}") from None
     # uvicorn turns SIGTERM into a graceful shutdown: the lifespan stops the
     # scheduler (the run stays `running` in Redis and resumes on restart),
     # closes channels and stops the embedded Redis, which flushes its AOF.

@@ -3,26 +3,34 @@
 A Redis outage (after the store's retries) answers 503 with Retry-After, never
 500: the request may be repeated once Redis is back, and nothing was half-stored
 (each write is one transaction or script).
-"""
-from __future__ import annotations
 
+Every /v1 route requires the deployment's bearer token (401 with a JSON body
+otherwise, before the request body is even parsed); /healthz, /readyz,
+/metrics and the OpenAPI docs stay open. Run specs are validated against the
+coordinator's model_roots and data_roots (run_spec.confined_run_spec).
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the submit handler's body type, a class made
+# per app (confined_run_spec), from its annotation, which must be the object, not a name to resolve.
 import asyncio
 import contextlib
 import uuid
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from services.common.auth import BearerToken
 from services.common.models import load_tokenizer
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.embedded_redis import EmbeddedRedis
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_loop import RunDriver
-from services.coordinator.run_spec import RunSpec
+from services.coordinator.run_spec import RunSpec, confined_run_spec
 from services.coordinator.scheduler import RunScheduler
 from services.coordinator.store import OUTAGE_ERRORS, STATUSES, RunStore
 
@@ -46,24 +54,47 @@ def _coordinator_id(data_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def create_app(config: CoordinatorConfig) -> FastAPI:
+def redis_password(config: CoordinatorConfig) -> str | None:
+    if not config.redis_password_file:
+        return None
+    try:
+        return Path(config.redis_password_file).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"redis_password_file: cannot read it: {exc.strerror or exc}") from None
+
+
+def bearer_dependency(token: BearerToken):
+    """A FastAPI dependency answering 401 unless the request carries `token` (documented in the OpenAPI)."""
+    scheme = HTTPBearer(auto_error=False, description="The deployment's shared token (services/common/auth.py).")
+
+    async def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:
+        if credentials is None or not token.matches(credentials.credentials):
+            raise HTTPException(status_code=401, detail={"error": "missing or invalid bearer token"},
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    return require_token
+
+
+def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
     data_dir = Path(config.data_dir).resolve()
+    SubmittedRunSpec = confined_run_spec(config.model_roots, config.data_roots)
+    password = redis_password(config)  # read before anything starts: a bad file fails the start
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         data_dir.mkdir(parents=True, exist_ok=True)
         redis = None
         redis_supervisor = None
-        url = config.redis_url
+        url, store_password = config.redis_url, password
         if not url:
             redis = EmbeddedRedis(data_dir / "redis").start()
             redis_supervisor = asyncio.create_task(redis.supervise(), name="embedded-redis-supervisor")
-            url = redis.url
-        store = RunStore(url, retries=config.redis_retries, backoff_max_s=config.redis_retry_backoff_max_s,
-                         socket_timeout_s=config.redis_socket_timeout_s)
+            url, store_password = redis.url, redis.password
+        store = RunStore(url, password=store_password, retries=config.redis_retries,
+                         backoff_max_s=config.redis_retry_backoff_max_s, socket_timeout_s=config.redis_socket_timeout_s)
         exporter = CoordinatorExporter()
-        rollouts = [RolloutClient(a, config.rpc_timeout_s) for a in config.rollout_addresses]
-        trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s)
+        rollouts = [RolloutClient(a, config.rpc_timeout_s, token) for a in config.rollout_addresses]
+        trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s, token)
 
         def make_driver(run_id: str, spec: RunSpec, run_dir: Path) -> RunDriver:
             return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,
@@ -114,17 +145,20 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
             raise HTTPException(status_code=404, detail={"error": "run not found", "run_id": run_id})
         return run
 
-    @app.post("/v1/runs", status_code=201)
-    async def submit_run(spec: RunSpec, request: Request) -> dict:
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_dependency(token))],
+                   responses={401: {"description": "Missing or invalid bearer token"}})
+
+    @v1.post("/runs", status_code=201)
+    async def submit_run(spec: SubmittedRunSpec, request: Request) -> dict:  # type: ignore[valid-type]
         run = await _store(request).create_run(spec.name, spec.model_dump_json(), spec.steps)
         request.app.state.scheduler.wake()
         return run.to_dict()
 
-    @app.get("/v1/runs")
+    @v1.get("/runs")
     async def list_runs(request: Request) -> dict:
         return {"runs": [r.to_dict() for r in await _store(request).list_runs()]}
 
-    @app.get("/v1/runs/{run_id}")
+    @v1.get("/runs/{run_id}")
     async def get_run(run_id: str, request: Request) -> dict:
         run = await _run_or_404(request, run_id)
         store = _store(request)
@@ -133,20 +167,22 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         return {**run.to_dict(), "spec": spec, "eval_initial": await store.get_aux(run_id, "eval_initial"),
                 "latest": latest[0], "events": await store.events(run_id)}
 
-    @app.get("/v1/runs/{run_id}/metrics")
+    @v1.get("/runs/{run_id}/metrics")
     async def run_metrics(run_id: str, request: Request) -> dict:
         await _run_or_404(request, run_id)
         store = _store(request)
         return {"run_id": run_id, "eval_initial": await store.get_aux(run_id, "eval_initial"),
                 "steps": await store.metrics(run_id)}
 
-    @app.post("/v1/runs/{run_id}/cancel")
+    @v1.post("/runs/{run_id}/cancel")
     async def cancel_run(run_id: str, request: Request) -> dict:
         await _run_or_404(request, run_id)
         if not await _store(request).set_status(run_id, "cancelled"):
             run = await _store(request).get_run(run_id)
             raise HTTPException(status_code=409, detail={"error": f"run is already {run.status}", "run_id": run_id})
         return (await _store(request).get_run(run_id)).to_dict()  # type: ignore[union-attr]
+
+    app.include_router(v1)
 
     @app.get("/healthz")
     async def healthz() -> dict:

@@ -8,6 +8,7 @@ import grpc
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.auth import BearerToken
 from services.common.grpc_options import insecure_channel
 
 
@@ -17,9 +18,9 @@ RECONNECT_BACKOFF_MAX_MS = 5_000
 
 
 class RolloutClient:
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, token: BearerToken) -> None:
         self.address = address
-        self._channel = insecure_channel(address, max_reconnect_backoff_ms=RECONNECT_BACKOFF_MAX_MS)
+        self._channel = insecure_channel(address, token, max_reconnect_backoff_ms=RECONNECT_BACKOFF_MAX_MS)
         self._stub = pb_grpc.RolloutStub(self._channel)
         self._timeout = timeout_s
 
@@ -74,9 +75,9 @@ def _trainer_rpc(method):
 class TrainerClient:
     """Every RPC raises TrainerUnavailable when the trainer cannot be reached."""
 
-    def __init__(self, address: str, timeout_s: float) -> None:
+    def __init__(self, address: str, timeout_s: float, token: BearerToken) -> None:
         self.address = address
-        self._channel = insecure_channel(address, max_reconnect_backoff_ms=RECONNECT_BACKOFF_MAX_MS)
+        self._channel = insecure_channel(address, token, max_reconnect_backoff_ms=RECONNECT_BACKOFF_MAX_MS)
         self._stub = pb_grpc.TrainerStub(self._channel)
         self._timeout = timeout_s
 

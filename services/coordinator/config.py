@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from services.common.path_roots import DEFAULT_ROOTS, RootList
+
 
 class CoordinatorConfig(BaseModel):
     """Lockstep coordinator: REST API, run state machine, run loop."""
@@ -27,7 +29,28 @@ class CoordinatorConfig(BaseModel):
     redis_socket_timeout_s: float = Field(
         10.0, gt=0, le=300, description="Connect and read timeout of the Redis client.",
     )
+    redis_password_file: str = Field(
+        "",
+        description="File holding the password of the Redis at redis_url (its requirepass). Empty: no password "
+        "is sent (the embedded Redis always gets a generated one).",
+    )
     data_dir: str = Field("runs", description="Run directories (checkpoints, summaries) and embedded Redis data.")
+    auth_token_file: str = Field(
+        "",
+        description="File holding the deployment's shared bearer token, required on every call. Empty: "
+        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
+        "(`python -m services.common.auth FILE` writes a token).",
+    )
+    model_roots: RootList = Field(
+        default_factory=lambda: list(DEFAULT_ROOTS),
+        description="Comma-separated directories a run spec's model_path must resolve inside (symlinks followed); "
+        "anything else is refused with 422. '/' is not accepted. Default: runs (relative to the working directory).",
+    )
+    data_roots: RootList = Field(
+        default_factory=lambda: list(DEFAULT_ROOTS),
+        description="Comma-separated directories a task's data files (e.g. the math task's path and heldout_path) "
+        "must resolve inside; anything else is refused with 422. Default: runs.",
+    )
     rollout_addresses: list[str] = Field(
         default_factory=lambda: ["127.0.0.1:50051"],
         description="Comma-separated host:port of every rollout replica.",

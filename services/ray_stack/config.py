@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -53,6 +54,17 @@ class RayStackConfig(BaseModel):
         "storage, since the trainer writes checkpoints into it."
     )
     redis_url: str = Field("", description="Redis for run state; empty = the coordinator's embedded Redis.")
+    path_roots: list[str] = Field(
+        default_factory=list,
+        description="Comma-separated directories (on storage every node sees) that models and datasets may come "
+        "from, besides data_dir: the services' model_roots and data_roots. Checkpoints stay under data_dir.",
+    )
+    auth_token_file: str = Field(
+        "",
+        description="File holding the stack's bearer token, on storage every node sees. Empty: data_dir/auth_token, "
+        "generated (mode 0600) at the first start and reused after. Every service reads it; clients (the "
+        "`lockstep` CLI: --token-file) send it.",
+    )
     num_threads: int = Field(1, ge=0, description="torch CPU threads of the trainer and rollout services (0 = torch's default).")
     trainer_args: list[str] = Field(
         default_factory=list, description="Extra flags for `python -m services.trainer` (shell-quoted string), e.g. '--device cuda'."
@@ -71,6 +83,18 @@ class RayStackConfig(BaseModel):
     @classmethod
     def _split(cls, v: object) -> object:
         return shlex.split(v) if isinstance(v, str) else v
+
+    @field_validator("path_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, v: object) -> object:
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+
+    def roots(self) -> str:
+        """The services' roots flag value: data_dir and path_roots, resolved."""
+        return ",".join(str(Path(p).resolve()) for p in (self.data_dir, *self.path_roots))
+
+    def token_path(self) -> Path:
+        return Path(self.auth_token_file or Path(self.data_dir) / "auth_token").resolve()
 
     @model_validator(mode="after")
     def _ports_distinct(self) -> RayStackConfig:

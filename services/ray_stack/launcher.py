@@ -26,8 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from services.ray_stack.config import RayStackConfig
+from services.common.auth import TOKEN_FILE_ENV, BearerToken, read_token_file, write_token_file
 from services.local_stack import service_env
+from services.ray_stack.config import RayStackConfig
 from services.ray_stack.supervisor import ServiceSupervisor
 
 log = logging.getLogger("lockstep.ray_stack")
@@ -58,10 +59,12 @@ class ServicePlan:
 def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
     """Trainer and rollout replicas, bundle i for plan i. Pure: a test can pin it."""
     threads = ("--num-threads", str(config.num_threads))
+    roots = config.roots()
+    data_dir = str(Path(config.data_dir).resolve())
     plans = [ServicePlan(
         "trainer", "services.trainer",
         ("--grpc-port", str(config.trainer_port), "--metrics-port", str(config.trainer_metrics_port),
-         *threads, *config.trainer_args),
+         *threads, "--model-roots", roots, "--checkpoint-roots", data_dir, *config.trainer_args),
         config.trainer_port, config.trainer_cpus, config.trainer_gpus, 0,
     )]
     for i in range(config.rollout_replicas):
@@ -69,7 +72,7 @@ def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
         plans.append(ServicePlan(
             f"rollout-{i}", "services.rollout",
             ("--grpc-port", str(config.rollout_port_base + i), "--metrics-port", str(metrics),
-             *threads, *config.rollout_args),
+             *threads, "--model-roots", roots, *config.rollout_args),
             config.rollout_port_base + i, config.rollout_cpus, config.rollout_gpus, i + 1,
         ))
     return plans
@@ -78,11 +81,23 @@ def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
 def plan_coordinator(config: RayStackConfig, trainer: str, rollouts: list[str]) -> ServicePlan:
     data_dir = str(Path(config.data_dir).resolve())
     args = ["--port", str(config.coordinator_port), "--data-dir", data_dir,
-            "--trainer-address", trainer, "--rollout-addresses", ",".join(rollouts)]
+            "--trainer-address", trainer, "--rollout-addresses", ",".join(rollouts),
+            "--model-roots", config.roots(), "--data-roots", config.roots()]
     if config.redis_url:
         args += ["--redis-url", config.redis_url]
     return ServicePlan("coordinator", "services.coordinator", (*args, *config.coordinator_args),
                        config.coordinator_port, 0, 0, None)
+
+
+def ensure_token_file(path: Path) -> BearerToken:
+    """The stack's token: generated once into `path` (mode 0600), the same for every service and restart."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            write_token_file(path)
+        except FileExistsError:  # another launcher wrote it first: use theirs
+            pass
+    return read_token_file(path)
 
 
 def bundles(plans: list[ServicePlan]) -> list[dict[str, float]]:
@@ -98,15 +113,18 @@ def bundles(plans: list[ServicePlan]) -> list[dict[str, float]]:
 class ServiceActor:
     """Body of each Ray actor: supervise one service process on this node."""
 
-    def __init__(self, plan: ServicePlan, log_dir: str, max_restarts: int, restart_delay_s: float) -> None:
+    def __init__(self, plan: ServicePlan, log_dir: str, max_restarts: int, restart_delay_s: float,
+                 token_file: str) -> None:
         import ray
 
         self.ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.plan = plan
         argv = [sys.executable, "-m", plan.module, "--host", self.ip, *plan.args]
+        # The token travels as the path of its file on shared storage, never as a value through Ray.
         self.supervisor = ServiceSupervisor(
-            argv, env=service_env(os.environ), log_path=Path(log_dir) / f"{plan.name}.log",
+            argv, env={**service_env(os.environ), TOKEN_FILE_ENV: token_file},
+            log_path=Path(log_dir) / f"{plan.name}.log",
             max_restarts=max_restarts, restart_delay_s=restart_delay_s,
         )
         self.supervisor.start()
@@ -129,6 +147,7 @@ class RayStack:
         self.actors: dict[str, object] = {}
         self.placement_group = None
         self.api_url = ""
+        self.token_file = config.token_path()
 
     def connect(self) -> None:
         """Join (or, for 'local', start) the cluster. Ray installs its own SIGTERM handler here, one that
@@ -145,6 +164,7 @@ class RayStack:
             self.connect()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+        ensure_token_file(self.token_file)
         workers = plan_workers(cfg)
         self.placement_group = ray.util.placement_group(bundles(workers), strategy=cfg.placement_strategy,
                                                         name=f"{cfg.namespace}-stack")
@@ -169,7 +189,7 @@ class RayStack:
         placed["coordinator"] = ray.get(self.actors["coordinator"].describe.remote(), timeout=cfg.ready_timeout_s)
         self.api_url = f"http://{placed['coordinator']['address']}"
         self._wait_ready()
-        return {"api_url": self.api_url, "trainer": placed["trainer"]["address"],
+        return {"api_url": self.api_url, "token_file": str(self.token_file), "trainer": placed["trainer"]["address"],
                 "rollouts": [placed[p.name]["address"] for p in workers[1:]], "services": self.describe()}
 
     def _spawn(self, remote, plan: ServicePlan, log_dir: str, strategy):
@@ -177,7 +197,7 @@ class RayStack:
         return remote.options(
             name=plan.name, num_cpus=plan.num_cpus, num_gpus=plan.num_gpus, scheduling_strategy=strategy,
             max_restarts=cfg.service_restarts, max_task_retries=-1,
-        ).remote(plan, log_dir, cfg.service_restarts, cfg.restart_delay_s)
+        ).remote(plan, log_dir, cfg.service_restarts, cfg.restart_delay_s, str(self.token_file))
 
     def _wait_ready(self) -> None:
         deadline, last = time.monotonic() + self.config.ready_timeout_s, ""

@@ -6,11 +6,28 @@ own config (e.g. services.rollout.torch_engine.TorchEngineConfig).
 """
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from services.common.path_roots import DEFAULT_ROOTS, RootList
 
 ENV_PREFIX = "LOCKSTEP_ROLLOUT"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SGLANG_PYTHON_ENV = "LOCKSTEP_SGLANG_PYTHON"
+"""Environment default for `sglang_python`: the interpreter of the SGLang virtualenv."""
+SGLANG_WEIGHTS_DIR_ENV = "LOCKSTEP_SGLANG_WEIGHTS_DIR"
+"""Environment default for `sglang_weights_dir`: where synced checkpoints are written."""
+
+
+def default_sglang_python() -> str:
+    return os.environ.get(SGLANG_PYTHON_ENV) or str(REPO_ROOT / ".venv-sglang" / "bin" / "python")
+
+
+def default_sglang_weights_dir() -> str:
+    return os.environ.get(SGLANG_WEIGHTS_DIR_ENV) or str(REPO_ROOT / "runs" / "sglang-weights")
 
 
 class RolloutServiceConfig(BaseModel):
@@ -41,3 +58,47 @@ class RolloutServiceConfig(BaseModel):
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="On SIGTERM, seconds in-flight RPCs get to finish before they are cancelled."
     )
+    auth_token_file: str = Field(
+        "",
+        description="File holding the deployment's shared bearer token, required on every call. Empty: "
+        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
+        "(`python -m services.common.auth FILE` writes a token).",
+    )
+    model_roots: RootList = Field(
+        default_factory=lambda: list(DEFAULT_ROOTS),
+        description="Comma-separated directories LoadModel's model_path must resolve inside (INVALID_ARGUMENT "
+        "otherwise). '/' is not accepted. Default: runs (relative to the working directory).",
+    )
+    # What the SGLang engine executes and where it writes belong to the operator, never to a run:
+    # a LoadModel's engine_config_json cannot set any of these.
+    sglang_python: str = Field(
+        default_factory=default_sglang_python,
+        description="Interpreter of the SGLang virtualenv (deploy/sglang/setup_cpu_venv.sh builds one); SGLang is "
+        f"never imported into the rollout service's own environment. Default: ${SGLANG_PYTHON_ENV} or .venv-sglang.",
+    )
+    sglang_weights_dir: str = Field(
+        default_factory=default_sglang_weights_dir,
+        description="Directory where the SGLang engine writes each synced policy version as a Hugging Face "
+        "checkpoint for /update_weights_from_disk (and from which a restarted server reloads), and the server "
+        f"logs. Default: ${SGLANG_WEIGHTS_DIR_ENV} or runs/sglang-weights.",
+    )
+    sglang_url: str = Field(
+        "",
+        description="Attach to an already running SGLang server at this base URL instead of launching one "
+        "(needs sglang_api_key_file). Empty: every LoadModel with engine sglang launches its own server.",
+    )
+    sglang_api_key_file: str = Field(
+        "",
+        description="File holding the --api-key of the server at sglang_url. Servers the engine launches get a "
+        "generated key instead.",
+    )
+    sglang_extra_args: list[str] = Field(
+        default_factory=list,
+        description="More SGLang server flags, appended last (space-separated). For what the typed engine "
+        "options don't cover; the platform's own decisions stay in services.common.platform.",
+    )
+
+    @field_validator("sglang_extra_args", mode="before")
+    @classmethod
+    def _split_args(cls, v: object) -> object:
+        return v.split() if isinstance(v, str) else v

@@ -10,10 +10,13 @@ from __future__ import annotations
 import abc
 import json
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from pydantic import BaseModel, ValidationError
+
+if TYPE_CHECKING:
+    from services.rollout.config import RolloutServiceConfig
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,11 @@ class Engine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_config_json(cls, text: str) -> "Engine":
-        """Build from LoadModelRequest.engine_config_json; ValueError naming the field on bad options."""
+    def from_config_json(cls, text: str, service: "RolloutServiceConfig | None" = None) -> "Engine":
+        """Build from LoadModelRequest.engine_config_json; ValueError naming the field on bad options.
+
+        `service` is the rollout service's own configuration: what the operator decides (interpreters,
+        directories, servers to reach) comes from there, never from the run's options."""
 
     @abc.abstractmethod
     def load(self, model_path: str, policy_version: int) -> None: ...

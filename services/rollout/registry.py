@@ -3,13 +3,16 @@
 Each entry is "module:Class"; the module is imported only when a LoadModel
 asks for that engine, so heavy optional dependencies (sglang) are needed only
 by the processes that use them. An engine class provides
-`from_config_json(text: str) -> Engine`, validating its own options and
-raising ValueError that names the offending field.
+`from_config_json(text: str, service: RolloutServiceConfig) -> Engine`,
+validating its own options and raising ValueError that names the offending
+field; what the operator decides (interpreters, directories) comes from the
+rollout service's own configuration, never from the run's options.
 """
 from __future__ import annotations
 
 import importlib
 
+from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import Engine
 
 ENGINES: dict[str, str] = {
@@ -34,6 +37,6 @@ def engine_class(name: str) -> type[Engine]:
     return cls
 
 
-def build_engine(name: str, config_json: str) -> Engine:
-    """Construct (not load) the named engine from its JSON options."""
-    return engine_class(name).from_config_json(config_json)
+def build_engine(name: str, config_json: str, service: RolloutServiceConfig) -> Engine:
+    """Construct (not load) the named engine from its JSON options and the service's own configuration."""
+    return engine_class(name).from_config_json(config_json, service)

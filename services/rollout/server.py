@@ -1,7 +1,10 @@
 """gRPC (grpc.aio) rollout service: thin handlers over one Engine.
 
 Status codes the coordinator can rely on:
-- INVALID_ARGUMENT: a malformed request (message names the field), an unknown
+- UNAUTHENTICATED: the call lacks the deployment's bearer token (every method;
+  checked by services.common.auth.BearerTokenInterceptor before any handler).
+- INVALID_ARGUMENT: a malformed request (message names the field), a
+  model_path outside the service's model_roots, an unknown
   engine (message lists the known ones), bad engine options, a weight stream
   that fails any checksum / structure check or does not match the model. The
   state is unchanged and the server keeps serving.
@@ -33,9 +36,11 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.auth import BearerToken, BearerTokenInterceptor
 from services.common.grpc_options import grpc_options
 from services.common.health_service import add_health_service
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
+from services.common.path_roots import resolve_inside
 from services.common.structured_logging import log_event
 from services.common.weight_stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
@@ -161,19 +166,18 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @_rpc("LoadModel")
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.LoadModelResponse:
         name, options = split_engine_config(request.engine_config_json, self.config.engine)
-        if not request.model_path:
-            raise ValueError("model_path: empty")
+        model_path = str(resolve_inside(request.model_path, self.config.model_roots, "model_path"))
         async with self._lock:
             # Build and load completely before swapping: a failed load leaves
             # the previously loaded engine serving, untouched.
-            engine = await self._in_worker(build_engine, name, options)
-            await self._in_worker(engine.load, request.model_path, request.policy_version)
+            engine = await self._in_worker(build_engine, name, options, self.config)
+            await self._in_worker(engine.load, model_path, request.policy_version)
             old, self.engine = self.engine, engine
             self.engine_name, self.run_id = name, request.run_id
             if old is not None:
                 await self._in_worker(old.close)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(engine.policy_version)
-        log_event(log, "model loaded", engine=name, model_path=request.model_path,
+        log_event(log, "model loaded", engine=name, model_path=model_path,
                   run_id=request.run_id, policy_version=engine.policy_version)
         return pb.LoadModelResponse(info=self._info())
 
@@ -231,13 +235,13 @@ class RolloutServicer(pb_grpc.RolloutServicer):
 class RolloutService:
     """The process: gRPC server + metrics server around one servicer. start() -> wait() -> stop()."""
 
-    def __init__(self, config: RolloutServiceConfig) -> None:
+    def __init__(self, config: RolloutServiceConfig, token: BearerToken) -> None:
         self.config = config
         self.registry = CollectorRegistry()
         self.metrics = build_collectors(ROLLOUT_METRICS, self.registry)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(-1)
         self.servicer = RolloutServicer(config, self.metrics)
-        self.server = grpc.aio.server(options=grpc_options())
+        self.server = grpc.aio.server(options=grpc_options(), interceptors=[BearerTokenInterceptor(token)])
         pb_grpc.add_RolloutServicer_to_server(self.servicer, self.server)
         self.grpc_port = 0
         self.health: Any = None  # grpc.health.v1 servicer, added in start() (it needs the event loop)
@@ -274,9 +278,9 @@ class RolloutService:
         log_event(log, "rollout stopped")
 
 
-async def serve(config: RolloutServiceConfig) -> None:
+async def serve(config: RolloutServiceConfig, token: BearerToken) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get shutdown_grace_s)."""
-    service = RolloutService(config)
+    service = RolloutService(config, token)
     await service.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

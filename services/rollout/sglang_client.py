@@ -196,9 +196,11 @@ def load_lora_adapter_body(lora_name: str, lora_path: str, pinned: bool = False)
 class SGLangClient:
     """Thin synchronous client; every call raises SGLangConnectionError or SGLangRequestError."""
 
-    def __init__(self, base_url: str, *, timeout_s: float, control_timeout_s: float = 60.0):
+    def __init__(self, base_url: str, *, timeout_s: float, api_key: str, control_timeout_s: float = 60.0):
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=control_timeout_s, trust_env=False)
+        # SGLang's --api-key guards every endpoint but /health*, /ready* and /metrics*, as a bearer token.
+        self._http = httpx.Client(base_url=self.base_url, timeout=control_timeout_s, trust_env=False,
+                                  headers={"Authorization": f"Bearer {api_key}"})
         self._generate_timeout = timeout_s
 
     def close(self) -> None:

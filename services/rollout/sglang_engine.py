@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import threading
 import uuid
@@ -44,7 +45,8 @@ from services.rollout.sglang_client import (
     generate_body,
     parse_generate_response,
 )
-from services.rollout.sglang_config import SGLangEngineConfig
+from services.rollout.config import RolloutServiceConfig
+from services.rollout.sglang_config import SGLangEngineConfig, SGLangHostConfig
 from services.rollout.sglang_server import SGLangServer, SGLangStartError
 from services.rollout.sglang_weights import (
     checkpoint_specs,
@@ -68,8 +70,17 @@ _PORT_HOLDERS: "weakref.WeakValueDictionary[tuple[str, int], SGLangEngine]" = we
 class SGLangEngine(Engine):
     name = "sglang"
 
-    def __init__(self, config: SGLangEngineConfig | None = None):
+    def __init__(self, config: SGLangEngineConfig | None = None, host: SGLangHostConfig | None = None):
         self.config = config or SGLangEngineConfig()
+        self.host = host or SGLangHostConfig()
+        # The server's --api-key: the operator's for an attached server, else one generated per engine and kept
+        # in memory only (the rollout service is the server's only client; /health and /metrics stay open).
+        if self.host.url:
+            if self.host.api_key is None:
+                raise ValueError("sglang_api_key_file: required with sglang_url (the attached server's --api-key)")
+            self._api_key = self.host.api_key.get_secret_value()
+        else:
+            self._api_key = secrets.token_urlsafe(32)
         platform = probe_platform(os.environ) if self.config.platform == "auto" else Platform(self.config.platform)
         # Decided once, here, so that a bad combination (e.g. deterministic on
         # CPU) fails at construction, before anything is launched.
@@ -88,12 +99,17 @@ class SGLangEngine(Engine):
         self._eos: set[int] = set()
         self._vocab = 0
         self._max_len: int | None = None
-        self._dir = Path(self.config.weights_dir) / f"engine-{uuid.uuid4().hex[:12]}"
+        self._dir = Path(self.host.weights_dir) / f"engine-{uuid.uuid4().hex[:12]}"
 
     @classmethod
-    def from_config_json(cls, text: str) -> "SGLangEngine":
-        """Registry entry point: build from LoadModelRequest.engine_config_json (ValueError names the field)."""
-        return cls(SGLangEngineConfig.from_json(text))
+    def from_config_json(cls, text: str, service: RolloutServiceConfig | None = None) -> "SGLangEngine":
+        """Registry entry point: build from LoadModelRequest.engine_config_json (ValueError names the field),
+        with what the rollout service's own configuration decides (interpreter, directories, server URL)."""
+        host = SGLangHostConfig.from_service(service) if service is not None else SGLangHostConfig()
+        return cls(SGLangEngineConfig.from_json(text), host)
+
+    def _client_for(self, url: str) -> SGLangClient:
+        return SGLangClient(url, timeout_s=self.config.request_timeout_s, api_key=self._api_key)
 
     # ------------------------------------------------------------ lifecycle --
 
@@ -106,10 +122,10 @@ class SGLangEngine(Engine):
         self._vocab = int(hf.get("vocab_size", 0))
         self._max_len = hf.get("max_position_embeddings")
         version = str(policy_version)
-        if self.config.url:
-            client = SGLangClient(self.config.url, timeout_s=self.config.request_timeout_s)
+        if self.host.url:
+            client = self._client_for(self.host.url)
             if not client.healthy():
-                raise EngineUnavailable(f"sglang: no healthy server at url {self.config.url}")
+                raise EngineUnavailable(f"sglang: no healthy server at sglang_url {self.host.url}")
             # The attached server may hold anything: load exactly what we were told.
             client.update_weights_from_disk(str(path), version, self.config.weight_update_timeout_s)
             self._client = client
@@ -126,7 +142,7 @@ class SGLangEngine(Engine):
             except SGLangStartError as exc:
                 raise RuntimeError(f"sglang engine: {exc}") from None
             self._server = server
-            self._client = SGLangClient(server.url, timeout_s=self.config.request_timeout_s)
+            self._client = self._client_for(server.url)
             if self.config.port:
                 _PORT_HOLDERS[(self.config.host, self.config.port)] = self
         self._model_path = self._weights_path = str(path)
@@ -137,8 +153,8 @@ class SGLangEngine(Engine):
     def _new_server(self) -> SGLangServer:
         cfg = self.config
         return SGLangServer(
-            cfg.python, self.plan, host=cfg.host, port=cfg.port, tp_size=cfg.tp_size,
-            extra_args=cfg.extra_args, log_dir=Path(cfg.log_dir) if cfg.log_dir else self._dir / "logs",
+            self.host.python, self.plan, host=cfg.host, port=cfg.port, tp_size=cfg.tp_size,
+            extra_args=self.host.extra_args, log_dir=self._dir / "logs", api_key=self._api_key,
         )
 
     def close(self) -> None:
@@ -166,7 +182,7 @@ class SGLangEngine(Engine):
     def url(self) -> str:
         if self._client is not None:
             return self._client.base_url
-        return self.config.url or ""
+        return self.host.url
 
     @property
     def server_pid(self) -> int | None:
@@ -187,7 +203,7 @@ class SGLangEngine(Engine):
             "server_flags": " ".join(self.plan.flags),
             "url": self.url,
             "server_pid": str(self.server_pid or ""),
-            "attached": str(bool(self.config.url)).lower(),
+            "attached": str(bool(self.host.url)).lower(),
             "weights_path": self._weights_path,
             "restarts": str(self._restarts),
             "state": "unavailable" if self._unavailable else ("restarting" if self._restart else "serving"),
@@ -356,7 +372,7 @@ class SGLangEngine(Engine):
 
     def _lost(self, exc: BaseException | None, what: str, raise_: bool = True) -> None:
         server = self._server
-        if self.config.url or server is None:
+        if self.host.url or server is None:
             raise EngineUnavailable(f"sglang server at {self.url} lost ({exc}); {what}; attached, not restarting")
         code = server.exit_code()
         reason = (
@@ -396,7 +412,7 @@ class SGLangEngine(Engine):
                     continue
                 with self._state:
                     self._server = server
-                    self._client = SGLangClient(server.url, timeout_s=self.config.request_timeout_s)
+                    self._client = self._client_for(server.url)
                     self._restarts += 1
                 log.warning("sglang server restarted (pid %s) at version %d", server.pid, self._version)
                 return

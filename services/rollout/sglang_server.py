@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from services.common.platform import SGLangLaunchPlan
 from services.common.ports import free_port
 
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 # log-probs of the *unscaled* logits, not the temperature-scaled distribution
 # the trainer recomputes (see sglang_client.py).
 SCRUBBED_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_USE_CPU_ENGINE")
+API_KEY_ENV = "LOCKSTEP_SGLANG_API_KEY"
+"""How the bootstrap receives the server's --api-key: the environment is readable by the same user only,
+a command line by everyone on the host."""
 
 
 class SGLangStartError(RuntimeError):
@@ -43,9 +47,12 @@ class SGLangStartError(RuntimeError):
 # which would otherwise leave a server holding GBs of memory and its port.
 # (PR_SET_PDEATHSIG is no substitute: it fires when the launching *thread*
 # exits, and servers are launched from worker and restart threads.)
+# The bootstrap also hands SGLang its --api-key from the environment: arguments
+# set in sys.argv here never appear in /proc/<pid>/cmdline.
 BOOTSTRAP = (
     "import os, runpy, signal, sys, threading, time\n"
     "parent = int(sys.argv.pop(1))\n"
+    f"sys.argv += ['--api-key', os.environ.pop({API_KEY_ENV!r})]\n"
     "def watch():\n"
     "    while os.getppid() == parent:\n"
     "        time.sleep(1.0)\n"
@@ -88,9 +95,11 @@ def server_command(
     ]
 
 
-def server_env(plan: SGLangLaunchPlan, base: Mapping[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in SCRUBBED_ENV}
-    return plan.child_env(env)
+def server_env(plan: SGLangLaunchPlan, base: Mapping[str, str], api_key: str) -> dict[str, str]:
+    """The server's environment: `base` without SCRUBBED_ENV and without Lockstep's own token, plus the
+    server's API key for the bootstrap."""
+    env = {k: v for k, v in base.items() if k not in SCRUBBED_ENV and k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
+    return {**plan.child_env(env), API_KEY_ENV: api_key}
 
 
 _LIVE: "weakref.WeakSet[SGLangServer]" = weakref.WeakSet()
@@ -106,15 +115,18 @@ class SGLangServer:
     """One child server. start() blocks until /health answers; stop() is idempotent."""
 
     def __init__(self, python: str, plan: SGLangLaunchPlan, *, host: str, port: int, tp_size: int,
-                 extra_args: Sequence[str], log_dir: Path):
+                 extra_args: Sequence[str], log_dir: Path, api_key: str):
         if not Path(python).is_file():
             raise FileNotFoundError(
                 f"python: SGLang interpreter {python} does not exist; build the virtualenv with "
-                "`make sglang-venv` (deploy/sglang/setup_cpu_venv.sh) or set engine_config.python"
+                "`make sglang-venv` (deploy/sglang/setup_cpu_venv.sh) or set the rollout service's sglang_python"
             )
+        if not api_key:
+            raise ValueError("api_key: an SGLang server is never started without one")
         self.python, self.plan, self.host = python, plan, host
         self.requested_port, self.tp_size, self.extra_args = port, tp_size, list(extra_args)
         self.log_dir = log_dir
+        self._api_key = api_key
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.log_path: Path | None = None
@@ -156,7 +168,7 @@ class SGLangServer:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=server_env(self.plan, os.environ), start_new_session=True,
+                env=server_env(self.plan, os.environ, self._api_key), start_new_session=True,
             )
         self.log_path, self.model_path = log_path, model_path
         _LIVE.add(self)

@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.determinism import sample_generator
 from services.common.models import load_causal_lm
+from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import (
     Engine,
     GeneratedSample,
@@ -191,8 +192,9 @@ class TorchEngine(Engine):
         self._forward_extra: dict[str, int] = {}
 
     @classmethod
-    def from_config_json(cls, text: str) -> "TorchEngine":
-        """Registry entry point: build from LoadModelRequest.engine_config_json (ValueError names the field)."""
+    def from_config_json(cls, text: str, service: RolloutServiceConfig | None = None) -> "TorchEngine":
+        """Registry entry point: build from LoadModelRequest.engine_config_json (ValueError names the field).
+        Nothing of the service's configuration concerns this engine."""
         return cls(TorchEngineConfig.from_json(text))
 
     # ------------------------------------------------------------ lifecycle --

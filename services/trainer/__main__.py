@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+from services.common.auth import load_token_or_exit
 from services.common.service_config import parse_service_config
 from services.common.structured_logging import configure_logging
 from services.trainer.config import TrainerServiceConfig
@@ -11,8 +12,9 @@ from services.trainer.server import serve
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_service_config(TrainerServiceConfig, env_prefix="LOCKSTEP_TRAINER", argv=argv)
+    token = load_token_or_exit(config.auth_token_file)
     configure_logging("trainer", config.log_level)
-    asyncio.run(serve(config))
+    asyncio.run(serve(config, token))
     return 0
 
 

@@ -14,14 +14,17 @@ loading it in bf16 gives exactly the tensors rollout was sent. Beside those:
   with the digest of the trajectories it was trained on (so such a replay is
   still checked against them; absent in checkpoints written before).
 
-The directory is written under a temporary sibling and renamed into place, and
-the state file is written last: a directory without it is not a checkpoint.
+The directory is written under a fresh temporary sibling and renamed into
+place, and the state file is written last: a directory without it is not a
+checkpoint. An existing directory is replaced only if it is a checkpoint of the
+same run; the trainer never deletes a directory the run did not create.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,6 +107,24 @@ def copy_tokenizer_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
+class ForeignDirectory(ValueError):
+    """A checkpoint target that exists and is not a checkpoint of this run: never replaced."""
+
+
+def check_replaceable(target: Path, run_id: str) -> None:
+    """A directory may be replaced only if it is a checkpoint of `run_id`; ForeignDirectory otherwise."""
+    if target.is_symlink() or not target.is_dir():
+        raise ForeignDirectory(f"directory: {target} exists and is not a directory this run created; not replaced")
+    try:
+        owner = read_state(target).run_id
+    except (FileNotFoundError, ValueError):
+        owner = None
+    if owner != run_id:
+        what = "a checkpoint of another run" if owner is not None else "not a Lockstep checkpoint"
+        raise ForeignDirectory(f"directory: {target} exists and is {what}; a checkpoint of run {run_id!r} "
+                               "replaces only its own checkpoints")
+
+
 def save_checkpoint(
     directory: str | Path,
     *,
@@ -114,13 +135,15 @@ def save_checkpoint(
     state: TrainerState,
     tokenizer_dir: str | Path | None,
 ) -> Path:
-    """Write the checkpoint atomically; an existing checkpoint at `directory` is replaced."""
+    """Write the checkpoint into a fresh temporary sibling, then move it into place.
+
+    An existing `directory` is replaced only when it is a checkpoint of the same run (a re-saved step);
+    anything else there is refused (ForeignDirectory) and left untouched."""
     target = Path(directory).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    if target.exists() or target.is_symlink():
+        check_replaceable(target, state.run_id)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))  # new, empty, ours alone
     try:
         write_model_dir(tmp, lm, weights, compute_dtype)
         if tokenizer_dir is not None:
@@ -128,12 +151,15 @@ def save_checkpoint(
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
         (tmp / STATE_FILE).write_text(state.to_json())
         if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            target.rename(old)
-            tmp.rename(target)
+            check_replaceable(target, state.run_id)  # again: it may have changed while the weights were written
+            # rename() replaces an empty directory only, so the old checkpoint moves aside onto a fresh empty
+            # name first; at every instant one complete checkpoint is on disk.
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.rename(target, old)
+            os.rename(tmp, target)
             shutil.rmtree(old)
         else:
-            tmp.rename(target)
+            os.rename(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kernels.attention.registry import AttentionPolicy
+from services.common.path_roots import DEFAULT_ROOTS, RootList
 from services.trainer.lr_schedule import LRSchedule
 from services.trainer.mismatch_correction import MismatchCorrection
 from services.trainer.parity_gate import ParityThresholds
@@ -67,6 +68,22 @@ class TrainerServiceConfig(BaseModel):
     )
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled."
+    )
+    auth_token_file: str = Field(
+        "",
+        description="File holding the deployment's shared bearer token, required on every call. Empty: "
+        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
+        "(`python -m services.common.auth FILE` writes a token).",
+    )
+    model_roots: RootList = Field(
+        default_factory=lambda: list(DEFAULT_ROOTS),
+        description="Comma-separated directories ConfigureRun's model_path must resolve inside (INVALID_ARGUMENT "
+        "otherwise). '/' is not accepted. Default: runs (relative to the working directory).",
+    )
+    checkpoint_roots: RootList = Field(
+        default_factory=lambda: list(DEFAULT_ROOTS),
+        description="Comma-separated directories checkpoints are written to and read from (SaveCheckpoint, "
+        "LoadCheckpoint, ConfigureRun's resume_checkpoint); INVALID_ARGUMENT for any other. Default: runs.",
     )
 
 

@@ -7,7 +7,9 @@ the worker thread: when a client goes away mid-step the handler is cancelled
 but the thread finishes its update still holding the lock, so a retried
 TrainStep waits for it and then sees a replay instead of training twice.
 Status codes:
-- InvalidRequest (malformed request)        -> INVALID_ARGUMENT
+- no or a wrong bearer token (any method)   -> UNAUTHENTICATED (services.common.auth's interceptor)
+- InvalidRequest (malformed request, or a
+  path outside model_roots/checkpoint_roots) -> INVALID_ARGUMENT
 - FailedPrecondition (state does not allow) -> FAILED_PRECONDITION
 - StepFailed (update not applied)           -> ABORTED
 - anything else                             -> INTERNAL (logged with traceback)
@@ -20,7 +22,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import grpc
@@ -28,11 +30,14 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.auth import BearerToken, BearerTokenInterceptor
 from services.common.grpc_options import grpc_options
 from services.common.health_service import add_health_service
 from services.common.metric_defs import TRAINER_METRICS, build_collectors
+from services.common.path_roots import OutsideRoots, resolve_inside
 from services.common.structured_logging import log_event
 from services.common.weight_stream import iter_weight_chunks
+from services.trainer.checkpoint import ForeignDirectory
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
@@ -48,6 +53,7 @@ _STATUS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (StepFailed, grpc.StatusCode.ABORTED),
+    (ForeignDirectory, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 
@@ -76,11 +82,21 @@ def package_version() -> str:
         return "0+unknown"
 
 
+def confined(value: str, roots: Sequence[str], field: str) -> str:
+    """`value` resolved inside `roots`; InvalidRequest naming `field` otherwise (checked before any file access)."""
+    try:
+        return str(resolve_inside(value, roots, field))
+    except OutsideRoots as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
 class TrainerServicer(pb_grpc.TrainerServicer):
-    def __init__(self, trainer: Trainer, collectors: dict[str, object], *, weight_chunk_bytes: int) -> None:
+    def __init__(self, trainer: Trainer, collectors: dict[str, object], *, weight_chunk_bytes: int,
+                 model_roots: Sequence[str], checkpoint_roots: Sequence[str]) -> None:
         self.trainer = trainer
         self.metrics = collectors
         self.weight_chunk_bytes = weight_chunk_bytes
+        self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
         self.lock = threading.Lock()
 
     async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Callable[[], Awaitable[T]]) -> T:
@@ -112,9 +128,12 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
     async def ConfigureRun(self, request: pb.ConfigureRunRequest, context) -> pb.ConfigureRunResponse:
         async def work() -> pb.ConfigureRunResponse:
+            model_path = confined(request.model_path, self.model_roots, "model_path")
+            resume = request.resume_checkpoint and confined(request.resume_checkpoint, self.checkpoint_roots,
+                                                            "resume_checkpoint")
             run = await self._locked(lambda: self.trainer.configure(
-                run_id=request.run_id, model_path=request.model_path, seed=request.seed,
-                config_json=request.trainer_config_json, resume_checkpoint=request.resume_checkpoint,
+                run_id=request.run_id, model_path=model_path, seed=request.seed,
+                config_json=request.trainer_config_json, resume_checkpoint=resume,
             ))
             self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(run.policy_version)
             return pb.ConfigureRunResponse(info=self._service_info())
@@ -182,14 +201,16 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
         async def work() -> pb.SaveCheckpointResponse:
-            path, version = await self._locked(self.trainer.save_checkpoint, request.run_id, request.directory)
+            directory = confined(request.directory, self.checkpoint_roots, "directory")
+            path, version = await self._locked(self.trainer.save_checkpoint, request.run_id, directory)
             return pb.SaveCheckpointResponse(directory=str(path), policy_version=version)
 
         return await self._guard(context, "SaveCheckpoint", work)
 
     async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context) -> pb.LoadCheckpointResponse:
         async def work() -> pb.LoadCheckpointResponse:
-            version = await self._locked(self.trainer.load_checkpoint, request.run_id, request.directory)
+            directory = confined(request.directory, self.checkpoint_roots, "directory")
+            version = await self._locked(self.trainer.load_checkpoint, request.run_id, directory)
             self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(version)
             return pb.LoadCheckpointResponse(policy_version=version)
 
@@ -211,13 +232,15 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 class TrainerServer:
     """Build -> start -> wait -> close. Owns the gRPC server, the metrics server and the trainer."""
 
-    def __init__(self, config: TrainerServiceConfig) -> None:
+    def __init__(self, config: TrainerServiceConfig, token: BearerToken) -> None:
         self.config = config
+        self.token = token
         import_attention_plugins(config.attention_plugins)
         self.registry = CollectorRegistry()
         collectors = build_collectors(TRAINER_METRICS, self.registry)
         self.trainer = build_trainer(config)
-        self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes)
+        self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes,
+                                        model_roots=config.model_roots, checkpoint_roots=config.checkpoint_roots)
         self.grpc_server: grpc.aio.Server | None = None
         self.grpc_port: int | None = None
         self.health = None  # grpc.health.v1 servicer, added in start() (it needs the event loop)
@@ -226,7 +249,7 @@ class TrainerServer:
 
     async def start(self) -> None:
         cfg = self.config
-        server = grpc.aio.server(options=grpc_options())
+        server = grpc.aio.server(options=grpc_options(), interceptors=[BearerTokenInterceptor(self.token)])
         pb_grpc.add_TrainerServicer_to_server(self.servicer, server)
         self.health = await add_health_service(server, SERVICE)
         self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
@@ -267,9 +290,9 @@ def build_trainer(config: TrainerServiceConfig) -> Trainer | GroupTrainer:
                                   log_level=config.log_level, attention_plugins=tuple(config.attention_plugins)))
 
 
-async def serve(config: TrainerServiceConfig) -> None:
+async def serve(config: TrainerServiceConfig, token: BearerToken) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get `shutdown_grace_s`)."""
-    server = TrainerServer(config)
+    server = TrainerServer(config, token)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, server.request_stop)

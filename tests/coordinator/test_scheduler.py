@@ -42,7 +42,7 @@ def test_a_redis_error_inside_the_failure_handler_does_not_end_the_scheduler(tmp
 
     async def go() -> None:
         with EmbeddedRedis(tmp_path / "redis") as redis:
-            store = RunStore(redis.url, prefix="sched:", retries=0)
+            store = RunStore(redis.url, prefix="sched:", password=redis.password, retries=0)
             bad = await store.create_run("bad", spec, 1)
             # The run's event list holds a string: recording the failure (RPUSH inside the status
             # script) answers WRONGTYPE -- a Redis error raised from the scheduler's failure handler.
@@ -87,7 +87,7 @@ def test_a_redis_outage_inside_a_run_leaves_it_running_to_be_resumed(tmp_path):
 
     async def go() -> None:
         redis = EmbeddedRedis(tmp_path / "redis").start()
-        store = RunStore(redis.url, prefix="out:", retries=0)
+        store = RunStore(redis.url, prefix="out:", password=redis.password, retries=0)
         run = await store.create_run("r", spec, 1)
         attempts = []
         outage = asyncio.Event()

@@ -2,28 +2,30 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
+import redis
 
-from services.coordinator.embedded_redis import EmbeddedRedis
+from services.coordinator.embedded_redis import DISABLED_COMMANDS, EmbeddedRedis
 from services.coordinator.prompts import step_problems
 from services.coordinator.store import RunStore, StoreError
 from services.coordinator.tasks import build_task
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
+def server(tmp_path_factory):
     with EmbeddedRedis(tmp_path_factory.mktemp("redis")) as r:
-        yield r.url
+        yield r
 
 
 def run(coro):
     return asyncio.run(coro)
 
 
-def test_record_step_exactly_once_in_order(redis_url):
+def test_record_step_exactly_once_in_order(server):
     async def go():
-        store = RunStore(redis_url, prefix="t1:")
+        store = RunStore(server.url, prefix="t1:", password=server.password)
         r = await store.create_run("a", "{}", steps=3)
         assert r.status == "pending" and r.step == 0
         assert await store.record_step(r.id, 1, {"x": 1.5}, {"total": 0.1})
@@ -39,9 +41,9 @@ def test_record_step_exactly_once_in_order(redis_url):
     run(go())
 
 
-def test_status_events_and_lease(redis_url):
+def test_status_events_and_lease(server):
     async def go():
-        store = RunStore(redis_url, prefix="t2:")
+        store = RunStore(server.url, prefix="t2:", password=server.password)
         r = await store.create_run("b", "{}", steps=1)
         assert await store.set_status(r.id, "running")
         assert await store.set_status(r.id, "failed", error="boom")
@@ -67,23 +69,23 @@ def test_status_events_and_lease(redis_url):
 def test_appendonly_survives_server_restart(tmp_path):
     data = tmp_path / "redis"
 
-    async def write(url):
-        store = RunStore(url, prefix="t3:")
+    async def write(url, password):
+        store = RunStore(url, prefix="t3:", password=password)
         r = await store.create_run("c", "{}", steps=2)
         await store.record_step(r.id, 1, {"v": 0.25}, {})
         await store.close()
         return r.id
 
-    async def read(url, run_id):
-        store = RunStore(url, prefix="t3:")
+    async def read(url, password, run_id):
+        store = RunStore(url, prefix="t3:", password=password)
         out = await store.metrics(run_id)
         await store.close()
         return out
 
     with EmbeddedRedis(data) as r:
-        run_id = run(write(r.url))
-    with EmbeddedRedis(data) as r:
-        assert [s["metrics"]["v"] for s in run(read(r.url, run_id))] == [0.25]
+        run_id = run(write(r.url, r.password))
+    with EmbeddedRedis(data) as r:  # a new password each start; the data is the same
+        assert [s["metrics"]["v"] for s in run(read(r.url, r.password, run_id))] == [0.25]
 
 
 def test_prompt_batches_are_a_function_of_seed_and_step():
@@ -93,3 +95,24 @@ def test_prompt_batches_are_a_function_of_seed_and_step():
     assert a != step_problems(train, seed=1, step=4, count=8)
     assert a != step_problems(train, seed=2, step=3, count=8)
     assert len({p.problem_id for p in a}) == 8
+
+
+def test_embedded_redis_refuses_clients_without_the_password_and_dangerous_commands(server, tmp_path):
+    anonymous = redis.Redis(port=server.port, protocol=2)  # RESP2: no HELLO, the plain NOAUTH path
+    with pytest.raises(redis.AuthenticationError):
+        anonymous.set("k", "v")
+    wrong = redis.Redis(port=server.port, password="not-" + server.password)
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
+    client = redis.Redis(port=server.port, password=server.password)
+    assert client.ping() and client.set("k", "v")
+    # CONFIG SET dir + SAVE would write a file wherever the coordinator's user can: both are gone.
+    with pytest.raises(redis.ResponseError, match="unknown command"):
+        client.execute_command("CONFIG", "SET", "dir", str(tmp_path))
+    for command in DISABLED_COMMANDS:
+        with pytest.raises(redis.ResponseError, match="unknown command"):
+            client.execute_command(command, "HELP")
+    assert not list(tmp_path.iterdir())
+    assert client.get("k") == b"v"  # the server keeps serving
+    # The password never reaches the command line, which every user of the host can read.
+    assert server.password not in Path(f"/proc/{server.pid}/cmdline").read_text()

@@ -250,10 +250,44 @@ def test_sglang_weight_sync_directory_is_on_the_runs_volume(svc):
 
 def test_redis_keeps_an_append_only_file_on_a_volume(svc):
     r = svc["redis"]
-    cmd = r["command"]
-    assert cmd[cmd.index("--appendonly") + 1] == "yes"
+    script = r["command"][-1]
+    assert r["command"][:2] == ["sh", "-c"] and "redis-server - --appendonly yes" in script
     assert _mounts(r)["/data"] == "redis-data"
     assert "redis-data" in load(COMPOSE)["volumes"]
+
+
+def test_redis_requires_the_secret_password_and_has_no_dangerous_commands(svc):
+    from services.coordinator.embedded_redis import DISABLED_COMMANDS
+
+    r, c = svc["redis"], svc["coordinator"]
+    script = r["command"][-1]
+    assert r["secrets"] == ["redis_password"]
+    # The password is read from the secret into the configuration on stdin, never put on a command line.
+    assert "printf 'requirepass %s\\n' \"$$(cat /run/secrets/redis_password)\"" in script
+    assert "--requirepass" not in script
+    renamed = re.search(r"for c in ([A-Z ]+); do", script).group(1).split()
+    assert sorted(renamed) == sorted(DISABLED_COMMANDS)  # the same lock-down as the embedded Redis
+    assert "redis_password" in r["healthcheck"]["test"][-1]  # an unauthenticated ping would fail
+    cfg = service_config("coordinator", c)
+    assert cfg.redis_password_file == "/run/secrets/redis_password" and "redis_password" in c["secrets"]
+
+
+def test_every_lockstep_service_reads_the_auth_token_secret(svc):
+    secrets = load(COMPOSE)["secrets"]
+    assert secrets["lockstep_auth_token"]["file"].endswith("/auth_token")
+    assert secrets["redis_password"]["file"].endswith("/redis_password")
+    for name in LOCKSTEP:
+        s = svc[name]
+        assert "lockstep_auth_token" in s["secrets"], name
+        assert env_of(s)["LOCKSTEP_AUTH_TOKEN_FILE"] == "/run/secrets/lockstep_auth_token", name
+
+
+def test_services_accept_paths_only_under_the_mounted_volumes(svc):
+    c, r, t = (service_config(n, svc[n]) for n in ("coordinator", "rollout", "trainer"))
+    mounts = set(_mounts(svc["trainer"]))
+    for roots in (c.model_roots, c.data_roots, r.model_roots, t.model_roots, t.checkpoint_roots):
+        assert roots and set(roots) <= mounts, roots
+    assert t.checkpoint_roots == ["/runs"]  # written there: never the read-only models volume
 
 
 # ------------------------------------------------------------ NVIDIA nodes --

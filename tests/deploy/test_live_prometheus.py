@@ -13,6 +13,7 @@ rule files) pointed at the local ports and scraping every second. Checks:
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -25,7 +26,6 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.cli.client import CoordinatorClient
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack, free_port
 from tests.conftest import REPO_ROOT, require
@@ -88,7 +88,7 @@ def live_config(stack: LocalStack, sglang_port: int) -> dict:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 
@@ -145,7 +145,7 @@ def wait_for(prom: str, expr: str, timeout_s: float = 30.0) -> list[dict]:
 @pytest.fixture(scope="module")
 def finished_run(stack, prometheus, tmp_path_factory):
     model_dir = build_model_dir(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-    client = CoordinatorClient(stack.api_url)
+    client = stack.client()
     try:
         run = client.submit(spec(model_dir))
         done = client.wait(run["id"], timeout_s=300)
@@ -194,9 +194,11 @@ def test_a_healthy_run_trips_no_mismatch_or_service_alert(prometheus, finished_r
 
 
 def test_healthcheck_script_against_live_and_dead_services(stack):
-    def check(*args: str) -> int:
+    def check(*args: str, env: dict[str, str] | None = None) -> int:
+        # The container's environment: the deployment's token in $LOCKSTEP_AUTH_TOKEN_FILE.
+        env = {**os.environ, "LOCKSTEP_AUTH_TOKEN_FILE": str(stack.token_file)} if env is None else env
         return subprocess.run([sys.executable, str(HEALTHCHECK), *args], capture_output=True, text=True,
-                              timeout=30).returncode
+                              timeout=30, env=env).returncode
 
     assert check("grpc", "rollout", f"127.0.0.1:{stack.rollout_ports[0]}") == 0
     assert check("grpc", "trainer", f"127.0.0.1:{stack.trainer_port}") == 0

@@ -14,8 +14,8 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.cli.client import CoordinatorClient
-from services.common.grpc_options import grpc_options
+from services.common.auth import TOKEN_ENV, BearerToken, generate_token
+from services.common.grpc_options import sync_channel
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack, free_port
 from services.trainer.worker_group import WORKER_LOST_EXIT
@@ -32,12 +32,12 @@ def _spec(model: Path, name: str) -> dict:
 
 
 def _run(tmp: Path, model: Path, env: dict, name: str) -> tuple[list[dict], dict]:
-    with LocalStack(tmp, extra_env=env) as stack:
-        client = CoordinatorClient(stack.api_url)
+    with LocalStack(tmp, extra_env=env, path_roots=[model.parent]) as stack:
+        client = stack.client()
         try:
             run = client.submit(_spec(model, name))
             assert client.wait(run["id"], timeout_s=300)["status"] == "completed"
-            with grpc.insecure_channel(f"127.0.0.1:{stack.trainer_port}", options=grpc_options()) as ch:
+            with sync_channel(f"127.0.0.1:{stack.trainer_port}", stack.token) as ch:
                 info = pb_grpc.TrainerStub(ch).Info(pb.InfoRequest(), timeout=10)
             return [s["metrics"] for s in client.metrics(run["id"])["steps"]], dict(info.details)
         finally:
@@ -59,15 +59,17 @@ def test_two_rank_trainer_serves_runs_reproducibly(tmp_path):
 
 def test_a_dead_rank_takes_the_trainer_service_down(tmp_path):
     port = free_port()
+    token = BearerToken(generate_token())
     proc = subprocess.Popen([sys.executable, "-m", "services.trainer", "--grpc-port", str(port), "--metrics-port", "0",
                              "--data-parallel", "2", "--num-threads", "1"], cwd=REPO,
+                            env={**os.environ, TOKEN_ENV: token.secret},
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "wb"))
     try:
         deadline = time.monotonic() + 120
         while True:
             assert proc.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
             try:
-                with grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options()) as ch:
+                with sync_channel(f"127.0.0.1:{port}", token) as ch:
                     pb_grpc.TrainerStub(ch).Health(pb.HealthRequest(), timeout=2)
                 break
             except grpc.RpcError:

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.client import CoordinatorClient
 from services.common.step_record import read_step_record
 from services.local_stack import LocalStack
 
@@ -25,8 +24,8 @@ def test_only_informative_groups_are_trained_and_every_trajectory_is_counted(tmp
                            "--threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert prep.returncode == 0, prep.stderr[-3000:]
     assert 0.05 < json.loads(prep.stdout.strip().splitlines()[-1])["heldout_accuracy"] < 0.95
-    with LocalStack(tmp_path / "stack") as stack:
-        client = CoordinatorClient(stack.api_url)
+    with LocalStack(tmp_path / "stack", path_roots=[tmp_path]) as stack:
+        client = stack.client()
         try:
             run = client.submit({
                 "name": "dapo", "model_path": str(model), "seed": 1, "steps": STEPS,

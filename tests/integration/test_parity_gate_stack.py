@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.client import CoordinatorClient
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.local_stack import LocalStack
 from tests.support.boundary_blind_attention import NAME as BLIND
@@ -29,8 +28,8 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     env = {"LOCKSTEP_TRAINER_ATTENTION_PLUGINS": "tests.support.boundary_blind_plugin"}
-    with LocalStack(tmp_path_factory.mktemp("stack"), extra_env=env) as stack:
-        c = CoordinatorClient(stack.api_url)
+    with LocalStack(tmp_path_factory.mktemp("stack"), extra_env=env, path_roots=[tmp_path_factory.getbasetemp()]) as stack:
+        c = stack.client()
         yield c
         c.close()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.client import CoordinatorClient
+from services.common.auth import read_token_file
 from services.common.ports import free_port_run
 from services.common.tiny_model import build_model_dir
 from tests.conftest import require
@@ -50,6 +51,7 @@ def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops
     ports = free_port_run(7, "")  # every interface: the services bind the node address
     cmd = [sys.executable, "-m", "services.ray_stack", "--ray-address", cluster.address,
            "--rollout-replicas", "2", "--placement-strategy", "SPREAD", "--data-dir", str(tmp_path / "data"),
+           "--path-roots", str(model),
            "--coordinator-port", str(ports), "--trainer-port", str(ports + 1),
            "--trainer-metrics-port", str(ports + 2), "--rollout-port-base", str(ports + 3),
            "--rollout-metrics-port-base", str(ports + 5), "--restart-delay-s", "0.5", "--ready-timeout-s", "240"]
@@ -66,7 +68,8 @@ def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops
         assert ready["rollouts"] == [services["rollout-0"]["address"], services["rollout-1"]["address"]]
         assert all(s["alive"] and s["restarts"] == 0 for s in services.values()), services
 
-        client = CoordinatorClient(ready["api_url"])
+        assert ready["token_file"] == str(tmp_path / "data" / "auth_token")
+        client = CoordinatorClient(ready["api_url"], token=read_token_file(ready["token_file"]))
         try:
             run = client.submit({
                 "name": "on-ray", "model_path": str(model), "seed": 5, "steps": 6,

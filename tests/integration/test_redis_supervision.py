@@ -77,8 +77,8 @@ def _assert_every_step_once(client: CoordinatorClient, stack: LocalStack, run_id
 
 def test_embedded_redis_killed_mid_run_is_restarted_and_the_run_completes(tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    with LocalStack(tmp_path / "stack") as stack:
-        client = CoordinatorClient(stack.api_url)
+    with LocalStack(tmp_path / "stack", path_roots=[tmp_path]) as stack:
+        client = stack.client(timeout_s=120)
         try:
             run = client.submit(_spec(model, "redis-killed"))
             _wait_step(client, run["id"], 2)
@@ -100,19 +100,22 @@ def test_external_redis_down_answers_503_and_the_run_completes_once_it_is_back(t
     model = build_model_dir(tmp_path / "model", seed=3)
     redis = EmbeddedRedis(tmp_path / "external-redis", port=free_port()).start()  # stands in for compose's Redis
     try:
-        with LocalStack(tmp_path / "stack", redis_url=redis.url) as stack:
-            client = CoordinatorClient(stack.api_url, timeout_s=120)
+        with LocalStack(tmp_path / "stack", redis_url=redis.url, redis_password=redis.password,
+                        path_roots=[tmp_path]) as stack:
+            client = stack.client(timeout_s=120)
             try:
                 run = client.submit(_spec(model, "redis-restarted"))
                 _wait_step(client, run["id"], 2)
                 killed_at = client.run(run["id"])["step"]
                 os.kill(redis.pid, signal.SIGKILL)
                 redis.stop()  # reaps it
+                auth = {"Authorization": stack.token.header}
 
-                r = httpx.get(f"{stack.api_url}/v1/runs/{run['id']}", timeout=120)
+                r = httpx.get(f"{stack.api_url}/v1/runs/{run['id']}", headers=auth, timeout=120)
                 assert r.status_code == 503, r.text
                 assert r.json()["error"] == "run store unavailable" and r.headers["retry-after"]
-                submit = httpx.post(f"{stack.api_url}/v1/runs", json=_spec(model, "during-outage"), timeout=120)
+                submit = httpx.post(f"{stack.api_url}/v1/runs", json=_spec(model, "during-outage"), headers=auth,
+                                    timeout=120)
                 assert submit.status_code == 503, submit.text
                 # The scheduler meets the outage, survives it, and says so on /readyz.
                 deadline = time.monotonic() + 240

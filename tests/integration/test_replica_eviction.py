@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.cli.client import CoordinatorClient
-from services.common.grpc_options import grpc_options
+from services.common.auth import BearerToken
+from services.common.grpc_options import sync_channel
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
@@ -26,15 +26,15 @@ def _wait_step(client: CoordinatorClient, run_id: str, step: int, timeout_s: flo
         time.sleep(0.1)
 
 
-def _info(port: int) -> pb.ServiceInfo:
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options()) as ch:
+def _info(port: int, token: BearerToken) -> pb.ServiceInfo:
+    with sync_channel(f"127.0.0.1:{port}", token) as ch:
         return pb_grpc.RolloutStub(ch).Info(pb.InfoRequest(), timeout=10)
 
 
 def test_dead_replica_is_evicted_and_readmitted_after_restart(tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    with LocalStack(tmp_path / "stack", rollout_replicas=2) as stack:
-        client = CoordinatorClient(stack.api_url)
+    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[tmp_path]) as stack:
+        client = stack.client()
         try:
             run = client.submit({
                 "name": "evict", "model_path": str(model), "seed": 5, "steps": STEPS,
@@ -56,7 +56,7 @@ def test_dead_replica_is_evicted_and_readmitted_after_restart(tmp_path):
             back_at = readmitted[0]["step"]
             # Back in service: it is synced after every later step like any live replica.
             _wait_step(client, run["id"], back_at + 2)
-            info = _info(stack.rollout_ports[1])
+            info = _info(stack.rollout_ports[1], stack.token)
             assert info.run_id == run["id"] and info.policy_version >= back_at + 1, info
             client.cancel(run["id"])  # the run has shown what it had to; no need to finish all its steps
             done = client.wait(run["id"], timeout_s=120)

@@ -12,7 +12,7 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc_options import grpc_options
+from services.common.grpc_options import sync_channel
 from services.common.models import load_tokenizer
 from services.common.tiny_model import build_model_dir
 from services.coordinator.clients import RolloutClient, TrainerClient
@@ -27,9 +27,9 @@ from services.local_stack import LocalStack, ServiceProcess
 pytestmark = pytest.mark.slow
 
 
-def _wait_serving(port: int, process: ServiceProcess, timeout_s: float = 120) -> None:
+def _wait_serving(port: int, process: ServiceProcess, token, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options()) as channel:
+    with sync_channel(f"127.0.0.1:{port}", token) as channel:
         while True:
             assert process.alive(), process.tail()
             try:
@@ -43,26 +43,26 @@ def _wait_serving(port: int, process: ServiceProcess, timeout_s: float = 120) ->
 def _restart(stack: LocalStack) -> None:
     stack.rollouts[0].kill()
     stack.rollouts[0].start()  # same port, no model loaded
-    _wait_serving(stack.rollout_ports[0], stack.rollouts[0])
+    _wait_serving(stack.rollout_ports[0], stack.rollouts[0], stack.token)
 
 
 def test_restarted_replica_is_reloaded_on_generate_and_on_weight_sync(tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    stack = LocalStack(tmp_path / "stack", rollout_replicas=1)
+    stack = LocalStack(tmp_path / "stack", rollout_replicas=1, path_roots=[tmp_path])
     for p in (stack.trainer, stack.rollouts[0]):
         p.start()
     try:
-        _wait_serving(stack.rollout_ports[0], stack.rollouts[0])
+        _wait_serving(stack.rollout_ports[0], stack.rollouts[0], stack.token)
         spec = RunSpec(name="reload", model_path=str(model), seed=5, steps=2, task={"name": "arithmetic"},
                        rollout={"prompts_per_step": 2, "samples_per_prompt": 2, "sampling": {"max_new_tokens": 4}})
 
         async def go() -> None:
             with EmbeddedRedis(tmp_path / "redis") as redis:
-                store = RunStore(redis.url)
+                store = RunStore(redis.url, password=redis.password)
                 run = await store.create_run(spec.name, spec.model_dump_json(), spec.steps)
                 await store.set_status(run.id, "running")
-                rollout = RolloutClient(f"127.0.0.1:{stack.rollout_ports[0]}", 60)
-                trainer = TrainerClient(f"127.0.0.1:{stack.trainer_port}", 60)
+                rollout = RolloutClient(f"127.0.0.1:{stack.rollout_ports[0]}", 60, stack.token)
+                trainer = TrainerClient(f"127.0.0.1:{stack.trainer_port}", 60, stack.token)
                 driver = RunDriver(run.id, spec, store, [rollout], trainer, CoordinatorExporter(),
                                    tmp_path / "run", 3, load_tokenizer, replica_recovery_timeout_s=60)
                 try:

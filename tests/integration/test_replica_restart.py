@@ -16,8 +16,8 @@ STEPS, PROMPTS, SAMPLES = 12, 4, 2
 
 def test_single_replica_killed_and_restarted_is_reloaded_and_the_run_completes(tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    with LocalStack(tmp_path / "stack", rollout_replicas=1) as stack:
-        client = CoordinatorClient(stack.api_url)
+    with LocalStack(tmp_path / "stack", rollout_replicas=1, path_roots=[tmp_path]) as stack:
+        client = stack.client(timeout_s=120)
         try:
             run = client.submit({
                 "name": "replica-restart", "model_path": str(model), "seed": 5, "steps": STEPS,

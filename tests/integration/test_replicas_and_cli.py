@@ -5,13 +5,12 @@ import json
 import subprocess
 import sys
 
-import grpc
 import pytest
 import yaml
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc_options import grpc_options
+from services.common.grpc_options import sync_channel
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
@@ -20,12 +19,13 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack2"), rollout_replicas=2) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack2"), rollout_replicas=2, path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 
 def cli(stack, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "--url", stack.api_url, *args],
+    return subprocess.run([sys.executable, "-m", "services.cli", "--url", stack.api_url,
+                           "--token-file", str(stack.token_file), *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -51,7 +51,7 @@ def test_cli_run_on_two_replicas_syncs_weights_to_both(stack, tmp_path):
     for s in metrics["steps"]:
         assert s["metrics"]["trajectories_trained"] == 10 and abs(s["metrics"]["iw_mean"] - 1) <= 1e-4
     for port in stack.rollout_ports:
-        with grpc.insecure_channel(f"127.0.0.1:{port}", options=grpc_options()) as ch:
+        with sync_channel(f"127.0.0.1:{port}", stack.token) as ch:
             info = pb_grpc.RolloutStub(ch).Info(pb.InfoRequest(), timeout=10)
         assert (info.run_id, info.policy_version) == (run_id, 2)
 

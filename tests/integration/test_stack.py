@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.client import ApiError, CoordinatorClient
+from services.cli.client import ApiError
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
@@ -28,13 +28,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 
 @pytest.fixture
 def client(stack):
-    c = CoordinatorClient(stack.api_url)
+    c = stack.client()
     yield c
     c.close()
 
@@ -108,6 +108,39 @@ def test_invalid_spec_is_422_naming_the_field_and_stores_nothing(client, model_d
     assert len(client.runs()) == before
 
 
+def _refusal(client, body: dict) -> list[dict]:
+    with pytest.raises(ApiError) as err:
+        client.submit(body)
+    assert err.value.status == 422, err.value.body
+    return err.value.body["fields"]
+
+
+def test_paths_outside_the_roots_and_service_options_are_422_naming_the_field(client, model_dir, tmp_path):
+    before = len(client.runs())
+    escape = str(model_dir) + "/.." * 40 + "/etc"
+    link = tmp_path / "link-to-usr"  # inside the roots, pointing out of them
+    link.symlink_to("/usr")
+    for model_path in ("/etc", escape, str(link)):
+        fields = _refusal(client, spec(model_dir, model_path=model_path))
+        assert [f["field"] for f in fields] == ["model_path"], fields
+        assert "outside the allowed roots" in fields[0]["reason"], fields
+    # A dataset that exists and one that does not are refused alike: no oracle for files outside the roots.
+    reasons = []
+    for path in ("/etc/shadow", "/nonexistent/problems.jsonl"):
+        fields = _refusal(client, spec(model_dir, task={"name": "math", "options": {"path": path}}))
+        assert [f["field"] for f in fields] == ["task"], fields
+        assert "options.path" in fields[0]["reason"] and "outside the allowed roots" in fields[0]["reason"]
+        reasons.append(fields[0]["reason"].replace(path, "<path>"))
+    assert reasons[0] == reasons[1]
+    # The SGLang interpreter (and the directories it writes) belong to the rollout service's configuration.
+    for option, value in (("python", "/bin/sh"), ("weights_dir", "/etc/x"), ("extra_args", ["--help"])):
+        fields = _refusal(client, spec(model_dir, rollout={"engine": "sglang", "engine_options": {option: value},
+                                                           "prompts_per_step": 2, "samples_per_prompt": 2}))
+        assert [f["field"] for f in fields] == ["rollout.engine_options"], fields
+        assert fields[0]["reason"].removeprefix("Value error, ").startswith(f"{option}: set by the rollout service")
+    assert len(client.runs()) == before
+
+
 def test_unknown_run_is_404(client):
     for call in (client.run, client.metrics, client.cancel):
         with pytest.raises(ApiError) as err:
@@ -124,7 +157,7 @@ def test_coordinator_sigkill_resumes_with_every_step_once(client, model_dir, sta
     stack.coordinator.proc.send_signal(signal.SIGKILL)
     stack.coordinator.proc.wait()
     stack.restart_coordinator()
-    fresh = CoordinatorClient(stack.api_url)
+    fresh = stack.client()
     try:
         done = fresh.wait(run["id"], timeout_s=300)
         assert done["status"] == "completed", done
@@ -145,7 +178,7 @@ def test_crash_between_train_and_record_replays_the_step(client, model_dir, stac
     stack.coordinator.stop()
     stack.coordinator.args = args + ["--crash-after-train-step", "2"]
     stack.restart_coordinator()
-    c = CoordinatorClient(stack.api_url)
+    c = stack.client()
     try:
         run = c.submit(spec(model_dir, name="replay", steps=3))
         stack.coordinator.proc.wait(timeout=300)
@@ -154,7 +187,7 @@ def test_crash_between_train_and_record_replays_the_step(client, model_dir, stac
         c.close()
     stack.coordinator.args = args
     stack.restart_coordinator()
-    fresh = CoordinatorClient(stack.api_url)
+    fresh = stack.client()
     try:
         assert fresh.wait(run["id"], timeout_s=300)["status"] == "completed"
         steps = fresh.metrics(run["id"])["steps"]

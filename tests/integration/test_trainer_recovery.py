@@ -9,7 +9,6 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from services.cli.client import CoordinatorClient
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
@@ -33,8 +32,8 @@ def _final_weights(stack: LocalStack, run_id: str) -> dict:
 
 def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_if_never_lost(tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    with LocalStack(tmp_path / "stack") as stack:
-        client = CoordinatorClient(stack.api_url)
+    with LocalStack(tmp_path / "stack", path_roots=[tmp_path]) as stack:
+        client = stack.client()
         try:
             clean = client.submit(_spec(model, "clean"))
             assert client.wait(clean["id"], timeout_s=300)["status"] == "completed"
@@ -88,8 +87,8 @@ def test_trainer_that_never_comes_back_fails_the_run_after_the_recovery_timeout_
     model = build_model_dir(tmp_path / "model", seed=3)
     timeout_s = 3
     env = {"LOCKSTEP_COORDINATOR_TRAINER_RECOVERY_TIMEOUT_S": str(timeout_s)}
-    with LocalStack(tmp_path / "stack", extra_env=env) as stack:
-        client = CoordinatorClient(stack.api_url)
+    with LocalStack(tmp_path / "stack", extra_env=env, path_roots=[tmp_path]) as stack:
+        client = stack.client()
         try:
             run = client.submit(_spec(model, "trainer-gone") | {"steps": 1000})
             deadline = time.monotonic() + 300

@@ -30,7 +30,7 @@ class RecordingEngine(Engine):
         self._version = 0
 
     @classmethod
-    def from_config_json(cls, text: str) -> "RecordingEngine":
+    def from_config_json(cls, text: str, service=None) -> "RecordingEngine":
         return cls()
 
     def load(self, model_path: str, policy_version: int) -> None:

@@ -6,6 +6,7 @@ weight streams (which bump the policy version), then SIGTERM.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -25,7 +26,8 @@ from kernels.logprob import token_logprobs
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc_options import grpc_options
+from services.common.auth import TOKEN_ENV, BearerToken, generate_token
+from services.common.grpc_options import sync_channel
 from services.common.models import load_causal_lm
 from services.common.tensors import from_proto, ids_to_proto
 from services.common.weight_stream import iter_weight_chunks
@@ -34,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN = "run-test"
 PROMPTS = [[3], [1, 2, 3, 4, 5, 6, 7], [9, 30, 2]]
 TEMPERATURE = 0.8
+TOKEN = BearerToken(generate_token())
 
 
 def build_tiny_qwen3(path: Path) -> Path:
@@ -56,16 +59,17 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, repo_root: Path) -> None:
+    def __init__(self, tmp: Path, repo_root: Path, model_roots: Path) -> None:
         self.grpc_port, self.metrics_port = free_port(), free_port()
         self.log_path = tmp / "rollout.log"
-        env = {**os.environ, "PYTHONPATH": str(repo_root), "LOCKSTEP_ROLLOUT_LOG_LEVEL": "info"}
+        env = {**os.environ, "PYTHONPATH": str(repo_root), "LOCKSTEP_ROLLOUT_LOG_LEVEL": "info",
+               "LOCKSTEP_ROLLOUT_MODEL_ROOTS": str(model_roots), TOKEN_ENV: TOKEN.secret}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.rollout", "--host", "127.0.0.1",
              "--grpc-port", str(self.grpc_port), "--metrics-port", str(self.metrics_port)],
             cwd=repo_root, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
         )
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}", options=grpc_options())
+        self.channel = sync_channel(f"127.0.0.1:{self.grpc_port}", TOKEN)
         self.stub = pb_grpc.RolloutStub(self.channel)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
@@ -97,7 +101,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, request):
-    s = Server(tmp_path_factory.mktemp("rollout"), REPO_ROOT)
+    s = Server(tmp_path_factory.mktemp("rollout"), REPO_ROOT, tmp_path_factory.getbasetemp())
     try:
         request.getfixturevalue("model_dir")  # built while the server process imports torch
         s.wait_ready()
@@ -171,6 +175,14 @@ def test_unloaded_server_refuses_and_keeps_serving(server, model_dir):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "engine_config.dtyp" in msg
     code, msg = code_of(lambda: load("{}", path=str(model_dir / "nope")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "model_path" in msg
+    # Outside the service's model_roots: refused before the path is looked at, existing or not.
+    for outside in ("/usr", "/nonexistent/model", str(model_dir) + "/.." * 40 + "/usr"):
+        code, msg = code_of(lambda: load("{}", path=outside))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("model_path: ") and "outside the allowed roots" in msg
+    # What SGLang executes and where it writes are the service's configuration, not a request's.
+    for option, value in (("python", "/bin/sh"), ("weights_dir", "/etc/lockstep"), ("url", "http://attacker:1")):
+        code, msg = code_of(lambda: load(json.dumps({"engine": "sglang", option: value})))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"{option}: set by the rollout service" in msg, msg
     assert server.stub.Health(pb.HealthRequest(), timeout=5).status == "not_loaded"
 
 

@@ -25,7 +25,7 @@ from kernels.logprob import token_logprobs
 from services.common.models import load_causal_lm
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.rollout.engine import EngineUnavailable, GenerationRequest, PromptSpec, SamplingConfig
-from services.rollout.sglang_config import SGLangEngineConfig, default_python
+from services.rollout.sglang_config import SGLangEngineConfig, SGLangHostConfig, default_python
 from services.rollout.sglang_weights import load_checkpoint_tensors
 from tests.conftest import require
 
@@ -47,7 +47,7 @@ def engine(model_dir, tmp_path_factory):
     require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
     from services.rollout.sglang_engine import SGLangEngine
 
-    eng = SGLangEngine(SGLangEngineConfig(platform="cpu", weights_dir=str(tmp_path_factory.mktemp("sglang"))))
+    eng = SGLangEngine(SGLangEngineConfig(platform="cpu"), SGLangHostConfig(weights_dir=str(tmp_path_factory.mktemp("sglang"))))
     started = time.monotonic()
     eng.load(str(model_dir), policy_version=0)
     print(f"\nsglang server healthy after {time.monotonic() - started:.1f}s (pid {eng.server_pid})")
@@ -89,6 +89,23 @@ PROMPTS = (PromptSpec("p0", (1, 20, 21, 22), seed=7), PromptSpec("p1", (1, 40, 4
 def make_request(n=3, max_new_tokens=12, prompts=PROMPTS, **sampling):
     base = dict(temperature=0.7, max_new_tokens=max_new_tokens, stop_token_ids=(EOS,))
     return GenerationRequest(prompts=tuple(prompts), sampling=SamplingConfig(**{**base, **sampling}), samples_per_prompt=n)
+
+
+def test_server_requires_its_api_key_except_on_health_and_metrics(engine):
+    """SGLang's weight-update and generate endpoints are closed to anyone but the engine that started it."""
+    with httpx.Client(base_url=engine.url, timeout=30, trust_env=False) as anonymous:
+        for path, body in (("/update_weights_from_disk", {"model_path": "/tmp", "load_format": "auto"}),
+                           ("/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}),
+                           ("/pause_generation", {"mode": "abort"})):
+            for headers in ({}, {"Authorization": "Bearer not-the-key"}):
+                r = anonymous.post(path, json=body, headers=headers)
+                assert r.status_code == 401, (path, r.status_code, r.text)
+        assert anonymous.get("/model_info").status_code == 401
+        assert anonymous.get("/health").status_code == 200
+        assert anonymous.get("/metrics").status_code == 200
+    # The key is on no command line another user could read.
+    assert engine._api_key.encode() not in Path(f"/proc/{engine.server_pid}/cmdline").read_bytes()
+    assert engine.generate(make_request(n=1))  # the engine itself is let in
 
 
 def test_generate_returns_samples_with_logprobs(engine):

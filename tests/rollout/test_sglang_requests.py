@@ -25,8 +25,8 @@ from services.rollout.sglang_client import (
     update_weights_from_disk_body,
     update_weights_from_distributed_body,
 )
-from services.rollout.sglang_config import SGLangEngineConfig
-from services.rollout.sglang_server import BOOTSTRAP, server_command, server_env
+from services.rollout.sglang_config import SGLangEngineConfig, SGLangHostConfig
+from services.rollout.sglang_server import API_KEY_ENV, BOOTSTRAP, server_command, server_env
 from services.rollout.sglang_weights import checkpoint_specs, verify_tensors, write_checkpoint
 
 REQ = GenerationRequest(
@@ -121,9 +121,13 @@ def test_server_command_and_environment_exactly():
         "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", "float32",
         "--max-total-tokens", "8192", "--skip-server-warmup", "--enable-metrics", "--random-seed", "1",
     ]
-    env = server_env(plan, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "HOME": "/root"})
-    # Unscaled log-probs would break the temperature contract: never passed on.
-    assert env == {"HOME": "/root", "LOCKSTEP_SGLANG_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "lockstep_cpu"}
+    env = server_env(plan, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "HOME": "/root", "LOCKSTEP_AUTH_TOKEN": "t",
+                            "LOCKSTEP_AUTH_TOKEN_FILE": "/run/secrets/t"}, "k" * 43)
+    # Unscaled log-probs would break the temperature contract: never passed on; nor is Lockstep's own
+    # token, which the server has no use for. The server's API key travels in the environment only.
+    assert env == {"HOME": "/root", "LOCKSTEP_SGLANG_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "lockstep_cpu",
+                   API_KEY_ENV: "k" * 43}
+    assert "k" * 43 not in " ".join(cmd) and "--api-key" not in cmd
 
 
 def test_engine_config_names_the_bad_field():
@@ -171,8 +175,9 @@ def test_a_fixed_port_is_given_up_by_the_previous_engine(tmp_path):
     from services.rollout.sglang_engine import _PORT_HOLDERS, SGLangEngine
 
     model = build_model_dir(tmp_path / "m", seed=0)
-    cfg = dict(platform="cpu", port=30123, weights_dir=str(tmp_path / "w"), python=str(tmp_path / "no-python"))
-    old, new = SGLangEngine(SGLangEngineConfig(**cfg)), SGLangEngine(SGLangEngineConfig(**cfg))
+    cfg = SGLangEngineConfig(platform="cpu", port=30123)
+    host = SGLangHostConfig(weights_dir=str(tmp_path / "w"), python=str(tmp_path / "no-python"))
+    old, new = SGLangEngine(cfg, host), SGLangEngine(cfg, host)
     _PORT_HOLDERS[("127.0.0.1", 30123)] = old
     with pytest.raises(FileNotFoundError, match="make sglang-venv"):  # fails loud: no interpreter, no fallback
         new.load(str(model), 0)
@@ -209,7 +214,8 @@ def test_server_bootstrap_takes_its_group_down_when_the_rollout_service_dies(tmp
     parent_code = (
         "import os, subprocess, sys, time\n"
         f"subprocess.Popen([sys.executable, '-c', {BOOTSTRAP!r}, str(os.getpid()), '--pids-file', {str(pids_file)!r}],"
-        f" env={{**os.environ, 'PYTHONPATH': {str(tmp_path / 'fake')!r}}}, start_new_session=True)\n"
+        f" env={{**os.environ, 'PYTHONPATH': {str(tmp_path / 'fake')!r}, {API_KEY_ENV!r}: 'k'}},"
+        " start_new_session=True)\n"
         "time.sleep(600)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", parent_code])

@@ -15,7 +15,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.cli.client import CoordinatorClient
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 from services.rollout.registry import ENGINES
@@ -31,7 +30,7 @@ def stack(tmp_path_factory):
     require(Path(default_python()).is_file(),
             f"SGLang virtualenv not built ({default_python()} missing): run `make sglang-venv`")
     require("sglang" in ENGINES, "services/rollout/registry.py does not register the 'sglang' engine")
-    with LocalStack(tmp_path_factory.mktemp("stack")) as s:
+    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as s:
         yield s
 
 
@@ -42,7 +41,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def client(stack):
-    c = CoordinatorClient(stack.api_url)
+    c = stack.client()
     yield c
     c.close()
 
@@ -50,7 +49,7 @@ def client(stack):
 KILL_STEPS = 8
 
 
-def spec(model_dir: Path, weights_dir: Path, name: str, max_new_tokens: int = 4, steps: int = STEPS) -> dict:
+def spec(model_dir: Path, name: str, max_new_tokens: int = 4, steps: int = STEPS) -> dict:
     return {
         "name": name,
         "model_path": str(model_dir),
@@ -59,7 +58,7 @@ def spec(model_dir: Path, weights_dir: Path, name: str, max_new_tokens: int = 4,
         "task": {"name": "arithmetic", "options": {"digits": 2, "heldout_size": 8}},
         "rollout": {
             "engine": "sglang",
-            "engine_options": {"platform": "cpu", "weights_dir": str(weights_dir)},
+            "engine_options": {"platform": "cpu"},
             "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES,
             "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens},
         },
@@ -81,7 +80,7 @@ def assert_every_trajectory_once(client, run_id: str, n_steps: int = STEPS) -> l
 
 
 def test_three_step_run_with_sglang_through_rest(client, model_dir, stack, tmp_path):
-    run = client.submit(spec(model_dir, tmp_path, "sglang-3"))
+    run = client.submit(spec(model_dir, "sglang-3"))
     done = client.wait(run["id"], timeout_s=900)
     assert done["status"] == "completed", (done, stack.rollouts[0].tail())
     steps = assert_every_trajectory_once(client, run["id"])
@@ -116,7 +115,7 @@ def running_requests(port: int) -> float:
 def test_sglang_killed_mid_batch_run_completes_with_every_trajectory_once(client, model_dir, stack, tmp_path):
     # Longer responses and more steps keep Generate in flight long enough for the
     # poll below to catch a running batch even on a fast, idle machine.
-    run = client.submit(spec(model_dir, tmp_path, "sglang-kill", max_new_tokens=100, steps=KILL_STEPS))
+    run = client.submit(spec(model_dir, "sglang-kill", max_new_tokens=100, steps=KILL_STEPS))
     rollout_pid = stack.rollouts[0].proc.pid
     deadline = time.monotonic() + 600
     killed = None

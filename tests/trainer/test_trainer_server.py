@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc_options import grpc_options
+from services.common.auth import TOKEN_ENV, BearerToken, generate_token
+from services.common.grpc_options import sync_channel
 from services.common.metric_defs import STEP_METRIC_HELP
 from services.common.models import load_causal_lm
 from services.common.tensors import ids_to_proto, logprobs_to_proto
@@ -29,6 +30,7 @@ from services.trainer.grpo import group_advantages
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = "itest"
+TOKEN = BearerToken(generate_token())
 
 
 def free_port() -> int:
@@ -38,24 +40,27 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
-    yield from trainer_process()
+def server(tmp_path_factory):
+    yield from trainer_process(tmp_path_factory.getbasetemp())
 
 
 @pytest.fixture(scope="module")
-def parity_server():
+def parity_server(tmp_path_factory):
     """A second trainer: the end-to-end test below needs a fresh one."""
-    yield from trainer_process()
+    yield from trainer_process(tmp_path_factory.getbasetemp())
 
 
-def trainer_process():
+def trainer_process(roots: Path):
+    """A trainer reading models and writing checkpoints under `roots` only; every call carries TOKEN."""
     grpc_port, metrics_port = free_port(), free_port()
-    env = dict(os.environ, LOCKSTEP_TRAINER_METRICS_PORT=str(metrics_port), PYTHONPATH=str(REPO))
+    env = dict(os.environ, LOCKSTEP_TRAINER_METRICS_PORT=str(metrics_port), PYTHONPATH=str(REPO),
+               LOCKSTEP_TRAINER_MODEL_ROOTS=str(roots), LOCKSTEP_TRAINER_CHECKPOINT_ROOTS=str(roots),
+               **{TOKEN_ENV: TOKEN.secret})
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.trainer", "--grpc-port", str(grpc_port), "--num-threads", "1"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=grpc_options())
+    channel = sync_channel(f"127.0.0.1:{grpc_port}", TOKEN)
     stub = pb_grpc.TrainerStub(channel)
     stub.channel = channel  # for the stubs of other services on the same server
     deadline = time.monotonic() + 60
@@ -165,6 +170,50 @@ def test_replay_with_other_trajectories_is_refused_naming_the_step(parity_server
     assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, msg)
     assert msg.startswith("step 1: replayed with trajectories other than the ones it was trained on"), msg
     assert stub.Info(pb.InfoRequest()).policy_version == 1
+
+
+def test_paths_outside_the_roots_and_foreign_directories_are_refused(parity_server, tiny_model_dir, tmp_path):
+    """The trainer reads models and writes checkpoints only inside its configured roots, and never
+    deletes or replaces a directory its run did not create."""
+    stub, _, _ = parity_server
+    run = "parity-run"  # configured by the test above
+    stub.ConfigureRun(pb.ConfigureRunRequest(run_id=run, model_path=str(tiny_model_dir), seed=1,
+                                             trainer_config_json=json.dumps({"microbatch_tokens": 32})))
+    for field, request in (
+        ("model_path", pb.ConfigureRunRequest(run_id="other", model_path="/usr")),
+        ("model_path", pb.ConfigureRunRequest(run_id="other", model_path=str(tiny_model_dir) + "/.." * 40 + "/etc")),
+        ("resume_checkpoint", pb.ConfigureRunRequest(run_id="other", model_path=str(tiny_model_dir),
+                                                     resume_checkpoint="/etc")),
+    ):
+        code, msg = code_of(lambda: stub.ConfigureRun(request))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith(f"{field}: ") and "outside the allowed roots" in msg
+    for rpc in (lambda d: stub.SaveCheckpoint(pb.SaveCheckpointRequest(run_id=run, directory=d)),
+                lambda d: stub.LoadCheckpoint(pb.LoadCheckpointRequest(run_id=run, directory=d))):
+        code, msg = code_of(lambda: rpc("/tmp/../etc/lockstep-ckpt"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("directory: ") and "outside" in msg
+
+    # An existing directory that is not this run's checkpoint: refused, every file left as it was.
+    foreign = tmp_path / "precious"
+    (foreign / "sub").mkdir(parents=True)
+    (foreign / "data.txt").write_text("keep me")
+    (foreign / "sub" / "more.bin").write_bytes(b"\x00\x01")
+    code, msg = code_of(lambda: stub.SaveCheckpoint(pb.SaveCheckpointRequest(run_id=run, directory=str(foreign))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and msg.startswith("directory: ") and "not a Lockstep checkpoint" in msg
+    assert sorted(p.relative_to(foreign).as_posix() for p in foreign.rglob("*")) == ["data.txt", "sub", "sub/more.bin"]
+    assert (foreign / "data.txt").read_text() == "keep me"
+    assert [p.name for p in tmp_path.iterdir()] == ["precious"]  # no temporary directory left behind
+
+    # Its own checkpoint is replaced (a re-saved step), one of another run is not.
+    own = tmp_path / "ckpt"
+    first = stub.SaveCheckpoint(pb.SaveCheckpointRequest(run_id=run, directory=str(own)))
+    again = stub.SaveCheckpoint(pb.SaveCheckpointRequest(run_id=run, directory=str(own)))
+    assert first.directory == again.directory == str(own) and (own / "model.safetensors").is_file()
+    state = own / "lockstep_trainer_state.json"
+    state.write_text(state.read_text().replace(f'"run_id": "{run}"', '"run_id": "someone-else"'))
+    code, msg = code_of(lambda: stub.SaveCheckpoint(pb.SaveCheckpointRequest(run_id=run, directory=str(own))))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "a checkpoint of another run" in msg
+    assert '"run_id": "someone-else"' in state.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "precious"]
 
 
 def test_trainer_service_end_to_end(server, tiny_model_dir, tmp_path):

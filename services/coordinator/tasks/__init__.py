@@ -19,6 +19,13 @@ def _math(options: dict) -> Task:
 
 
 _REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math}
+# Options naming files the coordinator reads: each must lie inside the coordinator's data_roots.
+_PATH_OPTIONS: dict[str, tuple[str, ...]] = {"math": ("path", "heldout_path")}
+
+
+def task_path_options(name: str) -> tuple[str, ...]:
+    """Names of the task's options that are file paths (read when the task is built)."""
+    return _PATH_OPTIONS.get(name, ())
 
 
 def known_tasks() -> tuple[str, ...]:
@@ -36,4 +43,4 @@ def build_task(name: str, options: dict) -> Task:
         raise ValueError(f"task {name!r} options: {exc}") from None
 
 
-__all__ = ["Problem", "Task", "build_task", "known_tasks"]
+__all__ = ["Problem", "Task", "build_task", "known_tasks", "task_path_options"]
