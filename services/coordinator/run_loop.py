@@ -103,6 +103,8 @@ class RunDriver:
         self.crash_after_train_step = crash_after_train_step
         self.trainer_recovery_timeout_s = trainer_recovery_timeout_s
         self.task: Task = build_task(spec.task.name, spec.task.options)
+        for split in ("train", "heldout"):  # built now, in the constructing thread, not at step 1 on the event loop
+            self.task.split(split)
         self.tokenizer = tokenizer_loader(spec.model_path)
         self._prompt_ids: dict[str, list[int]] = {}
 
