@@ -45,6 +45,19 @@ class TorchEngineConfig(BaseModel):
         "attention, so any in-vocabulary id gives the same results.",
     )
 
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        import torch
+
+        try:
+            device = torch.device(v)
+        except (RuntimeError, ValueError) as exc:
+            raise ValueError(f"not a torch device name ({exc})") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{v!r}: only 'cpu' and 'cuda[:N]' devices serve rollouts")
+        return v
+
     @field_validator("logprob_backend")
     @classmethod
     def _known_backend(cls, v: str) -> str:

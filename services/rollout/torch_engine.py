@@ -35,6 +35,7 @@ from services.rollout.engine import (
     GenerationRequest,
     PromptSpec,
     SamplingConfig,
+    require_device,
 )
 from services.rollout.torch_config import TorchEngineConfig
 
@@ -149,6 +150,7 @@ class TorchEngine(Engine):
     # ------------------------------------------------------------ lifecycle --
 
     def load(self, model_path: str, policy_version: int) -> None:
+        require_device(self.config.device)
         model = load_causal_lm(
             model_path,
             dtype=self.config.dtype,
