@@ -82,7 +82,8 @@ def _bounded_free_form(value: dict) -> dict:
 
 
 class TaskSpec(_Strict):
-    name: str = Field(..., max_length=64, description="Registered task name (e.g. 'arithmetic').")
+    name: str = Field(..., max_length=64, description="Registered task name (e.g. 'arithmetic').",
+                      json_schema_extra={"enum": list(known_tasks())})
     options: dict = Field(default_factory=dict, description="Options of the task (its own strict model: "
                           "services/coordinator/tasks/).")
 
