@@ -1,18 +1,26 @@
 """`python -m services.coordinator`: parse -> build -> run -> close."""
 from __future__ import annotations
 
+import gc
+
 import uvicorn
 
 from services.common.service_config import parse_service_config
 from services.common.structured_logging import configure_logging
 from services.coordinator.api import create_app
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.tasks import preload_tasks
 
 
 def main(argv: list[str] | None = None) -> None:
     config = parse_service_config(CoordinatorConfig, env_prefix="LOCKSTEP_COORDINATOR", argv=argv)
     configure_logging("coordinator", config.log_level)
     app = create_app(config)
+    preload_tasks()
+    # Everything imported so far (torch, transformers, sympy, ...) lives as long as the process: out of the
+    # cyclic collector's reach, a full collection that submit-time validation triggers in its worker thread
+    # (it allocates a lot) does not walk it while holding the GIL, which stalls the event loop.
+    gc.freeze()
     # uvicorn turns SIGTERM into a graceful shutdown: the lifespan stops the
     # scheduler (the run stays `running` in Redis and resumes on restart),
     # closes channels and stops the embedded Redis, which flushes its AOF.

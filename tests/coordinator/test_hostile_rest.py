@@ -5,6 +5,7 @@ one must be a 422 naming the field, with nothing stored.
 """
 from __future__ import annotations
 
+import gc
 import json
 import threading
 import time
@@ -153,22 +154,29 @@ def test_large_dataset_submit_keeps_healthz_answering(lone_coordinator, tiny_mod
 
     submitter = threading.Thread(target=submit)
     latencies = []
-    with httpx.Client(timeout=30) as client:
-        client.get(f"{url}/healthz")  # connection made before the clock starts
-        submitter.start()
-        while submitter.is_alive():
-            t0 = time.perf_counter()
-            assert client.get(f"{url}/healthz").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.05)
-    submitter.join()
+    # This process holds torch and the model too: its own garbage collector could stall a probe here, which
+    # is not the coordinator's latency.
+    gc.disable()
+    try:
+        with httpx.Client(timeout=30) as client:
+            client.get(f"{url}/healthz")  # connection made before the clock starts
+            submitter.start()
+            while submitter.is_alive():
+                t0 = time.perf_counter()
+                assert client.get(f"{url}/healthz").status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+        submitter.join()
+    finally:
+        gc.enable()
     assert result["response"].status_code == 201, result["response"].text
     assert len(latencies) >= 10, "the submit was too quick to measure anything"
-    # On a loaded 2-core machine one probe can lose its core to the test itself; the median and the
-    # 90th percentile cannot, while a blocked loop puts every probe at seconds.
-    latencies.sort()
-    assert latencies[len(latencies) // 2] < 0.1, latencies
-    assert latencies[int(len(latencies) * 0.9)] < 0.1, latencies
+    # On a loaded 2-core machine (other test runs beside this one) a probe can wait for a core held by
+    # another process: 95% within 100 ms and none near a second. A blocked event loop instead holds the
+    # probes for the whole validation (seconds), and only a handful get made.
+    slow = sorted(t for t in latencies if t >= 0.1)
+    assert len(slow) <= len(latencies) // 20, (len(latencies), slow)
+    assert max(latencies) < 1.0, (len(latencies), slow)
 
 
 def test_dataset_over_the_line_limit_is_422(lone_coordinator, tiny_model_dir, math_file, monkeypatch):

@@ -28,6 +28,13 @@ def _math(options: dict) -> Task:
 _REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math}
 
 
+def preload_tasks() -> None:
+    """Import every task's heavy dependencies now (a service about to serve), not at the first submit."""
+    from services.coordinator.tasks.math_dataset import preload
+
+    preload()
+
+
 def known_tasks() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
@@ -53,4 +60,4 @@ def build_task(name: str, options: dict) -> Task:
         raise ValueError(options_error(name, exc)) from None
 
 
-__all__ = ["Problem", "Task", "build_task", "known_tasks"]
+__all__ = ["Problem", "Task", "build_task", "known_tasks", "preload_tasks"]

@@ -132,6 +132,16 @@ def _parse_reference(answer: str):
     return mv.parse(text, parsing_timeout=None, fallback_mode="no_fallback")
 
 
+def preload() -> None:
+    """Import math-verify (sympy, the LaTeX parser) and parse one answer now, if it is installed: the
+    coordinator does this before it starts serving, so the first submit does not import it in a worker
+    thread (holding the GIL for the whole import) and the import's objects can be frozen out of the GC."""
+    try:
+        _parse_reference("1")
+    except RuntimeError:  # not installed: a math run is refused at submit with the install hint
+        pass
+
+
 @lru_cache(maxsize=65536)
 def _cached_reference(answer: str):
     return _parse_reference(answer)
