@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import signal
 import threading
 import time
@@ -50,7 +51,7 @@ T = TypeVar("T")
 
 # What loading files a request named raises when they are not a loadable model or checkpoint (transformers,
 # safetensors and torch.load use these); the request's fault, so INVALID_ARGUMENT naming the field.
-LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError)
+LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError, pickle.UnpicklingError)
 
 _STATUS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),

@@ -193,3 +193,25 @@ def test_trainer_configure_with_a_hostile_config_is_invalid_argument(trainer, mo
     got, details = _configure(trainer, model_path=str(model_dir), trainer_config_json=config_json)
     assert got == INVALID and fragment in details, (got, details)
     assert trainer.health().ok
+
+
+def _unary(served, method: str, request, response_type):
+    return served.channel.unary_unary(served.method(method), request_serializer=type(request).SerializeToString,
+                                      response_deserializer=response_type.FromString)(request, timeout=120)
+
+
+@pytest.mark.parametrize("corrupt", ["optimizer.pt", "model.safetensors", "lockstep_trainer_state.json"])
+def test_trainer_load_checkpoint_of_corrupt_files_is_invalid_argument(trainer, model_dir, tmp_path, corrupt):
+    run_id = f"ckpt-{uuid.uuid4().hex}"
+    _unary(trainer, "ConfigureRun", pb.ConfigureRunRequest(run_id=run_id, model_path=str(model_dir), seed=0),
+           pb.ConfigureRunResponse)
+    saved = _unary(trainer, "SaveCheckpoint", pb.SaveCheckpointRequest(run_id=run_id, directory=str(tmp_path / "c")),
+                   pb.SaveCheckpointResponse).directory
+    target = Path(saved) / corrupt
+    assert target.is_file(), sorted(p.name for p in Path(saved).iterdir())
+    target.write_bytes(b"\x00 not what it should be")
+    got, details = code_of(lambda: _unary(trainer, "LoadCheckpoint",
+                                          pb.LoadCheckpointRequest(run_id=run_id, directory=saved),
+                                          pb.LoadCheckpointResponse))
+    assert got == INVALID and "directory" in details, (got, details)
+    assert trainer.health().ok
