@@ -47,14 +47,14 @@ class ErrorDetail(BaseModel):
 
 
 class RunRecordBody(BaseModel):
-    id: str
-    name: str
-    status: str
-    step: int
-    steps: int
-    created_at: float
-    updated_at: float
-    error: str
+    id: str = Field(..., description="Run id (12 hex digits).")
+    name: str = Field(..., description="The spec's name.")
+    status: str = Field(..., description="pending, running, completed, failed or cancelled.")
+    step: int = Field(..., description="Last completed step (0 before the first).")
+    steps: int = Field(..., description="Steps the spec asks for.")
+    created_at: float = Field(..., description="Submission time (Unix seconds).")
+    updated_at: float = Field(..., description="Last change (Unix seconds).")
+    error: str = Field(..., description="Why the run failed; empty otherwise.")
 
 
 NOT_FOUND = {404: {"model": ErrorDetail, "description": "No run has this id (anything not a run id is no run)."}}
@@ -160,8 +160,7 @@ def create_app(config: CoordinatorConfig) -> FastAPI:
         return {**run.to_dict(), "spec": spec, "eval_initial": await store.get_aux(run_id, "eval_initial"),
                 "latest": latest[0], "events": await store.events(run_id)}
 
-    @app.get("/v1/runs/{run_id}/metrics", responses=NOT_FOUND,
-             operation_id="run_metrics")
+    @app.get("/v1/runs/{run_id}/metrics", responses=NOT_FOUND, operation_id="run_metrics")
     async def run_metrics(run_id: RunIdParam, request: Request) -> dict:
         await _run_or_404(request, run_id)
         store = _store(request)
