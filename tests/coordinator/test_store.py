@@ -93,3 +93,21 @@ def test_prompt_batches_are_a_function_of_seed_and_step():
     assert a != step_problems(train, seed=1, step=4, count=8)
     assert a != step_problems(train, seed=2, step=3, count=8)
     assert len({p.problem_id for p in a}) == 8
+
+
+def test_no_key_is_built_from_a_string_that_is_not_a_run_id(redis_url):
+    from services.coordinator.store import NotARunId
+
+    async def go():
+        store = RunStore(redis_url, prefix="t-ids:")
+        run = await store.create_run("a", "{}", steps=1)
+        for bad in (f"{run.id}:events", f"{run.id}:metrics", "*", run.id.upper(), ""):
+            assert await store.get_run(bad) is None
+            for call in (store.events(bad), store.metrics(bad), store.get_spec_json(bad), store.add_event(bad, "x"),
+                         store.set_status(bad, "cancelled"), store.acquire_lease(bad, "me", 1.0)):
+                with pytest.raises(NotARunId, match="run_id"):
+                    await call
+        assert (await store.get_run(run.id)).status == "pending"  # nothing reached the real run's keys
+        assert [e["event"] for e in await store.events(run.id)] == ["submitted"]
+        await store.close()
+    run(go())
