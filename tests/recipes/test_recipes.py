@@ -49,3 +49,11 @@ def test_gsm8k_recipe_is_a_valid_spec_once_its_paths_are_set(tmp_path):
         assert first.answer == "0"
     finally:
         task.close()
+
+
+def test_exponent_without_a_dot_is_a_number_in_a_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer: {lr: 1e-5, eps: 2E-8, weight_decay: 1.5e-2}\nname: '1e5'\nsteps: 3\n")
+    spec = load_recipe(recipe)
+    assert spec["trainer"] == {"lr": 1e-5, "eps": 2e-8, "weight_decay": 1.5e-2}
+    assert spec["name"] == "1e5" and spec["steps"] == 3  # quoted stays a string, ints stay ints
