@@ -61,16 +61,12 @@ class RolloutSpec(_Strict):
 
     @field_validator("engine_options")
     @classmethod
-    def _bounded_options(cls, v: dict) -> dict:
-        return _bounded_free_form(v)
-
-    @model_validator(mode="after")
-    def _engine_accepts_options(self) -> "RolloutSpec":
-        try:
-            check_engine_options(self.engine, json.dumps(self.engine_options))
-        except ValueError as exc:
-            raise ValueError(f"engine_options: {exc}") from None
-        return self
+    def _engine_accepts_options(cls, v: dict, info: ValidationInfo) -> dict:
+        _bounded_free_form(v)
+        engine = info.data.get("engine")
+        if engine is not None:  # a bad engine name is reported on its own field
+            check_engine_options(engine, json.dumps(v))  # ValueError naming each bad option
+        return v
 
 
 def _bounded_free_form(value: dict) -> dict:

@@ -69,8 +69,9 @@ CASES = [
     ({"trainer.lr": 1e308}, "trainer.lr"),
     ({"trainer.lr": True}, "trainer.lr"),
     ({"model_path": "/" + "m" * 300}, "model_path"),
-    ({"rollout.engine_options": {"no_such_option": 1}}, "rollout"),
-    ({"rollout.engine_options": {"dtype": "float64"}}, "rollout"),
+    ({"rollout.engine_options": {"no_such_option": 1}}, "rollout.engine_options"),
+    ({"rollout.engine_options": {"dtype": "float64"}}, "rollout.engine_options"),
+    ({"rollout.engine_options": {"engine": "sglang"}}, "rollout.engine_options"),
     ({"rollout.engine_options": nested(220)}, "rollout.engine_options"),
     ({"rollout.engine_options": nested(600)}, "rollout.engine_options"),
     ({"rollout.engine_options": nested(20)}, "rollout.engine_options"),
@@ -120,6 +121,15 @@ def test_unreadable_or_oversized_bodies_are_refused(lone_coordinator):
         assert r.status_code == status, (body[:20], r.text[:300])
         assert r.json()["fields"][0]["reason"]
     assert run_count(url) == before
+
+
+def test_an_unknown_engine_option_is_named(lone_coordinator, tiny_model_dir):
+    r = httpx.post(f"{lone_coordinator.url}/v1/runs",
+                   json=spec(tiny_model_dir, **{"rollout.engine_options": {"dtype": "float32", "no_such_option": 1}}),
+                   timeout=60)
+    assert r.status_code == 422
+    [err] = r.json()["fields"]
+    assert err["field"] == "rollout.engine_options" and "engine_config.no_such_option" in err["reason"], err
 
 
 def test_a_valid_spec_is_stored_and_answers_get(lone_coordinator, tiny_model_dir):
