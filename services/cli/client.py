@@ -1,6 +1,7 @@
 """HTTP client of the coordinator's REST API, shared by the CLI and the demo."""
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -10,6 +11,18 @@ import yaml
 from services.common.auth import BearerToken
 
 TERMINAL = ("completed", "failed", "cancelled")
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """YAML as a run spec needs it: `lr: 1e-5` is a number (YAML 1.1 reads an exponent without a dot
+    as a string, which the API's strict validation then refuses)."""
+
+
+RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
 
 
 class ApiError(RuntimeError):
@@ -85,7 +98,7 @@ def apply_overrides(spec: dict, overrides: dict) -> dict:
 def load_recipe(path: str | Path, overrides: dict | None = None) -> dict:
     """A recipe file is a run spec in YAML; relative model paths resolve against the recipe's folder."""
     path = Path(path)
-    spec = yaml.safe_load(path.read_text())
+    spec = yaml.load(path.read_text(), Loader=RecipeLoader)  # noqa: S506 - a SafeLoader subclass
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: a recipe must be a YAML mapping (a run spec)")
     apply_overrides(spec, overrides or {})

@@ -1,6 +1,8 @@
 """`python -m services.coordinator`: parse -> build -> run -> close."""
 from __future__ import annotations
 
+import gc
+
 import uvicorn
 
 from services.common.auth import load_token_or_exit
@@ -8,6 +10,7 @@ from services.common.service_config import parse_service_config
 from services.common.structured_logging import configure_logging
 from services.coordinator.api import create_app
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.tasks import preload_tasks
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -18,6 +21,11 @@ def main(argv: list[str] | None = None) -> None:
         app = create_app(config, token)
     except ValueError as exc:  # a named configuration field that cannot be used
         raise SystemExit(f"configuration error: {exc}") from None
+    preload_tasks()
+    # Everything imported so far (torch, transformers, sympy, ...) lives as long as the process: out of the
+    # cyclic collector's reach, a full collection that submit-time validation triggers in its worker thread
+    # (it allocates a lot) does not walk it while holding the GIL, which stalls the event loop.
+    gc.freeze()
     # uvicorn turns SIGTERM into a graceful shutdown: the lifespan stops the
     # scheduler (the run stays `running` in Redis and resumes on restart),
     # closes channels and stops the embedded Redis, which flushes its AOF.

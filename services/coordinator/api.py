@@ -1,27 +1,34 @@
 """REST API (FastAPI). Handlers are thin: validate, call the store, answer.
 
+Every status code a route can answer is declared in its `responses`, so the
+OpenAPI document (/openapi.json) is the whole contract; a schemathesis run
+over it (tests/coordinator/test_openapi_contract.py) holds it to that.
+
 A Redis outage (after the store's retries) answers 503 with Retry-After, never
 500: the request may be repeated once Redis is back, and nothing was half-stored
 (each write is one transaction or script).
 
 Every /v1 route requires the deployment's bearer token (401 with a JSON body
-otherwise, before the request body is even parsed); /healthz, /readyz,
+otherwise, before the request body is even read); /healthz, /readyz,
 /metrics and the OpenAPI docs stay open. Run specs are validated against the
 coordinator's model_roots and data_roots (run_spec.confined_run_spec).
 """
-
-# No `from __future__ import annotations`: FastAPI reads the submit handler's body type, a class made
-# per app (confined_run_spec), from its annotation, which must be the object, not a name to resolve.
+# No `from __future__ import annotations`: FastAPI resolves the dependencies' annotations at runtime.
 import asyncio
 import contextlib
+import json
 import uuid
 from pathlib import Path
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 
 from services.common.auth import BearerToken
 from services.common.models import load_tokenizer
@@ -30,20 +37,50 @@ from services.coordinator.config import CoordinatorConfig
 from services.coordinator.embedded_redis import EmbeddedRedis
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_loop import RunDriver
-from services.coordinator.run_spec import RunSpec, confined_run_spec
+from services.coordinator.run_spec import (
+    MAX_SPEC_BYTES,
+    RunSpec,
+    RunSpecError,
+    confined_run_spec,
+    parse_run_spec,
+    validation_fields,
+)
 from services.coordinator.scheduler import RunScheduler
-from services.coordinator.store import OUTAGE_ERRORS, STATUSES, RunStore
-
+from services.coordinator.store import OUTAGE_ERRORS, RUN_ID_PATTERN, STATUSES, RunStore, is_run_id
 
 STORE_RETRY_AFTER_S = 5
 
 
-def _field_errors(exc: RequestValidationError) -> list[dict]:
-    out = []
-    for err in exc.errors():
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        out.append({"field": ".".join(loc) or "(body)", "reason": err.get("msg", "invalid")})
-    return out
+class FieldError(BaseModel):
+    field: str = Field(..., description="Dotted path of the refused field ('(body)' for the spec as a whole).")
+    reason: str = Field(..., description="Why it was refused.")
+
+
+class InvalidRequestBody(BaseModel):
+    error: str = Field(..., description="'invalid request'.")
+    fields: list[FieldError] = Field(..., description="Every refused field; nothing was stored.")
+
+
+class ErrorDetail(BaseModel):
+    detail: dict[str, Any] = Field(..., description="`error` (what went wrong) and what it concerns (`run_id`).")
+
+
+class RunRecordBody(BaseModel):
+    id: str = Field(..., description="Run id (12 hex digits).")
+    name: str = Field(..., description="The spec's name.")
+    status: str = Field(..., description="pending, running, completed, failed or cancelled.")
+    step: int = Field(..., description="Last completed step (0 before the first).")
+    steps: int = Field(..., description="Steps the spec asks for.")
+    created_at: float = Field(..., description="Submission time (Unix seconds).")
+    updated_at: float = Field(..., description="Last change (Unix seconds).")
+    error: str = Field(..., description="Why the run failed; empty otherwise.")
+
+
+NOT_FOUND = {404: {"model": ErrorDetail, "description": "No run has this id (anything not a run id is no run)."}}
+INVALID = {422: {"model": InvalidRequestBody, "description": "Invalid request; nothing stored."}}
+# Documented, not enforced by FastAPI (that would answer 422): a non-matching id is an unknown run, 404.
+RunIdParam = Annotated[str, PathParam(description="A run id as POST /v1/runs returned it.",
+                                      json_schema_extra={"pattern": RUN_ID_PATTERN})]
 
 
 def _coordinator_id(data_dir: Path) -> str:
@@ -134,48 +171,69 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(status_code=422, content={"error": "invalid request", "fields": _field_errors(exc)})
+        return _refused(validation_fields(exc.errors()))
 
     def _store(request: Request) -> RunStore:
         return request.app.state.store
 
     async def _run_or_404(request: Request, run_id: str):
-        run = await _store(request).get_run(run_id)
+        # One pattern at the edge: `<id>:events` and the like are no run, and never reach a Redis key.
+        run = await _store(request).get_run(run_id) if is_run_id(run_id) else None
         if run is None:
-            raise HTTPException(status_code=404, detail={"error": "run not found", "run_id": run_id})
+            raise HTTPException(status_code=404, detail={"error": "run not found", "run_id": run_id[:64]})
         return run
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(bearer_dependency(token))],
-                   responses={401: {"description": "Missing or invalid bearer token"}})
+                   responses={401: {"model": ErrorDetail, "description": "Missing or invalid bearer token."}})
 
-    @v1.post("/runs", status_code=201)
-    async def submit_run(spec: SubmittedRunSpec, request: Request) -> dict:  # type: ignore[valid-type]
+    @v1.post("/runs", status_code=201, response_model=RunRecordBody, responses={
+        201: {"description": "Stored; the run is pending.",
+              "links": {"GetRun": {"operationId": "get_run", "parameters": {"run_id": "$response.body#/id"}},
+                        "RunMetrics": {"operationId": "run_metrics", "parameters": {"run_id": "$response.body#/id"}},
+                        "CancelRun": {"operationId": "cancel_run", "parameters": {"run_id": "$response.body#/id"}}}},
+        413: {"model": InvalidRequestBody, "description": f"Body larger than {MAX_SPEC_BYTES} bytes; nothing stored."},
+        **INVALID,
+    }, openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/RunSpec"}}}}}, operation_id="submit_run")
+    async def submit_run(request: Request) -> dict:
+        body = await _read_body(request, MAX_SPEC_BYTES)
+        if body is None:
+            return _refused([{"field": "(body)", "reason": f"larger than {MAX_SPEC_BYTES} bytes"}], status=413)
+        try:
+            # Validation reads datasets and builds the task's splits: a worker thread, not the event loop.
+            spec = await asyncio.to_thread(parse_run_spec, body, SubmittedRunSpec)
+        except RunSpecError as exc:
+            return _refused(exc.fields)
         run = await _store(request).create_run(spec.name, spec.model_dump_json(), spec.steps)
         request.app.state.scheduler.wake()
         return run.to_dict()
 
-    @v1.get("/runs")
+    @v1.get("/runs", operation_id="list_runs")
     async def list_runs(request: Request) -> dict:
         return {"runs": [r.to_dict() for r in await _store(request).list_runs()]}
 
-    @v1.get("/runs/{run_id}")
-    async def get_run(run_id: str, request: Request) -> dict:
+    @v1.get("/runs/{run_id}", responses=NOT_FOUND, operation_id="get_run")
+    async def get_run(run_id: RunIdParam, request: Request) -> dict:
         run = await _run_or_404(request, run_id)
         store = _store(request)
-        spec = RunSpec.model_validate_json(await store.get_spec_json(run_id) or "{}").model_dump()
+        # The spec as stored at submit (already validated); not re-validated here, which would re-read its
+        # datasets and could fail later for reasons that are no fault of the request.
+        spec = json.loads(await store.get_spec_json(run_id) or "{}")
         latest = (await store.metrics(run_id))[-1:] or [None]
         return {**run.to_dict(), "spec": spec, "eval_initial": await store.get_aux(run_id, "eval_initial"),
                 "latest": latest[0], "events": await store.events(run_id)}
 
-    @v1.get("/runs/{run_id}/metrics")
-    async def run_metrics(run_id: str, request: Request) -> dict:
+    @v1.get("/runs/{run_id}/metrics", responses=NOT_FOUND, operation_id="run_metrics")
+    async def run_metrics(run_id: RunIdParam, request: Request) -> dict:
         await _run_or_404(request, run_id)
         store = _store(request)
         return {"run_id": run_id, "eval_initial": await store.get_aux(run_id, "eval_initial"),
                 "steps": await store.metrics(run_id)}
 
-    @v1.post("/runs/{run_id}/cancel")
-    async def cancel_run(run_id: str, request: Request) -> dict:
+    @v1.post("/runs/{run_id}/cancel", response_model=RunRecordBody, responses={
+        **NOT_FOUND, 409: {"model": ErrorDetail, "description": "The run already ended."},
+    }, operation_id="cancel_run")
+    async def cancel_run(run_id: RunIdParam, request: Request) -> dict:
         await _run_or_404(request, run_id)
         if not await _store(request).set_status(run_id, "cancelled"):
             run = await _store(request).get_run(run_id)
@@ -184,11 +242,13 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
 
     app.include_router(v1)
 
-    @app.get("/healthz")
+    @app.get("/healthz", operation_id="healthz")
     async def healthz() -> dict:
         return {"ok": True}
 
-    @app.get("/readyz")
+    @app.get("/readyz", operation_id="readyz", responses={
+        200: {"description": "Redis, the scheduler and every service answer."},
+        503: {"description": "Not ready: `checks` says which part does not answer."}})
     async def readyz(request: Request) -> JSONResponse:
         # The scheduler too: Redis may answer while the loop that drives runs cannot get on.
         checks = {"redis": await _store(request).ping(), "scheduler": request.app.state.scheduler.healthy}
@@ -200,7 +260,8 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
         ok = all(checks.values())
         return JSONResponse(status_code=200 if ok else 503, content={"ready": ok, "checks": checks})
 
-    @app.get("/metrics")
+    @app.get("/metrics", operation_id="metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format."}})
     async def metrics(request: Request) -> Response:
         try:
             runs = await _store(request).list_runs()
@@ -210,4 +271,32 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
             request.app.state.exporter.run_counts({s: sum(r.status == s for r in runs) for s in STATUSES})
         return Response(generate_latest(request.app.state.exporter.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            # The run spec is read from the raw body (bounded, strict, off the event loop), so FastAPI does not
+            # see it as a parameter: its schema is added here for the request body to refer to.
+            spec_schema = SubmittedRunSpec.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            schemas.update(spec_schema.pop("$defs", {}))
+            schemas["RunSpec"] = spec_schema
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+def _refused(fields: list[dict[str, str]], *, status: int = 422) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": "invalid request", "fields": fields})
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes | None:
+    """The request body, or None as soon as it grows past max_bytes (never buffered beyond that)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -108,6 +108,8 @@ class RunDriver:
         self._replica_recovery = asyncio.Lock()  # concurrent shards wait for one recovery, not one each
         self._reloads: dict[str, int] = {}  # replica address -> times it was found restarted and reloaded
         self.task: Task = build_task(spec.task.name, spec.task.options)
+        for split in ("train", "heldout"):  # built now, in the constructing thread, not at step 1 on the event loop
+            self.task.split(split)
         self.tokenizer = tokenizer_loader(spec.model_path)
         self._prompt_ids: dict[str, list[int]] = {}
 

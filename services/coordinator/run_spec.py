@@ -2,20 +2,34 @@
 
 Everything a run needs is validated here, at submit time: a spec that names a
 missing model directory or an unknown task is refused with 422 before anything
-is stored, not discovered at step 40.
+is stored, not discovered at step 40. `parse_run_spec` is the REST edge: the
+body is parsed with bounded size and nesting, then validated in pydantic's
+strict mode (no `true` for a number, no `5.5` for an integer, no "3" for
+either), and engine options are checked against the engine's own schema.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_bounded
+from services.common.float32_fields import Float32
 from services.common.models import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, task_path_options
+from services.rollout.registry import check_engine_options
 from services.rollout.sglang_config import SERVICE_OWNED_OPTIONS, service_owned_reason
 from services.trainer.config import TrainerRunConfig
+
+MAX_SPEC_BYTES = 1024 * 1024
+"""Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
+MAX_PATH_LENGTH = 4096
+"""Longest path a spec may name (Linux's PATH_MAX)."""
+MAX_FREE_FORM_DEPTH = 8
+"""Deepest nesting inside engine_options and task.options (the engines' schemas need 2)."""
 
 
 class _Strict(BaseModel):
@@ -23,9 +37,10 @@ class _Strict(BaseModel):
 
 
 class SamplingSpec(_Strict):
-    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; log-probs are scored at it.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables it.")
+    temperature: Float32 = Field(1.0, ge=0.01, le=10, description="Sampling temperature; log-probs are scored at "
+                                 "it. Sent as float32, so it must be one that float32 carries.")
+    top_p: Float32 = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (float32 on the wire).")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="Top-k sampling; 0 disables it.")
     max_new_tokens: int = Field(16, ge=1, le=32768, description="Response length cap in tokens.")
 
 
@@ -40,7 +55,8 @@ class RolloutSpec(_Strict):
     engine: Literal["torch", "sglang"] = Field("torch", description="Rollout engine every replica loads.")
     engine_options: dict = Field(
         default_factory=dict,
-        description="Engine-specific options, validated by the engine. What runs on the rollout host and where it "
+        description="Engine-specific options, validated at submit time against the engine's own options model "
+        "(the one LoadModel applies); an unknown key is refused. What runs on the rollout host and where it "
         "writes (the SGLang interpreter, weight and log directories, server URL, extra flags) is the rollout "
         "service's configuration and cannot be set here.")
     prompts_per_step: int = Field(16, ge=1, le=65536, description="Prompts (GRPO groups) sampled per step.")
@@ -51,23 +67,43 @@ class RolloutSpec(_Strict):
 
     @field_validator("engine_options")
     @classmethod
-    def _no_service_options(cls, options: dict, info: ValidationInfo) -> dict:
-        if info.data.get("engine") == "sglang":
-            for key in sorted(set(options) & set(SERVICE_OWNED_OPTIONS)):
+    def _engine_accepts_options(cls, v: dict, info: ValidationInfo) -> dict:
+        _bounded_free_form(v)
+        engine = info.data.get("engine")
+        if engine == "sglang":
+            for key in sorted(set(v) & set(SERVICE_OWNED_OPTIONS)):
                 raise ValueError(service_owned_reason(key))
-        return options
+        if engine is not None:  # a bad engine name is reported on its own field
+            check_engine_options(engine, json.dumps(v))  # ValueError naming each bad option
+        return v
+
+
+def _bounded_free_form(value: dict) -> dict:
+    check_depth(value, MAX_FREE_FORM_DEPTH)  # JsonTooDeep is a ValueError: "nested deeper than 8 levels"
+    return value
 
 
 class TaskSpec(_Strict):
-    name: str = Field(..., description="Registered task name (e.g. 'arithmetic').")
-    options: dict = Field(default_factory=dict, description="Options passed to the task's constructor.")
+    name: str = Field(..., max_length=64, description="Registered task name (e.g. 'arithmetic').",
+                      json_schema_extra={"enum": list(known_tasks())})
+    options: dict = Field(default_factory=dict, description="Options of the task (its own strict model: "
+                          "services/coordinator/tasks/).")
 
-    @model_validator(mode="after")
-    def _known(self) -> "TaskSpec":
-        if self.name not in known_tasks():
-            raise ValueError(f"unknown task {self.name!r}; known: {sorted(known_tasks())}")
-        build_task(self.name, self.options)  # raises ValueError naming the bad option
-        return self
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in known_tasks():
+            raise ValueError(f"unknown task {v!r}; known: {sorted(known_tasks())}")
+        return v
+
+    @field_validator("options")
+    @classmethod
+    def _task_builds(cls, v: dict, info: ValidationInfo) -> dict:
+        _bounded_free_form(v)
+        name = info.data.get("name")
+        if name is not None:  # a bad name is reported on its own field
+            build_task(name, v).close()  # raises ValueError naming the bad option
+        return v
 
 
 class EvalSpec(_Strict):
@@ -90,7 +126,8 @@ class DebugSpec(_Strict):
 
 class RunSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Human-readable run name.")
-    model_path: str = Field(..., description="Hugging Face causal-LM directory visible to the coordinator, rollout and trainer.")
+    model_path: str = Field(..., min_length=1, max_length=MAX_PATH_LENGTH,
+                            description="Hugging Face causal-LM directory visible to the coordinator, rollout and trainer.")
     seed: int = Field(0, ge=0, le=2**62, description="Seeds prompt sampling, rollout sampling and training.")
     steps: int = Field(..., ge=1, le=1_000_000, description="Optimizer steps (one rollout batch each).")
     task: TaskSpec = Field(..., description="Verifiable task supplying prompts and rewards.")
@@ -107,6 +144,8 @@ class RunSpec(_Strict):
             return str(check_model_dir(v).resolve())
         except FileNotFoundError as exc:
             raise ValueError(str(exc).removeprefix("model_path: ")) from None
+        except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path cannot be a model directory
+            raise ValueError(f"cannot read {v!r}: {exc.strerror}") from None
 
     @model_validator(mode="after")
     def _temperatures_agree(self) -> "RunSpec":
@@ -165,3 +204,39 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
     ConfinedTaskSpec.model_rebuild(force=True)
     ConfinedRunSpec.model_rebuild(force=True)
     return ConfinedRunSpec
+
+
+class RunSpecError(ValueError):
+    """A refused run spec: `fields` is [{"field": "rollout.engine_options", "reason": "..."}]."""
+
+    def __init__(self, fields: list[dict[str, str]]) -> None:
+        self.fields = fields
+        super().__init__("; ".join(f"{f['field']}: {f['reason']}" for f in fields))
+
+
+def validation_fields(errors: list[dict]) -> list[dict[str, str]]:
+    """pydantic's errors as [{"field": "trainer.lr", "reason": "..."}] ("(body)" for the spec as a whole)."""
+    out = []
+    for err in errors:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        out.append({"field": ".".join(loc) or "(body)", "reason": err.get("msg", "invalid").removeprefix("Value error, ")})
+    return out
+
+
+def parse_run_spec(body: bytes, spec: type[RunSpec] = RunSpec) -> RunSpec:
+    """The REST edge: a submitted body -> a validated `spec` (RunSpec, or the coordinator's
+    confined_run_spec), or RunSpecError naming every bad field.
+
+    Blocking (it reads datasets and builds the task's splits): call it off the event loop.
+    """
+    try:
+        raw = loads_bounded(body, field="(body)", max_bytes=MAX_SPEC_BYTES, max_depth=MAX_JSON_DEPTH)
+    except ValueError as exc:
+        field, _, reason = str(exc).partition(": ")
+        raise RunSpecError([{"field": field.removeprefix("(body)."), "reason": reason}]) from None
+    if not isinstance(raw, dict):
+        raise RunSpecError([{"field": "(body)", "reason": f"expected a JSON object, got {type(raw).__name__}"}])
+    try:
+        return spec.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        raise RunSpecError(validation_fields(exc.errors())) from None

@@ -111,8 +111,9 @@ class RunScheduler:
         renew = asyncio.create_task(self._renew(run_id))
         self.exporter.run_active(run_id, True)
         try:
-            spec = RunSpec.model_validate_json(await self.store.get_spec_json(run_id) or "{}")
-            driver = self.make_driver(run_id, spec, self.data_dir / run_id)
+            spec_json = await self.store.get_spec_json(run_id) or "{}"
+            # Validating the spec and building its task read datasets: in a worker thread, not on the event loop.
+            driver = await asyncio.to_thread(self._prepare, run_id, spec_json)
             await driver.run()
         except RunCancelled:
             log_event(log, "run cancelled", run_id=run_id)
@@ -129,6 +130,9 @@ class RunScheduler:
         run = await self.store.get_run(run_id)
         self.exporter.run_active(run_id, run is not None and run.status == "running")
         await self.store.release_lease(run_id, self.owner)
+
+    def _prepare(self, run_id: str, spec_json: str) -> RunDriver:
+        return self.make_driver(run_id, RunSpec.model_validate_json(spec_json), self.data_dir / run_id)
 
     async def _renew(self, run_id: str) -> None:
         while True:

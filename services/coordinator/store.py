@@ -10,10 +10,14 @@ Keys (prefix `lockstep:`):
   run:<id>:timings     hash  step -> phase timings JSON (wall clock, never compared)
   run:<id>:events      list  JSON events, newest last
   lease:<id>           str   owner token, with a TTL, held by the coordinator driving the run
+
+<id> is always RUN_ID_PATTERN (checked before any key is built): a caller's
+string never becomes part of a key.
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -60,6 +64,15 @@ return 1
 """
 
 
+RUN_ID_PATTERN = r"^[0-9a-f]{12}$"
+"""What create_run mints (12 hex digits of a uuid4). Anything else is no run, and never part of a key."""
+_RUN_ID = re.compile(RUN_ID_PATTERN)
+
+
+def is_run_id(value: str) -> bool:
+    return isinstance(value, str) and _RUN_ID.fullmatch(value) is not None
+
+
 class StoreError(RuntimeError):
     pass
 
@@ -72,6 +85,10 @@ OUTAGE_ERRORS: tuple[type[Exception], ...] = (redis.exceptions.ConnectionError, 
 
 def is_outage(exc: BaseException) -> bool:
     return isinstance(exc, OUTAGE_ERRORS)
+
+
+class NotARunId(StoreError, ValueError):
+    """A run id that does not match RUN_ID_PATTERN reached the store."""
 
 
 @dataclass
@@ -109,6 +126,17 @@ class RunStore:
     def _k(self, *parts: str) -> str:
         return self._p + ":".join(parts)
 
+    def _run_key(self, run_id: str, *suffix: str) -> str:
+        """`run:<id>[:suffix]`; only for a well-formed id, so `<id>:events` can never name another key."""
+        if not is_run_id(run_id):
+            raise NotARunId(f"run_id: {run_id!r} is not a run id")
+        return self._k("run", run_id, *suffix)
+
+    def _lease_key(self, run_id: str) -> str:
+        if not is_run_id(run_id):
+            raise NotARunId(f"run_id: {run_id!r} is not a run id")
+        return self._k("lease", run_id)
+
     async def ping(self) -> bool:
         try:
             return bool(await self._r.ping())
@@ -122,18 +150,20 @@ class RunStore:
         run_id = uuid.uuid4().hex[:12]
         now = time.time()
         async with self._r.pipeline(transaction=True) as p:
-            p.set(self._k("run", run_id, "spec"), spec_json)
-            p.hset(self._k("run", run_id), mapping={
+            p.set(self._run_key(run_id, "spec"), spec_json)
+            p.hset(self._run_key(run_id), mapping={
                 "name": name, "status": "pending", "step": 0, "steps": steps,
                 "created_at": now, "updated_at": now, "error": "",
             })
             p.zadd(self._k("runs"), {run_id: now})
-            p.rpush(self._k("run", run_id, "events"), json.dumps({"ts": now, "event": "submitted"}))
+            p.rpush(self._run_key(run_id, "events"), json.dumps({"ts": now, "event": "submitted"}))
             await p.execute()
         return await self.get_run(run_id)  # type: ignore[return-value]
 
     async def get_run(self, run_id: str) -> RunRecord | None:
-        h = await self._r.hgetall(self._k("run", run_id))
+        if not is_run_id(run_id):
+            return None
+        h = await self._r.hgetall(self._run_key(run_id))
         if not h:
             return None
         return RunRecord(
@@ -142,7 +172,7 @@ class RunStore:
         )
 
     async def get_spec_json(self, run_id: str) -> str | None:
-        return await self._r.get(self._k("run", run_id, "spec"))
+        return await self._r.get(self._run_key(run_id, "spec"))
 
     async def list_runs(self) -> list[RunRecord]:
         ids = await self._r.zrange(self._k("runs"), 0, -1)
@@ -156,20 +186,20 @@ class RunStore:
         now = time.time()
         event = json.dumps({"ts": now, "event": status, "error": error})
         changed = await self._set_status(
-            keys=[self._k("run", run_id), self._k("run", run_id, "events")], args=[status, now, error, event]
+            keys=[self._run_key(run_id), self._run_key(run_id, "events")], args=[status, now, error, event]
         )
         return changed == 1
 
     async def add_event(self, run_id: str, event: str, **fields: object) -> None:
-        await self._r.rpush(self._k("run", run_id, "events"), json.dumps({"ts": time.time(), "event": event, **fields}))
+        await self._r.rpush(self._run_key(run_id, "events"), json.dumps({"ts": time.time(), "event": event, **fields}))
 
     async def events(self, run_id: str) -> list[dict]:
-        return [json.loads(e) for e in await self._r.lrange(self._k("run", run_id, "events"), 0, -1)]
+        return [json.loads(e) for e in await self._r.lrange(self._run_key(run_id, "events"), 0, -1)]
 
     async def record_step(self, run_id: str, step: int, metrics: dict, timings: dict) -> bool:
         """Record a completed step exactly once. False if it was already recorded."""
         res = await self._record_step(
-            keys=[self._k("run", run_id), self._k("run", run_id, "metrics"), self._k("run", run_id, "timings")],
+            keys=[self._run_key(run_id), self._run_key(run_id, "metrics"), self._run_key(run_id, "timings")],
             args=[step, json.dumps(metrics, sort_keys=True), json.dumps(timings, sort_keys=True), time.time()],
         )
         if res == -1:
@@ -179,12 +209,12 @@ class RunStore:
 
     async def step_metrics(self, run_id: str, step: int) -> dict | None:
         """The recorded metrics of one step, None if it was not recorded."""
-        raw = await self._r.hget(self._k("run", run_id, "metrics"), str(step))
+        raw = await self._r.hget(self._run_key(run_id, "metrics"), str(step))
         return json.loads(raw) if raw is not None else None
 
     async def metrics(self, run_id: str) -> list[dict]:
-        raw = await self._r.hgetall(self._k("run", run_id, "metrics"))
-        timings = await self._r.hgetall(self._k("run", run_id, "timings"))
+        raw = await self._r.hgetall(self._run_key(run_id, "metrics"))
+        timings = await self._r.hgetall(self._run_key(run_id, "timings"))
         out = []
         for step in sorted(raw, key=int):
             out.append({"step": int(step), "metrics": json.loads(raw[step]),
@@ -193,14 +223,14 @@ class RunStore:
 
     async def set_aux(self, run_id: str, key: str, value: dict) -> None:
         """Small per-run documents that are not per-step (e.g. the step-0 evaluation)."""
-        await self._r.hset(self._k("run", run_id, "aux"), key, json.dumps(value, sort_keys=True))
+        await self._r.hset(self._run_key(run_id, "aux"), key, json.dumps(value, sort_keys=True))
 
     async def get_aux(self, run_id: str, key: str) -> dict | None:
-        v = await self._r.hget(self._k("run", run_id, "aux"), key)
+        v = await self._r.hget(self._run_key(run_id, "aux"), key)
         return json.loads(v) if v is not None else None
 
     async def acquire_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
-        key = self._k("lease", run_id)
+        key = self._lease_key(run_id)
         if await self._r.set(key, owner, nx=True, px=int(ttl_s * 1000)):
             return True
         if await self._r.get(key) == owner:
@@ -209,6 +239,6 @@ class RunStore:
         return False
 
     async def release_lease(self, run_id: str, owner: str) -> None:
-        key = self._k("lease", run_id)
+        key = self._lease_key(run_id)
         if await self._r.get(key) == owner:
             await self._r.delete(key)

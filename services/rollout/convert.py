@@ -12,12 +12,14 @@ import math
 import torch
 
 from proto import lockstep_pb2 as pb
+from services.common.bounded_json import loads_bounded
 from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto
 from services.rollout.engine import GeneratedSample, GenerationRequest, PromptSpec, SamplingConfig
 
 # Key of engine_config_json that selects the engine; every other key is the
 # engine's own option and is validated by that engine's config.
 ENGINE_KEY = "engine"
+MAX_ENGINE_CONFIG_BYTES = 1024 * 1024
 MAX_SAMPLES_PER_PROMPT = 65536
 MAX_SEED = 2**64 - 1
 
@@ -31,10 +33,7 @@ def split_engine_config(engine_config_json: str, default_engine: str) -> tuple[s
     text = engine_config_json.strip()
     if not text:
         return default_engine, "{}"
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"engine_config_json: not valid JSON ({exc})") from None
+    raw = loads_bounded(text, field="engine_config_json", max_bytes=MAX_ENGINE_CONFIG_BYTES)
     if not isinstance(raw, dict):
         raise ValueError(f"engine_config_json: expected a JSON object, got {type(raw).__name__}")
     name = raw.pop(ENGINE_KEY, default_engine)

@@ -97,6 +97,20 @@ def parse_engine_config(model: type[ConfigT], text: str) -> ConfigT:
         raise ValueError("; ".join(parts)) from None
 
 
+class DeviceUnavailable(RuntimeError):
+    """The device an engine's options name does not exist on this host (`cuda:99`, CUDA on a CPU host)."""
+
+
+def require_device(name: str) -> torch.device:
+    """`name` as a torch.device present on this host; DeviceUnavailable naming it otherwise."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise DeviceUnavailable(f"engine_config.device: {name!r} is not on this host ({count} CUDA devices)")
+    return device
+
+
 class EngineUnavailable(RuntimeError):
     """The engine (or its server process) cannot serve right now; the work was lost and may be retried."""
 

@@ -3,14 +3,16 @@
 Status codes the coordinator can rely on:
 - UNAUTHENTICATED: the call lacks the deployment's bearer token (every method;
   checked by services.common.auth.BearerTokenInterceptor before any handler).
-- INVALID_ARGUMENT: a malformed request (message names the field), a
-  model_path outside the service's model_roots, an unknown
-  engine (message lists the known ones), bad engine options, a weight stream
-  that fails any checksum / structure check or does not match the model. The
-  state is unchanged and the server keeps serving.
+- INVALID_ARGUMENT: a malformed request (message names the field), a message
+  that does not decode (services.common.grpc_decode), a model_path outside the
+  service's model_roots, an unknown engine (message lists the known ones), bad
+  engine options, a model_path LoadModel cannot load, a weight stream that
+  fails any checksum / structure check or does not match the model. The state
+  is unchanged and the server keeps serving.
 - FAILED_PRECONDITION: no model loaded; Generate for a policy_version or
   run_id other than the loaded one; UpdateWeights for another run; an engine
-  whose optional dependency is not installed.
+  whose optional dependency is not installed; a device that is not on this
+  host (`cuda:99`, CUDA on a CPU host).
 - UNAVAILABLE: the engine cannot serve right now (EngineUnavailable); retry.
 - INTERNAL: an engine bug (e.g. non-finite log-probs); logged with a traceback.
 
@@ -33,10 +35,12 @@ from typing import Any, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
+from safetensors import SafetensorError
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken, BearerTokenInterceptor
+from services.common.grpc_decode import RefuseUndecodable
 from services.common.grpc_options import grpc_options
 from services.common.health_service import add_health_service
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
@@ -50,12 +54,15 @@ from services.rollout.convert import (
     samples_to_proto,
     split_engine_config,
 )
-from services.rollout.engine import Engine, EngineUnavailable
+from services.rollout.engine import DeviceUnavailable, Engine, EngineUnavailable
 from services.rollout.registry import build_engine
 
 log = logging.getLogger("lockstep.rollout")
 SERVICE = "rollout"
 T = TypeVar("T")
+# What loading a model directory the request named raises when the directory is not a loadable model
+# (missing or corrupt config/weights); transformers and safetensors use these, and EnvironmentError.
+MODEL_LOAD_ERRORS = (OSError, ValueError, KeyError, SafetensorError)
 
 
 def package_version() -> str:
@@ -79,6 +86,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return exc.code
     if isinstance(exc, EngineUnavailable):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, DeviceUnavailable):
+        return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, (ValueError, FileNotFoundError)):
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, ImportError):
@@ -94,6 +103,8 @@ def _rpc(method: str, counter: str | None = None) -> Callable:
         async def handler(self: "RolloutServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
             try:
                 result = await fn(self, request, context)
+            except grpc.aio.AbortError:  # already ended with its status (an undecodable stream message)
+                raise
             except Exception as exc:  # noqa: BLE001 - every failure becomes a status, the server keeps serving
                 code = status_for(exc)
                 if code == grpc.StatusCode.INTERNAL:
@@ -171,7 +182,12 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             # Build and load completely before swapping: a failed load leaves
             # the previously loaded engine serving, untouched.
             engine = await self._in_worker(build_engine, name, options, self.config)
-            await self._in_worker(engine.load, model_path, request.policy_version)
+            try:
+                await self._in_worker(engine.load, model_path, request.policy_version)
+            except MODEL_LOAD_ERRORS as exc:
+                await self._in_worker(engine.close)
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"model_path: cannot load {request.model_path!r}: {exc}") from None
             old, self.engine = self.engine, engine
             self.engine_name, self.run_id = name, request.run_id
             if old is not None:
@@ -241,7 +257,8 @@ class RolloutService:
         self.metrics = build_collectors(ROLLOUT_METRICS, self.registry)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(-1)
         self.servicer = RolloutServicer(config, self.metrics)
-        self.server = grpc.aio.server(options=grpc_options(), interceptors=[BearerTokenInterceptor(token)])
+        self.server = grpc.aio.server(options=grpc_options(),
+                                      interceptors=[BearerTokenInterceptor(token), RefuseUndecodable()])
         pb_grpc.add_RolloutServicer_to_server(self.servicer, self.server)
         self.grpc_port = 0
         self.health: Any = None  # grpc.health.v1 servicer, added in start() (it needs the event loop)

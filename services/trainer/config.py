@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, field_validator, model_validator
 
 from kernels.attention.registry import AttentionPolicy
 from services.common.path_roots import DEFAULT_ROOTS, RootList
@@ -88,12 +88,16 @@ class TrainerServiceConfig(BaseModel):
 
 
 class TrainerRunConfig(BaseModel):
-    """Per-run trainer settings (sent as JSON in ConfigureRun.trainer_config_json)."""
+    """Per-run trainer settings (sent as JSON in ConfigureRun.trainer_config_json).
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    Strict (no `true` for a number, no `5.5` for an integer) and bounded: a value no run could train with
+    is refused with its name when the run is submitted, not found at step 1.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     lr: float = Field(
-        1e-5, gt=0, description="AdamW peak learning rate; lr_schedule scales it per step (by default it stays "
+        1e-5, gt=0, le=1.0, description="AdamW peak learning rate; lr_schedule scales it per step (by default it stays "
         "at this value every step)."
     )
     lr_schedule: LRSchedule = Field(
@@ -101,30 +105,34 @@ class TrainerRunConfig(BaseModel):
         description="Learning-rate schedule: linear warmup, then constant, linear or cosine decay to "
         "lr * min_lr_ratio. A pure function of the step, so resumed and replayed steps use the same rate.",
     )
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW (beta1, beta2), each in [0, 1).")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    # strict=False lets YAML/Python lists in; each element stays a strict float.
+    betas: tuple[StrictFloat, StrictFloat] = Field((0.9, 0.999), strict=False,
+                                                   description="AdamW (beta1, beta2), each in [0, 1).")
+    weight_decay: float = Field(0.0, ge=0, le=10.0, description="AdamW decoupled weight decay.")
+    eps: float = Field(1e-8, ge=1e-30, le=1.0, description="AdamW epsilon.")
     grad_clip: float = Field(
-        1.0, ge=0, description="Clip the global gradient L2 norm to this value (0 = measure but never clip)."
+        1.0, ge=0, le=1e6, description="Clip the global gradient L2 norm to this value (0 = measure but never clip)."
     )
     clip_eps_low: float = Field(
         0.2, ge=0, lt=1, description="PPO clip: ratios below 1 - clip_eps_low stop contributing gradient."
     )
     clip_eps_high: float = Field(
-        0.2, ge=0, description="PPO clip: ratios above 1 + clip_eps_high stop contributing gradient (DAPO uses 0.28)."
+        0.2, ge=0, le=100.0, description="PPO clip: ratios above 1 + clip_eps_high stop contributing gradient (DAPO uses 0.28)."
     )
     kl_coef: float = Field(
-        0.0, ge=0, description="Weight of the k3 KL penalty to the frozen initial policy (0 = no reference model)."
+        0.0, ge=0, le=1e3, description="Weight of the k3 KL penalty to the frozen initial policy (0 = no reference model)."
     )
     microbatch_tokens: int = Field(
         4096,
         ge=1,
+        le=1 << 24,
         description="Token budget of one forward/backward microbatch, counted as padded tokens "
         "(rows x longest row). A single sequence longer than the budget trains alone.",
     )
     temperature: float = Field(
         1.0,
         gt=0,
+        le=10.0,
         description="The rollout's sampling temperature. The trainer scores tokens with "
         "log_softmax(logits / temperature), the same definition the rollout reports.",
     )

@@ -10,6 +10,9 @@ Status codes:
 - no or a wrong bearer token (any method)   -> UNAUTHENTICATED (services.common.auth's interceptor)
 - InvalidRequest (malformed request, or a
   path outside model_roots/checkpoint_roots) -> INVALID_ARGUMENT
+- an undecodable message (grpc_decode)      -> INVALID_ARGUMENT
+- ConfigureRun / LoadCheckpoint of a model_path / directory that does not
+  load (corrupt config, weights, optimizer state) -> INVALID_ARGUMENT
 - FailedPrecondition (state does not allow) -> FAILED_PRECONDITION
 - StepFailed (update not applied)           -> ABORTED
 - anything else                             -> INTERNAL (logged with traceback)
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import signal
 import threading
 import time
@@ -27,10 +31,12 @@ from typing import TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
+from safetensors import SafetensorError
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken, BearerTokenInterceptor
+from services.common.grpc_decode import RefuseUndecodable
 from services.common.grpc_options import grpc_options
 from services.common.health_service import add_health_service
 from services.common.metric_defs import TRAINER_METRICS, build_collectors
@@ -48,6 +54,10 @@ from services.trainer.worker_group import GroupSpec, GroupTrainer
 log = logging.getLogger("lockstep.trainer")
 SERVICE = "trainer"
 T = TypeVar("T")
+
+# What loading files a request named raises when they are not a loadable model or checkpoint (transformers,
+# safetensors and torch.load use these); the request's fault, so INVALID_ARGUMENT naming the field.
+LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError, pickle.UnpicklingError)
 
 _STATUS = (
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
@@ -99,13 +109,18 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
         self.lock = threading.Lock()
 
-    async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Callable[[], Awaitable[T]]) -> T:
+    async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Callable[[], Awaitable[T]],
+                     *, loads: str | None = None) -> T:
+        """Run `work`, mapping its errors to a status. `loads` names the request field whose files `work`
+        loads: a LOAD_ERRORS failure is then that field's fault (INVALID_ARGUMENT), not the trainer's."""
         try:
             return await work()
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status, the server keeps serving
             code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL and loads is not None and isinstance(exc, LOAD_ERRORS):
+                code, exc = grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest(f"{loads}: cannot load: {exc}")
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", rpc)
             else:
@@ -138,7 +153,8 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(run.policy_version)
             return pb.ConfigureRunResponse(info=self._service_info())
 
-        return await self._guard(context, "ConfigureRun", work)
+        return await self._guard(context, "ConfigureRun", work,
+                                 loads="resume_checkpoint" if request.resume_checkpoint else "model_path")
 
     async def TrainStep(self, request_iterator: AsyncIterator[pb.TrainStepChunk], context) -> pb.StepMetrics:
         steps = self.metrics["lockstep_trainer_steps_total"]
@@ -148,6 +164,9 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             try:
                 req = await read_train_step(request_iterator)
                 outcome = await self._locked(self.trainer.train_step, req)
+            except grpc.aio.AbortError:  # an undecodable message: refused with its own status
+                steps.labels(SERVICE, "rejected").inc()
+                raise
             except Exception as exc:
                 steps.labels(SERVICE, "rejected" if status_for(exc) != grpc.StatusCode.INTERNAL else "failed").inc()
                 raise
@@ -214,7 +233,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(version)
             return pb.LoadCheckpointResponse(policy_version=version)
 
-        return await self._guard(context, "LoadCheckpoint", work)
+        return await self._guard(context, "LoadCheckpoint", work, loads="directory")
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         if self.lock.locked():
@@ -249,7 +268,8 @@ class TrainerServer:
 
     async def start(self) -> None:
         cfg = self.config
-        server = grpc.aio.server(options=grpc_options(), interceptors=[BearerTokenInterceptor(self.token)])
+        server = grpc.aio.server(options=grpc_options(),
+                                 interceptors=[BearerTokenInterceptor(self.token), RefuseUndecodable()])
         pb_grpc.add_TrainerServicer_to_server(self.servicer, server)
         self.health = await add_health_service(server, SERVICE)
         self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")

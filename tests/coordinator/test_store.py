@@ -116,3 +116,21 @@ def test_embedded_redis_refuses_clients_without_the_password_and_dangerous_comma
     assert client.get("k") == b"v"  # the server keeps serving
     # The password never reaches the command line, which every user of the host can read.
     assert server.password not in Path(f"/proc/{server.pid}/cmdline").read_text()
+
+
+def test_no_key_is_built_from_a_string_that_is_not_a_run_id(server):
+    from services.coordinator.store import NotARunId
+
+    async def go():
+        store = RunStore(server.url, prefix="t-ids:", password=server.password)
+        run = await store.create_run("a", "{}", steps=1)
+        for bad in (f"{run.id}:events", f"{run.id}:metrics", "*", run.id.upper(), ""):
+            assert await store.get_run(bad) is None
+            for call in (store.events(bad), store.metrics(bad), store.get_spec_json(bad), store.add_event(bad, "x"),
+                         store.set_status(bad, "cancelled"), store.acquire_lease(bad, "me", 1.0)):
+                with pytest.raises(NotARunId, match="run_id"):
+                    await call
+        assert (await store.get_run(run.id)).status == "pending"  # nothing reached the real run's keys
+        assert [e["event"] for e in await store.events(run.id)] == ["submitted"]
+        await store.close()
+    run(go())

@@ -1,6 +1,6 @@
 """The example run specs in deploy/examples stay valid as the configs evolve.
 
-Each is validated the way the coordinator validates a submission (RunSpec),
+Each is validated the way the coordinator validates a submission (parse_run_spec, strict),
 with its engine options validated by the engine's own config, and its paths
 checked against the compose volumes they must live on.
 """
@@ -11,7 +11,7 @@ import json
 import pytest
 import yaml
 
-from services.coordinator.run_spec import RunSpec
+from services.coordinator.run_spec import parse_run_spec
 from services.rollout.sglang_config import SGLangEngineConfig
 from services.rollout.torch_engine import TorchEngineConfig
 from tests.conftest import REPO_ROOT
@@ -29,7 +29,7 @@ def test_example_spec_is_valid(path, tmp_path):
     model = tmp_path / "model"  # RunSpec only checks for a Hugging Face directory here
     model.mkdir()
     (model / "config.json").write_text("{}")
-    spec = RunSpec.model_validate({**raw, "model_path": str(model)})
+    spec = parse_run_spec(json.dumps({**raw, "model_path": str(model)}).encode())  # as POST /v1/runs: strict
     cfg = ENGINE_CONFIGS[spec.rollout.engine].from_json(json.dumps(spec.rollout.engine_options))
     # The invariant: both sides compute in the same dtype.
     engine_dtype = cfg.server.dtype if spec.rollout.engine == "sglang" else cfg.dtype

@@ -242,7 +242,7 @@ def test_math_task_with_a_missing_dataset_is_refused_at_submit_naming_it(client,
         client.submit(spec(model_dir, task={"name": "math", "options": {"path": str(tmp_path / "nope.jsonl")}}))
     assert err.value.status == 422
     reasons = {f["field"]: f["reason"] for f in err.value.body["fields"]}
-    assert "path: no such file" in reasons.get("task", ""), err.value.body
+    assert "path: no such file" in reasons.get("task.options", ""), err.value.body
     assert len(client.runs()) == before
 
 

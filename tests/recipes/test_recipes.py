@@ -6,7 +6,7 @@ import json
 import pytest
 
 from services.cli.client import apply_overrides, load_recipe
-from services.coordinator.run_spec import RunSpec
+from services.coordinator.run_spec import parse_run_spec
 from tests.conftest import REPO_ROOT
 
 
@@ -37,7 +37,7 @@ def test_gsm8k_recipe_is_a_valid_spec_once_its_paths_are_set(tmp_path):
         "model_path": str(model), "task.options.path": str(tmp_path / "train.jsonl"),
         "task.options.heldout_path": str(tmp_path / "test.jsonl"),
     })
-    parsed = RunSpec.model_validate(spec)
+    parsed = parse_run_spec(json.dumps(spec).encode())  # as POST /v1/runs validates it: strict
     assert parsed.task.name == "math" and parsed.trainer.lr_schedule.decay == "cosine"
     assert parsed.rollout.engine_options["server"]["dtype"] == parsed.trainer.dtype
     # The template asks for the boxed answer and keeps the question.
@@ -49,3 +49,11 @@ def test_gsm8k_recipe_is_a_valid_spec_once_its_paths_are_set(tmp_path):
         assert first.answer == "0"
     finally:
         task.close()
+
+
+def test_exponent_without_a_dot_is_a_number_in_a_recipe(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer: {lr: 1e-5, eps: 2E-8, weight_decay: 1.5e-2}\nname: '1e5'\nsteps: 3\n")
+    spec = load_recipe(recipe)
+    assert spec["trainer"] == {"lr": 1e-5, "eps": 2e-8, "weight_decay": 1.5e-2}
+    assert spec["name"] == "1e5" and spec["steps"] == 3  # quoted stays a string, ints stay ints

@@ -1,7 +1,14 @@
-"""Task registry: run specs name a task; the coordinator builds it from its options."""
+"""Task registry: run specs name a task; the coordinator builds it from its options.
+
+Each task's options are a strict pydantic model (no coercion: `digits: 5.5`
+or `reverse_answer: 1` is refused), so a bad option is refused when the run
+is submitted, with its name, never at run time.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable
+
+from pydantic import ValidationError
 
 from services.coordinator.tasks.base import Problem, Task
 
@@ -9,13 +16,13 @@ from services.coordinator.tasks.base import Problem, Task
 def _arithmetic(options: dict) -> Task:
     from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 
-    return ArithmeticTask(ArithmeticConfig(**options))
+    return ArithmeticTask(ArithmeticConfig.model_validate(options, strict=True))
 
 
 def _math(options: dict) -> Task:
     from services.coordinator.tasks.math_dataset import MathConfig, MathTask
 
-    return MathTask(MathConfig(**options))
+    return MathTask(MathConfig.model_validate(options, strict=True))
 
 
 _REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math}
@@ -28,8 +35,25 @@ def task_path_options(name: str) -> tuple[str, ...]:
     return _PATH_OPTIONS.get(name, ())
 
 
+def preload_tasks() -> None:
+    """Import every task's heavy dependencies now (a service about to serve), not at the first submit."""
+    from services.coordinator.tasks.math_dataset import preload
+
+    preload()
+
+
 def known_tasks() -> tuple[str, ...]:
     return tuple(_REGISTRY)
+
+
+def options_error(name: str, exc: ValidationError) -> str:
+    """"task 'math' options.digits: Input should be a valid integer; ..." for every error of `exc`."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        parts.append(f"options.{loc}: {message}" if loc else f"options: {message}")
+    return f"task {name!r} " + "; ".join(parts)
 
 
 def build_task(name: str, options: dict) -> Task:
@@ -39,8 +63,8 @@ def build_task(name: str, options: dict) -> Task:
         raise ValueError(f"unknown task {name!r}; known: {sorted(_REGISTRY)}") from None
     try:
         return factory(dict(options))
-    except TypeError as exc:
-        raise ValueError(f"task {name!r} options: {exc}") from None
+    except ValidationError as exc:
+        raise ValueError(options_error(name, exc)) from None
 
 
-__all__ = ["Problem", "Task", "build_task", "known_tasks", "task_path_options"]
+__all__ = ["Problem", "Task", "build_task", "known_tasks", "preload_tasks", "task_path_options"]

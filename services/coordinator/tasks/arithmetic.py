@@ -21,41 +21,42 @@ form far faster. The demo keeps normal order unless the recipe says otherwise.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from functools import cached_property
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from services.common.char_tokenizer import EOS_TOKEN
 from services.coordinator.tasks.base import Problem, Task
 
 
-@dataclass(frozen=True)
-class ArithmeticConfig:
-    """Which addition problems exist and how they split."""
+MAX_TRAIN_SIZE = 200_000
+"""Largest train split a run may ask for: the split is built in memory when the run is submitted."""
 
-    seed: int = 0
-    """Seeds the draw of both splits; same seed -> same problems in the same order."""
-    digits: int = 2
-    """Digits per operand (2 -> operands 10..99). Leading zeros are never written."""
-    heldout_size: int = 200
-    """Problems in the held-out split (greedy eval set)."""
-    train_size: int = 20000
-    """Problems in the train split, capped by how many unordered pairs remain."""
-    reverse_answer: bool = False
-    """Write the answer least-significant digit first (reference and expected response)."""
 
-    def validate(self) -> None:
-        if not 1 <= self.digits <= 9:
-            raise ValueError(f"digits: must be in 1..9, got {self.digits}")
-        if self.heldout_size < 1:
-            raise ValueError(f"heldout_size: must be >= 1, got {self.heldout_size}")
-        if self.train_size < 1:
-            raise ValueError(f"train_size: must be >= 1, got {self.train_size}")
+class ArithmeticConfig(BaseModel):
+    """Which addition problems exist and how they split (the run spec's task.options)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    seed: int = Field(0, ge=0, le=2**62, description="Seeds the draw of both splits; same seed -> same problems "
+                      "in the same order.")
+    digits: int = Field(2, ge=1, le=9, description="Digits per operand (2 -> operands 10..99). Leading zeros are "
+                        "never written.")
+    heldout_size: int = Field(200, ge=1, le=100_000, description="Problems in the held-out split (greedy eval set).")
+    train_size: int = Field(20000, ge=1, le=MAX_TRAIN_SIZE, description="Problems in the train split, capped by "
+                            "how many unordered pairs remain.")
+    reverse_answer: bool = Field(False, description="Write the answer least-significant digit first (reference "
+                                 "and expected response).")
+
+    @model_validator(mode="after")
+    def _leaves_training_problems(self) -> "ArithmeticConfig":
         n_pairs = self.num_unordered_pairs
         if self.heldout_size >= n_pairs:
             raise ValueError(
                 f"heldout_size: {self.heldout_size} leaves no training problems"
                 f" ({n_pairs} unordered pairs of {self.digits}-digit numbers)"
             )
+        return self
 
     @property
     def operand_range(self) -> tuple[int, int]:
@@ -101,7 +102,6 @@ class ArithmeticTask(Task):
 
     def __init__(self, config: ArithmeticConfig | None = None):
         self.config = config or ArithmeticConfig()
-        self.config.validate()
 
     @cached_property
     def _splits(self) -> dict[str, tuple[Problem, ...]]:

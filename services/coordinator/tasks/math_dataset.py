@@ -28,12 +28,14 @@ import json
 import logging
 import multiprocessing
 import random
+import string
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.coordinator.tasks.base import Problem, Task
 
@@ -51,30 +53,62 @@ def _math_verify():
     return math_verify
 
 
-@dataclass(frozen=True)
-class MathConfig:
-    """Where the problems are and how prompts, answers and splits are made."""
+MAX_DATASET_BYTES = 256 * 1024 * 1024
+"""Largest JSONL file a run may name: every reference answer is parsed when the run is submitted."""
+MAX_DATASET_LINES = 100_000
+"""Most lines (problems) of one JSONL file, for the same reason (GSM8K's train split has 7,473)."""
+MAX_TEXT_FIELD = 4096
+"""Longest field name, marker, template or path in the options."""
 
-    path: str = ""
-    """JSONL file of problems (one object per line), visible to the coordinator."""
-    question_field: str = "question"
-    """Field holding the question text."""
-    answer_field: str = "answer"
-    """Field holding the reference answer (or a solution ending in it; see answer_marker)."""
-    answer_marker: str = ""
-    """If set, the reference answer is the text after the last occurrence of this marker ('####' for GSM8K)."""
-    prompt_template: str = "{question}\nPut the final answer in \\boxed{{}}.\n"
-    """Python format string with one {question} field (literal braces doubled)."""
-    heldout_path: str = ""
-    """Separate held-out JSONL file; empty: hold out heldout_size problems of `path`."""
-    heldout_size: int = 100
-    """Problems held out of `path` when there is no heldout_path (ignored otherwise)."""
-    seed: int = 0
-    """Seeds the shuffle that picks the held-out problems."""
-    timeout_s: int = 5
-    """math-verify's parse and verify timeouts for one response, in seconds (>= 1)."""
-    reward_workers: int = 2
-    """Worker processes that score responses."""
+
+def check_prompt_template(template: str) -> str:
+    """`template` if its only replacement fields are plain `{question}` (no format spec, conversion,
+    attribute or index: those would let a run spec allocate without bound or read object attributes)."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"must have one {{question}} field and no other ({exc})") from None
+    fields = [(name, spec, conversion) for _, name, spec, conversion in parsed if name is not None]
+    for name, spec, conversion in fields:
+        if name != "question":
+            raise ValueError(f"must have one {{question}} field and no other (found {{{name}}})")
+        if spec or conversion:
+            raise ValueError("{question} takes no format spec or conversion (write it as plain {question})")
+    if not fields:
+        raise ValueError("has no {question} field")
+    return template
+
+
+class MathConfig(BaseModel):
+    """Where the problems are and how prompts, answers and splits are made (the run spec's task.options)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    path: str = Field("", max_length=MAX_TEXT_FIELD,
+                      description="JSONL file of problems (one object per line), visible to the coordinator.")
+    question_field: str = Field("question", min_length=1, max_length=MAX_TEXT_FIELD,
+                                description="Field holding the question text.")
+    answer_field: str = Field("answer", min_length=1, max_length=MAX_TEXT_FIELD, description="Field holding the "
+                              "reference answer (or a solution ending in it; see answer_marker).")
+    answer_marker: str = Field("", max_length=MAX_TEXT_FIELD, description="If set, the reference answer is the text "
+                               "after the last occurrence of this marker ('####' for GSM8K).")
+    prompt_template: str = Field(
+        "{question}\nPut the final answer in \\boxed{{}}.\n", max_length=MAX_TEXT_FIELD,
+        description="Python format string with one plain {question} field (literal braces doubled); no format "
+        "specs or conversions.")
+    heldout_path: str = Field("", max_length=MAX_TEXT_FIELD, description="Separate held-out JSONL file; empty: "
+                              "hold out heldout_size problems of `path`.")
+    heldout_size: int = Field(100, ge=1, le=MAX_DATASET_LINES, description="Problems held out of `path` when there "
+                              "is no heldout_path (ignored otherwise).")
+    seed: int = Field(0, ge=0, le=2**62, description="Seeds the shuffle that picks the held-out problems.")
+    timeout_s: int = Field(5, ge=1, le=600, description="math-verify's parse and verify timeouts for one response, "
+                           "in seconds.")
+    reward_workers: int = Field(2, ge=1, le=256, description="Worker processes that score responses.")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _plain_placeholder(cls, v: str) -> str:
+        return check_prompt_template(v)
 
 
 def reference_answer(raw: str, marker: str) -> str:
@@ -98,6 +132,16 @@ def _parse_reference(answer: str):
     return mv.parse(text, parsing_timeout=None, fallback_mode="no_fallback")
 
 
+def preload() -> None:
+    """Import math-verify (sympy, the LaTeX parser) and parse one answer now, if it is installed: the
+    coordinator does this before it starts serving, so the first submit does not import it in a worker
+    thread (holding the GIL for the whole import) and the import's objects can be frozen out of the GC."""
+    try:
+        _parse_reference("1")
+    except RuntimeError:  # not installed: a math run is refused at submit with the install hint
+        pass
+
+
 @lru_cache(maxsize=65536)
 def _cached_reference(answer: str):
     return _parse_reference(answer)
@@ -118,33 +162,53 @@ def math_reward(answer: str, response: str, timeout_s: int) -> tuple[float, bool
     return (1.0 if ok else 0.0), False
 
 
+def _parse_problems(lines: Iterable[str], path: str, field_prefix: str, cfg: MathConfig) -> list[Problem]:
+    name = Path(path).name
+    problems: list[Problem] = []
+    for n, line in enumerate(lines, start=1):
+        if n > MAX_DATASET_LINES:
+            raise ValueError(f"{field_prefix}: {path} has more than {MAX_DATASET_LINES} lines")
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{field_prefix}: line {n} is not JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ValueError(f"{field_prefix}: line {n} is nested too deeply") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{field_prefix}: line {n} is not a JSON object")
+        for field in (cfg.question_field, cfg.answer_field):
+            if not isinstance(row.get(field), str):
+                which = "question_field" if field == cfg.question_field else "answer_field"
+                raise ValueError(f"{which}: line {n} of {path} has no string field {field!r}")
+        try:
+            answer = reference_answer(row[cfg.answer_field], cfg.answer_marker)
+        except ValueError as exc:
+            raise ValueError(f"answer_field: line {n} of {path}: {cfg.answer_field!r} {exc}") from None
+        if not _parse_reference(answer):
+            raise ValueError(f"answer_field: line {n} of {path}: math-verify cannot read the answer {answer!r}")
+        problems.append(Problem(f"{name}:{n}", cfg.prompt_template.format(question=row[cfg.question_field]), answer))
+    return problems
+
+
 def _read_problems(path: str, field_prefix: str, cfg: MathConfig) -> list[Problem]:
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{field_prefix}: no such file {path!r}")
-    problems: list[Problem] = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{field_prefix}: line {n} is not JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{field_prefix}: line {n} is not a JSON object")
-            for field in (cfg.question_field, cfg.answer_field):
-                if not isinstance(row.get(field), str):
-                    name = "question_field" if field == cfg.question_field else "answer_field"
-                    raise ValueError(f"{name}: line {n} of {path} has no string field {field!r}")
-            try:
-                answer = reference_answer(row[cfg.answer_field], cfg.answer_marker)
-            except ValueError as exc:
-                raise ValueError(f"answer_field: line {n} of {path}: {cfg.answer_field!r} {exc}") from None
-            if not _parse_reference(answer):
-                raise ValueError(f"answer_field: line {n} of {path}: math-verify cannot read the answer {answer!r}")
-            problems.append(Problem(f"{p.name}:{n}", cfg.prompt_template.format(question=row[cfg.question_field]),
-                                    answer))
+    try:
+        if not p.is_file():
+            raise ValueError(f"{field_prefix}: no such file {path!r}")
+        size = p.stat().st_size
+    except OSError as exc:
+        raise ValueError(f"{field_prefix}: cannot read {path!r} ({exc.strerror})") from None
+    if size > MAX_DATASET_BYTES:
+        raise ValueError(f"{field_prefix}: {path} has {size} bytes, more than the {MAX_DATASET_BYTES} allowed")
+    try:
+        with p.open(encoding="utf-8", errors="strict") as f:
+            problems = _parse_problems(f, path, field_prefix, cfg)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{field_prefix}: {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{field_prefix}: cannot read {path!r} ({exc.strerror})") from None
     if not problems:
         raise ValueError(f"{field_prefix}: {path} holds no problems")
     return problems
@@ -164,19 +228,7 @@ class MathTask(Task):
         cfg = self.config
         if not cfg.path:
             raise ValueError("path: required (a JSONL file of problems)")
-        try:
-            cfg.prompt_template.format(question="q")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"prompt_template: must have one {{question}} field and no other ({exc!r})") from None
-        if "{question}" not in cfg.prompt_template:
-            raise ValueError("prompt_template: has no {question} field")
-        if cfg.timeout_s < 1:
-            raise ValueError(f"timeout_s: must be >= 1, got {cfg.timeout_s}")
-        if cfg.reward_workers < 1:
-            raise ValueError(f"reward_workers: must be >= 1, got {cfg.reward_workers}")
         if not cfg.heldout_path:
-            if cfg.heldout_size < 1:
-                raise ValueError(f"heldout_size: must be >= 1, got {cfg.heldout_size}")
             n = len(self._train_file)
             if cfg.heldout_size >= n:
                 raise ValueError(f"heldout_size: {cfg.heldout_size} leaves no training problems ({n} in {cfg.path})")

@@ -1,0 +1,222 @@
+"""Hostile gRPC requests against real rollout and trainer processes.
+
+Undecodable messages, deeply nested JSON, model directories that do not load
+and devices the host does not have were UNKNOWN or INTERNAL: each must be
+INVALID_ARGUMENT or FAILED_PRECONDITION naming what, with the server serving
+on (checked after every case).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto import lockstep_pb2 as pb
+from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.auth import TOKEN_FILE_ENV, read_token_file, write_token_file
+from services.common.grpc_options import sync_channel
+from services.common.ports import free_port
+from services.common.tiny_model import build_model_dir
+from services.local_stack import ServiceProcess, service_env
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+CORRUPT = b"\x0a\xff\xff\xff"  # field 1, length-delimited, with a length past the end
+
+
+class Served:
+    """A service with its own token, reading models (and, the trainer, checkpoints) anywhere under `roots`."""
+
+    def __init__(self, service: str, root: Path, roots: Path) -> None:
+        self.port = free_port()
+        token_file = write_token_file(root / "auth_token")
+        allowed = ["--model-roots", str(roots)] + (["--checkpoint-roots", str(roots)] if service == "trainer" else [])
+        self.process = ServiceProcess(service, [
+            sys.executable, "-m", f"services.{service}", "--grpc-port", str(self.port), "--metrics-port", "0",
+            "--num-threads", "1", *allowed,
+        ], service_env({**os.environ, TOKEN_FILE_ENV: str(token_file)}), root / f"{service}.log")
+        self.channel = sync_channel(f"127.0.0.1:{self.port}", read_token_file(token_file))
+        self.service = service
+
+    def start(self) -> "Served":
+        self.process.start()
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                self.health()
+                return self
+            except grpc.RpcError:
+                if not self.process.alive() or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{self.service} did not come up:\n{self.process.tail()}")
+                time.sleep(0.2)
+
+    def method(self, name: str) -> str:
+        return f"/lockstep.v1.{self.service.capitalize()}/{name}"
+
+    def health(self) -> pb.HealthResponse:
+        call = self.channel.unary_unary(self.method("Health"), request_serializer=pb.HealthRequest.SerializeToString,
+                                        response_deserializer=pb.HealthResponse.FromString)
+        return call(pb.HealthRequest(), timeout=5)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.process.stop()
+
+
+def code_of(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as err:
+        fn()
+    return err.value.code(), err.value.details()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def bad_model_dirs(tmp_path_factory, model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad_models")
+    dirs = {}
+    for name, config in (("garbage_config", "{not json"), ("empty_config", "{}"),
+                         ("no_weights", (model_dir / "config.json").read_text())):
+        d = root / name
+        d.mkdir()
+        (d / "config.json").write_text(config)
+        dirs[name] = d
+    corrupt = root / "corrupt_weights"
+    corrupt.mkdir()
+    for f in model_dir.iterdir():
+        (corrupt / f.name).write_bytes(b"\x00garbage" if f.suffix == ".safetensors" else f.read_bytes())
+    dirs["corrupt_weights"] = corrupt
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory):
+    s = Served("rollout", tmp_path_factory.mktemp("rollout"), tmp_path_factory.getbasetemp()).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    s = Served("trainer", tmp_path_factory.mktemp("trainer"), tmp_path_factory.getbasetemp()).start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("method, streaming", [
+    ("LoadModel", False), ("Generate", False), ("Info", False), ("UpdateWeights", True),
+])
+def test_rollout_undecodable_message_is_invalid_argument(rollout, method, streaming):
+    if streaming:
+        call = rollout.channel.stream_unary(rollout.method(method))
+        code, details = code_of(lambda: call(iter([CORRUPT]), timeout=30))
+    else:
+        call = rollout.channel.unary_unary(rollout.method(method))
+        code, details = code_of(lambda: call(CORRUPT, timeout=30))
+    assert code == INVALID and "undecodable" in details and method in details, (code, details)
+    assert rollout.health().ok
+
+
+def _load_model(rollout, **fields) -> tuple[grpc.StatusCode, str]:
+    call = rollout.channel.unary_unary(rollout.method("LoadModel"),
+                                       request_serializer=pb.LoadModelRequest.SerializeToString,
+                                       response_deserializer=pb.LoadModelResponse.FromString)
+    return code_of(lambda: call(pb.LoadModelRequest(run_id="r", policy_version=0, **fields), timeout=120))
+
+
+@pytest.mark.parametrize("engine_config, code, fragment", [
+    ("[" * 5000 + "]" * 5000, INVALID, "engine_config_json"),
+    (json.dumps({"engine": "torch", "extra": {"a": {"a": {}}}}), INVALID, "engine_config.extra"),
+    (json.dumps({"engine": "torch", "device": "cuda:99"}), PRECONDITION, "engine_config.device"),
+    (json.dumps({"engine": "torch", "device": "banana"}), INVALID, "engine_config.device"),
+])
+def test_rollout_load_model_with_hostile_engine_config(rollout, model_dir, engine_config, code, fragment):
+    got, details = _load_model(rollout, model_path=str(model_dir), engine_config_json=engine_config)
+    assert got == code and fragment in details, (got, details)
+    assert rollout.health().ok
+
+
+@pytest.mark.parametrize("which", ["garbage_config", "empty_config", "no_weights", "corrupt_weights"])
+def test_rollout_load_model_of_a_bad_model_directory_is_invalid_argument(rollout, bad_model_dirs, which):
+    got, details = _load_model(rollout, model_path=str(bad_model_dirs[which]),
+                               engine_config_json='{"engine": "torch"}')
+    assert got == INVALID and "model_path" in details, (got, details)
+    assert rollout.health().ok
+
+
+@pytest.mark.parametrize("method, kind", [
+    ("ConfigureRun", "unary"), ("GetWeights", "unary_stream"), ("TrainStep", "stream"), ("CheckParity", "stream"),
+    ("SaveCheckpoint", "unary"), ("LoadCheckpoint", "unary"),
+])
+def test_trainer_undecodable_message_is_invalid_argument(trainer, method, kind):
+    if kind == "stream":
+        call = trainer.channel.stream_unary(trainer.method(method))
+        code, details = code_of(lambda: call(iter([CORRUPT]), timeout=30))
+    elif kind == "unary_stream":
+        call = trainer.channel.unary_stream(trainer.method(method))
+        code, details = code_of(lambda: list(call(CORRUPT, timeout=30)))
+    else:
+        call = trainer.channel.unary_unary(trainer.method(method))
+        code, details = code_of(lambda: call(CORRUPT, timeout=30))
+    assert code == INVALID and "undecodable" in details and method in details, (code, details)
+    assert trainer.health().ok
+
+
+def _configure(trainer, **fields) -> tuple[grpc.StatusCode, str]:
+    call = trainer.channel.unary_unary(trainer.method("ConfigureRun"),
+                                       request_serializer=pb.ConfigureRunRequest.SerializeToString,
+                                       response_deserializer=pb.ConfigureRunResponse.FromString)
+    # A fresh run id each time: a config that were accepted must not turn the next case into a mismatch.
+    request = pb.ConfigureRunRequest(run_id=f"r-{uuid.uuid4().hex}", seed=0, **fields)
+    return code_of(lambda: call(request, timeout=120))
+
+
+@pytest.mark.parametrize("which", ["garbage_config", "empty_config", "no_weights", "corrupt_weights"])
+def test_trainer_configure_of_a_bad_model_directory_is_invalid_argument(trainer, bad_model_dirs, which):
+    got, details = _configure(trainer, model_path=str(bad_model_dirs[which]))
+    assert got == INVALID and "model_path" in details, (got, details)
+    assert trainer.health().ok
+
+
+@pytest.mark.parametrize("config_json, fragment", [
+    ("[" * 5000 + "]" * 5000, "trainer_config_json"),
+    (json.dumps({"lr": True}), "trainer_config_json.lr"),
+    (json.dumps({"lr": 1e308}), "trainer_config_json.lr"),
+    (json.dumps({"microbatch_tokens": 5.5}), "trainer_config_json.microbatch_tokens"),
+])
+def test_trainer_configure_with_a_hostile_config_is_invalid_argument(trainer, model_dir, config_json, fragment):
+    got, details = _configure(trainer, model_path=str(model_dir), trainer_config_json=config_json)
+    assert got == INVALID and fragment in details, (got, details)
+    assert trainer.health().ok
+
+
+def _unary(served, method: str, request, response_type):
+    return served.channel.unary_unary(served.method(method), request_serializer=type(request).SerializeToString,
+                                      response_deserializer=response_type.FromString)(request, timeout=120)
+
+
+@pytest.mark.parametrize("corrupt", ["optimizer.pt", "model.safetensors", "lockstep_trainer_state.json"])
+def test_trainer_load_checkpoint_of_corrupt_files_is_invalid_argument(trainer, model_dir, tmp_path, corrupt):
+    run_id = f"ckpt-{uuid.uuid4().hex}"
+    _unary(trainer, "ConfigureRun", pb.ConfigureRunRequest(run_id=run_id, model_path=str(model_dir), seed=0),
+           pb.ConfigureRunResponse)
+    saved = _unary(trainer, "SaveCheckpoint", pb.SaveCheckpointRequest(run_id=run_id, directory=str(tmp_path / "c")),
+                   pb.SaveCheckpointResponse).directory
+    target = Path(saved) / corrupt
+    assert target.is_file(), sorted(p.name for p in Path(saved).iterdir())
+    target.write_bytes(b"\x00 not what it should be")
+    got, details = code_of(lambda: _unary(trainer, "LoadCheckpoint",
+                                          pb.LoadCheckpointRequest(run_id=run_id, directory=saved),
+                                          pb.LoadCheckpointResponse))
+    assert got == INVALID and "directory" in details, (got, details)
+    assert trainer.health().ok
