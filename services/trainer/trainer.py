@@ -19,22 +19,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from pydantic import ValidationError
 
 from services.common.determinism import configure_determinism
 from services.common.metric_defs import STEP_METRIC_HELP
-from services.common.models import load_causal_lm, resolve_dtype
+from services.common.models import resolve_dtype
 from services.trainer import checkpoint as ckpt
-from services.trainer import sharding
-from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
-from services.trainer.config import TrainerRunConfig, format_validation_error
+from services.trainer import run_setup, sharding
+from services.trainer.batching import Microbatch, TrainSample, canonical_order
+from services.trainer.config import TrainerRunConfig
 from services.trainer.data_parallel import DataParallel
 from services.trainer.grpo import kl_to_reference, mismatch_stats, ppo_clip_loss, reward_stats
 from services.trainer.lr_schedule import lr_at
 from services.trainer.mismatch_correction import correction_weights
-from services.trainer.packing import PackingConfig, pack_samples
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.policy import PolicyModule
+from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.step_digest import check_replay, trajectories_digest
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
 
@@ -113,83 +112,6 @@ class StepOutcome:
     replayed: bool
 
 
-def parse_run_config(text: str) -> TrainerRunConfig:
-    try:
-        return TrainerRunConfig.model_validate_json(text or "{}")
-    except ValidationError as exc:
-        raise InvalidRequest(format_validation_error(exc, prefix="trainer_config_json")) from None
-
-
-def _attn_implementation(config: TrainerRunConfig) -> str:
-    if config.batching == "packed":
-        # Packed microbatches only ever reach attention through the registry,
-        # which refuses backends that ignore cu_seqlens (seed 000).
-        from kernels.attention import register_hf_attention
-
-        return register_hf_attention()
-    return config.attn_implementation
-
-
-def _load_model(path: str | Path, config: TrainerRunConfig, device: str, *, dtype: str,
-                field_name: str) -> torch.nn.Module:
-    try:
-        model = load_causal_lm(path, dtype=dtype, device=device, attn_implementation=_attn_implementation(config))
-    except FileNotFoundError as exc:
-        raise InvalidRequest(f"{field_name}: {str(exc).removeprefix('model_path: ')}") from None
-    # eval(): no dropout. The update must score tokens with exactly the
-    # function the rollout engine sampled from, or step-1 IW drifts from 1;
-    # gradients flow in eval mode all the same.
-    model.eval()
-    return model
-
-
-def _load_policy(path: str | Path, config: TrainerRunConfig, device: torch.device, *, field_name: str) -> PolicyModule:
-    """float32 masters loaded on the CPU, then sharded onto `device` (each rank keeps its 1/N)."""
-    lm = _load_model(path, config, "cpu", dtype="float32", field_name=field_name)
-    policy = PolicyModule(lm)
-    sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
-        compute_dtype=resolve_dtype(config.dtype), activation_checkpointing=config.activation_checkpointing,
-        cpu_offload=config.optimizer_offload))
-    return policy
-
-
-def _build_optimizer(model: torch.nn.Module, config: TrainerRunConfig, device: torch.device) -> torch.optim.Optimizer:
-    # On an accelerator one fused kernel updates every shard (elementwise, deterministic); on the
-    # CPU, and for offloaded state, torch's default implementation.
-    fused = device.type == "cuda" and not config.optimizer_offload
-    return torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=config.lr,
-        betas=config.betas,
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        fused=fused or None,
-    )
-
-
-def build_microbatches(samples: list[TrainSample], config: TrainerRunConfig) -> list[Microbatch]:
-    """The one place that picks a microbatch layout. Both index samples in canonical order."""
-    if config.batching == "packed":
-        try:
-            return pack_samples(canonical_order(samples), PackingConfig(token_budget=config.microbatch_tokens))
-        except ValueError as exc:
-            raise InvalidRequest(f"trajectories: {exc}") from None
-    if config.batching == "padded":
-        return padded_microbatches(samples, config.microbatch_tokens)
-    raise InvalidRequest(f"trainer_config_json.batching: {config.batching!r} is not implemented")
-
-
-def _check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Refuse, before anything is modified, a state that load_state_dict would reject half-way."""
-    groups = state.get("param_groups") if isinstance(state, dict) else None
-    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"{ckpt.OPTIMIZER_FILE}: parameter groups do not match the optimizer")
-    for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
-        if len(mine["params"]) != len(theirs.get("params", ())):
-            raise ValueError(f"{ckpt.OPTIMIZER_FILE}: group {i} holds {len(theirs.get('params', ()))} params, "
-                             f"the optimizer {len(mine['params'])}")
-
-
 class Trainer:
     """One run's model and optimizer. With `dp` this is one rank of a data-parallel group
     (services/trainer/data_parallel.py): it trains its share of each step's microbatches."""
@@ -262,10 +184,10 @@ class Trainer:
                 raise InvalidRequest(f"resume_checkpoint: {exc}") from None
             if state.run_id != run_id:
                 raise InvalidRequest(f"resume_checkpoint: belongs to run {state.run_id!r}, not {run_id!r}")
-            policy = _load_policy(resume_checkpoint, config, torch.device(self.device), field_name="resume_checkpoint")
+            policy = run_setup.load_policy(resume_checkpoint, config, torch.device(self.device), field_name="resume_checkpoint")
         else:
-            policy = _load_policy(model_path, config, torch.device(self.device), field_name="model_path")
-        optimizer = _build_optimizer(policy, config, torch.device(self.device))
+            policy = run_setup.load_policy(model_path, config, torch.device(self.device), field_name="model_path")
+        optimizer = run_setup.build_optimizer(policy, config, torch.device(self.device))
         if state is not None:
             try:
                 sharding.load_optimizer_state(policy.lm, optimizer, ckpt.read_optimizer_state(resume_checkpoint))
@@ -275,7 +197,7 @@ class Trainer:
         if config.kl_coef > 0:
             # The reference is the run's initial policy, also when resuming: frozen, in the compute
             # dtype (the same cast of the same masters the policy computes with at step 1).
-            ref_model = PolicyModule(_load_model(model_path, config, self.device, dtype=config.dtype,
+            ref_model = PolicyModule(run_setup.load_model(model_path, config, self.device, dtype=config.dtype,
                                                  field_name="model_path"))
             ref_model.requires_grad_(False)
         run = RunState(
@@ -571,7 +493,7 @@ class Trainer:
                 raise ValueError(f"checkpoint belongs to run {state.run_id!r}, not {run_id!r}")
             weights = ckpt.load_safetensors_weights(directory)
             optim_state = ckpt.read_optimizer_state(directory)
-            _check_optimizer_state(run.optimizer, optim_state)
+            run_setup.check_optimizer_state(run.optimizer, optim_state)
             # Validates every name/shape/dtype before the first copy.
             ckpt.check_weights_match(run.policy.lm, weights, where="directory")
         except (FileNotFoundError, ValueError) as exc:

@@ -1,0 +1,94 @@
+"""Building a run's parts: its config, policy (float32 masters, sharded), reference model, optimizer,
+and the one microbatch layout a step uses. Pure construction; the Trainer holds what these return."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from services.common.models import load_causal_lm, resolve_dtype
+from services.trainer import checkpoint as ckpt
+from services.trainer import sharding
+from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
+from services.trainer.config import TrainerRunConfig, format_validation_error
+from services.trainer.packing import PackingConfig, pack_samples
+from services.trainer.policy import PolicyModule
+from services.trainer.wire import InvalidRequest
+
+
+def parse_run_config(text: str) -> TrainerRunConfig:
+    try:
+        return TrainerRunConfig.model_validate_json(text or "{}")
+    except ValidationError as exc:
+        raise InvalidRequest(format_validation_error(exc, prefix="trainer_config_json")) from None
+
+
+def attn_implementation(config: TrainerRunConfig) -> str:
+    if config.batching == "packed":
+        # Packed microbatches only ever reach attention through the registry,
+        # which refuses backends that ignore cu_seqlens (seed 000).
+        from kernels.attention import register_hf_attention
+
+        return register_hf_attention()
+    return config.attn_implementation
+
+
+def load_model(path: str | Path, config: TrainerRunConfig, device: str, *, dtype: str,
+                field_name: str) -> torch.nn.Module:
+    try:
+        model = load_causal_lm(path, dtype=dtype, device=device, attn_implementation=attn_implementation(config))
+    except FileNotFoundError as exc:
+        raise InvalidRequest(f"{field_name}: {str(exc).removeprefix('model_path: ')}") from None
+    # eval(): no dropout. The update must score tokens with exactly the
+    # function the rollout engine sampled from, or step-1 IW drifts from 1;
+    # gradients flow in eval mode all the same.
+    model.eval()
+    return model
+
+
+def load_policy(path: str | Path, config: TrainerRunConfig, device: torch.device, *, field_name: str) -> PolicyModule:
+    """float32 masters loaded on the CPU, then sharded onto `device` (each rank keeps its 1/N)."""
+    lm = load_model(path, config, "cpu", dtype="float32", field_name=field_name)
+    policy = PolicyModule(lm)
+    sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
+        compute_dtype=resolve_dtype(config.dtype), activation_checkpointing=config.activation_checkpointing,
+        cpu_offload=config.optimizer_offload))
+    return policy
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainerRunConfig, device: torch.device) -> torch.optim.Optimizer:
+    # On an accelerator one fused kernel updates every shard (elementwise, deterministic); on the
+    # CPU, and for offloaded state, torch's default implementation.
+    fused = device.type == "cuda" and not config.optimizer_offload
+    return torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=config.lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        fused=fused or None,
+    )
+
+
+def build_microbatches(samples: list[TrainSample], config: TrainerRunConfig) -> list[Microbatch]:
+    """The one place that picks a microbatch layout. Both index samples in canonical order."""
+    if config.batching == "packed":
+        try:
+            return pack_samples(canonical_order(samples), PackingConfig(token_budget=config.microbatch_tokens))
+        except ValueError as exc:
+            raise InvalidRequest(f"trajectories: {exc}") from None
+    if config.batching == "padded":
+        return padded_microbatches(samples, config.microbatch_tokens)
+    raise InvalidRequest(f"trainer_config_json.batching: {config.batching!r} is not implemented")
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Refuse, before anything is modified, a state that load_state_dict would reject half-way."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{ckpt.OPTIMIZER_FILE}: parameter groups do not match the optimizer")
+    for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
+        if len(mine["params"]) != len(theirs.get("params", ())):
+            raise ValueError(f"{ckpt.OPTIMIZER_FILE}: group {i} holds {len(theirs.get('params', ()))} params, "
+                             f"the optimizer {len(mine['params'])}")
