@@ -13,7 +13,21 @@ import os
 import sys
 from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+
+
+class AuthSetting(BaseModel):
+    """The setting every service's configuration shares: where its copy of the deployment's token is
+    (services/common/auth.py loads and checks it)."""
+
+    auth_token_file: str = Field(
+        "",
+        description="File holding the deployment's shared bearer token, required on every call. Empty: "
+        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
+        "(`python -m services.common.auth FILE` writes a token).",
+    )
+
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
+from services.common.service_config import AuthSetting
 
 
-class CoordinatorConfig(BaseModel):
+class CoordinatorConfig(AuthSetting):
     """Lockstep coordinator: REST API, run state machine, run loop."""
 
     model_config = ConfigDict(extra="forbid")
@@ -35,12 +36,6 @@ class CoordinatorConfig(BaseModel):
         "is sent (the embedded Redis always gets a generated one).",
     )
     data_dir: str = Field("runs", description="Run directories (checkpoints, summaries) and embedded Redis data.")
-    auth_token_file: str = Field(
-        "",
-        description="File holding the deployment's shared bearer token, required on every call. Empty: "
-        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
-        "(`python -m services.common.auth FILE` writes a token).",
-    )
     model_roots: RootList = Field(
         default_factory=lambda: list(DEFAULT_ROOTS),
         description="Comma-separated directories a run spec's model_path must resolve inside (symlinks followed); "

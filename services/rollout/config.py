@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
+from services.common.service_config import AuthSetting
 
 ENV_PREFIX = "LOCKSTEP_ROLLOUT"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def default_sglang_weights_dir() -> str:
     return os.environ.get(SGLANG_WEIGHTS_DIR_ENV) or str(REPO_ROOT / "runs" / "sglang-weights")
 
 
-class RolloutServiceConfig(BaseModel):
+class RolloutServiceConfig(AuthSetting):
     """Lockstep rollout service: gRPC Generate / LoadModel / UpdateWeights over one engine."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -57,12 +58,6 @@ class RolloutServiceConfig(BaseModel):
     )
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="On SIGTERM, seconds in-flight RPCs get to finish before they are cancelled."
-    )
-    auth_token_file: str = Field(
-        "",
-        description="File holding the deployment's shared bearer token, required on every call. Empty: "
-        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
-        "(`python -m services.common.auth FILE` writes a token).",
     )
     model_roots: RootList = Field(
         default_factory=lambda: list(DEFAULT_ROOTS),

@@ -13,12 +13,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError,
 
 from kernels.attention.registry import AttentionPolicy
 from services.common.path_roots import DEFAULT_ROOTS, RootList
+from services.common.service_config import AuthSetting
 from services.trainer.lr_schedule import LRSchedule
 from services.trainer.mismatch_correction import MismatchCorrection
 from services.trainer.parity_gate import ParityThresholds
 
 
-class TrainerServiceConfig(BaseModel):
+class TrainerServiceConfig(AuthSetting):
     """Lockstep trainer service: gRPC server that turns trajectories into policy updates."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
@@ -68,12 +69,6 @@ class TrainerServiceConfig(BaseModel):
     )
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled."
-    )
-    auth_token_file: str = Field(
-        "",
-        description="File holding the deployment's shared bearer token, required on every call. Empty: "
-        "$LOCKSTEP_AUTH_TOKEN_FILE, else $LOCKSTEP_AUTH_TOKEN; with none of them the service refuses to start "
-        "(`python -m services.common.auth FILE` writes a token).",
     )
     model_roots: RootList = Field(
         default_factory=lambda: list(DEFAULT_ROOTS),
