@@ -14,10 +14,9 @@ import json
 
 import pytest
 import torch
-from trainer_support import current_policy, make_episodes, rollout_logprobs
+from trainer_support import on_policy_request
 
 from services.trainer.batching import TrainSample
-from services.trainer.grpo import group_advantages
 from services.trainer.trainer import Trainer
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
 from services.trainer.worker_group import GroupSpec, GroupTrainer
@@ -28,14 +27,7 @@ CONFIG = {"lr": 1e-2, "microbatch_tokens": 12, "grad_clip": 1.0}
 
 
 def step_request(trainer, model_dir, step: int) -> StepRequest:
-    """Step `step`'s trajectories, scored by the trainer's current weights as a synced rollout would."""
-    policy = current_policy(trainer, model_dir, device=trainer.device)
-    eps = make_episodes(n_groups=3, per_group=3, seed=10 + step)
-    adv = group_advantages([e["reward"] for e in eps], [e["group_id"] for e in eps])
-    samples = [TrainSample(e["sample_id"], e["group_id"], torch.tensor(e["prompt"]), torch.tensor(e["response"]),
-                           torch.tensor(rollout_logprobs(policy, e["prompt"], e["response"])), e["reward"], a)
-               for e, a in zip(eps, adv)]
-    return StepRequest("run", step, step - 1, samples)
+    return on_policy_request(trainer, model_dir, step, n_groups=3, per_group=3, seed=10)
 
 
 def _steps(trainer, model_dir, first: int, last: int) -> list[dict]:

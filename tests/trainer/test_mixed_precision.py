@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_support import current_policy, make_episodes, rollout_logprobs
+from trainer_support import make_episodes, on_policy_request, rollout_logprobs
 
 from services.trainer.batching import TrainSample
 from services.trainer.grpo import group_advantages
@@ -30,13 +30,7 @@ def _trainer(model_dir, device: str = "cpu", **config) -> Trainer:
 
 
 def _request(trainer, model_dir, step: int) -> StepRequest:
-    policy = current_policy(trainer, model_dir, device=trainer.device)
-    eps = make_episodes(n_groups=3, per_group=4, seed=100 + step)
-    adv = group_advantages([e["reward"] for e in eps], [e["group_id"] for e in eps])
-    samples = [TrainSample(e["sample_id"], e["group_id"], torch.tensor(e["prompt"]), torch.tensor(e["response"]),
-                           torch.tensor(rollout_logprobs(policy, e["prompt"], e["response"])), e["reward"], a)
-               for e, a in zip(eps, adv)]
-    return StepRequest("run", step, step - 1, samples)
+    return on_policy_request(trainer, model_dir, step, n_groups=3, per_group=4, seed=100)
 
 
 def _first_moments(trainer) -> dict[str, torch.Tensor]:

@@ -81,3 +81,19 @@ def current_policy(trainer, model_dir: Path, *, device: str = "cpu") -> torch.nn
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     model.load_state_dict({k: v.to(dtype) for k, v in trainer.master_state_dict().items()})
     return model.to(device)
+
+
+def on_policy_request(trainer, model_dir: Path, step: int, *, n_groups: int, per_group: int, seed: int):
+    """StepRequest of step `step`: make_episodes(seed=seed + step) scored by the trainer's current weights, as a
+    rollout synced to it would report them, with GRPO advantages."""
+    from services.trainer.batching import TrainSample
+    from services.trainer.grpo import group_advantages
+    from services.trainer.wire import StepRequest
+
+    policy = current_policy(trainer, model_dir, device=trainer.device)
+    eps = make_episodes(n_groups=n_groups, per_group=per_group, seed=seed + step)
+    adv = group_advantages([e["reward"] for e in eps], [e["group_id"] for e in eps])
+    samples = [TrainSample(e["sample_id"], e["group_id"], torch.tensor(e["prompt"]), torch.tensor(e["response"]),
+                           torch.tensor(rollout_logprobs(policy, e["prompt"], e["response"])), e["reward"], a)
+               for e, a in zip(eps, adv)]
+    return StepRequest(trainer.run.run_id, step, step - 1, samples)
