@@ -515,10 +515,12 @@ class Trainer:
         """sha256 over every float32 master's bytes in state-dict order. Collective in a group."""
         import hashlib
 
+        run = self.require_run(self.run.run_id if self.run else "")
+        sharding.reshard(run.policy)
         h = hashlib.sha256()
-        for name, t in self.master_state_dict().items():
+        for name, t in run.policy.lm.state_dict(keep_vars=True).items():  # one whole tensor at a time
             h.update(name.encode())
-            h.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(sharding.full_tensor(t.detach()).cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     def info(self) -> dict[str, object]:
