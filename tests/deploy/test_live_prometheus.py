@@ -157,6 +157,11 @@ def finished_run(stack, prometheus, tmp_path_factory):
     wait_for(prometheus, f'lockstep_run_step{{run_id="{run["id"]}"}} == 3')
     wait_for(prometheus, f'lockstep_run_active{{run_id="{run["id"]}"}} == 0')
     wait_for(prometheus, f'lockstep:step_seconds:median{{run_id="{run["id"]}"}}')  # a rule evaluation since
+    # ...and has scraped the trainer and the rollout since the run ended: each target's scrape loop keeps its
+    # own schedule, and on a loaded machine one can lag the coordinator's by seconds.
+    wait_for(prometheus, 'lockstep_trainer_steps_total{outcome="trained"} >= 3', timeout_s=120)
+    wait_for(prometheus, 'lockstep_rollout_requests_total', timeout_s=120)
+    wait_for(prometheus, 'count(up{job=~"lockstep-trainer|lockstep-rollout"} == 1) == 2', timeout_s=120)
     return run["id"], steps
 
 
