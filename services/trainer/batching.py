@@ -1,7 +1,7 @@
 """Microbatches of trajectories under a token budget (padded rows for now).
 
 The training loop sees a microbatch only through the `Microbatch` protocol:
-"give me the final hidden states at the response positions, and the per-token targets,
+"give me the final hidden states (and which rows score response tokens), and the per-token targets,
 rollout log-probs and advantages in the same order". A padded microbatch
 (here) and a packed one (services/trainer/packing.py, issue 6) both satisfy
 it, so packing replaces `plan_padded` + `PaddedMicrobatch` without touching
@@ -49,9 +49,11 @@ class Microbatch(Protocol):
     @property
     def num_response_tokens(self) -> int: ...
 
-    def response_hidden(self, lm: torch.nn.Module) -> torch.Tensor:
-        """[N, H] final hidden states of the HF causal LM `lm` that score the N response tokens, in
-        `response_targets` order (its lm_head turns them into logits)."""
+    loss_mask: torch.Tensor  # bool, the shape of hidden_states(...) without H: True at the N response rows
+
+    def hidden_states(self, lm: torch.nn.Module) -> torch.Tensor:
+        """Final hidden states of the HF causal LM `lm` at every position ([T, H] packed, [B, T, H] padded);
+        `[loss_mask]` selects the N rows that score the response tokens, in `response_targets` order."""
 
     @property
     def response_targets(self) -> torch.Tensor: ...        # int64 [N]
@@ -150,9 +152,8 @@ class PaddedMicrobatch(ResponseSelection):
     def num_padded_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def response_hidden(self, lm: torch.nn.Module) -> torch.Tensor:
-        hidden = lm.model(input_ids=self.input_ids, use_cache=False).last_hidden_state
-        return hidden[self.loss_mask]
+    def hidden_states(self, lm: torch.nn.Module) -> torch.Tensor:
+        return lm.model(input_ids=self.input_ids, use_cache=False).last_hidden_state
 
     @property
     def response_sample_index(self) -> torch.Tensor:

@@ -21,9 +21,9 @@ t + 1 of the same sample), so the trainer never shifts:
     sample_index     int64 [T]   index of the row's sample in the input list
 
 `PackedMicrobatch` satisfies services/trainer/batching.py's `Microbatch`
-protocol (response_hidden / response_targets / response_rollout_logprobs /
+protocol (hidden_states / response_targets / response_rollout_logprobs /
 response_advantages / sample_ids / num_response_tokens / to), so the loss code
-is the same for padded and packed microbatches. Its `response_hidden` refuses
+is the same for padded and packed microbatches. Its `hidden_states` refuses
 a model whose attention is not the registry's ('lockstep_packed'): a packed
 buffer through an attention that ignores cu_seqlens is seed 000.
 
@@ -123,7 +123,7 @@ class PackedMicrobatch(ResponseSelection):
         return packed_forward_kwargs(self.position_ids, self.cu_seqlens, self.max_seqlen)
 
     # ---- batching.Microbatch protocol --------------------------------------------------------
-    def response_hidden(self, lm: torch.nn.Module) -> torch.Tensor:
+    def hidden_states(self, lm: torch.nn.Module) -> torch.Tensor:
         from kernels.attention.hf import HF_ATTN_IMPLEMENTATION
 
         impl = getattr(getattr(lm, "config", None), "_attn_implementation", None)
@@ -132,8 +132,7 @@ class PackedMicrobatch(ResponseSelection):
                 f"packed microbatch refused: the model's attention is {impl!r}, not {HF_ATTN_IMPLEMENTATION!r}. "
                 "Call kernels.attention.register_hf_attention() and model.set_attn_implementation(...) first; "
                 "another attention may ignore cu_seqlens and attend across packed sequences (seed 000).")
-        hidden = lm.model(input_ids=self.input_ids[None], use_cache=False, **self.model_kwargs()).last_hidden_state[0]
-        return hidden[self.loss_mask]
+        return lm.model(input_ids=self.input_ids[None], use_cache=False, **self.model_kwargs()).last_hidden_state[0]
 
     @property
     def response_sample_index(self) -> torch.Tensor:

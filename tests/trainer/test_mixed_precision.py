@@ -137,7 +137,7 @@ def test_float32_on_one_rank_is_bitwise_a_plain_module(tiny_model_dir):
     microbatches = build_microbatches(request.samples, cfg)
     n_total = sum(mb.num_response_tokens for mb in microbatches)
     for mb in microbatches:
-        logp = score_hidden(mb.response_hidden(plain), plain.lm_head.weight, mb.response_targets,
+        logp = score_hidden(mb.hidden_states(plain), plain.lm_head.weight, mb.loss_mask, mb.response_targets,
                             temperature=cfg.temperature)[0]
         loss, _ = ppo_clip_loss(logp, mb.response_rollout_logprobs, mb.response_advantages,
                                 clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high)

@@ -167,7 +167,7 @@ def test_packed_matches_the_padded_path_token_for_token():
         sorted(s.sample_id for s in samples)
 
 
-def test_response_hidden_refuses_a_model_without_the_packed_attention():
+def test_hidden_states_refuses_a_model_without_the_packed_attention():
     rng = random.Random(5)
     mb = pack_samples([_sample(rng, 2, 3), _sample(rng, 4, 1)])[0]
 
@@ -178,4 +178,4 @@ def test_response_hidden_refuses_a_model_without_the_packed_attention():
         config = _Cfg()
 
     with pytest.raises(RuntimeError, match=r"attention is 'sdpa', not 'lockstep_packed'"):
-        mb.response_hidden(_Model())
+        mb.hidden_states(_Model())

@@ -153,7 +153,7 @@ def _run_gate(trainer, samples, backend):
     parts = []
     with torch.no_grad(), REGISTRY.forced(backend):
         for mb in mbs:
-            lp = token_logprobs(trainer.lm_head(mb.response_hidden(trainer)), mb.response_targets, backend="reference")[0]
+            lp = token_logprobs(trainer.lm_head(mb.hidden_states(trainer))[mb.loss_mask], mb.response_targets, backend="reference")[0]
             parts.append((lp, mb.response_rollout_logprobs, mb.response_sample_index, mb.response_positions))
     cat = [torch.cat(x) for x in zip(*parts)]
     return check_parity(cat[0], cat[1], sample_index=cat[2], positions=cat[3],
