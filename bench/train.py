@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.packing import sample_prompt_response_lengths  # noqa: E402
+from bench.packing import sample_prompt_response_lengths, timed  # noqa: E402
 
 SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -55,18 +55,7 @@ VOCAB = 151936
 def gemm_tflops(n: int = 8192, reps: int = 20) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        a @ b
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return 2 * n ** 3 / statistics.median(times) / 1e12
+    return 2 * n ** 3 / (timed(lambda: a @ b, reps, warmup=3) / 1e3) / 1e12
 
 
 def write_model(shape: str, directory: Path, seed: int) -> dict:
