@@ -103,6 +103,10 @@ def _as_int(name: str, value) -> int:
     return value
 
 
+# Never traced by torch.compile (the trainer's compile_layers compiles the decoder layers around it):
+# the contract checks sync with the host and cache layouts by tensor identity, which would become
+# guards that recompile every microbatch, and the attention kernels are fused already.
+@torch.compiler.disable
 def hf_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
