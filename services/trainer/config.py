@@ -140,6 +140,12 @@ class TrainerRunConfig(BaseModel):
         False, description="Recompute each decoder layer's activations in backward instead of keeping them "
         "(less memory for longer microbatches; the step's numbers are unchanged)."
     )
+    compile_layers: bool = Field(
+        False, description="Compile each decoder layer's forward with torch.compile (inductor), fusing the "
+        "elementwise work around the matmuls and attention (RMSNorm, rotary, SiLU-and-mul, residual adds). Faster "
+        "on GPUs; the first steps pay the compile. Still deterministic run to run, but fused bf16 rounding differs "
+        "from the eager kernels', so a compiled run's numbers are not an eager run's bits."
+    )
     optimizer_offload: bool = Field(
         False, description="Keep master weights, gradients and AdamW state in CPU memory and step the optimizer "
         "there (FSDP CPU offload): for models whose float32 state does not fit the accelerators."

@@ -53,7 +53,7 @@ def load_policy(path: str | Path, config: TrainerRunConfig, device: torch.device
     policy = PolicyModule(lm)
     sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
         compute_dtype=resolve_dtype(config.dtype), activation_checkpointing=config.activation_checkpointing,
-        cpu_offload=config.optimizer_offload))
+        compile_layers=config.compile_layers, cpu_offload=config.optimizer_offload))
     return policy
 
 

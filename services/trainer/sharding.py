@@ -41,6 +41,8 @@ class ShardingPlan:
     """Dtype of forward and backward (the master weights stay float32)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
+    compile_layers: bool = False
+    """torch.compile each decoder layer's forward (inside FSDP's hooks and the checkpoint wrapper)."""
     cpu_offload: bool = False
     """Keep master weights, gradients and optimizer state on the CPU (the optimizer steps there)."""
 
@@ -88,6 +90,15 @@ def _checkpoint_forward(forward, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def compiled(forward):
+    """torch.compile with dynamic shapes that fails loudly instead of silently running eager when the
+    recompile limit is reached."""
+    import torch._dynamo
+
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    return torch.compile(forward, dynamic=True)
+
+
 def shard_policy(root: torch.nn.Module, lm: torch.nn.Module, device: torch.device, plan: ShardingPlan) -> None:
     """Wrap `root` (which holds the HF model `lm`) in place: one FSDP unit per decoder layer, then the root.
 
@@ -107,6 +118,12 @@ def shard_policy(root: torch.nn.Module, lm: torch.nn.Module, device: torch.devic
     offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
     common = dict(mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=world > 1)
     for layer in decoder_layers(lm):
+        if plan.compile_layers:
+            # The bound forward, so FSDP's pre/post-forward hooks stay eager around the compiled
+            # graph; every layer shares one compiled code object (dynamo inlines nn.Module
+            # parameters as inputs), and shapes are dynamic so each microbatch length does not
+            # recompile.
+            layer.forward = compiled(layer.forward)
         if plan.activation_checkpointing:
             # The instance's forward, so module names (and state-dict keys) stay those of Hugging Face.
             layer.forward = functools.partial(_checkpoint_forward, layer.forward)
