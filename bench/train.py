@@ -139,7 +139,7 @@ def profile_step(trainer, request, top: int = 30) -> dict:
             "top_kernels_ms": [[k[:90], round(ms, 2), n] for k, ms, n in rows[:top]]}
 
 
-def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float) -> dict:
+def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: float) -> dict:
     from services.trainer.trainer import Trainer
     from services.trainer.worker_group import GroupSpec, GroupTrainer
 
@@ -156,7 +156,7 @@ def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float)
                                              timeout_s=1800))
         run_config = {
             "lr": 1e-6, "dtype": "bfloat16", "microbatch_tokens": budget, "grad_clip": 1.0,
-            "activation_checkpointing": checkpointing,
+            "activation_checkpointing": "ac" in flags, "compile_layers": "compile" in flags,
             "parity_gate": {"iw_mean_tolerance": 1e9, "iw_max": 1e30, "logprob_abs_diff_mean": 1e9},
         }
         t0 = time.monotonic()
@@ -186,7 +186,7 @@ def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float)
         "shape": shape, **cfg, "vocab_size": VOCAB, **counts,
         "samples": len(lengths), "tokens_per_step": tokens, "response_tokens_per_step": sum(r for _, r in lengths),
         "longest_sample": max(p + r for p, r in lengths), "microbatch_tokens": budget,
-        "activation_checkpointing": checkpointing,
+        "activation_checkpointing": "ac" in flags, "compile_layers": "compile" in flags,
         "configure_seconds": round(configure_s, 1),
         "step_seconds": [round(t, 4) for t in step_times], "steady_step_seconds": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 1),
@@ -207,22 +207,27 @@ def bench_shape(shape: str, budget: int, checkpointing: bool, args, gemm: float)
     return result
 
 
-def parse_runs(text: str) -> list[tuple[str, int, bool]]:
-    """'qwen3-4b@16384+ac,qwen3-0.6b@32768' -> [(shape, microbatch_tokens, activation_checkpointing)]."""
+RUN_FLAGS = {"ac": "activation checkpointing", "compile": "torch.compile each decoder layer"}
+
+
+def parse_runs(text: str) -> list[tuple[str, int, frozenset[str]]]:
+    """'qwen3-4b@16384+ac+compile,qwen3-0.6b@32768' -> [(shape, microbatch_tokens, flags)]."""
     runs = []
     for item in text.split(","):
         head, _, budget = item.strip().partition("@")
-        budget, _, ac = budget.partition("+")
-        if head not in SHAPES or not budget.isdigit() or ac not in ("", "ac"):
-            raise SystemExit(f"--runs: {item!r} is not SHAPE@TOKENS[+ac] with SHAPE one of {sorted(SHAPES)}")
-        runs.append((head, int(budget), ac == "ac"))
+        budget, *flags = budget.split("+")
+        if head not in SHAPES or not budget.isdigit() or not set(flags) <= set(RUN_FLAGS):
+            raise SystemExit(f"--runs: {item!r} is not SHAPE@TOKENS[+FLAG...] with SHAPE one of {sorted(SHAPES)} "
+                             f"and FLAG one of {sorted(RUN_FLAGS)}")
+        runs.append((head, int(budget), frozenset(flags)))
     return runs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", default="qwen3-0.6b@32768+ac,qwen3-4b@16384+ac",
-                    help="comma-separated SHAPE@MICROBATCH_TOKENS[+ac] (+ac: activation checkpointing)")
+                    help="comma-separated SHAPE@MICROBATCH_TOKENS[+FLAG...]; flags: "
+                    + ", ".join(f"+{k} ({v})" for k, v in RUN_FLAGS.items()))
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="profile one extra step: GPU time by kernel")
@@ -242,12 +247,11 @@ def main() -> None:
         "transformers": transformers.__version__, "python": platform.python_version(),
         "gemm_bf16_8192_tflops": round(gemm, 1), "runs": [],
     }
-    for shape, budget, checkpointing in runs:
+    for shape, budget, flags in runs:
         try:
-            out["runs"].append(bench_shape(shape, budget, checkpointing, args, gemm))
+            out["runs"].append(bench_shape(shape, budget, flags, args, gemm))
         except torch.OutOfMemoryError as exc:
-            out["runs"].append({"shape": shape, "microbatch_tokens": budget,
-                                "activation_checkpointing": checkpointing,
+            out["runs"].append({"shape": shape, "microbatch_tokens": budget, "flags": sorted(flags),
                                 "error": f"out of memory: {str(exc).splitlines()[0]}"})
         gc.collect()  # a failed run's trainer lives in its traceback until collected
         torch.cuda.empty_cache()
