@@ -3,7 +3,7 @@
 Prints one JSON object (and writes it to --out). Needs CUDA/ROCm GPUs: one, or
 `--world-size N` of one host (an FSDP group over NCCL, rank 0 in this process).
 
-Per run (`--runs SHAPE@MICROBATCH[+ac]`, Qwen3 0.6B/4B/8B dimensions, vocab
+Per run (`--runs SHAPE@MICROBATCH[+ac][+compile]`, Qwen3 0.6B/4B/8B dimensions, vocab
 151936): a model directory is written (bf16 safetensors, random init),
 `Trainer.configure` loads it as float32 masters sharded by FSDP2 with bf16
 compute, and `train_step` runs `--steps` steps of `--samples` trajectories
