@@ -170,14 +170,26 @@ class WeightChunk(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., tensor_nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_sha256: _Optional[str] = ..., last: _Optional[bool] = ..., total_sha256: _Optional[str] = ..., total_chunks: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "tensors", "bytes")
+    __slots__ = ("policy_version", "tensors", "bytes", "total_sha256")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SHA256_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     tensors: int
     bytes: int
-    def __init__(self, policy_version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    total_sha256: str
+    def __init__(self, policy_version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., total_sha256: _Optional[str] = ...) -> None: ...
+
+class SyncWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "policy_version", "trainer_address")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    trainer_address: str
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., trainer_address: _Optional[str] = ...) -> None: ...
 
 class ConfigureRunRequest(_message.Message):
     __slots__ = ("run_id", "model_path", "seed", "trainer_config_json", "resume_checkpoint")

@@ -49,6 +49,11 @@ class RolloutStub:
                 request_serializer=proto_dot_lockstep__pb2.WeightChunk.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.SyncWeights = channel.unary_unary(
+                '/lockstep.v1.Rollout/SyncWeights',
+                request_serializer=proto_dot_lockstep__pb2.SyncWeightsRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Rollout/Health',
                 request_serializer=proto_dot_lockstep__pb2.HealthRequest.SerializeToString,
@@ -83,6 +88,13 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SyncWeights(self, request, context):
+        """Streams GetWeights from the trainer at trainer_address and applies it as UpdateWeights does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -111,6 +123,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'UpdateWeights': grpc.stream_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=proto_dot_lockstep__pb2.WeightChunk.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'SyncWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncWeights,
+                    request_deserializer=proto_dot_lockstep__pb2.SyncWeightsRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
@@ -204,6 +221,33 @@ class Rollout:
             target,
             '/lockstep.v1.Rollout/UpdateWeights',
             proto_dot_lockstep__pb2.WeightChunk.SerializeToString,
+            proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Rollout/SyncWeights',
+            proto_dot_lockstep__pb2.SyncWeightsRequest.SerializeToString,
             proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,

@@ -121,3 +121,10 @@ class WeightStreamAssembler:
     @property
     def nbytes(self) -> int:
         return self._nbytes
+
+    @property
+    def total_sha256(self) -> str:
+        """The stream's digest, once its last chunk has verified against it."""
+        if not self._done:
+            raise WeightStreamError("stream ended before its last chunk")
+        return self._total.hexdigest()

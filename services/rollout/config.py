@@ -64,6 +64,27 @@ class RolloutServiceConfig(AuthSetting):
         description="Comma-separated directories LoadModel's model_path must resolve inside (INVALID_ARGUMENT "
         "otherwise). '/' is not accepted. Default: runs (relative to the working directory).",
     )
+    weight_sources: list[str] = Field(
+        default_factory=list,
+        description="Comma-separated host:port of the trainers SyncWeights may pull weights from (with this "
+        "service's bearer token); a SyncWeights naming any other address is refused, so no caller can point the "
+        "replica at a server of its choosing. Empty: SyncWeights is refused.",
+    )
+
+    @field_validator("weight_sources", mode="before")
+    @classmethod
+    def _split_sources(cls, v: object) -> object:
+        return [a.strip() for a in v.split(",") if a.strip()] if isinstance(v, str) else v
+
+    @field_validator("weight_sources")
+    @classmethod
+    def _host_port(cls, v: list[str]) -> list[str]:
+        for i, address in enumerate(v):
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"weight_sources[{i}]: {address!r} is not host:port")
+        return v
+
     # What the SGLang engine executes and where it writes belong to the operator, never to a run:
     # a LoadModel's engine_config_json cannot set any of these.
     sglang_python: str = Field(

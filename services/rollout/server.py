@@ -10,9 +10,14 @@ Status codes the coordinator can rely on:
   fails any checksum / structure check or does not match the model. The state
   is unchanged and the server keeps serving.
 - FAILED_PRECONDITION: no model loaded; Generate for a policy_version or
-  run_id other than the loaded one; UpdateWeights for another run; an engine
+  run_id other than the loaded one; UpdateWeights or SyncWeights for another
+  run, SyncWeights when the trainer serves another version; an engine
   whose optional dependency is not installed; a device that is not on this
   host (`cuda:99`, CUDA on a CPU host).
+- PERMISSION_DENIED: SyncWeights names a trainer that is not one of the
+  service's weight_sources.
+- ABORTED: SyncWeights could not read the trainer's stream (trainer
+  unreachable, or its weights changed mid-stream); nothing was applied.
 - UNAVAILABLE: the engine cannot serve right now (EngineUnavailable); retry.
 - INTERNAL: an engine bug (e.g. non-finite log-probs); logged with a traceback.
 
@@ -41,7 +46,7 @@ from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken, BearerTokenInterceptor
 from services.common.grpc_decode import RefuseUndecodable
-from services.common.grpc_options import grpc_options
+from services.common.grpc_options import grpc_options, insecure_channel
 from services.common.health_service import add_health_service
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.path_roots import resolve_inside
@@ -126,9 +131,10 @@ def _rpc(method: str, counter: str | None = None) -> Callable:
 class RolloutServicer(pb_grpc.RolloutServicer):
     """Holds the loaded engine; every handler is a few lines over the pure helpers in convert.py."""
 
-    def __init__(self, config: RolloutServiceConfig, metrics: dict[str, Any]) -> None:
+    def __init__(self, config: RolloutServiceConfig, metrics: dict[str, Any], token: BearerToken) -> None:
         self.config = config
         self.metrics = metrics
+        self._token = token  # the deployment's one token: also what SyncWeights presents to the trainer
         self.engine: Engine | None = None
         self.engine_name = ""
         self.run_id = ""
@@ -207,15 +213,47 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         assembler = WeightStreamAssembler()
         async for chunk in request_iterator:
             assembler.add(chunk)
+        return await self._apply(assembler, "UpdateWeights")
+
+    @_rpc("SyncWeights", counter="lockstep_rollout_weight_updates_total")
+    async def SyncWeights(self, request: pb.SyncWeightsRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.UpdateWeightsResponse:
+        if request.trainer_address not in self.config.weight_sources:
+            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
+                             f"trainer_address: {request.trainer_address!r} is not one of this service's "
+                             f"weight_sources {self.config.weight_sources}")
+        self._check_run(request.run_id, "SyncWeights")  # before pulling gigabytes for nothing
+        assembler = WeightStreamAssembler()
+        channel = insecure_channel(request.trainer_address, self._token)
+        try:
+            stream = pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=request.run_id))
+            async for chunk in stream:
+                if assembler.policy_version is None and chunk.policy_version != request.policy_version:
+                    stream.cancel()
+                    raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                                     f"policy_version: the trainer serves version {chunk.policy_version}, "
+                                     f"not {request.policy_version}")
+                assembler.add(chunk)
+        except grpc.aio.AioRpcError as exc:
+            raise RpcFailure(grpc.StatusCode.ABORTED, f"trainer {request.trainer_address}: GetWeights failed with "
+                             f"{exc.code().name}: {exc.details()}") from None
+        finally:
+            await channel.close()
+        return await self._apply(assembler, "SyncWeights")
+
+    async def _apply(self, assembler: WeightStreamAssembler, what: str) -> pb.UpdateWeightsResponse:
+        """Apply a received stream (all of it verified by finish()) between batches."""
         tensors = assembler.finish()
         version = int(assembler.policy_version)
         async with self._lock:
             engine = self._loaded()
-            self._check_run(assembler.run_id or "", "UpdateWeights")
+            self._check_run(assembler.run_id or "", what)
             await self._in_worker(engine.update_weights, tensors, version)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(version)
-        log_event(log, "weights updated", policy_version=version, tensors=len(tensors), bytes=assembler.nbytes)
-        return pb.UpdateWeightsResponse(policy_version=version, tensors=len(tensors), bytes=assembler.nbytes)
+        log_event(log, "weights updated", via=what, policy_version=version, tensors=len(tensors),
+                  bytes=assembler.nbytes)
+        return pb.UpdateWeightsResponse(policy_version=version, tensors=len(tensors), bytes=assembler.nbytes,
+                                        total_sha256=assembler.total_sha256)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         # ok means "this process answers RPCs"; whether a model is loaded is in status.
@@ -256,7 +294,7 @@ class RolloutService:
         self.registry = CollectorRegistry()
         self.metrics = build_collectors(ROLLOUT_METRICS, self.registry)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(-1)
-        self.servicer = RolloutServicer(config, self.metrics)
+        self.servicer = RolloutServicer(config, self.metrics, token)
         self.server = grpc.aio.server(options=grpc_options(),
                                       interceptors=[BearerTokenInterceptor(token), RefuseUndecodable()])
         pb_grpc.add_RolloutServicer_to_server(self.servicer, self.server)

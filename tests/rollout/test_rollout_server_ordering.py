@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from proto import lockstep_pb2 as pb
+from services.common.auth import BearerToken, generate_token
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.tensors import ids_to_proto
 from services.common.weight_stream import iter_weight_chunks
@@ -60,7 +61,8 @@ class Context:
 
 def test_update_waits_for_the_batch_in_flight():
     async def scenario() -> list[str]:
-        servicer = RolloutServicer(RolloutServiceConfig(), build_collectors(ROLLOUT_METRICS, CollectorRegistry()))
+        servicer = RolloutServicer(RolloutServiceConfig(), build_collectors(ROLLOUT_METRICS, CollectorRegistry()),
+                                   BearerToken(generate_token()))
         engine = RecordingEngine()
         servicer.engine, servicer.engine_name, servicer.run_id = engine, "recording", "r"
         req = pb.GenerateRequest(
