@@ -126,6 +126,7 @@ class LocalStack:
             self.python, "-m", "services.rollout", "--grpc-port", str(port),
             "--metrics-port", str(self.metrics_ports[f"rollout{i}"]), "--num-threads", threads,
             "--model-roots", roots, "--sglang-weights-dir", str(self.run_dir / "sglang-weights"),
+            "--weight-sources", f"127.0.0.1:{self.trainer_port}",
         ], env, logs / f"rollout{i}.log") for i, port in enumerate(self.rollout_ports)]
         self.coordinator = ServiceProcess("coordinator", [
             self.python, "-m", "services.coordinator", "--port", str(self.api_port),

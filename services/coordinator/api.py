@@ -131,7 +131,8 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
                          backoff_max_s=config.redis_retry_backoff_max_s, socket_timeout_s=config.redis_socket_timeout_s)
         exporter = CoordinatorExporter()
         rollouts = [RolloutClient(a, config.rpc_timeout_s, token) for a in config.rollout_addresses]
-        trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s, token)
+        trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s, token,
+                                weights_address=config.trainer_weights_address)
 
         def make_driver(run_id: str, spec: RunSpec, run_dir: Path) -> RunDriver:
             return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,

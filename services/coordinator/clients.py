@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import grpc
 
@@ -41,8 +41,19 @@ class RolloutClient:
     async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
         return await self._stub.Generate(request, timeout=self._timeout)
 
-    async def update_weights(self, chunks: Sequence[pb.WeightChunk]) -> pb.UpdateWeightsResponse:
-        return await self._stub.UpdateWeights(iter(chunks), timeout=self._timeout)
+    async def sync_weights(self, run_id: str, policy_version: int, trainer_address: str) -> pb.UpdateWeightsResponse:
+        """The replica pulls `policy_version` from the trainer at `trainer_address` and applies it.
+
+        Raises TrainerUnavailable when the replica could not read the trainer's stream (ABORTED: the
+        trainer is unreachable or changed its weights mid-stream); other errors are the replica's."""
+        try:
+            return await self._stub.SyncWeights(
+                pb.SyncWeightsRequest(run_id=run_id, policy_version=policy_version, trainer_address=trainer_address),
+                timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.ABORTED:
+                raise TrainerUnavailable(f"replica {self.address} could not pull weights: {exc.details()}") from exc
+            raise
 
     async def close(self) -> None:
         await self._channel.close()
@@ -75,8 +86,10 @@ def _trainer_rpc(method):
 class TrainerClient:
     """Every RPC raises TrainerUnavailable when the trainer cannot be reached."""
 
-    def __init__(self, address: str, timeout_s: float, token: BearerToken) -> None:
+    def __init__(self, address: str, timeout_s: float, token: BearerToken, weights_address: str = "") -> None:
         self.address = address
+        self.weights_address = weights_address or address
+        """Where rollout replicas reach this trainer to pull weights (SyncWeights)."""
         self._channel = insecure_channel(address, token, max_reconnect_backoff_ms=RECONNECT_BACKOFF_MAX_MS)
         self._stub = pb_grpc.TrainerStub(self._channel)
         self._timeout = timeout_s
@@ -107,11 +120,6 @@ class TrainerClient:
                 yield pb.TrainStepChunk(trajectory=t)
 
         return await self._stub.TrainStep(chunks(), timeout=self._timeout)
-
-    @_trainer_rpc
-    async def weights(self, run_id: str) -> list[pb.WeightChunk]:
-        call = self._stub.GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=self._timeout)
-        return [chunk async for chunk in call]
 
     @_trainer_rpc
     async def save_checkpoint(self, run_id: str, directory: str) -> pb.SaveCheckpointResponse:

@@ -51,6 +51,9 @@ class CoordinatorConfig(AuthSetting):
         description="Comma-separated host:port of every rollout replica.",
     )
     trainer_address: str = Field("127.0.0.1:50052", description="host:port of the trainer service.")
+    trainer_weights_address: str = Field(
+        "", description="host:port at which rollout replicas reach the trainer to pull weights (SyncWeights; each "
+        "replica must list it in its weight_sources). Empty: trainer_address.")
     rpc_timeout_s: float = Field(600.0, gt=0, description="Deadline of one rollout or trainer RPC.")
     generate_retries: int = Field(
         3, ge=0, description="Times a prompt shard is re-dispatched after its replica answers UNAVAILABLE."

@@ -309,10 +309,9 @@ class RunDriver:
             resume_checkpoint=checkpoint["path"] if checkpoint else "",
         )
         version = info.policy_version
-        weights = None
         for client in self.replicas.all():
             try:
-                weights = await self._bring_up_to_date(client, version, weights)
+                await self._bring_up_to_date(client, version)
             except Exception as exc:
                 if not is_unavailable(exc):
                     raise
@@ -327,10 +326,9 @@ class RunDriver:
                                    rollouts=[c.address for c in live])
         return version
 
-    async def _bring_up_to_date(self, client: RolloutClient, version: int,
-                                weights: list[pb.WeightChunk] | None) -> list[pb.WeightChunk] | None:
-        """Load this run's model on `client` if it holds another, then push weights unless it holds
-        `version`. Returns the trainer's weights if they were fetched (reused for the next replica)."""
+    async def _bring_up_to_date(self, client: RolloutClient, version: int) -> None:
+        """Load this run's model on `client` if it holds another, then have it pull `version` from the
+        trainer unless it holds it already."""
         rinfo = await client.info()
         # Reload when the replica holds another run, nothing, or a version ahead
         # of the trainer (which came back from an older checkpoint): engines
@@ -340,11 +338,15 @@ class RunDriver:
             await client.load_model(self.run_id, self.spec.model_path, 0, engine_json)
             rinfo = await client.info()
         if rinfo.policy_version != version:
-            weights = weights if weights is not None else await self.trainer.weights(self.run_id)
-            got = (await client.update_weights(weights)).policy_version
-            if got != version:
-                raise RunFailed(f"replica {client.address} reports version {got} after sync, expected {version}")
-        return weights
+            await self._pull_weights(client, version)
+
+    async def _pull_weights(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
+        """The replica streams `version` from the trainer itself (SyncWeights): the weights' bytes never
+        pass through the coordinator."""
+        got = await client.sync_weights(self.run_id, version, self.trainer.weights_address)
+        if got.policy_version != version:
+            raise RunFailed(f"replica {client.address} reports version {got.policy_version} after sync, expected {version}")
+        return got
 
     async def _evict(self, client: RolloutClient, *, step: int, reason: str) -> None:
         if self.replicas.evict(client):
@@ -359,11 +361,10 @@ class RunDriver:
 
     async def _readmit_replicas(self, step: int, version: int) -> None:
         """Probe each evicted replica; one that answers is brought to `version` and put back in service."""
-        weights = None
         for client in self.replicas.evicted():
             try:
                 await client.health()
-                weights = await self._bring_up_to_date(client, version, weights)
+                await self._bring_up_to_date(client, version)
             except Exception as exc:
                 if is_unavailable(exc):
                     continue  # still down: probed again before the next step
@@ -401,7 +402,7 @@ class RunDriver:
             info = info if info is not None else await client.info()
             if info.run_id or info.policy_version >= 0:
                 return False
-            await self._bring_up_to_date(client, version, None)
+            await self._bring_up_to_date(client, version)
             self._reloads[client.address] = self._reloads.get(client.address, 0) + 1
         await self.store.add_event(self.run_id, "replica_reloaded", step=step, replica=client.address,
                                    policy_version=version)
@@ -518,19 +519,29 @@ class RunDriver:
                     raise
                 await self._evict(client, step=version, reason=f"unreachable before weight sync ({exc.code()})")
         if stale:
-            await self._push_weights(stale, await self.trainer.weights(self.run_id), step=version)
+            await self._sync_replicas(stale, version)
         await self._await_replica(version, version)
 
-    async def _push_weights(self, clients: Sequence[RolloutClient], chunks: list[pb.WeightChunk], *,
-                            step: int = 0) -> None:
-        results = await asyncio.gather(*(c.update_weights(chunks) for c in clients), return_exceptions=True)
+    async def _sync_replicas(self, clients: Sequence[RolloutClient], version: int) -> None:
+        """Every stale replica pulls `version` at once; one that is unreachable is evicted. Each verified
+        its stream against the digest the trainer computed while sending it; replicas that report
+        different digests for one version did not get the same weights, and the run fails."""
+        results = await asyncio.gather(*(self._pull_weights(c, version) for c in clients), return_exceptions=True)
+        synced: dict[str, pb.UpdateWeightsResponse] = {}
         for c, r in zip(clients, results):
             if isinstance(r, BaseException):
                 if not is_unavailable(r):
                     raise r
-                await self._evict(c, step=step, reason=f"weight sync failed ({r.code()})")
-            elif r.policy_version != chunks[-1].policy_version:
-                raise RunFailed(f"replica {c.address} reports version {r.policy_version} after sync")
+                await self._evict(c, step=version, reason=f"weight sync failed ({r.code()})")
+            else:
+                synced[c.address] = r
+        digests = {address: r.total_sha256 for address, r in synced.items()}
+        if len(set(digests.values())) > 1:
+            raise RunFailed(f"step {version}: replicas report different weight digests for one version: {digests}")
+        if synced:
+            first = next(iter(synced.values()))
+            await self.store.add_event(self.run_id, "weights_synced", policy_version=version,
+                                       digest=first.total_sha256, bytes=first.bytes, replicas=sorted(synced))
 
     async def _evaluate(self, *, policy_version: int) -> float:
         heldout = list(self.task.split("heldout"))[: self.spec.eval.heldout_size]

@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -76,6 +76,11 @@ def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
             config.rollout_port_base + i, config.rollout_cpus, config.rollout_gpus, i + 1,
         ))
     return plans
+
+
+def with_weight_source(rollouts: list[ServicePlan], trainer_address: str) -> list[ServicePlan]:
+    """The rollout plans, allowed to pull weights from the placed trainer (known only once it runs)."""
+    return [replace(p, args=(*p.args, "--weight-sources", trainer_address)) for p in rollouts]
 
 
 def plan_coordinator(config: RayStackConfig, trainer: str, rollouts: list[str]) -> ServicePlan:
@@ -177,10 +182,15 @@ class RayStack:
             ) from None
         log_dir = str(Path(cfg.data_dir).resolve() / "logs")
         remote = ray.remote(ServiceActor)
-        for plan in workers:
+        trainer, rollouts = workers[0], workers[1:]
+        self.actors[trainer.name] = self._spawn(remote, trainer, log_dir, PlacementGroupSchedulingStrategy(
+            self.placement_group, placement_group_bundle_index=trainer.bundle))
+        placed = {trainer.name: ray.get(self.actors[trainer.name].describe.remote(), timeout=cfg.ready_timeout_s)}
+        for plan in with_weight_source(rollouts, placed[trainer.name]["address"]):
             self.actors[plan.name] = self._spawn(remote, plan, log_dir, PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=plan.bundle))
-        placed = {name: ray.get(a.describe.remote(), timeout=cfg.ready_timeout_s) for name, a in self.actors.items()}
+        placed.update({p.name: ray.get(self.actors[p.name].describe.remote(), timeout=cfg.ready_timeout_s)
+                       for p in rollouts})
         coordinator = plan_coordinator(cfg, placed["trainer"]["address"],
                                        [placed[p.name]["address"] for p in workers[1:]])
         here = ray.get_runtime_context().get_node_id()

@@ -1,0 +1,100 @@
+"""Weights go trainer -> rollout directly: a > 1 GB policy synced to two replicas through the real stack.
+
+The coordinator only tells each replica which version to pull from which trainer (SyncWeights); the
+replica streams GetWeights from the trainer itself. Checked here with real processes: the coordinator's
+peak RSS stays flat while two replicas each receive the whole model, both replicas report the digest the
+trainer computes over what it serves, and a replica refuses a trainer it was not configured to trust.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import grpc
+import pytest
+
+from proto import lockstep_pb2 as pb
+from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.grpc_options import sync_channel
+from services.common.tiny_model import TinyQwen3Config, build_model_dir
+from services.local_stack import LocalStack
+
+pytestmark = pytest.mark.slow
+
+# 9 layers of a 2048-wide SwiGLU block: 566M parameters, 1.13 GB as bfloat16.
+LARGE = TinyQwen3Config(hidden_size=2048, num_hidden_layers=9, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=8192, max_position_embeddings=64)
+MAX_RSS_GROWTH_BYTES = 100 * 1024 * 1024
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+def _served_digest(stack: LocalStack, run_id: str) -> tuple[int, str, int]:
+    """(policy_version, sha256 over every chunk's bytes, bytes) of what the trainer serves now."""
+    channel = sync_channel(f"127.0.0.1:{stack.trainer_port}", stack.token)
+    try:
+        total, nbytes, last = hashlib.sha256(), 0, None
+        for chunk in pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=300):
+            total.update(chunk.data)
+            nbytes += len(chunk.data)
+            last = chunk
+        assert last is not None and last.total_sha256 == total.hexdigest()
+        return last.policy_version, last.total_sha256, nbytes
+    finally:
+        channel.close()
+
+
+@pytest.fixture(scope="module")
+def large_model(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("large") / "model", LARGE, seed=0)
+
+
+def test_a_gigabyte_policy_reaches_two_replicas_without_passing_the_coordinator(tmp_path, large_model):
+    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[large_model.parent]) as stack:
+        client = stack.client(timeout_s=120)
+        coordinator_pid = stack.coordinator.proc.pid
+        before = _peak_rss_bytes(coordinator_pid)
+        run = client.submit({
+            "name": "large-sync", "model_path": str(large_model), "seed": 1, "steps": 1,
+            "task": {"name": "arithmetic", "options": {"digits": 1, "heldout_size": 2}},
+            "rollout": {"engine_options": {"dtype": "bfloat16"}, "prompts_per_step": 2, "samples_per_prompt": 2,
+                        "sampling": {"temperature": 1.0, "max_new_tokens": 2}},
+            "trainer": {"lr": 1e-4, "temperature": 1.0, "dtype": "bfloat16",
+                        "parity_gate": {"logprob_abs_diff_mean": 1.0, "iw_mean_tolerance": 1.0, "iw_max": 1e6}},
+            "eval": {"every": 0, "heldout_size": 2},
+        })
+        done = client.wait(run["id"], timeout_s=900)
+        assert done["status"] == "completed", done
+        growth = _peak_rss_bytes(coordinator_pid) - before
+
+        synced = [e for e in client.run(run["id"])["events"] if e["event"] == "weights_synced"]
+        version, digest, nbytes = _served_digest(stack, run["id"])
+        assert nbytes > 1_000_000_000
+        # Both replicas pulled version 1 and verified it against the trainer's own digest of it.
+        assert [(e["policy_version"], e["digest"], e["bytes"]) for e in synced] == [(1, digest, nbytes)], synced
+        assert version == 1
+        assert synced[0]["replicas"] == sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
+        # Relaying the stream would have held at least one whole copy of it in the coordinator.
+        assert growth < MAX_RSS_GROWTH_BYTES, f"coordinator peak RSS grew by {growth / 2**20:.0f} MiB"
+
+        # The replica trusts only its configured trainer: any other address is refused before a byte moves.
+        channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                pb_grpc.RolloutStub(channel).SyncWeights(pb.SyncWeightsRequest(
+                    run_id=run["id"], policy_version=1, trainer_address="127.0.0.1:1"), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "weight_sources" in refused.value.details()
+            # And a version the trainer does not serve is refused, not applied.
+            with pytest.raises(grpc.RpcError) as stale:
+                pb_grpc.RolloutStub(channel).SyncWeights(pb.SyncWeightsRequest(
+                    run_id=run["id"], policy_version=7, trainer_address=f"127.0.0.1:{stack.trainer_port}"), timeout=300)
+            assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "serves version 1, not 7" in stale.value.details()
+        finally:
+            channel.close()
