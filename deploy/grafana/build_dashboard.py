@@ -39,6 +39,7 @@ ALERT_LINES = {
     "iw_max": ("lockstep_step_iw_max", ">", 20),
     "logprob_diff": ("lockstep_step_logprob_abs_diff_mean", ">", 0.03),
     "approx_kl": ("lockstep_step_approx_kl_k3", ">", 0.05),
+    "m2po_m2": ("lockstep_step_m2po_m2", ">", 0.1),
 }
 
 _DEFINED = {d.name for d in ALL_METRICS}
@@ -171,8 +172,10 @@ def build_panels() -> list[dict]:
         [per_run("approx_kl_k3")], lines=[ALERT_LINES["approx_kl"][2]]))
     L.add(timeseries(
         "M2PO second moment",
-        "Mean of 0.5 * (logp - rollout_logp)^2. Seed 000: 0.002-0.008 healthy, ~17 broken.",
-        [per_run("m2po_m2")]))
+        "Mean of (logp - rollout_logp)^2 over response tokens, as M2PO and AReaL report it (log scale). "
+        "Seed 000: 0.0022 (H100) and 0.0083 (MI325) healthy, ~17 broken; the red line is "
+        "LockstepM2SecondMomentHigh.",
+        [per_run("m2po_m2")], lines=[ALERT_LINES["m2po_m2"][2]], log_scale=True))
     L.add(timeseries(
         "Clip fraction",
         "Fraction of response tokens whose ratio was clipped. Near 0 at step 1 (same weights); "

@@ -31,7 +31,7 @@ STEP_METRIC_HELP: dict[str, str] = {
     "logprob_abs_diff_mean": "Mean |logp - rollout_logp| over response tokens.",
     "logprob_abs_diff_max": "Max |logp - rollout_logp| over response tokens.",
     "approx_kl_k3": "k3 estimate of KL(rollout || trainer) over response tokens.",
-    "m2po_m2": "M2PO second moment: mean of 0.5 * (logp - rollout_logp)^2.",
+    "m2po_m2": "M2PO second moment: mean of (logp - rollout_logp)^2 over response tokens.",
     "clip_fraction": "Fraction of response tokens whose ratio was clipped.",
     "grad_norm": "Global gradient norm before clipping.",
     "lr": "Learning rate applied by the step's optimizer update.",

@@ -136,9 +136,9 @@ def mismatch_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> MismatchSt
     """IW = exp(logp - rollout_logp) mean/min/max, |Δlogp| mean/max, k3 KL, M2PO m2.
 
     approx_kl_k3 estimates KL(rollout || trainer) from tokens the rollout
-    sampled: k3 of log(trainer / rollout). m2po_m2 = mean(0.5 * Δlogp^2), the
-    second moment M2PO constrains. Reductions run in float64 so the numbers do
-    not depend on how many tokens a step holds.
+    sampled: k3 of log(trainer / rollout). m2po_m2 = mean(Δlogp^2), the second
+    moment M2PO constrains (as M2PO and AReaL define it, no 1/2). Reductions run
+    in float64 so the numbers do not depend on how many tokens a step holds.
     """
     if logp.shape != rollout_logp.shape or logp.dim() != 1:
         raise ValueError(f"mismatch_stats: want equal 1-d shapes, got {tuple(logp.shape)} and {tuple(rollout_logp.shape)}")
@@ -154,7 +154,7 @@ def mismatch_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> MismatchSt
         logprob_abs_diff_mean=absd.mean().item(),
         logprob_abs_diff_max=absd.max().item(),
         approx_kl_k3=k3(d).mean().item(),
-        m2po_m2=(0.5 * d * d).mean().item(),
+        m2po_m2=(d * d).mean().item(),
     )
 
 

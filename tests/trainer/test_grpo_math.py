@@ -92,7 +92,7 @@ def test_k3_and_reference_kl_hand_computed():
 def test_mismatch_stats_hand_computed():
     # d = logp - rollout = [0, ln2, -ln2] -> IW [1, 2, 0.5]: mean 7/6, min 0.5, max 2.
     # |d| mean 2 ln2 / 3, max ln2. k3 = [0, 1 - ln2, ln2 - 0.5] -> mean 0.5 / 3.
-    # m2 = mean(0.5 d^2) = ln2^2 / 3.
+    # m2 = mean(d^2) = 2 ln2^2 / 3 (M2PO's and AReaL's definition, no 1/2).
     rollout = torch.tensor([-1.0, -2.0, -0.5])
     logp = rollout + torch.tensor([0.0, LN2, -LN2])
     s = mismatch_stats(logp, rollout)
@@ -101,7 +101,7 @@ def test_mismatch_stats_hand_computed():
     assert s.logprob_abs_diff_mean == pytest.approx(2 * LN2 / 3, rel=1e-6)
     assert s.logprob_abs_diff_max == pytest.approx(LN2, rel=1e-6)
     assert s.approx_kl_k3 == pytest.approx(1 / 6, rel=1e-6)
-    assert s.m2po_m2 == pytest.approx(LN2**2 / 3, rel=1e-6)
+    assert s.m2po_m2 == pytest.approx(2 * LN2**2 / 3, rel=1e-6)
 
 
 def test_mismatch_stats_identical_is_exact():
