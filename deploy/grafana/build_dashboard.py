@@ -177,10 +177,12 @@ def build_panels() -> list[dict]:
         "LockstepM2SecondMomentHigh.",
         [per_run("m2po_m2")], lines=[ALERT_LINES["m2po_m2"][2]], log_scale=True))
     L.add(timeseries(
-        "Clip fraction",
-        "Fraction of response tokens whose ratio was clipped. Near 0 at step 1 (same weights); "
-        "a steady rise means updates too large for the clip range.",
-        [per_run("clip_fraction")], unit="percentunit"))
+        "Clip fraction / M2PO masked",
+        "Fraction of response tokens whose ratio was clipped, of sequences with a clipped ratio (GSPO clips "
+        "whole sequences), and of tokens M2PO masked out of the loss. Near 0 at step 1 (same weights); a "
+        "steady rise means updates too large for the clip range, or rollouts drifting from the trainer.",
+        [per_run("clip_fraction", " tokens clipped"), per_run("seq_clip_fraction", " sequences clipped"),
+         per_run("m2po_masked_fraction", " M2PO masked")], unit="percentunit"))
 
     L.row("Learning")
     L.add(timeseries(
@@ -200,7 +202,8 @@ def build_panels() -> list[dict]:
     L.add(timeseries("Policy entropy", "Mean per-token entropy of the trainer policy on response tokens.",
                      [per_run("entropy")]))
     L.add(timeseries("Gradient norm", "Global gradient norm before clipping.", [per_run("grad_norm")]))
-    L.add(timeseries("Loss", "Policy loss of the step (token-mean PPO-clip plus KL term).", [per_run("loss")]))
+    L.add(timeseries("Loss", "Policy loss of the step (trainer.policy_loss plus KL term, aggregated as "
+                     "trainer.loss_agg says).", [per_run("loss")]))
 
     L.row("Time and throughput")
     L.add(timeseries(
