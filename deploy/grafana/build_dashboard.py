@@ -39,6 +39,7 @@ ALERT_LINES = {
     "iw_max": ("lockstep_step_iw_max", ">", 20),
     "logprob_diff": ("lockstep_step_logprob_abs_diff_mean", ">", 0.03),
     "approx_kl": ("lockstep_step_approx_kl_k3", ">", 0.05),
+    "m2po_m2": ("lockstep_step_m2po_m2", ">", 0.1),
 }
 
 _DEFINED = {d.name for d in ALL_METRICS}
@@ -171,13 +172,17 @@ def build_panels() -> list[dict]:
         [per_run("approx_kl_k3")], lines=[ALERT_LINES["approx_kl"][2]]))
     L.add(timeseries(
         "M2PO second moment",
-        "Mean of 0.5 * (logp - rollout_logp)^2. Seed 000: 0.002-0.008 healthy, ~17 broken.",
-        [per_run("m2po_m2")]))
+        "Mean of (logp - rollout_logp)^2 over response tokens, as M2PO and AReaL report it (log scale). "
+        "Seed 000: 0.0022 (H100) and 0.0083 (MI325) healthy, ~17 broken; the red line is "
+        "LockstepM2SecondMomentHigh.",
+        [per_run("m2po_m2")], lines=[ALERT_LINES["m2po_m2"][2]], log_scale=True))
     L.add(timeseries(
-        "Clip fraction",
-        "Fraction of response tokens whose ratio was clipped. Near 0 at step 1 (same weights); "
-        "a steady rise means updates too large for the clip range.",
-        [per_run("clip_fraction")], unit="percentunit"))
+        "Clip fraction / M2PO masked",
+        "Fraction of response tokens whose ratio was clipped, of sequences with a clipped ratio (GSPO clips "
+        "whole sequences), and of tokens M2PO masked out of the loss. Near 0 at step 1 (same weights); a "
+        "steady rise means updates too large for the clip range, or rollouts drifting from the trainer.",
+        [per_run("clip_fraction", " tokens clipped"), per_run("seq_clip_fraction", " sequences clipped"),
+         per_run("m2po_masked_fraction", " M2PO masked")], unit="percentunit"))
 
     L.row("Learning")
     L.add(timeseries(
@@ -197,7 +202,8 @@ def build_panels() -> list[dict]:
     L.add(timeseries("Policy entropy", "Mean per-token entropy of the trainer policy on response tokens.",
                      [per_run("entropy")]))
     L.add(timeseries("Gradient norm", "Global gradient norm before clipping.", [per_run("grad_norm")]))
-    L.add(timeseries("Loss", "Policy loss of the step (token-mean PPO-clip plus KL term).", [per_run("loss")]))
+    L.add(timeseries("Loss", "Policy loss of the step (trainer.policy_loss plus KL term, aggregated as "
+                     "trainer.loss_agg says).", [per_run("loss")]))
 
     L.row("Time and throughput")
     L.add(timeseries(

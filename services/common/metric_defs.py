@@ -24,15 +24,19 @@ class MetricDef:
 # Per-step training health, exported by the coordinator for each run
 # (`lockstep_step_<key>`); <key> is the key in the step metrics dict.
 STEP_METRIC_HELP: dict[str, str] = {
-    "loss": "Policy loss of the step (token-mean PPO-clip plus KL term).",
+    "loss": "Policy loss of the step (trainer.policy_loss plus KL term, aggregated as trainer.loss_agg says).",
     "iw_mean": "Mean importance weight exp(logp - rollout_logp) over response tokens.",
     "iw_min": "Minimum importance weight over response tokens.",
     "iw_max": "Maximum importance weight over response tokens.",
     "logprob_abs_diff_mean": "Mean |logp - rollout_logp| over response tokens.",
     "logprob_abs_diff_max": "Max |logp - rollout_logp| over response tokens.",
     "approx_kl_k3": "k3 estimate of KL(rollout || trainer) over response tokens.",
-    "m2po_m2": "M2PO second moment: mean of 0.5 * (logp - rollout_logp)^2.",
+    "m2po_m2": "M2PO second moment: mean of (logp - rollout_logp)^2 over response tokens.",
     "clip_fraction": "Fraction of response tokens whose ratio was clipped.",
+    "seq_clip_fraction": "Fraction of sequences with a clipped ratio on any token (under trainer.policy_loss.kind "
+    "gspo: sequences whose sequence-level ratio was clipped).",
+    "m2po_masked_fraction": "Fraction of response tokens M2PO masked out of the loss to bring their second moment "
+    "down to trainer.policy_loss.m2po_threshold (0 unless the kind is m2po).",
     "grad_norm": "Global gradient norm before clipping.",
     "lr": "Learning rate applied by the step's optimizer update.",
     "is_weight_mean": "Mean mismatch-correction weight applied to token losses (1 with trainer.mismatch_correction.mode none).",

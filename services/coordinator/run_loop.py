@@ -495,7 +495,8 @@ class RunDriver:
     async def _score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
                      step: int) -> list[pb.Trajectory]:
         rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
-        advantages = group_advantages(rewards, [s.group_id for _, s in samples])
+        advantages = group_advantages(rewards, [s.group_id for _, s in samples],
+                                      std_normalization=self.spec.trainer.advantage_std_normalization)
         return [
             pb.Trajectory(
                 run_id=self.run_id, step=step, policy_version=step - 1, group_id=s.group_id,

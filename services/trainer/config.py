@@ -17,6 +17,7 @@ from services.common.service_config import AuthSetting
 from services.trainer.lr_schedule import LRSchedule
 from services.trainer.mismatch_correction import MismatchCorrection
 from services.trainer.parity_gate import ParityThresholds
+from services.trainer.policy_loss import LossAggregation, PolicyLoss
 
 
 class TrainerServiceConfig(AuthSetting):
@@ -150,10 +151,29 @@ class TrainerRunConfig(BaseModel):
         False, description="Keep master weights, gradients and AdamW state in CPU memory and step the optimizer "
         "there (FSDP CPU offload): for models whose float32 state does not fit the accelerators."
     )
-    loss_agg: Literal["token_mean"] = Field(
+    policy_loss: PolicyLoss = Field(
+        default_factory=PolicyLoss,
+        description="Policy-gradient objective: 'ppo_clip' (token-level PPO-clip with clip_eps_low/high), 'gspo' "
+        "(sequence-level ratio and clip) or 'm2po' (second-moment token masking, unclipped ratio). The ratio is "
+        "taken against the PPO old policy mismatch_correction chooses (services/trainer/policy_loss.py).",
+    )
+    loss_agg: LossAggregation = Field(
         "token_mean",
-        description="Loss aggregation: token_mean = sum over every response token of the step divided by the "
-        "step's response-token count, so the microbatch split does not change the update.",
+        description="Loss aggregation over the step: 'token_mean' = sum of every response token's loss / the "
+        "step's response-token count; 'seq_mean_token_mean' = mean over sequences of each sequence's token mean; "
+        "'seq_mean_token_sum_norm' (Dr. GRPO) = mean over sequences of each sequence's token sum / "
+        "loss_agg_tokens. Step-wide divisors only, so the microbatch split does not change the update.",
+    )
+    loss_agg_tokens: int | None = Field(
+        None, ge=1, le=1 << 24,
+        description="The constant each sequence's token sum is divided by under loss_agg "
+        "'seq_mean_token_sum_norm' (required there, refused otherwise): Dr. GRPO uses the generation budget, "
+        "so set the run's sampling max_new_tokens.",
+    )
+    advantage_std_normalization: bool = Field(
+        True,
+        description="GRPO advantage (reward - group mean) / group std (true) or Dr. GRPO's reward - group mean "
+        "(false). The coordinator computes advantages, so it reads this; the trainer does not.",
     )
     batching: Literal["packed", "padded"] = Field(
         "packed",
@@ -180,6 +200,21 @@ class TrainerRunConfig(BaseModel):
         description="Step-1 parity gate: before the run's first update, trainer and rollout log-probs must agree "
         "within these bounds or the step is refused and the run fails with a diagnostic.",
     )
+
+    @model_validator(mode="after")
+    def _consistent_loss(self) -> TrainerRunConfig:
+        if self.policy_loss.kind == "gspo" and self.mismatch_correction.mode != "none":
+            raise ValueError(
+                f"policy_loss.kind: 'gspo' clips the sequence ratio against the PPO old policy, which with "
+                f"mismatch_correction.mode {self.mismatch_correction.mode!r} is the trainer's own pre-update policy: "
+                "that ratio is always 1 and the clip never acts. Use mismatch_correction.mode 'none' with gspo "
+                "(or kind 'ppo_clip' with mismatch_correction.level 'geometric' for a sequence-level weight)")
+        if (self.loss_agg == "seq_mean_token_sum_norm") != (self.loss_agg_tokens is not None):
+            raise ValueError(
+                "loss_agg_tokens: required by loss_agg 'seq_mean_token_sum_norm' (the constant each sequence's "
+                f"token sum is divided by), and used by nothing else; loss_agg is {self.loss_agg!r} and "
+                f"loss_agg_tokens is {self.loss_agg_tokens}")
+        return self
 
     @field_validator("betas")
     @classmethod

@@ -34,6 +34,7 @@ def group_advantages(
     group_ids: Sequence[str],
     *,
     eps: float = DEFAULT_ADVANTAGE_EPS,
+    std_normalization: bool = True,
 ) -> list[float]:
     """GRPO advantages: (reward - group mean) / (group std + eps), per sample.
 
@@ -42,6 +43,9 @@ def group_advantages(
     group whose rewards are all equal (including a group of one) gets
     advantage 0 everywhere — it carries no learning signal — instead of the
     NaN a sample std would give for a single sample.
+
+    `std_normalization=False` is Dr. GRPO's advantage, reward - group mean:
+    dividing by the std weights the groups whose rewards barely differ most.
 
     Computed in float64 with Python sums in input order, so the coordinator
     (plain lists) and tests get the same bits on every machine.
@@ -63,6 +67,10 @@ def group_advantages(
             # Exactly 0, not a rounding residue of (r - mean) nor 0/0 at eps=0.
             continue
         mean = sum(group) / len(group)
+        if not std_normalization:
+            for i, r in zip(idx, group):
+                out[i] = r - mean
+            continue
         std = math.sqrt(sum((r - mean) ** 2 for r in group) / len(group))
         for i, r in zip(idx, group):
             out[i] = (r - mean) / (std + eps)
@@ -89,9 +97,15 @@ def ppo_clip_loss(
     clip changed the objective and the token contributes no gradient
     (ratio > 1 + high with A > 0, or ratio < 1 - low with A < 0).
     """
-    ratio = torch.exp(logp - rollout_logp)
+    return clipped_surrogate(torch.exp(logp - rollout_logp), advantages,
+                             clip_low=clip_eps_low, clip_high=clip_eps_high)
+
+
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, *, clip_low: float,
+                      clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-min(ratio * A, clip(ratio, 1 - low, 1 + high) * A) and the mask where the clipped branch won."""
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     return loss, (clipped < unclipped).detach()
 
@@ -136,9 +150,9 @@ def mismatch_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> MismatchSt
     """IW = exp(logp - rollout_logp) mean/min/max, |Δlogp| mean/max, k3 KL, M2PO m2.
 
     approx_kl_k3 estimates KL(rollout || trainer) from tokens the rollout
-    sampled: k3 of log(trainer / rollout). m2po_m2 = mean(0.5 * Δlogp^2), the
-    second moment M2PO constrains. Reductions run in float64 so the numbers do
-    not depend on how many tokens a step holds.
+    sampled: k3 of log(trainer / rollout). m2po_m2 = mean(Δlogp^2), the second
+    moment M2PO constrains (as M2PO and AReaL define it, no 1/2). Reductions run
+    in float64 so the numbers do not depend on how many tokens a step holds.
     """
     if logp.shape != rollout_logp.shape or logp.dim() != 1:
         raise ValueError(f"mismatch_stats: want equal 1-d shapes, got {tuple(logp.shape)} and {tuple(rollout_logp.shape)}")
@@ -154,7 +168,7 @@ def mismatch_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> MismatchSt
         logprob_abs_diff_mean=absd.mean().item(),
         logprob_abs_diff_max=absd.max().item(),
         approx_kl_k3=k3(d).mean().item(),
-        m2po_m2=(0.5 * d * d).mean().item(),
+        m2po_m2=(d * d).mean().item(),
     )
 
 
@@ -164,3 +178,40 @@ def reward_stats(rewards: Sequence[float]) -> tuple[float, float]:
         raise ValueError("reward_stats: no rewards")
     mean = sum(rewards) / len(rewards)
     return mean, math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
+
+
+# ------------------------------------------------------------ step metrics --
+
+
+def step_metrics(*, loss: float, logp: torch.Tensor, rollout_logp: torch.Tensor, clipped: torch.Tensor,
+                 sample_index: torch.Tensor, m2po_keep: torch.Tensor | None, is_weight: torch.Tensor,
+                 is_affected: torch.Tensor, entropy: torch.Tensor, kl: torch.Tensor | None,
+                 rewards: Sequence[float], num_tokens_total: int, grad_norm: float, lr: float) -> dict[str, float]:
+    """The step's metrics from its response tokens (every microbatch, in microbatch order) and rewards.
+
+    Token tensors are flat [N] over the whole step; `sample_index` names each token's sequence.
+    Means run in float64. seq_clip_fraction counts a sequence as clipped when any of its tokens is
+    (under GSPO a sequence's tokens are clipped together)."""
+    n_tokens = logp.numel()
+    seqs, inverse = torch.unique(sample_index, return_inverse=True)
+    seq_clipped = torch.zeros(len(seqs), dtype=torch.bool, device=clipped.device).index_put_(
+        (inverse,), clipped, accumulate=True)
+    reward_mean, reward_std = reward_stats(list(rewards))
+    return {
+        "loss": loss,
+        **mismatch_stats(logp, rollout_logp).as_dict(),
+        "clip_fraction": clipped.double().mean().item(),
+        "seq_clip_fraction": seq_clipped.double().mean().item(),
+        "m2po_masked_fraction": 0.0 if m2po_keep is None else (~m2po_keep).double().mean().item(),
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "is_weight_mean": is_weight.double().mean().item(),
+        "is_affected_fraction": is_affected.double().mean().item(),
+        "entropy": entropy.double().mean().item(),
+        "kl_ref": kl.double().mean().item() if kl is not None else 0.0,
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "response_length_mean": n_tokens / len(rewards),
+        "tokens_response": float(n_tokens),
+        "tokens_total": float(num_tokens_total),
+    }

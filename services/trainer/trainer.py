@@ -28,11 +28,11 @@ from services.trainer import run_setup, sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order
 from services.trainer.config import TrainerRunConfig
 from services.trainer.data_parallel import DataParallel
-from services.trainer.grpo import kl_to_reference, mismatch_stats, ppo_clip_loss, reward_stats
+from services.trainer.grpo import step_metrics
 from services.trainer.lr_schedule import lr_at
-from services.trainer.mismatch_correction import correction_weights
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.policy import PolicyModule
+from services.trainer.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
 from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.step_digest import check_replay, trajectories_digest
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
@@ -315,68 +315,85 @@ class Trainer:
             logps = [run.policy(mb, temperature=run.config.temperature)[0] for mb in microbatches]
         return self._parity_verdict(run, microbatches, logps, request.samples)
 
-    def _my_passes(self, microbatches: list[Microbatch]) -> list[Microbatch | None]:
-        """This rank's microbatches, padded with None to the count every rank runs.
+    def _my_passes(self, num_microbatches: int) -> list[int | None]:
+        """Indices of this rank's microbatches, padded with None to the count every rank runs.
 
         Each forward and backward of a sharded model is a collective, so every
         rank makes the same number of passes; a None pass re-runs a microbatch
         with its loss scaled by zero (no gradient, no metrics)."""
         if self.dp is None:
-            return list(microbatches)
-        mine: list[Microbatch | None] = list(self.dp.shard(microbatches))
-        passes = -(-len(microbatches) // self.dp.world_size)
+            return list(range(num_microbatches))
+        mine: list[int | None] = list(self.dp.shard(range(num_microbatches)))
+        passes = -(-num_microbatches // self.dp.world_size)
         return mine + [None] * (passes - len(mine))
+
+    def _in_order(self, local: list[dict], total: int) -> list[dict]:
+        """Per-microbatch results of every rank, in microbatch order (this rank's alone without a group)."""
+        if self.dp is None:
+            return local
+        return [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in o.items()}
+                for o in self.dp.gather_in_order(
+                    [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()} for o in local], total)]
+
+    def _m2po_keep(self, run: RunState, microbatches: list[Microbatch], shape: StepShape) -> torch.Tensor:
+        """M2PO's keep mask over the whole step's tokens (canonical token order), from pre-update log-probs.
+
+        The mask depends on every token of the step, and each microbatch's backward runs right after its
+        forward, so the log-probs come from a no-grad forward first (one extra forward per step)."""
+        cfg = run.config
+        local: list[dict] = []
+        with torch.no_grad():
+            for k in self._my_passes(len(microbatches)):
+                mb = microbatches[0 if k is None else k]
+                logp = run.policy(mb, temperature=cfg.temperature)[0]
+                if k is not None:
+                    local.append({"keys": shape.token_keys(mb.response_sample_index, mb.response_positions),
+                                  "delta": (logp - mb.response_rollout_logprobs).cpu()})
+        delta = torch.empty(shape.num_tokens, dtype=torch.float32)
+        for o in self._in_order(local, len(microbatches)):
+            delta[o["keys"].cpu()] = o["delta"].cpu()
+        return m2po_keep_mask(delta, cfg.policy_loss.m2po_threshold)
 
     def _apply_update(self, run: RunState, samples: list[TrainSample], *, step: int) -> dict[str, float]:
         cfg, policy = run.config, run.policy
         microbatches = self._microbatches(run, samples)
-        # token_mean over the whole step: each microbatch's token sum is divided
-        # by the step's response-token count, so summing the microbatch
-        # gradients gives the same update however the step was split.
-        n_total = sum(mb.num_response_tokens for mb in microbatches)
-        correction = cfg.mismatch_correction
+        ordered = canonical_order(samples)
+        # Every divisor of the loss is a step-wide constant (policy_loss.aggregate_loss), so summing
+        # the microbatch gradients gives the same update however the step was split.
+        shape = step_shape(ordered)
+        keep = self._m2po_keep(run, microbatches, shape) if cfg.policy_loss.kind == "m2po" else None
         local: list[dict] = []  # per microbatch: its loss and the pre-update tensors the metrics need
         # The optimizer holds the sharded float32 masters; the module registers its unsharded
         # compute-dtype parameters while they are gathered, so never take parameters from it.
         params = [p for group in run.optimizer.param_groups for p in group["params"]]
         run.optimizer.zero_grad(set_to_none=True)
         try:
-            for mb in self._my_passes(microbatches):
-                if mb is None:
+            for k in self._my_passes(len(microbatches)):
+                if k is None:
                     logp, _lse, _ent = policy(microbatches[0], temperature=cfg.temperature)
                     (logp.sum() * 0.0).backward()
                     continue
+                mb = microbatches[k]
                 logp, _lse, ent = policy(mb, temperature=cfg.temperature)
-                rollout_logp = mb.response_rollout_logprobs
-                # mode 'none': the rollout is the PPO "old" policy. Otherwise the trainer's own
-                # pre-update log-probs are, and w = pi_train / pi_rollout weights each token.
-                weights = correction_weights(logp.detach() - rollout_logp, mb.response_sample_index, correction)
-                token_loss, clip_mask = ppo_clip_loss(
-                    logp, rollout_logp if correction.mode == "none" else logp.detach(), mb.response_advantages,
-                    clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                )
-                if correction.mode != "none":
-                    token_loss = token_loss * weights.weights
-                out = {"is_weight": weights.weights, "is_affected": weights.affected}
+                ref_logp = None
                 if run.ref_model is not None:
                     with torch.no_grad():
                         ref_logp = run.ref_model(mb, temperature=cfg.temperature)[0]
-                    kl = kl_to_reference(logp, ref_logp)
-                    token_loss = token_loss + cfg.kl_coef * kl
-                    out["kl"] = kl.detach()
-                loss = token_loss.sum() / n_total
-                loss.backward()
+                mb_keep = None
+                if keep is not None:
+                    mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_positions)].to(logp.device)
+                part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, mb.response_advantages,
+                                       mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
+                part.loss.backward()
                 # Every forward here runs before the optimizer step, so these are
                 # the pre-update log-probs: the train/inference mismatch measure.
-                out.update(loss=float(loss.detach()), logp=logp.detach(), rollout=rollout_logp, clipped=clip_mask,
-                           entropy=ent.detach())
+                out = {"loss": float(part.loss.detach()), "logp": logp.detach(), "rollout": mb.response_rollout_logprobs,
+                       "clipped": part.clipped, "sample_index": mb.response_sample_index,
+                       "is_weight": part.is_weight, "is_affected": part.is_affected, "entropy": ent.detach()}
+                if part.kl is not None:
+                    out["kl"] = part.kl
                 local.append(out)
-            outputs = local
-            if self.dp is not None:
-                outputs = [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in o.items()}
-                           for o in self.dp.gather_in_order(
-                               [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()} for o in local],
-                               len(microbatches))]
+            outputs = self._in_order(local, len(microbatches))
             loss_value = 0.0
             for o in outputs:  # in microbatch order, one rank or many: the same sum
                 loss_value += o["loss"]
@@ -403,24 +420,15 @@ class Trainer:
         finally:
             run.optimizer.zero_grad(set_to_none=True)
 
-        ordered = canonical_order(samples)
-        reward_mean, reward_std = reward_stats([s.reward for s in ordered])
-        metrics: dict[str, float] = {
-            "loss": loss_value,
-            **mismatch_stats(torch.cat(logps), torch.cat([o["rollout"] for o in outputs])).as_dict(),
-            "clip_fraction": torch.cat([o["clipped"] for o in outputs]).double().mean().item(),
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "is_weight_mean": torch.cat([o["is_weight"] for o in outputs]).double().mean().item(),
-            "is_affected_fraction": torch.cat([o["is_affected"] for o in outputs]).double().mean().item(),
-            "entropy": torch.cat([o["entropy"] for o in outputs]).double().mean().item(),
-            "kl_ref": torch.cat([o["kl"] for o in outputs]).double().mean().item() if "kl" in outputs[0] else 0.0,
-            "reward_mean": reward_mean,
-            "reward_std": reward_std,
-            "response_length_mean": n_total / len(samples),
-            "tokens_response": float(n_total),
-            "tokens_total": float(sum(s.num_tokens for s in samples)),
-        }
+        def cat(key: str) -> torch.Tensor:
+            return torch.cat([o[key] for o in outputs])
+
+        metrics = step_metrics(
+            loss=loss_value, logp=torch.cat(logps), rollout_logp=cat("rollout"), clipped=cat("clipped"),
+            sample_index=cat("sample_index"), m2po_keep=keep, is_weight=cat("is_weight"),
+            is_affected=cat("is_affected"), entropy=cat("entropy"), kl=cat("kl") if "kl" in outputs[0] else None,
+            rewards=[s.reward for s in ordered], num_tokens_total=sum(s.num_tokens for s in samples),
+            grad_norm=grad_norm, lr=lr)
         if set(metrics) != set(TRAIN_STEP_METRIC_KEYS):
             raise AssertionError(f"step metric keys drifted from STEP_METRIC_HELP: {sorted(set(metrics) ^ set(TRAIN_STEP_METRIC_KEYS))}")
         return {k: metrics[k] for k in TRAIN_STEP_METRIC_KEYS}

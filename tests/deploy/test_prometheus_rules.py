@@ -49,7 +49,7 @@ def test_every_alert_the_issue_asks_for_exists_and_is_unit_tested():
     alerts = {r["alert"] for g in groups for r in g["rules"] if "alert" in r}
     wanted = {
         "LockstepIWMeanOutOfBand", "LockstepIWMaxAboveBound", "LockstepLogprobDiffAboveGate",
-        "LockstepApproxKLSpike", "LockstepRewardNaN", "LockstepRewardFlat", "LockstepServiceDown",
+        "LockstepApproxKLSpike", "LockstepM2SecondMomentHigh", "LockstepRewardNaN", "LockstepRewardFlat", "LockstepServiceDown",
         "LockstepSGLangDown", "LockstepWeightSyncSlow", "LockstepRunStalled",
         "LockstepRolloutReplicaEvicted", "LockstepRolloutNoLiveReplica", "LockstepRecomputedStepDiffers",
     }
@@ -75,6 +75,9 @@ MUTATIONS = {
     "NaN IW mean no longer caught": ("or lockstep_step_iw_mean != lockstep_step_iw_mean", ""),
     "IW max bound below the healthy 6.6": ("lockstep_step_iw_max > 20", "lockstep_step_iw_max > 5"),
     "stall alert ignores run status": ("and on (run_id) lockstep_run_active == 1", ""),
+    "M2 bound below the healthy MI325 0.0083": ("lockstep_step_m2po_m2 > 0.1", "lockstep_step_m2po_m2 > 0.005"),
+    "M2 bound above seed 000's broken ~17": ("lockstep_step_m2po_m2 > 0.1", "lockstep_step_m2po_m2 > 20"),
+    "NaN M2 no longer caught": ("or lockstep_step_m2po_m2 != lockstep_step_m2po_m2", ""),
     "KL spike without its floor": ("lockstep_step_approx_kl_k3 > 0.001", "lockstep_step_approx_kl_k3 > 0"),
     "reward flat without completed steps": ("and on (run_id) changes(lockstep_run_step[30m]) >= 3", ""),
     "replica eviction alert ignores run status": (

@@ -30,6 +30,17 @@ def test_group_advantages_hand_computed():
     assert adv == pytest.approx(expected, abs=1e-12)
 
 
+def test_group_advantages_without_std_is_dr_grpo():
+    # Dr. GRPO: reward - group mean, no division. Group a = [1, 0, 0]: mean 1/3 -> 2/3, -1/3, -1/3;
+    # group b = [1, 3]: mean 2 -> -1, +1 (std 1, so the same as with std); group c = [5] -> 0.
+    # Group d = [4, 0]: mean 2, std 2 -> +-2 without std, +-1 with it.
+    rewards = [1.0, 1.0, 0.0, 3.0, 0.0, 5.0, 4.0, 0.0]
+    groups = ["a", "b", "a", "b", "a", "c", "d", "d"]
+    adv = group_advantages(rewards, groups, std_normalization=False)
+    assert adv == pytest.approx([2 / 3, -1.0, -1 / 3, 1.0, -1 / 3, 0.0, 2.0, -2.0], abs=1e-12)
+    assert group_advantages(rewards, groups, eps=0.0)[6:] == pytest.approx([1.0, -1.0], abs=1e-12)
+
+
 def test_group_advantages_eps_and_tensor_input():
     # Rewards [0, 1]: mean 0.5, std 0.5 -> +-0.5 / (0.5 + 0.5) = +-0.5 with eps = 0.5.
     assert group_advantages(torch.tensor([0.0, 1.0]), ["g", "g"], eps=0.5) == pytest.approx([-0.5, 0.5])
@@ -92,7 +103,7 @@ def test_k3_and_reference_kl_hand_computed():
 def test_mismatch_stats_hand_computed():
     # d = logp - rollout = [0, ln2, -ln2] -> IW [1, 2, 0.5]: mean 7/6, min 0.5, max 2.
     # |d| mean 2 ln2 / 3, max ln2. k3 = [0, 1 - ln2, ln2 - 0.5] -> mean 0.5 / 3.
-    # m2 = mean(0.5 d^2) = ln2^2 / 3.
+    # m2 = mean(d^2) = 2 ln2^2 / 3 (M2PO's and AReaL's definition, no 1/2).
     rollout = torch.tensor([-1.0, -2.0, -0.5])
     logp = rollout + torch.tensor([0.0, LN2, -LN2])
     s = mismatch_stats(logp, rollout)
@@ -101,7 +112,7 @@ def test_mismatch_stats_hand_computed():
     assert s.logprob_abs_diff_mean == pytest.approx(2 * LN2 / 3, rel=1e-6)
     assert s.logprob_abs_diff_max == pytest.approx(LN2, rel=1e-6)
     assert s.approx_kl_k3 == pytest.approx(1 / 6, rel=1e-6)
-    assert s.m2po_m2 == pytest.approx(LN2**2 / 3, rel=1e-6)
+    assert s.m2po_m2 == pytest.approx(2 * LN2**2 / 3, rel=1e-6)
 
 
 def test_mismatch_stats_identical_is_exact():

@@ -1,0 +1,279 @@
+"""The policy-gradient objective of a step (PPO-clip, GSPO, M2PO) and how token losses aggregate.
+
+Pure functions over flat per-token tensors of response tokens (the layout of
+services/trainer/grpo.py), plus the run-spec models that choose them
+(`trainer.policy_loss`, `trainer.loss_agg`).
+
+What "old" means. Every objective takes a ratio against the PPO old policy,
+which the trainer chooses from `trainer.mismatch_correction`:
+- mode 'none': the rollout's log-probs (the behaviour policy). The ratio then
+  measures the train/inference mismatch plus nothing else, since the rollout
+  sampled from the weights the trainer holds (one update per step).
+- mode 'truncate' / 'mask': the trainer's own pre-update log-probs (decoupled
+  PPO: the proximal policy). The ratio is exactly 1 in value; its gradient is
+  the policy gradient, and the token losses are weighted by the correction
+  weight w = pi_train / pi_rollout.
+
+How each objective composes with that:
+- ppo_clip: token ratio, clipped to [1 - clip_eps_low, 1 + clip_eps_high]. Both
+  modes, unchanged from before this module existed.
+- gspo: the sequence ratio exp(mean over the sequence of (logp - old_logp)),
+  clipped to [1 - gspo_clip_low, 1 + gspo_clip_high]. Only with mode 'none':
+  against the proximal policy the sequence ratio is identically 1, so the
+  clip (the point of GSPO) could never act; the config refuses it.
+- m2po: tokens masked by the second moment of Δ = logp_pre - rollout_logp
+  (the trainer's pre-update log-probs against the behaviour policy, whatever
+  the mode: that is the staleness M2PO constrains); the kept tokens use the
+  unclipped ratio against the old policy. Both modes: with 'mask' it is the
+  decoupled form AReaL's M2PO recipe runs (rejection of tokens whose w leaves
+  the mask band, on top of the M2 mask).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from services.trainer.grpo import clipped_surrogate, kl_to_reference, ppo_clip_loss
+from services.trainer.mismatch_correction import correction_weights
+
+if TYPE_CHECKING:  # config.py embeds PolicyLoss, so it cannot be imported from here at run time
+    from services.trainer.config import TrainerRunConfig
+
+LossAggregation = Literal["token_mean", "seq_mean_token_sum_norm", "seq_mean_token_mean"]
+
+DEFAULT_M2PO_THRESHOLD = 0.04
+DEFAULT_GSPO_CLIP_LOW = 3e-4
+DEFAULT_GSPO_CLIP_HIGH = 4e-4
+
+
+class PolicyLoss(BaseModel):
+    """Which policy-gradient objective a step minimises; the default is the PPO-clip loss."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    kind: Literal["ppo_clip", "gspo", "m2po"] = Field(
+        "ppo_clip",
+        description="'ppo_clip': token-level PPO-clip with trainer.clip_eps_low/high. 'gspo': GSPO (Zheng et al. "
+        "2025), sequence-level ratio exp(mean_t(logp - old_logp)) clipped per sequence to [1 - gspo_clip_low, "
+        "1 + gspo_clip_high]. 'm2po': M2PO (Zheng et al. 2025), the tokens with the largest (logp - rollout_logp)^2 "
+        "are masked until the kept tokens' mean is <= m2po_threshold; kept tokens use the unclipped ratio.")
+    m2po_threshold: float = Field(
+        DEFAULT_M2PO_THRESHOLD, gt=0, le=1e6,
+        description="M2PO bound on the mean (logp - rollout_logp)^2 of the tokens kept in the loss "
+        "(kind 'm2po' only; 0.04 as in the paper and AReaL).")
+    gspo_clip_low: float = Field(
+        DEFAULT_GSPO_CLIP_LOW, ge=0, lt=1,
+        description="GSPO: sequence ratios below 1 - gspo_clip_low stop contributing gradient (kind 'gspo' only; "
+        "the paper's 3e-4).")
+    gspo_clip_high: float = Field(
+        DEFAULT_GSPO_CLIP_HIGH, ge=0, le=100.0,
+        description="GSPO: sequence ratios above 1 + gspo_clip_high stop contributing gradient (kind 'gspo' only; "
+        "the paper's 4e-4).")
+
+    @model_validator(mode="after")
+    def _no_unused_settings(self) -> PolicyLoss:
+        if self.kind != "m2po" and self.m2po_threshold != DEFAULT_M2PO_THRESHOLD:
+            raise ValueError(f"m2po_threshold: only used by kind 'm2po', but kind is {self.kind!r}")
+        if self.kind != "gspo":
+            for name, default in (("gspo_clip_low", DEFAULT_GSPO_CLIP_LOW), ("gspo_clip_high", DEFAULT_GSPO_CLIP_HIGH)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name}: only used by kind 'gspo', but kind is {self.kind!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    loss: torch.Tensor     # float32 [N], differentiable in logp: each token's loss before aggregation
+    clipped: torch.Tensor  # bool [N]: the clip branch was taken (no gradient from this token)
+
+
+def ppo_clip_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
+                        clip_low: float, clip_high: float) -> TokenLoss:
+    """Token-level PPO-clip (grpo.ppo_clip_loss, the loss the trainer always had)."""
+    return TokenLoss(*ppo_clip_loss(logp, old_logp, advantages, clip_eps_low=clip_low, clip_eps_high=clip_high))
+
+
+def sequence_mean(values: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
+    """Each token's sequence mean of `values` ([N] -> [N], no grad), summed in float64 in token order.
+
+    `sample_index[i]` names token i's sequence; tokens of a sequence need not be adjacent."""
+    seqs, inverse = torch.unique(sample_index, return_inverse=True)
+    d = values.detach().double()
+    sums = torch.zeros(len(seqs), dtype=torch.float64, device=d.device).index_add_(0, inverse, d)
+    counts = torch.zeros(len(seqs), dtype=torch.float64, device=d.device).index_add_(0, inverse, torch.ones_like(d))
+    return (sums / counts)[inverse].to(values.dtype)
+
+
+def gspo_sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
+    """GSPO-token's ratio: value exp(mean over the sequence of (logp - old_logp)), gradient per token.
+
+    s_t = sg[s] * pi(y_t) / sg[pi(y_t)] (the paper's stop-gradient form): every token of a sequence carries
+    the sequence ratio s, and d s_t = s * d logp_t, so summing the token losses of a sequence with weight
+    1/|y| gives exactly GSPO's sequence-level gradient s * A * mean_t(d logp_t)."""
+    seq_log_ratio = sequence_mean(logp - old_logp, sample_index)
+    return torch.exp(seq_log_ratio + logp - logp.detach())
+
+
+def gspo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    sample_index: torch.Tensor, *, clip_low: float, clip_high: float) -> TokenLoss:
+    """GSPO: PPO-clip on the sequence ratio. Since every token of a sequence has the same ratio value
+    (and GRPO the same advantage), clipping acts on whole sequences."""
+    ratio = gspo_sequence_ratio(logp, old_logp, sample_index)
+    return TokenLoss(*clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high))
+
+
+def m2po_keep_mask(delta: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's second-moment mask: True for the tokens kept in the loss.
+
+    Tokens are taken in descending order of Δ^2 and masked one by one until the mean Δ^2 of the ones
+    left is <= threshold. Masking the largest value never raises the mean of the rest, so this masks the
+    fewest tokens that meet the bound. If even the single smallest Δ^2 exceeds the threshold, that one
+    token is kept (nothing else is), as AReaL does, so a step always has a loss.
+
+    Choices matched to AReaL (areal/trainer/ppo/actor.py, `_apply_m2po_masking` and
+    `_get_m2po_loss_mask`): Δ is the behaviour (rollout) log-prob against the proximal (trainer,
+    pre-update) log-prob, squared without the 1/2; masking proceeds from the largest Δ^2; at least one
+    token survives. Where this differs, on purpose: the stopping test is `<= threshold` (AReaL tests `<`;
+    the two differ only when a mean equals the threshold exactly); the sort is stable, so tied Δ^2 are
+    masked in token order and the mask is reproducible; suffix means run in float64; the caller applies
+    it over the whole step's tokens (every microbatch, every rank), where AReaL applies it per
+    loss-function call, so here the microbatch split does not change the mask; and the loss keeps
+    trainer.loss_agg's divisor, all the step's tokens for token_mean (the paper's 1 / sum_i |o_i|),
+    where AReaL divides each microbatch's kept-token sum by its kept count.
+    """
+    if delta.dim() != 1:
+        raise ValueError(f"m2po_keep_mask: want a 1-d tensor, got shape {tuple(delta.shape)}")
+    if not threshold > 0:
+        raise ValueError(f"m2po_keep_mask: threshold must be > 0, got {threshold}")
+    n = delta.numel()
+    if n == 0:
+        raise ValueError("m2po_keep_mask: no tokens")
+    m2 = delta.detach().double().square()
+    order = torch.sort(m2, descending=True, stable=True).indices
+    ranked = m2[order]
+    # suffix_mean[k] = mean of ranked[k:], the tokens left after masking the k largest.
+    suffix_mean = ranked.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=torch.float64, device=m2.device)
+    below = torch.nonzero(suffix_mean <= threshold)
+    num_masked = int(below[0]) if len(below) else n - 1
+    keep = torch.ones(n, dtype=torch.bool, device=delta.device)
+    keep[order[:num_masked]] = False
+    return keep
+
+
+def m2po_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    keep: torch.Tensor) -> TokenLoss:
+    """M2PO: -r A on the kept tokens, 0 on the masked ones; r = exp(logp - old_logp), never clipped."""
+    ratio = torch.exp(logp - old_logp)
+    loss = torch.where(keep, -(ratio * advantages), torch.zeros_like(ratio))
+    return TokenLoss(loss, torch.zeros_like(keep))
+
+
+def policy_token_loss(config: PolicyLoss, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
+                      sample_index: torch.Tensor, clip_eps_low: float, clip_eps_high: float,
+                      m2po_keep: torch.Tensor | None) -> TokenLoss:
+    """Per-token loss of `config.kind`; `m2po_keep` (m2po only) is this microbatch's slice of the step's mask."""
+    if config.kind == "ppo_clip":
+        return ppo_clip_token_loss(logp, old_logp, advantages, clip_low=clip_eps_low, clip_high=clip_eps_high)
+    if config.kind == "gspo":
+        return gspo_token_loss(logp, old_logp, advantages, sample_index,
+                               clip_low=config.gspo_clip_low, clip_high=config.gspo_clip_high)
+    if m2po_keep is None or m2po_keep.shape != logp.shape:
+        raise ValueError("policy_token_loss: kind 'm2po' needs the step's keep mask for these tokens")
+    return m2po_token_loss(logp, old_logp, advantages, m2po_keep)
+
+
+# ------------------------------------------------------------ aggregation --
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What aggregation and the M2PO mask need to know of the whole step, fixed before the first microbatch.
+
+    Sequences are numbered in canonical order (batching.canonical_order), as `response_sample_index` is."""
+
+    sequence_lengths: torch.Tensor  # int64 [G]: response tokens of each sequence
+    prompt_lengths: torch.Tensor    # int64 [G]: prompt tokens of each sequence
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.sequence_lengths.sum())
+
+    def token_keys(self, sample_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each response token's index in the step's canonical token order (sequence by sequence, in
+        sequence order): the same whatever microbatch, rank or layout the token was trained in.
+        `positions` are positions in the sequence (the first response token sits at its prompt length)."""
+        offsets = torch.cumsum(self.sequence_lengths, 0) - self.sequence_lengths
+        sample_index = sample_index.cpu()
+        return offsets[sample_index] + positions.cpu() - self.prompt_lengths[sample_index]
+
+
+def step_shape(ordered_samples: list) -> StepShape:
+    """StepShape of samples already in canonical order (anything with prompt_ids and response_ids)."""
+    return StepShape(
+        sequence_lengths=torch.tensor([s.response_ids.numel() for s in ordered_samples], dtype=torch.int64),
+        prompt_lengths=torch.tensor([s.prompt_ids.numel() for s in ordered_samples], dtype=torch.int64))
+
+
+def aggregate_loss(token_loss: torch.Tensor, sample_index: torch.Tensor, step: StepShape, *,
+                   loss_agg: LossAggregation, loss_agg_tokens: int | None) -> torch.Tensor:
+    """One microbatch's share of the step loss; the shares of every microbatch sum to the step loss.
+
+    With G sequences, L_i response tokens in sequence i, N = sum L_i, l_it the token losses:
+    - token_mean:              sum_it l_it / N
+    - seq_mean_token_mean:     (1/G) sum_i (1/L_i) sum_t l_it
+    - seq_mean_token_sum_norm: (1/G) sum_i (1/C) sum_t l_it, C = loss_agg_tokens (Dr. GRPO's constant:
+                               the generation budget, so no sequence is reweighted by its length)
+    Each share divides by step-wide constants (N, G, L_i, C), never by the microbatch's own counts, so
+    the microbatch split does not change the update. `sample_index` indexes step.sequence_lengths.
+    """
+    if loss_agg == "token_mean":
+        return token_loss.sum() / step.num_tokens
+    num_sequences = len(step.sequence_lengths)
+    if loss_agg == "seq_mean_token_sum_norm":
+        if loss_agg_tokens is None:
+            raise ValueError("aggregate_loss: seq_mean_token_sum_norm needs loss_agg_tokens")
+        return token_loss.sum() / (loss_agg_tokens * num_sequences)
+    lengths = step.sequence_lengths.to(token_loss.device)[sample_index].to(token_loss.dtype)
+    return (token_loss / lengths).sum() / num_sequences
+
+
+# ------------------------------------------------------------ one microbatch --
+
+
+@dataclass(frozen=True)
+class MicrobatchLoss:
+    loss: torch.Tensor         # scalar, differentiable: this microbatch's share of the step loss
+    clipped: torch.Tensor      # bool [N]: tokens whose ratio was clipped
+    is_weight: torch.Tensor    # float32 [N]: mismatch-correction weights (1 with mode 'none')
+    is_affected: torch.Tensor  # bool [N]: weights truncated or masked
+    kl: torch.Tensor | None    # float32 [N] k3 KL to the reference, None without one
+
+
+def microbatch_loss(config: TrainerRunConfig, logp: torch.Tensor, rollout_logp: torch.Tensor,
+                    advantages: torch.Tensor, sample_index: torch.Tensor, step: StepShape, *,
+                    m2po_keep: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None) -> MicrobatchLoss:
+    """The loss of one microbatch's response tokens, from the trainer's log-probs `logp` (differentiable).
+
+    mismatch_correction 'none': the rollout is the PPO old policy. Otherwise the trainer's own
+    pre-update log-probs are, and w = pi_train / pi_rollout (truncated or masked) weights each token.
+    The KL term to the reference (ref_logp given) is added per token before aggregation."""
+    correction = config.mismatch_correction
+    weights = correction_weights(logp.detach() - rollout_logp, sample_index, correction)
+    old_logp = rollout_logp if correction.mode == "none" else logp.detach()
+    token = policy_token_loss(config.policy_loss, logp, old_logp, advantages, sample_index=sample_index,
+                              clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
+                              m2po_keep=m2po_keep)
+    token_loss = token.loss
+    if correction.mode != "none":
+        token_loss = token_loss * weights.weights
+    kl = None
+    if ref_logp is not None:
+        kl = kl_to_reference(logp, ref_logp)
+        token_loss = token_loss + config.kl_coef * kl
+    loss = aggregate_loss(token_loss, sample_index, step, loss_agg=config.loss_agg,
+                          loss_agg_tokens=config.loss_agg_tokens)
+    return MicrobatchLoss(loss, token.clipped, weights.weights, weights.affected,
+                          None if kl is None else kl.detach())
