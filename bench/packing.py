@@ -16,7 +16,7 @@ hidden 4096, MLP 12288, 32 query heads, 8 KV heads, head dim 128):
               right padding needs none)
   Ideal speedup = padded tokens / real tokens; target: packed reaches >= 80% of it.
 - attention: one attention over all samples in one buffer (registry vs direct varlen_attn),
-  and padded SDPA over [samples, longest], as in DESIGN.md's 14.7 vs 150.8 ms.
+  and padded SDPA over [samples, longest], (a Qwen3-8B attention over 48 long-tail samples: 14.7 ms packed vs 150.8 ms padded).
 - limits measured in the same process: a bf16 8192^3 GEMM and a device copy; the stack's
   model FLOP rate is reported against the GEMM rate.
 Timing: CUDA events around whole passes, warm-up first, median of `--reps`.

@@ -3,8 +3,8 @@
 The images are layered on the official SGLang images, whose torch, triton and
 sglang were built together for one platform (ROCm 7 / gfx942, or CUDA). A
 plain `pip install` of anything that names torch or triton can quietly pull
-CUDA wheels from PyPI over the ROCm build (seed 000: "constraints to keep pip
-from pulling CUDA wheels over the base image's torch/sglang"); the image would
+CUDA wheels from PyPI over the ROCm build (an MI300 image of a Qwen3-8B run needed constraints to keep pip
+from pulling CUDA wheels over the base image's torch/sglang); the image would
 still build, and fail - or worse, run on the wrong kernels - on the MI300.
 
     check_image.py snapshot BASE.json                  # before any pip install

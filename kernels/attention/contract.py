@@ -13,9 +13,9 @@ Layout (the flash-attention "varlen" layout, no batch dimension):
 Semantics: token t of sequence i attends to keys j of the *same* sequence with
 j <= t and, when `window` is set, j > t - window (HF's `sliding_window`: the
 window counts the token itself). No token ever sees another sequence. That
-sentence is the whole point of this package: seed 000 is what happens when a
-backend treats the packed buffer as one long sequence (importance weights 0.41
-at step 1, max 1.5e5, rewards looking fine).
+sentence is the whole point of this package: when a
+backend treats the packed buffer as one long sequence a Qwen3-8B run's importance weights were 0.41
+at step 1, max 1.5e5, with rewards looking fine.
 
 Everything here is cheap, host-side checking; the value checks that need the
 contents of `cu_seqlens` (and so a device sync) run once per layout, cached by
@@ -76,7 +76,7 @@ class Capability:
         """Why this capability cannot serve the request, or None when it can."""
         if packed and not self.honours_boundaries:
             return ("does not honour sequence boundaries (cu_seqlens): a packed batch through it would "
-                    "let tokens attend across sequences (seed 000)")
+                    "let tokens attend across sequences")
         if dtype not in self.dtypes:
             return f"does not compute in {dtype} (supports {sorted(str(d) for d in self.dtypes)})"
         if head_dim > self.max_head_dim or head_dim % self.head_dim_multiple:

@@ -2,7 +2,7 @@
 
 On ROCm the only build that runs on MI300 without composable_kernel wheels is
 the Triton-AMD one, chosen at import time by FLASH_ATTENTION_TRITON_AMD_ENABLE=TRUE
-(seed 000: with it, step-1 IW mean was 0.9996; without flash-attn the trainer fell
+(on a Qwen3-8B MI325 run: with it, step-1 IW mean was 0.9996; without flash-attn the trainer fell
 back to SDPA and IW mean was 0.41). The probe refuses a ROCm import without that
 variable so the failure names the fix instead of a missing CUDA symbol.
 """

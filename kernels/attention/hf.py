@@ -14,7 +14,7 @@ How transformers (5.x) routes a packed batch, and the traps closed here:
   a partial set raises.
 - A 2-D attention mask makes HF's flash path unpad/repad by the mask and
   ignore cu_seqlens; under sdpa it is expanded to one causal mask over the
-  whole buffer (seed 000). Here: any attention mask raises. Packing carries
+  whole buffer. Here: any attention mask raises. Packing carries
   boundaries in cu_seqlens and has no padding to mask.
 - Mask construction: for an implementation with no function registered in
   `AttentionMaskInterface`, `create_causal_mask` returns None and *drops* a

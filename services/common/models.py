@@ -2,7 +2,7 @@
 
 Both sides must run the same model code with the same dtype and attention
 implementation, or step-1 importance weights drift from 1 for reasons that have
-nothing to do with learning (DESIGN.md, "The one invariant").
+nothing to do with learning (docs/DESIGN.md, "The invariant").
 """
 from __future__ import annotations
 

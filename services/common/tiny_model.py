@@ -4,7 +4,7 @@ The demo and the tests need a real model that every component loads through
 the ordinary Hugging Face path (`AutoModelForCausalLM.from_pretrained(dir)` in
 the trainer and the embedded engine; SGLang later), with no download. So this
 module only *configures* the stock `Qwen3ForCausalLM` (no forked model code:
-DESIGN.md wants trainer and engine to run one model definition) and writes a
+trainer and engine run one model definition) and writes a
 normal model directory: config.json, generation_config.json,
 model.safetensors and the character tokenizer.
 

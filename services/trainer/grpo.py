@@ -13,7 +13,7 @@ Conventions
 - `rollout_logp`: the log-prob the rollout engine reported when it sampled the
   token. It is the behaviour ("old") policy of the PPO ratio: the ratio is
   exp(logp - rollout_logp). Before the first update both sides hold the same
-  weights, so that ratio is the train/inference mismatch (DESIGN.md).
+  weights, so that ratio is the train/inference mismatch (docs/DESIGN.md).
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The rollout engine samples from pi_rollout; the trainer's policy at the same
 weights is pi_train, and kernels, dtypes and batch shapes make the two differ
-(DESIGN.md). With `mode: none` the PPO ratio is taken against the rollout's
+(docs/DESIGN.md). With `mode: none` the PPO ratio is taken against the rollout's
 log-probs, exactly as before: clipping then acts on that mismatch.
 
 The other modes decouple the two (decoupled PPO, as in AReaL; truncated IS as

@@ -25,7 +25,8 @@ protocol (hidden_states / response_targets / response_rollout_logprobs /
 response_advantages / sample_ids / num_response_tokens / to), so the loss code
 is the same for padded and packed microbatches. Its `hidden_states` refuses
 a model whose attention is not the registry's ('lockstep_packed'): a packed
-buffer through an attention that ignores cu_seqlens is seed 000.
+buffer through an attention that ignores cu_seqlens lets tokens attend across
+sequences (step-1 IW mean 0.41 on a Qwen3-8B run, with rewards looking fine).
 
 Determinism: the plan depends only on the lengths and the input order (ties
 by input index); pass samples in a canonical order (batching.canonical_order)
@@ -131,7 +132,7 @@ class PackedMicrobatch(ResponseSelection):
             raise RuntimeError(
                 f"packed microbatch refused: the model's attention is {impl!r}, not {HF_ATTN_IMPLEMENTATION!r}. "
                 "Call kernels.attention.register_hf_attention() and model.set_attn_implementation(...) first; "
-                "another attention may ignore cu_seqlens and attend across packed sequences (seed 000).")
+                "another attention may ignore cu_seqlens and attend across packed sequences.")
         return lm.model(input_ids=self.input_ids[None], use_cache=False, **self.model_kwargs()).last_hidden_state[0]
 
     @property

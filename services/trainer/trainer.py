@@ -400,7 +400,7 @@ class Trainer:
             logps = [o["logp"] for o in outputs]
             if step == 1:
                 # Step-1 parity gate: same weights on both sides, so any
-                # disagreement is a bug (seed 000); refuse before the update.
+                # disagreement is a bug; refuse before the update.
                 verdict = self._parity_verdict(run, microbatches, logps, samples)
                 log.info("parity gate", extra={"fields": {"run_id": run.run_id, "passed": verdict.passed,
                                                           **verdict.stats}})

@@ -1,7 +1,7 @@
 """The image guard (deploy/docker/check_image.py) and the Dockerfiles that run it.
 
 No Docker here, so the guard is tested by its decisions given an environment
-(DESIGN.md: ROCm behaviour is tested that way), plus one real run against this
+(docs/DESIGN.md: ROCm behaviour is tested that way), plus one real run against this
 virtualenv; the Dockerfiles are read to check the guard runs where it must.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_a_clean_rocm_install_passes():
 
 
 def test_cuda_torch_over_rocm_is_refused_with_reasons():
-    # The seed-000 failure: a dependency pulled PyPI's CUDA torch and its runtime wheels.
+    # A real MI300 image failure: a dependency pulled PyPI's CUDA torch and its runtime wheels.
     now = after(ROCM_BASE, torch="2.9.1+cu128", hip=None, cuda="12.8",
                 add={"nvidia-cublas-cu12": "12.8.4.1", "nvidia-nccl-cu12": "2.27.3", "triton": "3.5.1"})
     found = "\n".join(ci.problems(ROCM_BASE, now, "rocm"))

@@ -2,7 +2,7 @@
 
 promtool comes with Debian's `prometheus` package (.ci/run installs it).
 The unit tests in deploy/prometheus/tests/ feed injected series (the broken
-and healthy runs of seed 000 side by side); the mutation tests below prove
+and healthy step 1 of a Qwen3-8B run side by side); the mutation tests below prove
 those unit tests would notice if a rule were loosened.
 """
 from __future__ import annotations
@@ -76,7 +76,7 @@ MUTATIONS = {
     "IW max bound below the healthy 6.6": ("lockstep_step_iw_max > 20", "lockstep_step_iw_max > 5"),
     "stall alert ignores run status": ("and on (run_id) lockstep_run_active == 1", ""),
     "M2 bound below the healthy MI325 0.0083": ("lockstep_step_m2po_m2 > 0.1", "lockstep_step_m2po_m2 > 0.005"),
-    "M2 bound above seed 000's broken ~17": ("lockstep_step_m2po_m2 > 0.1", "lockstep_step_m2po_m2 > 20"),
+    "M2 bound above the broken run's ~17": ("lockstep_step_m2po_m2 > 0.1", "lockstep_step_m2po_m2 > 20"),
     "NaN M2 no longer caught": ("or lockstep_step_m2po_m2 != lockstep_step_m2po_m2", ""),
     "KL spike without its floor": ("lockstep_step_approx_kl_k3 > 0.001", "lockstep_step_approx_kl_k3 > 0"),
     "reward flat without completed steps": ("and on (run_id) changes(lockstep_run_step[30m]) >= 3", ""),

@@ -1,4 +1,4 @@
-"""Step-1 parity gate: thresholds, diagnostics, and seed 000 reproduced end to end on a tiny Qwen3."""
+"""Step-1 parity gate: thresholds, diagnostics, and the packed-attention failure reproduced end to end on a tiny Qwen3."""
 from __future__ import annotations
 
 import copy
@@ -106,7 +106,7 @@ def test_thresholds_are_typed_documented_and_default_to_the_issue():
         ParityThresholds(iw_mean_tol=1.0)
 
 
-# ---- seed 000, reproduced ---------------------------------------------------------------------------
+# ---- the packed-attention failure, reproduced ---------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
