@@ -198,6 +198,14 @@ def build_panels() -> list[dict]:
                      [per_run("entropy")]))
     L.add(timeseries("Gradient norm", "Global gradient norm before clipping.", [per_run("grad_norm")]))
     L.add(timeseries("Loss", "Policy loss of the step (token-mean PPO-clip plus KL term).", [per_run("loss")]))
+    L.add(timeseries(
+        "Eval avg@k / pass@k by set",
+        "At each evaluation (eval.every), per eval set: avg@k, the mean reward of eval.k samples per problem "
+        "at eval.temperature, and pass@k, the fraction of problems with at least one correct sample. "
+        "Set 'heldout' is the task's own held-out split; the others are the run spec's eval.sets.",
+        [(f'{m("lockstep_eval_avg_at_k")}{{{RUN}}}', "{{run_id}} {{set}} avg@{{k}}"),
+         (f'{m("lockstep_eval_pass_at_k")}{{{RUN}}}', "{{run_id}} {{set}} pass@{{k}}")],
+        unit="percentunit"), w=24)
 
     L.row("Time and throughput")
     L.add(timeseries(

@@ -78,7 +78,7 @@ def test_every_step_health_metric_the_issue_names_is_on_the_dashboard():
         "lockstep_step_clip_fraction", "lockstep_step_reward_mean", "lockstep_step_eval_accuracy",
         "lockstep_step_response_length_mean", "lockstep_step_phase_seconds",
         "lockstep_rollout_generated_tokens_total", "lockstep_trainer_tokens_total",
-        "lockstep_rollout_queue_depth",
+        "lockstep_rollout_queue_depth", "lockstep_eval_avg_at_k", "lockstep_eval_pass_at_k",
     }
     assert wanted <= names, f"missing from the dashboard: {wanted - names}"
 
