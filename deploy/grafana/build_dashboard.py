@@ -197,13 +197,21 @@ def build_panels() -> list[dict]:
     L.add(timeseries(
         "Response length",
         "Mean response length in tokens. A length frozen at one value while rewards move is a "
-        "symptom seed 000's broken run showed.",
+        "symptom of the broken packed-attention run.",
         [per_run("response_length_mean")]))
     L.add(timeseries("Policy entropy", "Mean per-token entropy of the trainer policy on response tokens.",
                      [per_run("entropy")]))
     L.add(timeseries("Gradient norm", "Global gradient norm before clipping.", [per_run("grad_norm")]))
     L.add(timeseries("Loss", "Policy loss of the step (trainer.policy_loss plus KL term, aggregated as "
                      "trainer.loss_agg says).", [per_run("loss")]))
+    L.add(timeseries(
+        "Eval avg@k / pass@k by set",
+        "At each evaluation (eval.every), per eval set: avg@k, the mean reward of eval.k samples per problem "
+        "at eval.temperature, and pass@k, the fraction of problems with at least one correct sample. "
+        "Set 'heldout' is the task's own held-out split; the others are the run spec's eval.sets.",
+        [(f'{m("lockstep_eval_avg_at_k")}{{{RUN}}}', "{{run_id}} {{set}} avg@{{k}}"),
+         (f'{m("lockstep_eval_pass_at_k")}{{{RUN}}}', "{{run_id}} {{set}} pass@{{k}}")],
+        unit="percentunit"), w=24)
 
     L.row("Time and throughput")
     L.add(timeseries(

@@ -82,6 +82,13 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
               "Steps recomputed after a trainer recovery, by whether they reproduced their record bit for bit "
               "(outcome matched or differed).", ("run_id", "outcome")),
     MetricDef("lockstep_weight_sync_seconds", "gauge", "Duration of the last weight sync to all rollout replicas.", ("run_id",)),
+    MetricDef("lockstep_eval_avg_at_k", "gauge",
+              "avg@k of the last evaluation on an eval set: the mean reward of k samples per problem (eval.k at "
+              "eval.temperature), averaged over the set's problems. set 'heldout' is the task's held-out split.",
+              ("run_id", "set", "k")),
+    MetricDef("lockstep_eval_pass_at_k", "gauge",
+              "pass@k of the last evaluation on an eval set: the fraction of its problems with at least one of "
+              "k samples correct (reward at least the task's success reward, 1.0).", ("run_id", "set", "k")),
 )
 
 ROLLOUT_METRICS: tuple[MetricDef, ...] = (

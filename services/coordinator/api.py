@@ -76,6 +76,30 @@ class RunRecordBody(BaseModel):
     error: str = Field(..., description="Why the run failed; empty otherwise.")
 
 
+class EvalInitialBody(BaseModel):
+    accuracy: float = Field(..., description="Greedy accuracy on the task's held-out split before step 1.")
+    step: int = Field(..., description="Always 0: the policy before any step.")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="The same evaluation's per-set metrics: 'eval/<set>/avg@<k>' and "
+        "'eval/<set>/pass@<k>' for each eval set ('heldout' and eval.sets), plus 'eval_accuracy'.")
+
+
+class StepMetricsBody(BaseModel):
+    step: int = Field(..., description="The step these metrics were recorded for.")
+    metrics: dict[str, int | float] = Field(
+        ..., description="Deterministic metrics of the step (same spec, same values): the trainer's (loss, "
+        "iw_mean, ...), trajectory counts, and on eval steps 'eval_accuracy' (greedy held-out accuracy) and, "
+        "for each eval set, 'eval/<set>/avg@<k>' (mean reward over k samples per problem) and "
+        "'eval/<set>/pass@<k>' (fraction of problems with a correct sample among k).")
+    timings: dict[str, float] = Field(..., description="Wall time of each phase of the step, in seconds.")
+
+
+class RunMetricsBody(BaseModel):
+    run_id: str = Field(..., description="Run id (12 hex digits).")
+    eval_initial: EvalInitialBody | None = Field(..., description="The evaluation before step 1; null until it ran.")
+    steps: list[StepMetricsBody] = Field(..., description="Every recorded step, in order.")
+
+
 NOT_FOUND = {404: {"model": ErrorDetail, "description": "No run has this id (anything not a run id is no run)."}}
 INVALID = {422: {"model": InvalidRequestBody, "description": "Invalid request; nothing stored."}}
 # Documented, not enforced by FastAPI (that would answer 422): a non-matching id is an unknown run, 404.
@@ -224,7 +248,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
         return {**run.to_dict(), "spec": spec, "eval_initial": await store.get_aux(run_id, "eval_initial"),
                 "latest": latest[0], "events": await store.events(run_id)}
 
-    @v1.get("/runs/{run_id}/metrics", responses=NOT_FOUND, operation_id="run_metrics")
+    @v1.get("/runs/{run_id}/metrics", response_model=RunMetricsBody, responses=NOT_FOUND, operation_id="run_metrics")
     async def run_metrics(run_id: RunIdParam, request: Request) -> dict:
         await _run_or_404(request, run_id)
         store = _store(request)

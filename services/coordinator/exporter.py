@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from services.common.metric_defs import COORDINATOR_METRICS, STEP_METRIC_HELP, build_collectors, step_metric_name
+
+if TYPE_CHECKING:
+    from services.coordinator.evaluation import EvalReport
 
 
 class CoordinatorExporter:
@@ -30,8 +34,12 @@ class CoordinatorExporter:
     def run_active(self, run_id: str, active: bool) -> None:
         self._m["lockstep_run_active"].labels(run_id).set(1 if active else 0)
 
-    def on_eval(self, run_id: str, accuracy: float) -> None:
-        self._m[step_metric_name("eval_accuracy")].labels(run_id).set(accuracy)
+    def on_eval(self, run_id: str, report: EvalReport) -> None:
+        self._m[step_metric_name("eval_accuracy")].labels(run_id).set(report.greedy_accuracy)
+        for result in report.sets:
+            labels = (run_id, result.name, str(result.k))
+            self._m["lockstep_eval_avg_at_k"].labels(*labels).set(result.avg_at_k)
+            self._m["lockstep_eval_pass_at_k"].labels(*labels).set(result.pass_at_k)
 
     def trajectories(self, run_id: str, outcome: str, count: int) -> None:
         if count:

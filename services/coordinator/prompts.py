@@ -8,7 +8,9 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from proto import lockstep_pb2 as pb
 from services.coordinator.tasks.base import Problem
 
 
@@ -29,3 +31,16 @@ def step_problems(train: Sequence[Problem], *, seed: int, step: int, count: int,
 
 def group_id(step: int, index: int) -> str:
     return f"s{step}-g{index}"
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """How one batch of prompts is sampled: the engine's parameters, samples per prompt, and the seed of
+    the prompt at index i of the batch, derived_seed(*seed_parts, i)."""
+
+    params: pb.SamplingParams
+    samples_per_prompt: int
+    seed_parts: tuple[object, ...]
+
+    def seed(self, index: int) -> int:
+        return derived_seed(*self.seed_parts, index)

@@ -9,7 +9,7 @@
         metrics   = trainer.train_step(trajectories)          # policy_version -> step
         sync weights to every live replica (a replica that stopped answering is evicted)
         (no replica left: wait for one to answer again, reload it at the current weights)
-        eval (greedy, held-out) when due; checkpoint when due
+        eval (avg@k, pass@k per held-out set: evaluation.py) when due; checkpoint when due
         record step exactly once (Redis), export metrics
         (trainer lost: wait for it, resume it from the last checkpoint, go on from there)
 
@@ -43,8 +43,9 @@ from services.common.structured_logging import log_event
 from services.common.tensors import from_proto, ids_to_proto
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
 from services.coordinator.dynamic_sampling import select_informative
+from services.coordinator.evaluation import Evaluator, build_eval_sets
 from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.prompts import derived_seed, group_id, step_problems
+from services.coordinator.prompts import SamplingPlan, group_id, step_problems
 from services.coordinator.replicas import NoLiveReplica, ReplicaPool
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
@@ -112,6 +113,8 @@ class RunDriver:
             self.task.split(split)
         self.tokenizer = tokenizer_loader(spec.model_path)
         self._prompt_ids: dict[str, list[int]] = {}
+        self.evaluator = Evaluator(spec, self.task, build_eval_sets(spec, self.task), self._eval_rollout,
+                                   self._decode, self._stop_ids())
 
     # ------------------------------------------------------------------ loop --
     async def run(self) -> None:
@@ -131,9 +134,10 @@ class RunDriver:
         except TrainerUnavailable as exc:
             trainer_version = await self._recover_trainer(run.step + 1, exc)
         if await self.store.get_aux(self.run_id, "eval_initial") is None:
-            acc = await self._evaluate(policy_version=trainer_version)
-            await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": acc, "step": 0})
-            self.exporter.on_eval(self.run_id, acc)
+            report = await self.evaluator.evaluate(step=0, policy_version=trainer_version)
+            await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": report.greedy_accuracy, "step": 0,
+                                                                   "metrics": report.metrics()})
+            self.exporter.on_eval(self.run_id, report)
         cursor = run.step
         while (step := next_step(trainer_version, cursor)) <= spec.steps:
             await self._check_cancelled()
@@ -200,9 +204,11 @@ class RunDriver:
         timings["weight_sync"] = time.monotonic() - tr
         metrics = dict(result.metrics)
         metrics.update(counts)
+        report = None
         if self._eval_due(step):
             tr = time.monotonic()
-            metrics["eval_accuracy"] = await self._evaluate(policy_version=step)
+            report = await self.evaluator.evaluate(step=step, policy_version=step)
+            metrics.update(report.metrics())
             timings["eval"] = time.monotonic() - tr
         if self._checkpoint_due(step):
             tr = time.monotonic()
@@ -214,8 +220,8 @@ class RunDriver:
         timings["total"] = time.monotonic() - t0
         if await self.store.record_step(self.run_id, step, metrics, timings):
             self.exporter.on_step(self.run_id, step, metrics, timings)
-            if "eval_accuracy" in metrics:
-                self.exporter.on_eval(self.run_id, metrics["eval_accuracy"])
+            if report is not None:
+                self.exporter.on_eval(self.run_id, report)
             self.exporter.trajectories(self.run_id, "trained", counts["trajectories_trained"])
             self.exporter.trajectories(self.run_id, "dropped", counts["trajectories_dropped"])
             for outcome in ("filtered", "surplus"):
@@ -410,22 +416,28 @@ class RunDriver:
                   replica=client.address, policy_version=version)
         return True
 
-    async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int, greedy: bool = False,
+    def _training_plan(self, step: int) -> SamplingPlan:
+        s = self.spec.rollout.sampling
+        params = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                   max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop_ids(), greedy=False)
+        return SamplingPlan(params, self.spec.rollout.samples_per_prompt, ("sample", self.spec.seed, step))
+
+    async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int,
+                       plan: SamplingPlan | None = None,
                        first_index: int = 0) -> tuple[list[tuple[int, pb.Sample]], int]:
         """Samples as (index in `problems`, sample) in problem order; returns also the dropped count.
 
-        `first_index` numbers the problems within the step (group ids and sampling seeds derive from it),
-        so further rounds of one step never reuse a group id or a seed."""
-        spec = self.spec
+        `plan` None: the step's training samples. `first_index` numbers the problems within the step (group
+        ids and sampling seeds derive from it), so further rounds of one step never reuse a group id or a seed."""
+        plan = self._training_plan(step) if plan is None else plan
         await self._await_replica(step, policy_version)
         n = len(self.replicas.live())
         size = -(-len(problems) // n)
         shards = [Shard(problems[i:i + size], first_index + i) for i in range(0, len(problems), size)]
-        samples_per_prompt = 1 if greedy else spec.rollout.samples_per_prompt
+        samples_per_prompt = plan.samples_per_prompt
         self.exporter.queue_depth(self.run_id, len(problems))
         results = await asyncio.gather(*(
-            self._generate_shard(shard, k, step=step, policy_version=policy_version, greedy=greedy,
-                                 samples_per_prompt=samples_per_prompt)
+            self._generate_shard(shard, k, step=step, policy_version=policy_version, plan=plan)
             for k, shard in enumerate(shards)
         ))
         self.exporter.queue_depth(self.run_id, 0)
@@ -442,22 +454,16 @@ class RunDriver:
         return out, dropped
 
     async def _generate_shard(self, shard: Shard, replica: int, *, step: int, policy_version: int,
-                              greedy: bool, samples_per_prompt: int) -> pb.GenerateResponse | None:
-        spec = self.spec
-        s = spec.rollout.sampling
+                              plan: SamplingPlan) -> pb.GenerateResponse | None:
         prompts = [
             pb.Prompt(group_id=group_id(step, shard.first_index + j),
-                      token_ids=ids_to_proto(self._encode(p)),
-                      seed=derived_seed("sample", spec.seed, step, shard.first_index + j))
+                      token_ids=ids_to_proto(self._encode(p)), seed=plan.seed(shard.first_index + j))
             for j, p in enumerate(shard.problems)
         ]
+        samples_per_prompt = plan.samples_per_prompt
         request = pb.GenerateRequest(
             run_id=self.run_id, step=step, policy_version=policy_version, prompts=prompts,
-            samples_per_prompt=samples_per_prompt,
-            sampling=pb.SamplingParams(
-                temperature=s.temperature, top_p=1.0 if greedy else s.top_p, top_k=0 if greedy else s.top_k,
-                max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop_ids(), greedy=greedy,
-            ),
+            samples_per_prompt=samples_per_prompt, sampling=plan.params,
         )
         attempts = self.generate_retries + 1
         for attempt in range(attempts):
@@ -544,13 +550,13 @@ class RunDriver:
             await self.store.add_event(self.run_id, "weights_synced", policy_version=version,
                                        digest=first.total_sha256, bytes=first.bytes, replicas=sorted(synced))
 
-    async def _evaluate(self, *, policy_version: int) -> float:
-        heldout = list(self.task.split("heldout"))[: self.spec.eval.heldout_size]
-        samples, dropped = await self._rollout(heldout, step=0, policy_version=policy_version, greedy=True)
+    async def _eval_rollout(self, problems: list[Problem], policy_version: int,
+                            plan: SamplingPlan) -> list[tuple[int, pb.Sample]]:
+        # step 0 for the group ids, as the eval always used: eval requests never share a call with a step's.
+        samples, dropped = await self._rollout(problems, step=0, policy_version=policy_version, plan=plan)
         if dropped:
             raise RunFailed(f"evaluation lost {dropped} samples: rollout unavailable")
-        correct = sum(await self.task.score([(heldout[i], self._decode(s)) for i, s in samples]))
-        return correct / len(heldout)
+        return samples
 
     # ------------------------------------------------------------ helpers --
     def _eval_due(self, step: int) -> bool:

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_bounded
 from services.common.float32_fields import Float32
 from services.common.models import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
-from services.coordinator.tasks import build_task, known_tasks, task_path_options
+from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
 from services.rollout.registry import check_engine_options
 from services.rollout.sglang_config import SERVICE_OWNED_OPTIONS, service_owned_reason
 from services.trainer.config import TrainerRunConfig
@@ -106,9 +107,69 @@ class TaskSpec(_Strict):
         return v
 
 
+MAX_EVAL_K = 64
+"""Most samples per problem an evaluation may draw."""
+MAX_EVAL_SETS = 16
+"""Most extra eval sets a run may name."""
+MAX_EVAL_PROBLEMS = 100_000
+"""Most problems one evaluation covers, over the held-out split and every extra set."""
+MAX_EVAL_SAMPLES = 1_000_000
+"""Most samples one evaluation draws (problems times k)."""
+HELDOUT_SET = "heldout"
+"""The eval set that is the task's own held-out split (its first heldout_size problems)."""
+EVAL_SET_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
+"""What a set name must match: it becomes part of metric keys and a Prometheus label value."""
+
+
+class EvalSetSpec(_Strict):
+    name: str = Field(..., pattern=EVAL_SET_NAME_PATTERN, description="Set name, as it appears in the metrics "
+                      "(eval/<name>/avg@k) and the `set` label; unique within the run; 'heldout' is the task's "
+                      "own held-out split and cannot be used here.")
+    path: str = Field(..., min_length=1, max_length=MAX_PATH_LENGTH, description="Local JSONL file, read at "
+                      "submit time with the run's task's reader (math: the format of task.options.path; "
+                      "arithmetic: one {\"a\": int, \"b\": int} per line) and scored with the task's reward. "
+                      "Must lie inside the coordinator's data roots.")
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v == HELDOUT_SET:
+            raise ValueError(f"{HELDOUT_SET!r} is the task's own held-out split; name this set otherwise")
+        return v
+
+
 class EvalSpec(_Strict):
-    every: int = Field(5, ge=0, description="Greedy held-out eval every N steps (always before step 1 and after the last); 0 = only those two.")
-    heldout_size: int = Field(200, ge=1, le=100000, description="Held-out problems evaluated each time.")
+    every: int = Field(5, ge=0, description="Evaluate every N steps (always before step 1 and after the last); 0 = only those two.")
+    heldout_size: int = Field(200, ge=1, le=MAX_EVAL_PROBLEMS, description="Problems of the task's held-out split "
+                              "evaluated each time (set 'heldout').")
+    k: int = Field(1, ge=1, le=MAX_EVAL_K, description="Samples per problem: avg@k is the mean reward over them, "
+                   "pass@k the fraction of problems with at least one correct sample.")
+    temperature: Float32 = Field(0.0, ge=0, le=10, description="Sampling temperature of eval samples (top_p 1, "
+                                 "top_k off); 0 = greedy. Greedy with k = 1 is the plain held-out accuracy.")
+    max_new_tokens: int | None = Field(None, ge=1, le=32768, description="Eval response length cap in tokens; "
+                                       "null = rollout.sampling.max_new_tokens.")
+    sets: list[EvalSetSpec] = Field(default_factory=list, max_length=MAX_EVAL_SETS, description="Extra held-out "
+                                    "sets evaluated beside the task's own ('heldout'), each in full.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "EvalSpec":
+        if 0 < self.temperature < 0.01:
+            raise field_error("eval.temperature", f"{self.temperature} is neither 0 (greedy) nor at least 0.01")
+        if self.k > 1 and self.temperature == 0:
+            raise field_error("eval.k", f"{self.k} greedy samples of one problem are all the same; "
+                              "set eval.temperature > 0 or k = 1")
+        seen: set[str] = set()
+        for i, eval_set in enumerate(self.sets):
+            if eval_set.name in seen:
+                raise field_error(f"eval.sets.{i}.name", f"{eval_set.name!r} names an earlier set too")
+            seen.add(eval_set.name)
+        return self
+
+
+def field_error(field: str, reason: str) -> PydanticCustomError:
+    """An error of `field` (dotted, from the spec's root) raised by a validator above it: validation_fields
+    reports it under that field rather than the validator's own location."""
+    return PydanticCustomError("refused_field", "{field}: {reason}", {"field": field, "reason": reason})
 
 
 class CheckpointSpec(_Strict):
@@ -133,7 +194,8 @@ class RunSpec(_Strict):
     task: TaskSpec = Field(..., description="Verifiable task supplying prompts and rewards.")
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description="Rollout engine and sampling.")
     trainer: TrainerRunConfig = Field(default_factory=TrainerRunConfig, description="Trainer hyperparameters.")
-    eval: EvalSpec = Field(default_factory=EvalSpec, description="Held-out evaluation.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Periodic evaluation (avg@k, pass@k) on the "
+                           "task's held-out split and extra held-out sets.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
     debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
 
@@ -146,6 +208,26 @@ class RunSpec(_Strict):
             raise ValueError(str(exc).removeprefix("model_path: ")) from None
         except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path cannot be a model directory
             raise ValueError(f"cannot read {v!r}: {exc.strerror}") from None
+
+    @field_validator("eval")
+    @classmethod
+    def _eval_sets_readable(cls, v: EvalSpec, info: ValidationInfo) -> EvalSpec:
+        task = info.data.get("task")
+        if task is None:  # a bad task is reported on its own field
+            return v
+        total = v.heldout_size  # an upper bound: the held-out split may hold fewer
+        for i, eval_set in enumerate(v.sets):
+            field = f"eval.sets.{i}.path"
+            try:
+                total += len(read_eval_set(task.name, task.options, eval_set.path, field))
+            except ValueError as exc:
+                raise field_error(field, str(exc).removeprefix(f"{field}: ")) from None
+            if total > MAX_EVAL_PROBLEMS:
+                raise field_error(field, f"brings the problems of one evaluation past {MAX_EVAL_PROBLEMS}")
+        if total * v.k > MAX_EVAL_SAMPLES:
+            raise field_error("eval.k", f"{v.k} samples of each of up to {total} problems exceed "
+                              f"{MAX_EVAL_SAMPLES} samples per evaluation")
+        return v
 
     @model_validator(mode="after")
     def _temperatures_agree(self) -> "RunSpec":
@@ -191,18 +273,30 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
                 data = {**data, "options": options}
             return data
 
+    class ConfinedEvalSetSpec(EvalSetSpec):
+        @field_validator("path", mode="before")
+        @classmethod
+        def _set_inside_roots(cls, v: object) -> object:
+            return _inside(v, data_roots, "path")
+
+    class ConfinedEvalSpec(EvalSpec):
+        sets: list[ConfinedEvalSetSpec] = Field(default_factory=list, max_length=MAX_EVAL_SETS,
+                                                description=EvalSpec.model_fields["sets"].description)
+
     class ConfinedRunSpec(RunSpec):
         task: ConfinedTaskSpec = Field(..., description=RunSpec.model_fields["task"].description)
+        eval: ConfinedEvalSpec = Field(default_factory=ConfinedEvalSpec,
+                                       description=RunSpec.model_fields["eval"].description)
 
         @field_validator("model_path", mode="before")
         @classmethod
         def _model_inside_roots(cls, v: object) -> object:
             return _inside(v, model_roots, "model_path")
 
-    ConfinedTaskSpec.__name__ = ConfinedTaskSpec.__qualname__ = "TaskSpec"
-    ConfinedRunSpec.__name__ = ConfinedRunSpec.__qualname__ = "RunSpec"
-    ConfinedTaskSpec.model_rebuild(force=True)
-    ConfinedRunSpec.model_rebuild(force=True)
+    for confined, name in ((ConfinedTaskSpec, "TaskSpec"), (ConfinedEvalSetSpec, "EvalSetSpec"),
+                           (ConfinedEvalSpec, "EvalSpec"), (ConfinedRunSpec, "RunSpec")):
+        confined.__name__ = confined.__qualname__ = name
+        confined.model_rebuild(force=True)
     return ConfinedRunSpec
 
 
@@ -218,6 +312,9 @@ def validation_fields(errors: list[dict]) -> list[dict[str, str]]:
     """pydantic's errors as [{"field": "trainer.lr", "reason": "..."}] ("(body)" for the spec as a whole)."""
     out = []
     for err in errors:
+        if err.get("type") == "refused_field":  # raised above the field it concerns (field_error)
+            out.append({"field": err["ctx"]["field"], "reason": err["ctx"]["reason"]})
+            continue
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         out.append({"field": ".".join(loc) or "(body)", "reason": err.get("msg", "invalid").removeprefix("Value error, ")})
     return out

@@ -5,7 +5,8 @@ as `make demo` runs them); Prometheus is Debian's `prometheus` binary with the
 deployed scrape config (deploy/prometheus/prometheus.yml: same job names, same
 rule files) pointed at the local ports and scraping every second. Checks:
 - PromQL's lockstep_step_iw_mean for the run equals, bit for bit, the IW mean
-  the REST API reports for step 3;
+  the REST API reports for step 3, and so do the last eval's avg@k and pass@k
+  of each eval set (the task's held-out split and an extra JSONL set);
 - every metric name the alert rules and the dashboard reference is exported
   by the live run, apart from the ones listed in MAY_BE_ABSENT with a reason;
 - the healthy run trips none of the mismatch or service alerts;
@@ -49,7 +50,7 @@ MISMATCH_AND_SERVICE_ALERTS = (
 )
 
 
-def spec(model_dir: Path) -> dict:
+def spec(model_dir: Path, extra_set: Path) -> dict:
     return {
         "name": "live-prom",
         "model_path": str(model_dir),
@@ -59,7 +60,8 @@ def spec(model_dir: Path) -> dict:
         "rollout": {"prompts_per_step": 4, "samples_per_prompt": 4,
                     "sampling": {"temperature": 1.0, "max_new_tokens": 4}},
         "trainer": {"lr": 1e-3, "temperature": 1.0},
-        "eval": {"every": 0, "heldout_size": 16},
+        "eval": {"every": 0, "heldout_size": 16, "k": 2, "temperature": 1.0,
+                 "sets": [{"name": "extra", "path": str(extra_set)}]},
     }
 
 
@@ -145,9 +147,11 @@ def wait_for(prom: str, expr: str, timeout_s: float = 30.0) -> list[dict]:
 @pytest.fixture(scope="module")
 def finished_run(stack, prometheus, tmp_path_factory):
     model_dir = build_model_dir(tmp_path_factory.mktemp("model") / "tiny", seed=0)
+    extra_set = tmp_path_factory.mktemp("eval") / "extra.jsonl"
+    extra_set.write_text('{"a": 12, "b": 34}\n{"a": 3, "b": 4}\n')
     client = stack.client()
     try:
-        run = client.submit(spec(model_dir))
+        run = client.submit(spec(model_dir, extra_set))
         done = client.wait(run["id"], timeout_s=300)
         assert done["status"] == "completed", done
         steps = client.metrics(run["id"])["steps"]
@@ -175,6 +179,15 @@ def test_promql_iw_mean_equals_the_rest_api(prometheus, finished_run):
     # the value survives the trip bit for bit.
     assert float(series["value"][1]) == rest, (series, rest)
     assert abs(rest - 1) <= 1e-3  # and it is a healthy run
+
+
+def test_promql_eval_avg_and_pass_at_k_equal_the_rest_api(prometheus, finished_run):
+    run_id, steps = finished_run
+    last = steps[2]["metrics"]
+    for gauge, stat in (("lockstep_eval_avg_at_k", "avg"), ("lockstep_eval_pass_at_k", "pass")):
+        series = query(prometheus, f'{gauge}{{run_id="{run_id}"}}')
+        got = {(s["metric"]["set"], s["metric"]["k"]): float(s["value"][1]) for s in series}
+        assert got == {(name, "2"): last[f"eval/{name}/{stat}@2"] for name in ("heldout", "extra")}, (got, last)
 
 
 def test_every_referenced_metric_is_exported_by_the_live_run(prometheus, finished_run):

@@ -78,15 +78,15 @@ def test_every_step_health_metric_the_issue_names_is_on_the_dashboard():
         "lockstep_step_clip_fraction", "lockstep_step_reward_mean", "lockstep_step_eval_accuracy",
         "lockstep_step_response_length_mean", "lockstep_step_phase_seconds",
         "lockstep_rollout_generated_tokens_total", "lockstep_trainer_tokens_total",
-        "lockstep_rollout_queue_depth",
+        "lockstep_rollout_queue_depth", "lockstep_eval_avg_at_k", "lockstep_eval_pass_at_k",
     }
     assert wanted <= names, f"missing from the dashboard: {wanted - names}"
 
 
 def test_labels_stay_low_cardinality():
-    # Run id, service, phase, status and outcome have a handful of values each;
-    # sample, group or token ids would create a series per sample.
-    allowed = {"run_id", "service", "phase", "status", "outcome"}
+    # Run id, service, phase, status and outcome have a handful of values each, and so do an eval's
+    # set (at most 17 per run) and k (one per run); sample, group or token ids would create a series per sample.
+    allowed = {"run_id", "service", "phase", "status", "outcome", "set", "k"}
     wide = {d.name: set(d.labels) - allowed for d in ALL_METRICS if set(d.labels) - allowed}
     assert not wide, f"labels outside the low-cardinality set: {wide}"
 

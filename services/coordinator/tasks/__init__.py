@@ -25,7 +25,21 @@ def _math(options: dict) -> Task:
     return MathTask(MathConfig.model_validate(options, strict=True))
 
 
+def _arithmetic_eval_set(options: dict, path: str, field: str) -> list[Problem]:
+    from services.coordinator.tasks.arithmetic import ArithmeticConfig, read_eval_set
+
+    return read_eval_set(path, field, ArithmeticConfig.model_validate(options, strict=True))
+
+
+def _math_eval_set(options: dict, path: str, field: str) -> list[Problem]:
+    from services.coordinator.tasks.math_dataset import MathConfig, read_eval_set
+
+    return read_eval_set(path, field, MathConfig.model_validate(options, strict=True))
+
+
 _REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math}
+_EVAL_SET_READERS: dict[str, Callable[[dict, str, str], list[Problem]]] = {
+    "arithmetic": _arithmetic_eval_set, "math": _math_eval_set}
 # Options naming files the coordinator reads: each must lie inside the coordinator's data_roots.
 _PATH_OPTIONS: dict[str, tuple[str, ...]] = {"math": ("path", "heldout_path")}
 
@@ -56,6 +70,20 @@ def options_error(name: str, exc: ValidationError) -> str:
     return f"task {name!r} " + "; ".join(parts)
 
 
+def read_eval_set(name: str, options: dict, path: str, field: str) -> list[Problem]:
+    """The problems of an extra held-out JSONL file, read as task `name` with `options` reads its own data
+    (prompts formatted and answers parsed the same way, so the task's scorer rewards them). ValueError
+    starting with `field` for a missing file or a bad line; the options must already be valid."""
+    try:
+        reader = _EVAL_SET_READERS[name]
+    except KeyError:
+        raise ValueError(f"{field}: task {name!r} reads no eval sets") from None
+    try:
+        return reader(dict(options), path, field)
+    except ValidationError as exc:
+        raise ValueError(options_error(name, exc)) from None
+
+
 def build_task(name: str, options: dict) -> Task:
     try:
         factory = _REGISTRY[name]
@@ -67,4 +95,4 @@ def build_task(name: str, options: dict) -> Task:
         raise ValueError(options_error(name, exc)) from None
 
 
-__all__ = ["Problem", "Task", "build_task", "known_tasks", "preload_tasks", "task_path_options"]
+__all__ = ["Problem", "Task", "build_task", "known_tasks", "preload_tasks", "read_eval_set", "task_path_options"]

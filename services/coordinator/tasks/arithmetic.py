@@ -20,8 +20,10 @@ form far faster. The demo keeps normal order unless the recipe says otherwise.
 """
 from __future__ import annotations
 
+import json
 import random
 from functools import cached_property
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -31,6 +33,12 @@ from services.coordinator.tasks.base import Problem, Task
 
 MAX_TRAIN_SIZE = 200_000
 """Largest train split a run may ask for: the split is built in memory when the run is submitted."""
+MAX_EVAL_SET_BYTES = 16 * 1024 * 1024
+"""Largest eval-set file: it is read when the run is submitted (100,000 operand pairs take ~3 MiB)."""
+MAX_EVAL_SET_LINES = 100_000
+"""Most problems in one eval-set file."""
+MAX_OPERAND = 10**9 - 1
+"""Largest operand of an eval-set problem (the task's own problems have at most 9 digits)."""
 
 
 class ArithmeticConfig(BaseModel):
@@ -93,6 +101,53 @@ def parse_answer(response_text: str) -> str | None:
     if not all("0" <= c <= "9" for c in text):  # str.isdigit() accepts '²' and other Unicode digits
         return None
     return text
+
+
+def _operand(row: dict, key: str, where: str) -> int:
+    value = row.get(key)
+    if type(value) is not int or not 0 <= value <= MAX_OPERAND:  # type(): a JSON true is no operand
+        raise ValueError(f"{where}: {key!r} must be an integer in [0, {MAX_OPERAND}], got {value!r}")
+    return value
+
+
+def parse_eval_lines(lines: list[str], path: str, field: str, cfg: ArithmeticConfig) -> list[Problem]:
+    """Problems from JSONL lines `{"a": 12, "b": 34}`: prompt and answer are written as the task writes its own."""
+    name = Path(path).name
+    problems = []
+    for n, line in enumerate(lines, start=1):
+        if n > MAX_EVAL_SET_LINES:
+            raise ValueError(f"{field}: {path} has more than {MAX_EVAL_SET_LINES} lines")
+        if not line.strip():
+            continue
+        where = f"{field}: line {n} of {path}"
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"{where} is not JSON ({getattr(exc, 'msg', 'nested too deeply')})") from None
+        if not isinstance(row, dict) or set(row) != {"a", "b"}:
+            raise ValueError(f"{where} must be an object with exactly the keys 'a' and 'b'")
+        a, b = _operand(row, "a", where), _operand(row, "b", where)
+        problems.append(Problem(f"{name}:{n}-{a}+{b}", f"{a}+{b}=", format_answer(a + b, cfg.reverse_answer)))
+    if not problems:
+        raise ValueError(f"{field}: {path} holds no problems")
+    return problems
+
+
+def read_eval_set(path: str, field: str, cfg: ArithmeticConfig) -> list[Problem]:
+    """An extra held-out set from a JSONL file of operand pairs (see parse_eval_lines)."""
+    p = Path(path)
+    try:
+        if not p.is_file():
+            raise ValueError(f"{field}: no such file {path!r}")
+        size = p.stat().st_size
+        if size > MAX_EVAL_SET_BYTES:
+            raise ValueError(f"{field}: {path} has {size} bytes, more than the {MAX_EVAL_SET_BYTES} allowed")
+        text = p.read_text(encoding="utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{field}: {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{field}: cannot read {path!r} ({exc.strerror})") from None
+    return parse_eval_lines(text.splitlines(), path, field, cfg)
 
 
 class ArithmeticTask(Task):

@@ -15,6 +15,8 @@ class Problem:
 
 class Task(abc.ABC):
     name: str = "abstract"
+    success_reward: float = 1.0
+    """A response whose reward is at least this counts as correct (pass@k); rewards are 1.0 or 0.0 by default."""
 
     @abc.abstractmethod
     def split(self, name: str) -> Sequence[Problem]:

@@ -214,6 +214,11 @@ def _read_problems(path: str, field_prefix: str, cfg: MathConfig) -> list[Proble
     return problems
 
 
+def read_eval_set(path: str, field: str, cfg: MathConfig) -> list[Problem]:
+    """An extra held-out set: a JSONL file in the same format as `path`, read and checked the same way."""
+    return _read_problems(path, field, cfg)
+
+
 class MathTask(Task):
     name = "math"
 
