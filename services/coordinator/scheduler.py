@@ -60,12 +60,13 @@ class RunScheduler:
         self._wake.set()
 
     async def stop(self) -> None:
-        if self._task:
+        # Cancelled again until it ends: a cancel can still be absorbed by code the loop awaits
+        # (a library's own wait_for), and one absorbed cancel must not leave stop() waiting forever.
+        while self._task is not None and not self._task.done():
             self._task.cancel()
-            try:
-                await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
+            await asyncio.wait({self._task}, timeout=1.0)
+        if self._task is not None and not self._task.cancelled() and self._task.exception() is not None:
+            log_event(log, "scheduler loop ended with an error", error=describe_failure(self._task.exception()))
 
     async def _next_run(self) -> str | None:
         for run in await self.store.list_runs():
@@ -95,9 +96,13 @@ class RunScheduler:
         self.last_error = ""
         if run_id is None:
             self._wake.clear()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the inner result when
+            # a cancel arrives just as the wait completes, swallowing the cancel, and stop() then
+            # waited forever for a loop that kept going.
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=5.0)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(5.0):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             return
         if not await self.store.acquire_lease(run_id, self.owner, LEASE_TTL_S):
