@@ -196,3 +196,22 @@ def load_adapter_tensors(lm: torch.nn.Module, weights: dict[str, torch.Tensor]) 
     from services.trainer.sharding import load_master_tensors
 
     load_master_tensors(lm, {param_name(k): v for k, v in weights.items()})
+
+
+def build_lora_policy(lm: torch.nn.Module, settings: LoraSettings, device: torch.device, *,
+                      compute_dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = False):
+    """The trainer's LoRA policy on any Hugging Face causal LM with float32 weights (random init is fine):
+    adapters injected, base frozen, FSDP2-sharded onto `device` in this process's group (a world of one is
+    formed when there is none), exactly as a run with `trainer.lora` builds it. The optimizer belongs over
+    `[p for p in policy.parameters() if p.requires_grad]`, the adapters alone."""
+    from services.trainer import sharding
+    from services.trainer.policy import PolicyModule
+
+    if not torch.distributed.is_initialized():
+        sharding.ensure_single_process_group(device)
+    apply_lora(lm, settings)
+    policy = PolicyModule(lm)
+    sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
+        compute_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
+        cpu_offload=settings.base_on_cpu))
+    return policy
