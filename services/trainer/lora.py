@@ -199,7 +199,8 @@ def load_adapter_tensors(lm: torch.nn.Module, weights: dict[str, torch.Tensor]) 
 
 
 def build_lora_policy(lm: torch.nn.Module, settings: LoraSettings, device: torch.device, *,
-                      compute_dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = False):
+                      compute_dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = False,
+                      compile_layers: bool = False):
     """The trainer's LoRA policy on any Hugging Face causal LM with float32 weights (random init is fine):
     adapters injected, base frozen, FSDP2-sharded onto `device` in this process's group (a world of one is
     formed when there is none), exactly as a run with `trainer.lora` builds it. The optimizer belongs over
@@ -213,5 +214,5 @@ def build_lora_policy(lm: torch.nn.Module, settings: LoraSettings, device: torch
     policy = PolicyModule(lm)
     sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
         compute_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
-        cpu_offload=settings.base_on_cpu))
+        compile_layers=compile_layers, cpu_offload=settings.base_on_cpu))
     return policy
