@@ -122,6 +122,12 @@ def test_adapter_checkpoint_is_peft_loadable_and_resumes_exactly(tiny_model_dir,
     full_ckpt, _ = full.save_checkpoint("full", str(tmp_path / "full"))
     with pytest.raises(InvalidRequest, match="resume_checkpoint: .*no adapter_model.safetensors"):
         configure(tiny_model_dir, run_id="full", resume=str(full_ckpt))
+    with pytest.raises(InvalidRequest, match="resume_checkpoint: .* has no config.json"):
+        Trainer(num_threads=1).configure(run_id="run", model_path=str(tiny_model_dir), seed=11,
+                                         config_json=json.dumps({k: v for k, v in RUN_CONFIG.items() if k != "lora"}),
+                                         resume_checkpoint=str(ckpt_dir))
+    with pytest.raises(InvalidRequest, match="directory: .*no adapter_model.safetensors"):
+        configure(tiny_model_dir, run_id="full").load_checkpoint("full", str(full_ckpt))
 
 
 @pytest.mark.parametrize(("lora", "field", "reason"), [
