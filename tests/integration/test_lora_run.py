@@ -58,6 +58,7 @@ def test_lora_run_learns_and_syncs_only_adapters(tmp_path):
             done = client.wait(run["id"], timeout_s=1500)
             assert done["status"] == "completed", done.get("error")
             metrics = client.metrics(run["id"])
+            events = client.run(run["id"])["events"]
         finally:
             client.close()
         steps = metrics["steps"]
@@ -74,6 +75,9 @@ def test_lora_run_learns_and_syncs_only_adapters(tmp_path):
         assert [u["policy_version"] for u in updates] == list(range(1, STEPS + 1))
         assert all(u["lora"] is True and u["tensors"] == 28 and u["bytes"] == adapter_bytes for u in updates)
         assert adapter_bytes < model_bytes / 5, (adapter_bytes, model_bytes)
+        synced = [e for e in events if e["event"] == "weights_synced"]  # the coordinator's record of each sync
+        assert [e["policy_version"] for e in synced] == list(range(1, STEPS + 1))
+        assert all(e["bytes"] == adapter_bytes for e in synced)
 
         ckpt = stack.run_dir / "coordinator" / run["id"] / "checkpoints" / f"step_{STEPS:06d}"
         names = {p.name for p in ckpt.iterdir()}
