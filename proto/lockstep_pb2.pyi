@@ -142,7 +142,7 @@ class LoadModelResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ...) -> None: ...
 
 class WeightChunk(_message.Message):
-    __slots__ = ("run_id", "policy_version", "name", "dtype", "shape", "offset", "tensor_nbytes", "data", "chunk_sha256", "last", "total_sha256", "total_chunks")
+    __slots__ = ("run_id", "policy_version", "name", "dtype", "shape", "offset", "tensor_nbytes", "data", "chunk_sha256", "last", "total_sha256", "total_chunks", "lora")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class WeightChunk(_message.Message):
     LAST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SHA256_FIELD_NUMBER: _ClassVar[int]
     TOTAL_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     policy_version: int
     name: str
@@ -167,7 +168,18 @@ class WeightChunk(_message.Message):
     last: bool
     total_sha256: str
     total_chunks: int
-    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., tensor_nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_sha256: _Optional[str] = ..., last: _Optional[bool] = ..., total_sha256: _Optional[str] = ..., total_chunks: _Optional[int] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., tensor_nbytes: _Optional[int] = ..., data: _Optional[bytes] = ..., chunk_sha256: _Optional[str] = ..., last: _Optional[bool] = ..., total_sha256: _Optional[str] = ..., total_chunks: _Optional[int] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("rank", "alpha", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
     __slots__ = ("policy_version", "tensors", "bytes", "total_sha256")

@@ -19,6 +19,12 @@ Why each ROCm decision (seed 003, miles PR #3183, an AMD LoRA RL launcher):
 - NCCL_NVLS_ENABLE=0: NVLink SHARP does not exist on ROCm and RCCL's topology
   probe for it must not run.
 
+LoRA serving (`max_lora_rank` set) is refused on CPU: SGLang 0.5.23 builds its
+LoRA layers with a pinned host tensor (sglang/srt/lora/layers.py,
+`torch.tensor(..., pin_memory=True)`), which on a host without CUDA fails at
+server start with "RuntimeError: Found no NVIDIA driver on your system",
+whichever --lora-backend is chosen (torch_native included).
+
 Log-prob parity with the trainer on ROCm (measured on MI300X with Qwen3:
 exact agreement needed every one of these):
 - SGLANG_ROPE_CACHE_FP32=1: SGLang keeps its RoPE cos/sin cache in fp32 on
@@ -103,9 +109,20 @@ class SGLangPlatformConfig(BaseModel):
         description="Attention backend on NVIDIA GPUs. fa3 (Hopper) is one SGLang accepts in deterministic "
         "mode and the one miles' true on-policy work uses; set flashinfer/triton for other GPUs.",
     )
-    cuda_lora_backend: str | None = Field(
+    lora_backend: Literal["triton", "csgmv", "torch_native", "triton_v2"] | None = Field(
         None,
-        description="LoRA backend on NVIDIA GPUs; None keeps SGLang's default (csgmv). On ROCm it is always triton.",
+        description="SGLang's LoRA kernel backend (--lora-backend). On NVIDIA GPUs None keeps SGLang's default "
+        "(csgmv); on ROCm it is always triton (the others are CUDA-only), so anything else is refused there.",
+    )
+    max_lora_rank: int | None = Field(
+        None, ge=1, le=1024,
+        description="Serve LoRA adapters up to this rank (--enable-lora --max-lora-rank): needed by a run with "
+        "trainer.lora, whose rank must not exceed it. None: no LoRA. Not available on CPU (module docstring).",
+    )
+    lora_target_modules: tuple[str, ...] = Field(
+        ("all",), min_length=1,
+        description="Modules the server prepares LoRA buffers for (--lora-target-modules): 'all' or SGLang's module "
+        "names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, ...). Used with max_lora_rank.",
     )
     deterministic: bool = Field(
         False,
@@ -153,6 +170,12 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
     """
     env_updates: dict[str, str] = {}
     if platform is Platform.CPU:
+        if config.max_lora_rank is not None:
+            raise ValueError(
+                "max_lora_rank: SGLang cannot serve LoRA adapters on CPU (its LoRA layers pin host memory, "
+                "sglang/srt/lora/layers.py, and fail at start with 'RuntimeError: Found no NVIDIA driver on your "
+                "system'); on CPU use engine=torch for LoRA runs"
+            )
         if config.deterministic:
             raise ValueError(
                 "deterministic: SGLang's --enable-deterministic-inference needs a GPU attention backend "
@@ -175,6 +198,8 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
         # when it is not installed, instead of falling back to another platform.
         env_updates["SGLANG_PLATFORM"] = SGLANG_CPU_PLUGIN_NAME
     elif platform is Platform.ROCM:
+        if config.lora_backend not in (None, "triton"):
+            raise ValueError(f"lora_backend: {config.lora_backend!r} is CUDA-only; on ROCm SGLang's LoRA runs on triton")
         flags = ["--attention-backend", "triton", "--lora-backend", "triton", "--dtype", config.dtype]
         hip = env.get("HIP_VISIBLE_DEVICES")
         if hip is not None:
@@ -188,12 +213,15 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
             env_updates.update(ROCM_DETERMINISTIC_ENV)
     elif platform is Platform.CUDA:
         flags = ["--attention-backend", config.cuda_attention_backend, "--dtype", config.dtype]
-        if config.cuda_lora_backend is not None:
-            flags += ["--lora-backend", config.cuda_lora_backend]
+        if config.lora_backend is not None:
+            flags += ["--lora-backend", config.lora_backend]
     else:  # pragma: no cover - exhaustive over the enum
         raise ValueError(f"platform: unsupported {platform!r}")
     if platform is not Platform.CPU and config.mem_fraction_static is not None:
         flags += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    if config.max_lora_rank is not None:
+        flags += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank),
+                  "--lora-target-modules", *config.lora_target_modules]
     if config.deterministic:
         flags.append("--enable-deterministic-inference")
     flags.append("--enable-metrics")

@@ -5,11 +5,17 @@ carries the sha256 of its bytes, and the last chunk carries the sha256 of all
 chunk bytes in order plus the chunk count. The receiver verifies each chunk as
 it arrives and the whole at the end, and only then hands out tensors; a stream
 that fails any check yields nothing to apply.
+
+A LoRA adapter stream carries the adapter's rank, alpha and target modules on
+every chunk (`WeightChunk.lora`); the assembler refuses a stream whose chunks
+disagree on it, so a receiver never mistakes adapter tensors for model weights.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -23,13 +29,42 @@ class WeightStreamError(ValueError):
     """A weight stream failed validation; nothing from it may be applied."""
 
 
+@dataclass(frozen=True)
+class LoraAdapterMeta:
+    """A LoRA adapter's shape: W = W0 + (alpha / rank) * B @ A on each target module."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def to_proto(self) -> pb.LoraAdapter:
+        return pb.LoraAdapter(rank=self.rank, alpha=self.alpha, target_modules=list(self.target_modules))
+
+    @staticmethod
+    def from_proto(msg: pb.LoraAdapter) -> "LoraAdapterMeta":
+        """Checked: a rank below 1, a non-finite or non-positive alpha or no target module is refused."""
+        if msg.rank < 1:
+            raise WeightStreamError(f"lora.rank: must be >= 1, got {msg.rank}")
+        if not (math.isfinite(msg.alpha) and msg.alpha > 0):
+            raise WeightStreamError(f"lora.alpha: must be finite and > 0, got {msg.alpha}")
+        if not msg.target_modules or not all(msg.target_modules):
+            raise WeightStreamError("lora.target_modules: must be non-empty names")
+        return LoraAdapterMeta(rank=int(msg.rank), alpha=float(msg.alpha), target_modules=tuple(msg.target_modules))
+
+
 def iter_weight_chunks(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     run_id: str,
     policy_version: int,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    lora: LoraAdapterMeta | None = None,
 ) -> Iterator[pb.WeightChunk]:
+    """`lora` marks the stream as that adapter's tensors (set on every chunk)."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     total = hashlib.sha256()
@@ -53,6 +88,7 @@ def iter_weight_chunks(
                 tensor_nbytes=len(data),
                 data=piece,
                 chunk_sha256=hashlib.sha256(piece).hexdigest(),
+                lora=lora.to_proto() if lora is not None else None,
             )
             count += 1
     if pending is None:
@@ -74,6 +110,8 @@ class WeightStreamAssembler:
         self._done = False
         self.run_id: str | None = None
         self.policy_version: int | None = None
+        self.lora: LoraAdapterMeta | None = None
+        self._lora_proto: bytes | None = None
         self._nbytes = 0
 
     def add(self, chunk: pb.WeightChunk) -> None:
@@ -84,6 +122,12 @@ class WeightStreamAssembler:
             self.policy_version, self.run_id = chunk.policy_version, chunk.run_id
         elif chunk.policy_version != self.policy_version or chunk.run_id != self.run_id:
             raise WeightStreamError(f"{where}: policy_version/run_id changed mid-stream")
+        lora_proto = chunk.lora.SerializeToString(deterministic=True) if chunk.HasField("lora") else b""
+        if self._count == 0:
+            self._lora_proto = lora_proto
+            self.lora = LoraAdapterMeta.from_proto(chunk.lora) if chunk.HasField("lora") else None
+        elif lora_proto != self._lora_proto:
+            raise WeightStreamError(f"{where}: lora adapter metadata changed mid-stream")
         if hashlib.sha256(chunk.data).hexdigest() != chunk.chunk_sha256:
             raise WeightStreamError(f"{where}: chunk_sha256 mismatch")
         if not chunk.name:

@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:
+    from services.common.weight_stream import LoraAdapterMeta
     from services.rollout.config import RolloutServiceConfig
 
 
@@ -138,6 +139,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
         """Replace weights atomically: all tensors verified against the model first, then applied."""
+
+    def update_lora_adapter(self, meta: "LoraAdapterMeta", tensors: dict[str, torch.Tensor],
+                            policy_version: int) -> None:
+        """Serve the base model with this LoRA adapter from `policy_version` on (replacing any earlier one);
+        every tensor verified first, nothing applied on any error. Engines without LoRA support refuse."""
+        raise ValueError(f"weights.lora: the {self.name} engine cannot apply LoRA adapters")
 
     @property
     @abc.abstractmethod

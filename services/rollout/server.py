@@ -248,10 +248,13 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         async with self._lock:
             engine = self._loaded()
             self._check_run(assembler.run_id or "", what)
-            await self._in_worker(engine.update_weights, tensors, version)
+            if assembler.lora is not None:
+                await self._in_worker(engine.update_lora_adapter, assembler.lora, tensors, version)
+            else:
+                await self._in_worker(engine.update_weights, tensors, version)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(version)
         log_event(log, "weights updated", via=what, policy_version=version, tensors=len(tensors),
-                  bytes=assembler.nbytes)
+                  bytes=assembler.nbytes, lora=assembler.lora is not None)
         return pb.UpdateWeightsResponse(policy_version=version, tensors=len(tensors), bytes=assembler.nbytes,
                                         total_sha256=assembler.total_sha256)
 

@@ -2,8 +2,8 @@
 
 Request bodies follow sglang 0.5.23 (sglang/srt/managers/io_struct.py:
 GenerateReqInput, UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
-UpdateWeightsFromDistributedReqInput, LoadLoRAAdapterReqInput,
-PauseGenerationReqInput). They are built by plain functions so that the paths
+UpdateWeightsFromDistributedReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput,
+UpdateWeightVersionReqInput, PauseGenerationReqInput). They are built by plain functions so that the paths
 a CPU test server can't exercise (NCCL weight sync, LoRA) are at least checked
 field by field.
 
@@ -68,15 +68,18 @@ def sampling_params(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
     return params
 
 
-def generate_body(request: GenerationRequest) -> dict[str, Any]:
-    """One batched /generate body: sample i of prompt p is its own entry, seeded p.seed + i."""
+def generate_body(request: GenerationRequest, lora_name: str | None = None) -> dict[str, Any]:
+    """One batched /generate body: sample i of prompt p is its own entry, seeded p.seed + i.
+
+    `lora_name`: every sample is served through that loaded adapter (GenerateReqInput.lora_path takes
+    the name /load_lora_adapter registered)."""
     input_ids: list[list[int]] = []
     params: list[dict[str, Any]] = []
     for prompt in request.prompts:
         for i in range(request.samples_per_prompt):
             input_ids.append(list(prompt.token_ids))
             params.append(sampling_params(request.sampling, prompt.seed + i))
-    return {
+    body: dict[str, Any] = {
         "input_ids": input_ids,
         "sampling_params": params,
         "return_logprob": True,
@@ -86,6 +89,9 @@ def generate_body(request: GenerationRequest) -> dict[str, Any]:
         "top_logprobs_num": 0,
         "stream": False,
     }
+    if lora_name is not None:
+        body["lora_path"] = [lora_name] * len(input_ids)
+    return body
 
 
 def parse_generate_response(
@@ -185,6 +191,13 @@ def update_weights_from_distributed_body(
     }
 
 
+def update_weight_version_body(new_version: str) -> dict[str, Any]:
+    if not new_version:
+        raise ValueError("new_version: must be non-empty")
+    # Calls are serialized: nothing of ours is in flight to abort.
+    return {"new_version": new_version, "abort_all_requests": False}
+
+
 def load_lora_adapter_body(lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
     if not lora_name or not lora_path:
         raise ValueError("lora_name/lora_path: must be non-empty")
@@ -273,3 +286,7 @@ class SGLangClient:
 
     def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         return self._checked("/unload_lora_adapter", {"lora_name": lora_name})
+
+    def update_weight_version(self, new_version: str) -> dict[str, Any]:
+        """Relabel the served weights (a LoRA version changes the adapter, not the base)."""
+        return self._checked("/update_weight_version", update_weight_version_body(new_version))

@@ -15,10 +15,17 @@
   server is restarted in the background from the current weights at the
   current version. The next call waits for that restart.
 
+- update_lora_adapter (a LoRA run, server launched with `server.max_lora_rank`):
+  the adapter is checked against the model, written in peft's layout under
+  `weights_dir`, loaded with /load_lora_adapter as `policy-v<version>` and the
+  server's weight_version relabelled; every later /generate names it in
+  lora_path, and the previous version's adapter is unloaded. A restarted server
+  loads the current adapter again.
+
 There is no fallback to another engine: if SGLang cannot run, load fails.
-The NCCL weight path and LoRA adapters are exposed as methods
-(`init_weights_update_group`, `update_weights_from_distributed`,
-`load_lora_adapter`); they need GPUs and are unit-tested by request only.
+The NCCL weight path and the LoRA path need GPUs (SGLang's LoRA layers do not
+build on CPU: services/common/platform.py says why, and refuses it at load);
+they are unit-tested by request only.
 """
 from __future__ import annotations
 
@@ -36,8 +43,10 @@ from pathlib import Path
 import torch
 
 from services.common.models import check_model_dir
+from services.common.weight_stream import LoraAdapterMeta
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
 from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, GenerationRequest
+from services.rollout.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter
 from services.rollout.sglang_client import (
     SGLangClient,
     SGLangConnectionError,
@@ -94,6 +103,7 @@ class SGLangEngine(Engine):
         self._version = -1
         self._model_path = ""
         self._weights_path = ""  # the directory the server's current weights came from
+        self._lora: tuple[str, str] | None = None  # (name, directory) of the adapter served with the base
         self._specs: dict = {}
         self._tied = False
         self._eos: set[int] = set()
@@ -249,7 +259,7 @@ class SGLangEngine(Engine):
         client = self._ready_client()
         n = len(request.prompts) * request.samples_per_prompt
         try:
-            out = client.generate(generate_body(request))
+            out = client.generate(generate_body(request, self._lora[0] if self._lora else None))
         except SGLangConnectionError as exc:
             self._lost(exc, f"{n} samples lost")
         except SGLangRequestError as exc:
@@ -303,6 +313,74 @@ class SGLangEngine(Engine):
         self._weights_path, self._version = path, policy_version
         self._check_version(client)
         self._prune(keep={path, old})
+        if self._lora is not None:  # a whole new set of weights: no adapter on top of it
+            name, adapter_dir = self._lora
+            self._lora = None
+            client.unload_lora_adapter(name)
+            shutil.rmtree(adapter_dir, ignore_errors=True)
+
+    def update_lora_adapter(self, meta: LoraAdapterMeta, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Serve the base with this adapter from `policy_version` on; checked first, nothing changes on an error.
+
+        Re-sending the current version's adapter is a no-op; another adapter under it, or an older version,
+        is refused."""
+        server = self.config.server
+        if server.max_lora_rank is None:
+            raise ValueError("weights.lora: this sglang engine was launched without LoRA serving; set "
+                             "engine_config.server.max_lora_rank (at least the adapter's rank)")
+        if meta.rank > server.max_lora_rank:
+            raise ValueError(f"weights.lora.rank: {meta.rank} exceeds engine_config.server.max_lora_rank "
+                             f"{server.max_lora_rank}")
+        outside = sorted(set(meta.target_modules) - set(server.lora_target_modules))
+        if "all" not in server.lora_target_modules and outside:
+            raise ValueError(f"weights.lora.target_modules: {outside} are not in engine_config.server."
+                             f"lora_target_modules {list(server.lora_target_modules)}")
+        if not self._specs:
+            raise RuntimeError("sglang engine: no model loaded (call load first)")
+        if policy_version < self._version:
+            raise ValueError(f"policy_version: {policy_version} is older than the loaded {self._version}")
+        problems = []
+        for module, adapter in module_adapters(tensors, meta).items():
+            spec = self._specs.get(f"{module}.weight")
+            if spec is None:
+                problems.append(f"{module}: no weight of that name in the model")
+            elif (adapter.b.shape[0], adapter.a.shape[1]) != tuple(spec[0]):
+                problems.append(f"{module}: adapter B @ A is {adapter.b.shape[0]} x {adapter.a.shape[1]}, "
+                                f"the weight {tuple(spec[0])}")
+        if problems:
+            raise ValueError("weights: " + "; ".join(problems[:8]))
+        if policy_version == self._version:
+            current = self._current_adapter()
+            if current is not None and set(current) == set(tensors) and all(
+                    torch.equal(current[k], v.cpu()) for k, v in tensors.items()):
+                return
+            raise ValueError(f"policy_version: {policy_version} is loaded already with different weights")
+        target = self._dir / "adapters" / f"v{policy_version:09d}"
+        shutil.rmtree(target, ignore_errors=True)  # left by an attempt that did not complete
+        write_peft_adapter(target, {k: v.cpu() for k, v in tensors.items()}, meta, base_model_path=self._model_path)
+        name = f"policy-v{policy_version}"
+        client = self._ready_client()
+        try:
+            client.pause_generation("abort")
+            try:
+                client.load_lora_adapter(name, str(target))
+                client.update_weight_version(str(policy_version))
+            finally:
+                client.continue_generation()
+        except SGLangConnectionError as exc:
+            self._lost(exc, f"LoRA adapter of version {policy_version} not applied")
+        old, self._lora, self._version = self._lora, (name, str(target)), policy_version
+        self._check_version(client)
+        if old is not None:
+            client.unload_lora_adapter(old[0])
+            shutil.rmtree(old[1], ignore_errors=True)
+
+    def _current_adapter(self) -> dict[str, torch.Tensor] | None:
+        if self._lora is None:
+            return None
+        from safetensors.torch import load_file
+
+        return load_file(str(Path(self._lora[1]) / ADAPTER_WEIGHTS_FILE))
 
     def _prune(self, keep: set[str]) -> None:
         root = self._dir / "weights"
@@ -410,6 +488,16 @@ class SGLangEngine(Engine):
                 except (SGLangStartError, OSError) as err:
                     errors.append(f"attempt {attempt + 1}: {err}")
                     continue
+                if self._lora is not None:  # the base came back from disk; its adapter is loaded again
+                    reload = self._client_for(server.url)
+                    try:
+                        reload.load_lora_adapter(*self._lora)
+                    except (SGLangConnectionError, SGLangRequestError) as err:
+                        server.stop()
+                        errors.append(f"attempt {attempt + 1}: reloading LoRA adapter {self._lora[0]}: {err}")
+                        continue
+                    finally:
+                        reload.close()
                 with self._state:
                     self._server = server
                     self._client = self._client_for(server.url)

@@ -21,6 +21,7 @@ so a sample's tokens do not depend on which other prompts share its batch.
 """
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Sequence
 from typing import Literal
@@ -29,6 +30,7 @@ import torch
 
 from services.common.determinism import sample_generator
 from services.common.models import load_causal_lm
+from services.common.weight_stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import (
     Engine,
@@ -38,6 +40,7 @@ from services.rollout.engine import (
     SamplingConfig,
     require_device,
 )
+from services.rollout.lora_adapter import merged_weight, module_adapters
 from services.rollout.torch_config import TorchEngineConfig
 
 
@@ -142,6 +145,10 @@ class TorchEngine(Engine):
         self._policy_version = -1
         self._cache_arg = "cache"
         self._forward_extra: dict[str, int] = {}
+        # LoRA: the loaded base weight of every module an adapter has changed (each version is merged
+        # into these, never into the previous merge), and a digest of the adapter at the current version.
+        self._pristine: dict[str, torch.Tensor] = {}
+        self._adapter_digest: str | None = None
 
     @classmethod
     def from_config_json(cls, text: str, service: RolloutServiceConfig | None = None) -> "TorchEngine":
@@ -166,6 +173,7 @@ class TorchEngine(Engine):
             raise ValueError(f"engine_config.pad_token_id: {self.config.pad_token_id} outside the vocabulary [0, {vocab})")
         self._probe_logprob_backend(model, vocab)
         self._model, self._model_path = model, str(model_path)
+        self._pristine, self._adapter_digest = {}, None
         self._policy_version = int(policy_version)
         self._cache_arg, self._forward_extra = _forward_kwargs(model)
 
@@ -382,4 +390,46 @@ class TorchEngine(Engine):
                 )
             for name, t in tensors.items():
                 targets[name].detach().copy_(t.to(targets[name].device))
+        # A whole set of weights is a new base: no adapter is merged into it.
+        self._pristine, self._adapter_digest = {}, None
         self._policy_version = int(policy_version)
+
+    def update_lora_adapter(self, meta: LoraAdapterMeta, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Merge the adapter into the loaded base: W = W0 + (alpha / rank) * B @ A in float32 from the base as
+        loaded, cast to the engine's dtype. Modules an earlier adapter changed and this one does not go back to
+        their base. Everything is checked before the first weight changes; re-sending the loaded version's
+        adapter is a no-op, another adapter under the loaded version is refused."""
+        model = self._require_model()
+        adapters = module_adapters(tensors, meta)
+        modules = dict(model.named_modules())
+        problems = []
+        for name, adapter in adapters.items():
+            module = modules.get(name)
+            if not isinstance(module, torch.nn.Linear):
+                problems.append(f"{name}: not a linear layer of the loaded model")
+            elif (adapter.b.shape[0], adapter.a.shape[1]) != tuple(module.weight.shape):
+                problems.append(f"{name}: adapter B @ A is {adapter.b.shape[0]} x {adapter.a.shape[1]}, "
+                                f"the layer's weight {tuple(module.weight.shape)}")
+        if problems:
+            raise ValueError("weights: " + "; ".join(problems[:8]))
+        digest = _adapter_digest(meta, tensors)
+        if policy_version == self._policy_version:
+            if digest == self._adapter_digest:
+                return
+            raise ValueError(f"policy_version: {policy_version} is already loaded with different weights; "
+                             "a new policy needs a new version")
+        with torch.no_grad():
+            for name in adapters:
+                self._pristine.setdefault(name, modules[name].weight.detach().clone())
+            for name, base in self._pristine.items():
+                weight = modules[name].weight.detach()
+                weight.copy_(merged_weight(base, adapters[name], meta.scale) if name in adapters else base)
+        self._policy_version, self._adapter_digest = int(policy_version), digest
+
+
+def _adapter_digest(meta: LoraAdapterMeta, tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256(repr((meta.rank, meta.alpha, sorted(meta.target_modules))).encode())
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -14,6 +14,13 @@ loading it in bf16 gives exactly the tensors rollout was sent. Beside those:
   with the digest of the trajectories it was trained on (so such a replay is
   still checked against them; absent in checkpoints written before).
 
+A LoRA run's checkpoint holds the adapters alone, in peft's layout
+(adapter_config.json naming the base model, adapter_model.safetensors with the
+float32 adapter masters under peft's saved keys), so
+`PeftModel.from_pretrained(base, directory)` loads it; beside them the
+adapters' optimizer state, the trainer state and the tokenizer files. The base
+is the run's model_path, which a resume loads again.
+
 The directory is written under a fresh temporary sibling and renamed into
 place, and the state file is written last: a directory without it is not a
 checkpoint. An existing directory is replaced only if it is a checkpoint of the
@@ -32,6 +39,8 @@ import torch
 
 STATE_FILE = "lockstep_trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
 STATE_FORMAT = 2  # 2: float32 masters and a name-keyed optimizer state
 
 # Tokenizer files Hugging Face tokenizers write; copied so the checkpoint is a
@@ -139,13 +148,52 @@ def save_checkpoint(
 
     An existing `directory` is replaced only when it is a checkpoint of the same run (a re-saved step);
     anything else there is refused (ForeignDirectory) and left untouched."""
+    return _save_atomically(directory, lambda tmp: write_model_dir(tmp, lm, weights, compute_dtype),
+                            optimizer_state=optimizer_state, state=state, tokenizer_dir=tokenizer_dir)
+
+
+def save_adapter_checkpoint(
+    directory: str | Path,
+    *,
+    adapter_config,
+    weights: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    state: TrainerState,
+    tokenizer_dir: str | Path | None,
+) -> Path:
+    """A LoRA checkpoint: `adapter_config` (peft's LoraConfig) and the adapters' float32 masters under
+    peft's saved keys, written and replaced like `save_checkpoint`."""
+    return _save_atomically(directory, lambda tmp: write_adapter_dir(tmp, adapter_config, weights),
+                            optimizer_state=optimizer_state, state=state, tokenizer_dir=tokenizer_dir)
+
+
+def write_adapter_dir(directory: Path, adapter_config, weights: dict[str, torch.Tensor]) -> None:
+    """adapter_config.json and adapter_model.safetensors in peft's layout."""
+    from safetensors.torch import save_file
+
+    adapter_config.save_pretrained(str(directory))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(directory / ADAPTER_WEIGHTS_FILE),
+              metadata={"format": "pt"})
+
+
+def load_adapter_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    path = Path(directory) / ADAPTER_WEIGHTS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {ADAPTER_WEIGHTS_FILE} (not a LoRA checkpoint)")
+    return load_file(str(path))
+
+
+def _save_atomically(directory: str | Path, write_weights, *, optimizer_state: dict, state: TrainerState,
+                     tokenizer_dir: str | Path | None) -> Path:
     target = Path(directory).resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.exists() or target.is_symlink():
         check_replaceable(target, state.run_id)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))  # new, empty, ours alone
     try:
-        write_model_dir(tmp, lm, weights, compute_dtype)
+        write_weights(tmp)
         if tokenizer_dir is not None:
             copy_tokenizer_files(Path(tokenizer_dir), tmp)
         torch.save(optimizer_state, tmp / OPTIMIZER_FILE)

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError,
 from kernels.attention.registry import AttentionPolicy
 from services.common.path_roots import DEFAULT_ROOTS, RootList
 from services.common.service_config import AuthSetting
+from services.trainer.lora import LoraSettings
 from services.trainer.lr_schedule import LRSchedule
 from services.trainer.mismatch_correction import MismatchCorrection
 from services.trainer.parity_gate import ParityThresholds
@@ -194,6 +195,11 @@ class TrainerRunConfig(BaseModel):
         description="Importance-sampling correction of the rollout/trainer mismatch: truncated (TIS) or masked "
         "(MIS) weights at token or sequence level, with a decoupled PPO ratio; 'none' keeps the rollout as the "
         "PPO old policy.",
+    )
+    lora: LoraSettings | None = Field(
+        None,
+        description="LoRA adapters on a frozen base (rank, alpha, dropout, target_modules, base_on_cpu): only the "
+        "adapters are trained, checkpointed and sent at a weight sync. null = full fine-tune.",
     )
     parity_gate: ParityThresholds = Field(
         default_factory=ParityThresholds,

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from services.common.models import load_causal_lm, resolve_dtype
 from services.trainer import checkpoint as ckpt
-from services.trainer import sharding
+from services.trainer import lora, sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
 from services.trainer.config import TrainerRunConfig, format_validation_error
 from services.trainer.packing import PackingConfig, pack_samples
@@ -50,17 +50,51 @@ def load_model(path: str | Path, config: TrainerRunConfig, device: str, *, dtype
 def load_policy(path: str | Path, config: TrainerRunConfig, device: torch.device, *, field_name: str) -> PolicyModule:
     """float32 masters loaded on the CPU, then sharded onto `device` (each rank keeps its 1/N)."""
     lm = load_model(path, config, "cpu", dtype="float32", field_name=field_name)
+    return _sharded(lm, config, device)
+
+
+def load_run_policy(model_path: str, resume_checkpoint: str, config: TrainerRunConfig,
+                    device: torch.device) -> PolicyModule:
+    """The run's policy: from the checkpoint when resuming, else from the model.
+
+    A LoRA run always loads its base from `model_path` (its checkpoints hold the adapters alone), injects
+    the adapters and, when resuming, loads their masters from the checkpoint before sharding."""
+    if config.lora is None:
+        if resume_checkpoint:
+            return load_policy(resume_checkpoint, config, device, field_name="resume_checkpoint")
+        return load_policy(model_path, config, device, field_name="model_path")
+    if config.lora.base_on_cpu and device.type == "cpu":
+        raise InvalidRequest(f"trainer_config_json.lora.base_on_cpu: the trainer runs on device {device.type!r}, "
+                             "where the base weights already live in CPU memory; base_on_cpu needs an accelerator")
+    lm = load_model(model_path, config, "cpu", dtype="float32", field_name="model_path")
+    try:
+        lora.apply_lora(lm, config.lora, base_model_path=model_path)
+    except ValueError as exc:
+        raise InvalidRequest(f"trainer_config_json.lora.{exc}") from None
+    if resume_checkpoint:
+        try:
+            weights = ckpt.load_adapter_weights(resume_checkpoint)
+            lora.check_adapter_weights(lm, weights, where=ckpt.ADAPTER_WEIGHTS_FILE)
+        except (FileNotFoundError, ValueError) as exc:
+            raise InvalidRequest(f"resume_checkpoint: {exc}") from None
+        lora.load_adapter_tensors(lm, weights)
+    return _sharded(lm, config, device)
+
+
+def _sharded(lm: torch.nn.Module, config: TrainerRunConfig, device: torch.device) -> PolicyModule:
     policy = PolicyModule(lm)
+    base_on_cpu = config.lora is not None and config.lora.base_on_cpu
     sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
         compute_dtype=resolve_dtype(config.dtype), activation_checkpointing=config.activation_checkpointing,
-        compile_layers=config.compile_layers, cpu_offload=config.optimizer_offload))
+        compile_layers=config.compile_layers, cpu_offload=config.optimizer_offload or base_on_cpu))
     return policy
 
 
 def build_optimizer(model: torch.nn.Module, config: TrainerRunConfig, device: torch.device) -> torch.optim.Optimizer:
     # On an accelerator one fused kernel updates every shard (elementwise, deterministic); on the
     # CPU, and for offloaded state, torch's default implementation.
-    fused = device.type == "cuda" and not config.optimizer_offload
+    offloaded = config.optimizer_offload or (config.lora is not None and config.lora.base_on_cpu)
+    fused = device.type == "cuda" and not offloaded
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=config.lr,

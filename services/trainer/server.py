@@ -202,7 +202,8 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         chunks = iter_weight_chunks(
-            snapshot.tensors, run_id=request.run_id, policy_version=snapshot.policy_version, chunk_bytes=chunk_bytes
+            snapshot.tensors, run_id=request.run_id, policy_version=snapshot.policy_version, chunk_bytes=chunk_bytes,
+            lora=snapshot.lora,
         )
 
         # Each chunk is cut under the lock from the live tensors (no copy of the

@@ -23,8 +23,9 @@ import torch
 from services.common.determinism import configure_determinism
 from services.common.metric_defs import STEP_METRIC_HELP
 from services.common.models import resolve_dtype
+from services.common.weight_stream import LoraAdapterMeta
 from services.trainer import checkpoint as ckpt
-from services.trainer import run_setup, sharding
+from services.trainer import lora, run_setup, sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order
 from services.trainer.config import TrainerRunConfig
 from services.trainer.data_parallel import DataParallel
@@ -102,6 +103,7 @@ class WeightSnapshot:
     weights_epoch: int
     policy_version: int
     tensors: list[tuple[str, torch.Tensor]]
+    lora: LoraAdapterMeta | None = None  # set when `tensors` are a LoRA adapter's (peft's saved keys)
 
 
 @dataclass(frozen=True)
@@ -184,9 +186,7 @@ class Trainer:
                 raise InvalidRequest(f"resume_checkpoint: {exc}") from None
             if state.run_id != run_id:
                 raise InvalidRequest(f"resume_checkpoint: belongs to run {state.run_id!r}, not {run_id!r}")
-            policy = run_setup.load_policy(resume_checkpoint, config, torch.device(self.device), field_name="resume_checkpoint")
-        else:
-            policy = run_setup.load_policy(model_path, config, torch.device(self.device), field_name="model_path")
+        policy = run_setup.load_run_policy(model_path, resume_checkpoint, config, torch.device(self.device))
         optimizer = run_setup.build_optimizer(policy, config, torch.device(self.device))
         if state is not None:
             try:
@@ -454,6 +454,11 @@ class Trainer:
         """
         run = self.require_run(run_id)
         sharding.reshard(run.policy)
+        if run.config.lora is not None:
+            # The base never changes: only the adapters (in the compute dtype forward runs on) move.
+            out = [(key, t.to(run.compute_dtype)) for key, t in lora.named_adapter_tensors(run.policy.lm)]
+            return WeightSnapshot(run, run.weights_epoch, run.policy_version, out if self.is_rank0 else [],
+                                  lora=lora.adapter_meta(run.policy.lm, run.config.lora))
         out = [(name, t.to(run.compute_dtype)) for name, t in sharding.named_master_tensors(run.policy.lm)]
         return WeightSnapshot(run, run.weights_epoch, run.policy_version, out if self.is_rank0 else [])
 
@@ -478,14 +483,23 @@ class Trainer:
         if not directory:
             raise InvalidRequest("directory: empty")
         sharding.reshard(run.policy)
-        weights = {name: t.cpu() for name, t in sharding.named_master_tensors(run.policy.lm)}
+        if run.config.lora is not None:
+            weights = {key: t.cpu() for key, t in lora.named_adapter_tensors(run.policy.lm)}
+        else:
+            weights = {name: t.cpu() for name, t in sharding.named_master_tensors(run.policy.lm)}
         optim_state = sharding.optimizer_state(run.policy.lm, run.optimizer)
         path = Path(directory).resolve()
-        if self.is_rank0:
+        if self.is_rank0 and run.config.lora is not None:
+            path = ckpt.save_adapter_checkpoint(
+                directory, adapter_config=lora.saved_adapter_config(run.policy.lm, run.config.lora, base_model_path=run.model_path),
+                weights=weights, optimizer_state=optim_state, state=run.trainer_state(), tokenizer_dir=run.model_path,
+            )
+        elif self.is_rank0:
             path = ckpt.save_checkpoint(
                 directory, lm=run.policy.lm, weights=weights, compute_dtype=run.compute_dtype, optimizer_state=optim_state,
                 state=run.trainer_state(), tokenizer_dir=run.model_path,
             )
+        if self.is_rank0:
             log.info("checkpoint saved", extra={"fields": {"run_id": run_id, "directory": str(path),
                                                            "policy_version": run.policy_version}})
         return path, run.policy_version
@@ -499,16 +513,23 @@ class Trainer:
             state = ckpt.read_state(directory)
             if state.run_id != run_id:
                 raise ValueError(f"checkpoint belongs to run {state.run_id!r}, not {run_id!r}")
-            weights = ckpt.load_safetensors_weights(directory)
+            adapters = run.config.lora is not None
+            weights = ckpt.load_adapter_weights(directory) if adapters else ckpt.load_safetensors_weights(directory)
             optim_state = ckpt.read_optimizer_state(directory)
             run_setup.check_optimizer_state(run.optimizer, optim_state)
             # Validates every name/shape/dtype before the first copy.
-            ckpt.check_weights_match(run.policy.lm, weights, where="directory")
+            if adapters:
+                lora.check_adapter_weights(run.policy.lm, weights, where="directory")
+            else:
+                ckpt.check_weights_match(run.policy.lm, weights, where="directory")
         except (FileNotFoundError, ValueError) as exc:
             raise InvalidRequest(f"directory: {exc}") from None
         run.weights_epoch += 1
         sharding.reshard(run.policy)
-        sharding.load_master_tensors(run.policy.lm, weights)
+        if adapters:
+            lora.load_adapter_tensors(run.policy.lm, weights)
+        else:
+            sharding.load_master_tensors(run.policy.lm, weights)
         sharding.load_optimizer_state(run.policy.lm, run.optimizer, optim_state)
         run.policy_version = state.policy_version
         run.step_metrics = dict(state.step_metrics)
@@ -550,6 +571,7 @@ class Trainer:
                 attn_implementation=run.config.attn_implementation,
                 batching=run.config.batching,
                 reference_model=str(run.ref_model is not None).lower(),
+                lora=(f"rank={run.config.lora.rank},alpha={run.config.lora.alpha}" if run.config.lora else "none"),
             )
         return {
             "run_id": run.run_id if run else "",

@@ -71,12 +71,30 @@ def test_cuda_flags_exactly():
     plan = sglang_launch_plan(Platform.CUDA, SGLangPlatformConfig(), {"CUDA_VISIBLE_DEVICES": "1"})
     assert plan.flags == ("--attention-backend", "fa3", "--dtype", "auto", "--enable-metrics")
     assert plan.env_updates == {}
-    cfg = SGLangPlatformConfig(cuda_attention_backend="flashinfer", cuda_lora_backend="csgmv",
+    cfg = SGLangPlatformConfig(cuda_attention_backend="flashinfer", lora_backend="csgmv",
                                deterministic=True, dtype="bfloat16")
     assert sglang_launch_plan(Platform.CUDA, cfg, {}).flags == (
         "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--lora-backend", "csgmv",
         "--enable-deterministic-inference", "--enable-metrics",
     )
+
+
+def test_lora_serving_flags_per_platform():
+    lora = SGLangPlatformConfig(max_lora_rank=64, dtype="bfloat16")
+    assert sglang_launch_plan(Platform.ROCM, lora, {}).flags == (
+        "--attention-backend", "triton", "--lora-backend", "triton", "--dtype", "bfloat16",
+        "--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--enable-metrics",
+    )
+    cuda = SGLangPlatformConfig(max_lora_rank=16, lora_target_modules=("q_proj", "v_proj"), lora_backend="triton")
+    assert sglang_launch_plan(Platform.CUDA, cuda, {}).flags == (
+        "--attention-backend", "fa3", "--dtype", "auto", "--lora-backend", "triton",
+        "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj", "--enable-metrics",
+    )
+    with pytest.raises(ValueError, match="lora_backend: 'csgmv' is CUDA-only; on ROCm SGLang's LoRA runs on triton"):
+        sglang_launch_plan(Platform.ROCM, SGLangPlatformConfig(lora_backend="csgmv"), {})
+    # SGLang's LoRA layers pin host memory and fail without a CUDA driver: refused before anything starts.
+    with pytest.raises(ValueError, match="max_lora_rank: SGLang cannot serve LoRA adapters on CPU .*Found no NVIDIA"):
+        sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(max_lora_rank=8), {})
 
 
 def test_cpu_flags_and_environment_exactly():
