@@ -10,8 +10,8 @@ field by field.
 Log-probs and temperature (sglang/srt/layers/sampler.py): with a sampling
 temperature tau, SGLang reports log(softmax(logits / tau)) of the sampled token,
 taken before top-p/top-k renormalisation -- the distribution the trainer
-recomputes as log_softmax(logits / tau) (DESIGN.md, "Temperature is part of that
-definition"). Greedy requests are scored at temperature 1. The environment
+recomputes as log_softmax(logits / tau) (docs/DESIGN.md: temperature is part of
+the log-prob definition). Greedy requests are scored at temperature 1. The environment
 variable SGLANG_RETURN_ORIGINAL_LOGPROB=1 would switch this to the unscaled
 distribution, so the supervisor removes it from the server's environment.
 """

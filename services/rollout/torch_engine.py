@@ -3,7 +3,7 @@
 It runs the trainer's model code (services.common.models.load_causal_lm, the
 stock Hugging Face module) and scores every sampled token with the trainer's
 log-prob definition (kernels.logprob.token_logprobs), so that before the first
-update rollout and trainer agree on every response token (DESIGN.md, "The one
+update rollout and trainer agree on every response token (docs/DESIGN.md, "The
 invariant"). Nothing here re-implements attention or the model: the door to a
 bitwise-equal decode path (attention registry, batch-invariant ops) stays open
 by changing what load_causal_lm builds, not by forking code here.

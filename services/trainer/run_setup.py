@@ -27,7 +27,7 @@ def parse_run_config(text: str) -> TrainerRunConfig:
 def attn_implementation(config: TrainerRunConfig) -> str:
     if config.batching == "packed":
         # Packed microbatches only ever reach attention through the registry,
-        # which refuses backends that ignore cu_seqlens (seed 000).
+        # which refuses backends that ignore cu_seqlens.
         from kernels.attention import register_hf_attention
 
         return register_hf_attention()
