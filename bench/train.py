@@ -10,7 +10,7 @@ compute, and `train_step` runs `--steps` steps of `--samples` trajectories
 whose lengths follow bench/packing.py's RL mix (prompts 100-500 tokens,
 responses log-normal around 450 with a tail to 8192), capped at the
 microbatch budget. Measured:
-- step 1 at lr 1e-6: the fraction of float32 master elements with a nonzero
+- step 1 at lr 1e-6 (+lora: 2e-5, adapters only): the fraction of float32 master elements with a nonzero
   gradient (AdamW's exp_avg after step 1) whose value changed (over rank 0's
   shards in a group);
 - steady state (steps after the first two): tokens/s, model FLOP/s and MFU.
@@ -92,13 +92,17 @@ def make_request(step: int, lengths: list[tuple[int, int]], seed: int):
     return StepRequest("bench", step, step - 1, samples)
 
 
-def model_flops(lengths: list[tuple[int, int]], counts: dict, cfg: dict) -> float:
+def model_flops(lengths: list[tuple[int, int]], counts: dict, cfg: dict, *, frozen_base: bool = False) -> float:
+    """6 flops per weight per token (forward, activation and weight gradients); 4 for a frozen (LoRA)
+    base, whose weight gradients are never computed (the adapters' own work is not counted)."""
     tokens = sum(p + r - 1 for p, r in lengths)
     scored = sum(r for _, r in lengths)
     d_attn = cfg["num_attention_heads"] * cfg["head_dim"]
     # Causal: QK^T and PV over half the L x L square, 2 flops per MAC -> 2 L^2 d forward, x3 with backward.
     attention = sum(6 * (p + r - 1) ** 2 * d_attn for p, r in lengths) * cfg["num_hidden_layers"]
-    return 6 * counts["non_embedding_params"] * tokens + 6 * VOCAB * cfg["hidden_size"] * scored + attention
+    per_weight = 4 if frozen_base else 6
+    return (per_weight * counts["non_embedding_params"] * tokens + per_weight * VOCAB * cfg["hidden_size"] * scored
+            + attention)
 
 
 def master_shards(trainer) -> dict[str, torch.Tensor]:
@@ -157,6 +161,7 @@ def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: floa
         run_config = {
             "lr": 1e-6, "dtype": "bfloat16", "microbatch_tokens": budget, "grad_clip": 1.0,
             "activation_checkpointing": "ac" in flags, "compile_layers": "compile" in flags,
+            **({"lora": LORA, "lr": LORA_LR} if "lora" in flags else {}),
             "parity_gate": {"iw_mean_tolerance": 1e9, "iw_max": 1e30, "logprob_abs_diff_mean": 1e9},
         }
         t0 = time.monotonic()
@@ -181,12 +186,13 @@ def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: floa
     steady = step_times[2:] if len(step_times) > 2 else step_times[-1:]
     seconds = statistics.median(steady)
     tokens = sum(p + r for p, r in lengths)
-    flops = model_flops(lengths, counts, cfg)
+    flops = model_flops(lengths, counts, cfg, frozen_base="lora" in flags)
     result = {
         "shape": shape, **cfg, "vocab_size": VOCAB, **counts,
         "samples": len(lengths), "tokens_per_step": tokens, "response_tokens_per_step": sum(r for _, r in lengths),
         "longest_sample": max(p + r for p, r in lengths), "microbatch_tokens": budget,
         "activation_checkpointing": "ac" in flags, "compile_layers": "compile" in flags,
+        "lora": LORA if "lora" in flags else None, "trainable_params": state_bytes // 16,
         "configure_seconds": round(configure_s, 1),
         "step_seconds": [round(t, 4) for t in step_times], "steady_step_seconds": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 1),
@@ -195,7 +201,7 @@ def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: floa
         "mfu": round(flops / seconds / 1e12 / gemm / args.world_size, 4),
         "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),  # rank 0's GPU
         "fp32_state_gb": round(state_bytes / 1e9, 2),  # rank 0's shards
-        "lr_1e-6_step": moved,
+        ("lr_2e-5_step" if "lora" in flags else "lr_1e-6_step"): moved,
         "step1_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"],
     }
     if profile is not None:
@@ -207,7 +213,10 @@ def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: floa
     return result
 
 
-RUN_FLAGS = {"ac": "activation checkpointing", "compile": "torch.compile each decoder layer"}
+RUN_FLAGS = {"ac": "activation checkpointing", "compile": "torch.compile each decoder layer",
+             "lora": "LoRA rank 64, alpha 32 on every linear layer, lr 2e-5 (recipes/qwen3_4b_lora_grpo)"}
+LORA = {"rank": 64, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
+LORA_LR = 2e-5
 
 
 def parse_runs(text: str) -> list[tuple[str, int, frozenset[str]]]:
