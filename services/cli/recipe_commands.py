@@ -129,8 +129,7 @@ def placement_text(request: RecipeRequest, spec: dict) -> str:
 
 def findings_text(created: list[Path], findings: list[Finding]) -> str:
     out = ["created directories: " + (", ".join(str(d) for d in created) or "none (all there)"), "checks:"]
-    out += [f"  {'ok     ' if f.ok else 'MISSING' if 'missing' in f.detail else 'BAD    '} {f.path}: {f.detail}"
-            for f in findings]
+    out += [f"  {'ok  ' if f.ok else 'FAIL'} {f.path}: {f.detail}" for f in findings]
     bad = sum(not f.ok for f in findings)
     out.append(f"result: {'ready' if not bad else f'{bad} of {len(findings)} checks failed'}")
     return "\n".join(out) + "\n"

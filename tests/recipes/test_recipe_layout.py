@@ -41,7 +41,7 @@ def test_prepare_creates_only_the_directories_it_names_and_fails_until_the_files
     assert tree(tmp_path) == {"models", "data", *data_dirs}  # directories only: no file written
     for d in data_dirs:
         assert str(tmp_path / d) in out.split("created directories: ")[1].splitlines()[0]
-    assert out.count("MISSING") == 1 + len(recipe.layout.data) and "result: " in out
+    assert out.count("FAIL") == 1 + len(recipe.layout.data) and "result: " in out
     place_tiny_inputs(recipe, tmp_path / "models", tmp_path / "data", tiny_model)
     before = tree(tmp_path)
     assert main(argv) == 0

@@ -20,6 +20,7 @@ from services.cli.__main__ import _parser
 from services.cli.recipe_commands import RECIPES_ROOT, RecipeRequest
 from services.cli.recipe_layout import find_recipe
 from services.common.auth import TOKEN_FILE_ENV
+from services.coordinator.run_spec import parse_run_spec
 from tests.coordinator.conftest import LoneCoordinator
 from tests.recipes.recipe_inputs import build_tiny_model, place_tiny_inputs
 
@@ -80,6 +81,8 @@ def test_full_train_submits_the_resolved_spec_to_a_real_coordinator(name, coordi
     run = httpx.get(f"{coordinator.url}/v1/runs/{run_id}", headers=coordinator.headers).json()
     assert run["name"] == resolved["name"]
     assert_carries(run["spec"], resolved)
+    # and nothing else: the rest is the defaults the coordinator's own validation fills in
+    assert run["spec"] == json.loads(parse_run_spec(json.dumps(resolved).encode()).model_dump_json())
 
     # The same spec straight over HTTP: 201, as the CLI's submit got.
     direct = httpx.post(f"{coordinator.url}/v1/runs", headers=coordinator.headers, content=json.dumps(resolved),
