@@ -86,3 +86,4 @@ def test_launcher_recipes_are_valid_specs_once_prepare_passes(name, tmp_path):
         assert parsed.rollout.sampling.max_new_tokens == 8192 and parsed.trainer.lr == 2e-5
         server = parsed.rollout.engine_options["server"]
         assert (server["mem_fraction_static"], server["chunked_prefill_size"]) == (0.4, 4096)
+        assert server["max_lora_rank"] == lora.rank  # SGLang serves the adapter the trainer syncs
