@@ -1,4 +1,4 @@
-"""`lockstep`: submit a recipe, list runs, watch one, cancel one."""
+"""`lockstep`: submit a recipe, list runs, watch one, cancel one; prepare and launch a shipped recipe."""
 from __future__ import annotations
 
 import argparse
@@ -7,9 +7,11 @@ import os
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from services.cli.client import ApiError, CoordinatorClient, load_recipe
+from services.cli.client import ApiError, CoordinatorClient, load_recipe, parse_set_pairs
+from services.cli.recipe_commands import RecipeRequest, add_recipe_parser, run_recipe
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, AuthConfigError, load_token
 from services.cli.progress import RunProgress
 
@@ -35,18 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("run_id")
     m = sub.add_parser("metrics", help="Print a run's per-step metrics as JSON.")
     m.add_argument("run_id")
+    add_recipe_parser(sub)
     return p
-
-
-def _overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, _, raw = pair.partition("=")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw
-    return out
 
 
 def _watch(client: CoordinatorClient, run_id: str, console: Console) -> int:
@@ -56,9 +48,25 @@ def _watch(client: CoordinatorClient, run_id: str, console: Console) -> int:
     return 0 if run["status"] == "completed" else 1
 
 
+def _recipe(args: argparse.Namespace, console: Console) -> int:
+    """prepare and show read no token and open no connection; train reads the token only when it submits."""
+    try:
+        request = RecipeRequest.from_args(args)
+        return run_recipe(
+            request, emit=lambda text: (sys.stdout.write(text), sys.stdout.flush()),
+            client_factory=lambda: CoordinatorClient(args.url, token=load_token(args.token_file)),
+            watch=(lambda client, run_id: _watch(client, run_id, console)) if getattr(args, "watch", False) else None,
+        )
+    except (ValueError, AuthConfigError, ApiError) as exc:
+        console.print(f"[red]error[/red] {escape(str(exc))}", highlight=False)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
+    if args.cmd == "recipe":
+        return _recipe(args, console)
     try:
         token = load_token(args.token_file)
     except AuthConfigError as exc:
@@ -67,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     client = CoordinatorClient(args.url, token=token)
     try:
         if args.cmd == "submit":
-            run = client.submit(load_recipe(args.recipe, _overrides(args.set)))
+            run = client.submit(load_recipe(args.recipe, parse_set_pairs(args.set)))
             console.print(f"submitted run {run['id']} ({run['name']})")
             return _watch(client, run["id"], console) if args.watch else 0
         if args.cmd == "list":

@@ -1,6 +1,7 @@
 """HTTP client of the coordinator's REST API, shared by the CLI and the demo."""
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -73,6 +74,18 @@ class CoordinatorClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+def parse_set_pairs(pairs: list[str]) -> dict:
+    """`--set KEY=VALUE` pairs as {KEY: value}: the value as JSON, or the raw text when it is not JSON."""
+    out = {}
+    for pair in pairs:
+        key, _, raw = pair.partition("=")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
 
 
 def apply_overrides(spec: dict, overrides: dict) -> dict:

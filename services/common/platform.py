@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 PLATFORM_ENV = "LOCKSTEP_PLATFORM"
 """Operator override of detection: 'cpu', 'cuda' or 'rocm'."""
@@ -147,6 +147,21 @@ class SGLangPlatformConfig(BaseModel):
         description="GPU memory fraction for weights + KV cache (--mem-fraction-static); None = SGLang's default. "
         "Set it when the trainer shares the GPU (colocated).",
     )
+    chunked_prefill_size: int | None = Field(
+        None,
+        ge=-1,
+        le=1 << 20,
+        description="Most prompt tokens one prefill step computes (--chunked-prefill-size); longer prompts are "
+        "prefilled in chunks of this size, which bounds the activation memory a long prompt takes next to the KV "
+        "cache. -1 turns chunking off; None = SGLang's default.",
+    )
+
+    @field_validator("chunked_prefill_size")
+    @classmethod
+    def _chunk_is_a_size_or_off(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("0 tokens per prefill chunk cannot make progress; give a size >= 1, or -1 for no chunking")
+        return v
 
 
 @dataclass(frozen=True)
@@ -219,6 +234,8 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
         raise ValueError(f"platform: unsupported {platform!r}")
     if platform is not Platform.CPU and config.mem_fraction_static is not None:
         flags += ["--mem-fraction-static", str(config.mem_fraction_static)]
+    if config.chunked_prefill_size is not None:
+        flags += ["--chunked-prefill-size", str(config.chunked_prefill_size)]
     if config.max_lora_rank is not None:
         flags += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank),
                   "--lora-target-modules", *config.lora_target_modules]

@@ -160,3 +160,21 @@ def test_plugin_constants_match_the_plugin_package(repo_root, monkeypatch):
     assert mod.activate() is None  # installed but inactive: SGLang's own platform choice is untouched
     monkeypatch.setenv(SGLANG_CPU_PLUGIN_ENV, "1")
     assert mod.activate() == "lockstep_sglang_cpu.platform:LockstepCpuPlatform"
+
+
+@pytest.mark.parametrize("platform", list(Platform))
+def test_chunked_prefill_size_reaches_the_server_on_every_platform(platform):
+    # miles' AMD Qwen3-4B LoRA launcher prefills in chunks of 4096 tokens beside a 0.4 memory fraction.
+    flags = sglang_launch_plan(platform, SGLangPlatformConfig(chunked_prefill_size=4096), {}).flags
+    assert flags[flags.index("--chunked-prefill-size") + 1] == "4096"
+    off = sglang_launch_plan(platform, SGLangPlatformConfig(chunked_prefill_size=-1), {}).flags
+    assert off[off.index("--chunked-prefill-size") + 1] == "-1"
+    assert "--chunked-prefill-size" not in sglang_launch_plan(platform, SGLangPlatformConfig(), {}).flags
+
+
+@pytest.mark.parametrize(("bad", "reason"), [
+    (0, "cannot make progress"), (-2, "greater than or equal to -1"), (1 << 21, "less than or equal to"),
+])
+def test_chunked_prefill_size_refuses_sizes_sglang_cannot_use(bad, reason):
+    with pytest.raises(ValueError, match=f"chunked_prefill_size\n.*{reason}"):
+        SGLangPlatformConfig(chunked_prefill_size=bad)

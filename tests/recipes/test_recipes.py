@@ -1,4 +1,4 @@
-"""Recipe loading: dotted --set overrides, and the shipped GSM8K recipe is a valid run spec."""
+"""Recipe loading: dotted --set overrides, and the shipped recipes are valid run specs."""
 from __future__ import annotations
 
 import json
@@ -57,3 +57,33 @@ def test_exponent_without_a_dot_is_a_number_in_a_recipe(tmp_path):
     spec = load_recipe(recipe)
     assert spec["trainer"] == {"lr": 1e-5, "eps": 2e-8, "weight_decay": 1.5e-2}
     assert spec["name"] == "1e5" and spec["steps"] == 3  # quoted stays a string, ints stay ints
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b_m2po", "qwen3_4b_lora_grpo"])
+def test_launcher_recipes_are_valid_specs_once_prepare_passes(name, tmp_path):
+    """The resolved spec of each launcher recipe validates strictly, as POST /v1/runs validates it, with its
+    settings intact (LoRA, M2PO, eval sets, SGLang server options)."""
+    from services.cli.recipe_commands import RECIPES_ROOT
+    from services.cli.recipe_layout import check_layout, find_recipe, resolve_spec
+    from tests.recipes.recipe_inputs import build_tiny_model, place_tiny_inputs
+
+    recipe = find_recipe(name, RECIPES_ROOT)
+    place_tiny_inputs(recipe, tmp_path / "models", tmp_path / "data", build_tiny_model(tmp_path / "tiny"))
+    spec = resolve_spec(recipe, models_dir=str(tmp_path / "models"), data_dir=str(tmp_path / "data"), overrides={})
+    assert all(f.ok for f in check_layout(recipe, spec, models_dir=tmp_path / "models", data_dir=tmp_path / "data"))
+    parsed = parse_run_spec(json.dumps(spec).encode())
+    assert parsed.rollout.engine == "sglang" and parsed.trainer.dtype == "bfloat16"
+    assert parsed.rollout.engine_options["server"]["dtype"] == parsed.trainer.dtype
+    assert [s.name for s in parsed.eval.sets] == {
+        "qwen3_8b_m2po": ["math500", "amc", "aime24", "minerva"], "qwen3_4b_lora_grpo": ["aime24"]}[name]
+    if name == "qwen3_8b_m2po":
+        assert parsed.trainer.policy_loss.kind == "m2po" and parsed.eval.k == 4
+        assert parsed.trainer.lora is None  # full fine-tune
+    else:
+        lora = parsed.trainer.lora
+        assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (64, 32.0, 0.0, "all-linear")
+        assert (parsed.rollout.prompts_per_step, parsed.rollout.samples_per_prompt) == (8, 8)
+        assert parsed.rollout.sampling.max_new_tokens == 8192 and parsed.trainer.lr == 2e-5
+        server = parsed.rollout.engine_options["server"]
+        assert (server["mem_fraction_static"], server["chunked_prefill_size"]) == (0.4, 4096)
+        assert server["max_lora_rank"] == lora.rank  # SGLang serves the adapter the trainer syncs
