@@ -1,6 +1,6 @@
 """Which platform this process runs on, and every decision that follows from it.
 
-One place for platform facts (DESIGN.md, "Portability without an AMD GPU"):
+One place for platform facts (docs/DESIGN.md, "Portability without an AMD GPU"):
 ROCm behaviour can't be run here, so it is tested by the decisions this
 module makes given an environment. Two pure functions carry them:
 
@@ -8,7 +8,7 @@ module makes given an environment. Two pure functions carry them:
 - `sglang_launch_plan(platform, config, env)`: the SGLang server flags and the
   child process's environment changes for that platform.
 
-Why each ROCm decision (seed 003, miles PR #3183, an AMD LoRA RL launcher):
+Why each ROCm decision (as miles' Qwen3-4B LoRA RL launcher for AMD found them):
 - SGLang's default attention and LoRA kernels on CUDA (flashinfer / fa3 /
   csgmv) are CUDA-only; on ROCm both are pinned to Triton.
 - Ray resets *_VISIBLE_DEVICES when it starts workers unless told not to

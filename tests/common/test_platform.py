@@ -1,7 +1,7 @@
 """Platform detection and the SGLang flags/environment per platform, asserted exactly.
 
 No AMD GPU is reachable, so ROCm behaviour is proven by the decisions made
-given an environment (DESIGN.md, "Portability without an AMD GPU"; seed 003).
+given an environment (docs/DESIGN.md, "Portability without an AMD GPU").
 """
 from __future__ import annotations
 
