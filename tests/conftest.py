@@ -17,6 +17,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+# Without a GPU the Triton kernels run in Triton's interpreter, which Triton decides when it is first
+# imported (its own library functions are decorated then). Modules the tests import may import Triton
+# early (torch._dynamo does, and kernels.attention.hf imports that), so it is decided here, first.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 def require_all() -> bool:
     return os.environ.get("LOCKSTEP_REQUIRE_ALL", "") == "1"
