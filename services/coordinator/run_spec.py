@@ -230,6 +230,20 @@ class RunSpec(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _sglang_serves_the_adapters(self) -> "RunSpec":
+        # A LoRA policy reaches SGLang as adapters: its server must be launched to serve them at this
+        # rank, or the run would only fail at its first weight sync.
+        lora = self.trainer.lora
+        if lora is None or self.rollout.engine != "sglang":
+            return self
+        server = self.rollout.engine_options.get("server") or {}
+        max_rank = server.get("max_lora_rank") if isinstance(server, dict) else None
+        if not isinstance(max_rank, int) or max_rank < lora.rank:
+            raise ValueError(f"rollout.engine_options.server.max_lora_rank ({max_rank}) must be set to at least "
+                             f"trainer.lora.rank ({lora.rank}): the SGLang server serves the run's adapters")
+        return self
+
+    @model_validator(mode="after")
     def _temperatures_agree(self) -> "RunSpec":
         # The trainer must score tokens at the temperature they were sampled at,
         # or step-1 importance weights are off by construction.
