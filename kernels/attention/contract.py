@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from contract.platforms import Platform
+
 
 class AttentionError(RuntimeError):
     """Base class: something about an attention call is refused. Never caught to fall back."""
@@ -41,7 +43,7 @@ class AttentionBackendError(AttentionError):
     """No backend may serve this call, or the forced one may not. The message names the backend(s)."""
 
 
-PLATFORMS = ("cpu", "cuda", "rocm")
+PLATFORMS = tuple(p.value for p in Platform)
 
 
 def platform_of(device: torch.device) -> str:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Mapping
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from contract.trainer_settings import AttentionPolicy
 from kernels.attention.contract import (
     PLATFORMS,
     AttentionBackendError,
@@ -67,25 +67,6 @@ class AttentionBackend:
 def _import(target: str) -> Callable:
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-class AttentionPolicy(BaseModel):
-    """How the trainer (or a user) constrains backend selection. Part of a run's spec."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    backend: str | None = Field(
-        None,
-        description="Force this registered backend by name (e.g. 'torch_varlen', 'reference'). "
-        "None selects automatically by priority. A forced backend that cannot serve a call raises; "
-        "it is never replaced by another.",
-    )
-    require_deterministic: bool | None = Field(
-        None,
-        description="Only backends that declare bitwise-reproducible forward+backward. None follows "
-        "torch.are_deterministic_algorithms_enabled(), so a run in deterministic mode cannot pick a "
-        "non-deterministic attention by accident.",
-    )
 
 
 class AttentionRegistry:

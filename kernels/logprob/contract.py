@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from contract.platforms import Platform
 from kernels.logprob.tiling import TILE_COUNT, ShardLayout
 
 
@@ -35,12 +36,6 @@ class MaskMode(str, enum.Enum):
     """Every token is active."""
     EXPLICIT_ACTIVE_MASK = "explicit_active_mask"
     """A bool [T] tensor marks active tokens; inactive ones get logp = lse = 0 and zero gradient."""
-
-
-class Platform(str, enum.Enum):
-    CPU = "cpu"
-    CUDA = "cuda"
-    ROCM = "rocm"
 
 
 def platform_of(device: torch.device) -> Platform:

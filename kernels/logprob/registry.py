@@ -17,9 +17,10 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from contract.engine_options import LOGPROB_BACKEND_NAMES
 from kernels.logprob.contract import DeterminismScope, LogprobContract, LogprobContractError, MaskMode, Platform
 
-BACKEND_NAMES = ("reference", "triton", "native")
+BACKEND_NAMES = LOGPROB_BACKEND_NAMES  # the names a run spec may choose (torch-free contract)
 
 
 class LogprobBackendError(LogprobContractError):

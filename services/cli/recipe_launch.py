@@ -13,8 +13,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from contract.engine_options import SGLangEngineConfig
 from services.common.platform import Platform, sglang_launch_plan
-from services.rollout.sglang_config import SGLangEngineConfig
 from services.rollout.sglang_server import BOOTSTRAP, server_command, server_env
 
 COMPOSE_FILES: dict[Platform, tuple[str, ...]] = {

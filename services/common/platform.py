@@ -39,12 +39,10 @@ exact agreement needed every one of these):
 """
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from contract.platforms import Platform, SGLangPlatformConfig
 
 PLATFORM_ENV = "LOCKSTEP_PLATFORM"
 """Operator override of detection: 'cpu', 'cuda' or 'rocm'."""
@@ -60,12 +58,6 @@ ROCM_LOGPROB_PARITY_ENV: dict[str, str] = {"SGLANG_ROPE_CACHE_FP32": "1"}
 # Added on ROCm in deterministic mode.
 ROCM_DETERMINISTIC_FLAGS: tuple[str, ...] = ("--rl-on-policy-target", "fsdp")
 ROCM_DETERMINISTIC_ENV: dict[str, str] = {"NCCL_ALGO": "allreduce:tree"}
-
-
-class Platform(str, enum.Enum):
-    CPU = "cpu"
-    CUDA = "cuda"
-    ROCM = "rocm"
 
 
 def detect_platform(env: Mapping[str, str], *, torch_hip: str | None, cuda_available: bool) -> Platform:
@@ -96,72 +88,6 @@ def probe_platform(env: Mapping[str, str]) -> Platform:
     return detect_platform(
         env, torch_hip=getattr(torch.version, "hip", None), cuda_available=torch.cuda.is_available()
     )
-
-
-class SGLangPlatformConfig(BaseModel):
-    """Platform-dependent SGLang server options (the rest of the command is the supervisor's)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    cuda_attention_backend: str = Field(
-        "fa3",
-        min_length=1,
-        description="Attention backend on NVIDIA GPUs. fa3 (Hopper) is one SGLang accepts in deterministic "
-        "mode and the one miles' true on-policy work uses; set flashinfer/triton for other GPUs.",
-    )
-    lora_backend: Literal["triton", "csgmv", "torch_native", "triton_v2"] | None = Field(
-        None,
-        description="SGLang's LoRA kernel backend (--lora-backend). On NVIDIA GPUs None keeps SGLang's default "
-        "(csgmv); on ROCm it is always triton (the others are CUDA-only), so anything else is refused there.",
-    )
-    max_lora_rank: int | None = Field(
-        None, ge=1, le=1024,
-        description="Serve LoRA adapters up to this rank (--enable-lora --max-lora-rank): needed by a run with "
-        "trainer.lora, whose rank must not exceed it. None: no LoRA. Not available on CPU (module docstring).",
-    )
-    lora_target_modules: tuple[str, ...] = Field(
-        ("all",), min_length=1,
-        description="Modules the server prepares LoRA buffers for (--lora-target-modules): 'all' or SGLang's module "
-        "names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, ...). Used with max_lora_rank.",
-    )
-    deterministic: bool = Field(
-        False,
-        description="Pass --enable-deterministic-inference (batch-invariant kernels, per-request sampling seeds). "
-        "GPU only: SGLang refuses it with the CPU torch_native backend, so CPU + deterministic is an error.",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="Weights/activations dtype (--dtype). Must equal the trainer's. On CPU only float32 "
-        "(or auto, meaning float32) is accepted: that is the configuration whose log-probs were measured.",
-    )
-    cpu_max_total_tokens: int = Field(
-        8192,
-        ge=256,
-        description="KV-cache size in tokens on CPU (--max-total-tokens). Without it SGLang sizes the pool from "
-        "the free RAM of a machine shared with other processes.",
-    )
-    mem_fraction_static: float | None = Field(
-        None,
-        gt=0,
-        lt=1,
-        description="GPU memory fraction for weights + KV cache (--mem-fraction-static); None = SGLang's default. "
-        "Set it when the trainer shares the GPU (colocated).",
-    )
-    chunked_prefill_size: int | None = Field(
-        None,
-        ge=-1,
-        le=1 << 20,
-        description="Most prompt tokens one prefill step computes (--chunked-prefill-size); longer prompts are "
-        "prefilled in chunks of this size, which bounds the activation memory a long prompt takes next to the KV "
-        "cache. -1 turns chunking off; None = SGLang's default.",
-    )
-
-    @field_validator("chunked_prefill_size")
-    @classmethod
-    def _chunk_is_a_size_or_off(cls, v: int | None) -> int | None:
-        if v == 0:
-            raise ValueError("0 tokens per prefill chunk cannot make progress; give a size >= 1, or -1 for no chunking")
-        return v
 
 
 @dataclass(frozen=True)

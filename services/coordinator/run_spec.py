@@ -16,14 +16,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from contract.engine_options import SERVICE_OWNED_OPTIONS, check_engine_options, service_owned_reason
+from contract.trainer_run import TrainerRunConfig
 from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_bounded
 from services.common.float32_fields import Float32
 from services.common.models import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
-from services.rollout.registry import check_engine_options
-from services.rollout.sglang_config import SERVICE_OWNED_OPTIONS, service_owned_reason
-from services.trainer.config import TrainerRunConfig
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""

@@ -2,7 +2,7 @@
 
 Run-level engine options (dtype, device, batch size) are not here: they arrive
 with each LoadModel as `engine_config_json` and are validated by the engine's
-own config (e.g. services.rollout.torch_config.TorchEngineConfig).
+own options model (e.g. contract.engine_options.TorchEngineConfig).
 """
 from __future__ import annotations
 

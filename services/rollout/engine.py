@@ -8,12 +8,10 @@ fallback to another engine.
 from __future__ import annotations
 
 import abc
-import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
-from pydantic import BaseModel, ValidationError
 
 if TYPE_CHECKING:
     from services.common.weight_stream import LoraAdapterMeta
@@ -71,31 +69,6 @@ class GeneratedSample:
     @property
     def sample_id(self) -> str:
         return f"{self.group_id}/{self.index}"
-
-
-ConfigT = TypeVar("ConfigT", bound=BaseModel)
-
-
-def parse_engine_config(model: type[ConfigT], text: str) -> ConfigT:
-    """Parse LoadModelRequest.engine_config_json into an engine's own config.
-
-    Errors are ValueError naming the field (`engine_config.dtype: ...`), which
-    the server answers with INVALID_ARGUMENT.
-    """
-    try:
-        raw = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"engine_config_json: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"engine_config_json: expected a JSON object, got {type(raw).__name__}")
-    try:
-        return model.model_validate(raw)
-    except ValidationError as exc:
-        parts = []
-        for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "engine_config"
-            parts.append(f"engine_config.{loc}: {err['msg']}")
-        raise ValueError("; ".join(parts)) from None
 
 
 class DeviceUnavailable(RuntimeError):

@@ -7,27 +7,20 @@ by the processes that use them. An engine class provides
 validating its own options and raising ValueError that names the offending
 field; what the operator decides (interpreters, directories) comes from the
 rollout service's own configuration, never from the run's options. Its options
-model is registered apart ("module:Class" in ENGINE_CONFIGS, a module that does
-not import the engine) so that the coordinator refuses bad engine_options at
+model is in the torch-free contract (contract/engine_options.py, ENGINE_OPTIONS,
+under the same names), so that the coordinator refuses bad engine_options at
 submit time with the same message LoadModel would give.
 """
 from __future__ import annotations
 
 import importlib
 
-from pydantic import BaseModel
-
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.engine import Engine, parse_engine_config
+from services.rollout.engine import Engine
 
 ENGINES: dict[str, str] = {
     "torch": "services.rollout.torch_engine:TorchEngine",
     "sglang": "services.rollout.sglang_engine:SGLangEngine",
-}
-
-ENGINE_CONFIGS: dict[str, str] = {
-    "torch": "services.rollout.torch_config:TorchEngineConfig",
-    "sglang": "services.rollout.sglang_config:SGLangEngineConfig",
 }
 
 
@@ -45,23 +38,6 @@ def engine_class(name: str) -> type[Engine]:
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
         raise TypeError(f"engine registry: {target} is not an Engine subclass")
     return cls
-
-
-def engine_config_class(name: str) -> type[BaseModel]:
-    """The options model of engine `name`; ValueError listing the known engines otherwise."""
-    target = ENGINE_CONFIGS.get(name)
-    if target is None:
-        raise ValueError(f"engine: unknown engine {name!r}; known engines: {known_engines()}")
-    module_name, _, cls_name = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
-        raise TypeError(f"engine registry: {target} is not a pydantic model")
-    return cls
-
-
-def check_engine_options(name: str, options_json: str) -> BaseModel:
-    """Validate engine options as LoadModel will; ValueError naming each bad field (`engine_config.dtype: ...`)."""
-    return parse_engine_config(engine_config_class(name), options_json)
 
 
 def build_engine(name: str, config_json: str, service: RolloutServiceConfig) -> Engine:

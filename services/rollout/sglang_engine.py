@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from contract.engine_options import SGLangEngineConfig
 from services.common.models import check_model_dir
 from services.common.weight_stream import LoraAdapterMeta
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
@@ -55,7 +56,7 @@ from services.rollout.sglang_client import (
     parse_generate_response,
 )
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.sglang_config import SGLangEngineConfig, SGLangHostConfig
+from services.rollout.sglang_config import SGLangHostConfig
 from services.rollout.sglang_server import SGLangServer, SGLangStartError
 from services.rollout.sglang_weights import (
     checkpoint_specs,

@@ -28,6 +28,7 @@ from typing import Literal
 
 import torch
 
+from contract.engine_options import TorchEngineConfig
 from services.common.determinism import sample_generator
 from services.common.models import load_causal_lm
 from services.common.weight_stream import LoraAdapterMeta
@@ -41,7 +42,6 @@ from services.rollout.engine import (
     require_device,
 )
 from services.rollout.lora_adapter import merged_weight, module_adapters
-from services.rollout.torch_config import TorchEngineConfig
 
 
 def _forward_kwargs(model: torch.nn.Module) -> tuple[str, dict[str, int]]:

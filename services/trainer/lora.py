@@ -15,72 +15,16 @@ the layout `PeftModel.from_pretrained` and SGLang's LoRA loader read.
 """
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from contract.trainer_settings import LoraSettings
 from services.common.weight_stream import LoraAdapterMeta
 
 ADAPTER_NAME = "default"
 PEFT_KEY_PREFIX = "base_model.model."
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PEFT_INSTALL_HINT = ("trainer.lora needs the peft package: `.venv/bin/pip install peft` "
                       "(the version pinned in requirements.lock)")
-
-
-class LoraSettings(BaseModel):
-    """LoRA adapters on a frozen base (`trainer.lora`; null = full fine-tune)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-
-    rank: int = Field(..., ge=1, le=1024, description="Rank r of every adapter (A: r x in, B: out x r).")
-    alpha: float = Field(..., gt=0, le=1e6, description="LoRA alpha: the adapter's update is scaled by alpha / rank.")
-    dropout: float = Field(
-        0.0, ge=0, lt=1,
-        description="Dropout on the adapters' input. Only 0 is accepted: the trainer scores tokens in eval mode so "
-        "that its log-probs are the function the rollout sampled from, and dropout would make them differ.",
-    )
-    target_modules: Literal["all-linear"] | list[str] = Field(
-        "all-linear",
-        description="Modules that get adapters: 'all-linear' (every linear layer but the output head) or a list of "
-        "module names matched as peft matches them (a name equal to the module path's last part: q_proj, up_proj...).",
-    )
-    base_on_cpu: bool = Field(
-        False,
-        description="Keep the frozen base weights (and, FSDP2 offloading whole units, the adapters' masters and "
-        "AdamW state) in CPU memory, copied to the accelerator one decoder layer at a time. Needs an accelerator.",
-    )
-
-    @field_validator("dropout")
-    @classmethod
-    def _no_dropout(cls, v: float) -> float:
-        if v != 0:
-            raise ValueError(f"only 0 is supported, got {v}: the update scores tokens in eval mode (no dropout) so "
-                             "that its log-probs are those the rollout sampled with")
-        return v
-
-    @field_validator("target_modules")
-    @classmethod
-    def _check_targets(cls, v: str | list[str]) -> str | list[str]:
-        if isinstance(v, str):
-            return v
-        if not v:
-            raise ValueError("must be 'all-linear' or a non-empty list of module names")
-        if len(v) > 64:
-            raise ValueError(f"at most 64 module names, got {len(v)}")
-        for i, name in enumerate(v):
-            if not _MODULE_NAME.match(name):
-                raise ValueError(f"[{i}]: {name!r} is not a module name (letters, digits, underscores)")
-        if len(set(v)) != len(v):
-            raise ValueError("names must be distinct")
-        return v
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.rank
 
 
 def _peft():

@@ -13,50 +13,7 @@ Steps are 1-based: step s is the update that takes policy_version s-1 to s.
 from __future__ import annotations
 
 import math
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-
-class LRSchedule(BaseModel):
-    """How the learning rate moves with the step; the default keeps it at `lr` exactly."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    warmup_steps: int = Field(
-        0, ge=0,
-        description="Linear warmup length: step s <= warmup_steps uses lr * s / warmup_steps, so step 1 "
-        "uses lr / warmup_steps and step warmup_steps uses lr (0 = no warmup).")
-    decay: Literal["constant", "linear", "cosine"] = Field(
-        "constant",
-        description="Shape after warmup: 'constant' stays at lr; 'linear' and 'cosine' go from lr at "
-        "step warmup_steps down to lr * min_lr_ratio at step decay_steps and stay there.")
-    decay_steps: int | None = Field(
-        None, ge=1,
-        description="The step at which 'linear' or 'cosine' decay reaches its floor (required by them, "
-        "refused with 'constant'); must be greater than warmup_steps.")
-    min_lr_ratio: float = Field(
-        0.0, ge=0, le=1,
-        description="Floor of the decay as a fraction of lr (only with 'linear' or 'cosine').")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> LRSchedule:
-        # A field that the chosen shape would ignore is refused rather than
-        # silently dropped: a user who set it expected it to do something.
-        if self.decay == "constant":
-            if self.decay_steps is not None:
-                raise ValueError(f"decay_steps: {self.decay_steps} is set but decay is 'constant' "
-                                 "(set decay to 'linear' or 'cosine', or drop decay_steps)")
-            if self.min_lr_ratio != 0.0:
-                raise ValueError(f"min_lr_ratio: {self.min_lr_ratio} is set but decay is 'constant' "
-                                 "(set decay to 'linear' or 'cosine', or drop min_lr_ratio)")
-            return self
-        if self.decay_steps is None:
-            raise ValueError(f"decay_steps: required when decay is {self.decay!r}")
-        if self.warmup_steps >= self.decay_steps:
-            raise ValueError(f"warmup_steps: {self.warmup_steps} must be less than decay_steps "
-                             f"({self.decay_steps})")
-        return self
+from contract.trainer_settings import LRSchedule
 
 
 def lr_at(step: int, base_lr: float, schedule: LRSchedule) -> float:

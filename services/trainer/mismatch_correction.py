@@ -1,4 +1,7 @@
-"""Importance-sampling correction of the train/inference mismatch (pure functions + config).
+"""Importance-sampling correction of the train/inference mismatch: pure functions.
+
+Their settings, `trainer.mismatch_correction`, are MismatchCorrection in
+contract/trainer_settings.py.
 
 The rollout engine samples from pi_rollout; the trainer's policy at the same
 weights is pi_train, and kernels, dtypes and batch shapes make the two differ
@@ -20,41 +23,9 @@ The weights carry no gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
-class MismatchCorrection(BaseModel):
-    """How token losses are reweighted for the rollout/trainer mismatch; the default changes nothing."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-    mode: Literal["none", "truncate", "mask"] = Field(
-        "none",
-        description="'none': PPO ratio against the rollout's log-probs (no correction). 'truncate': decoupled "
-        "ratio, loss weighted by min(w, upper). 'mask': decoupled ratio, loss weighted by w inside "
-        "[lower, upper] and 0 outside.")
-    level: Literal["token", "sequence", "geometric"] = Field(
-        "token",
-        description="Where w = pi_train / pi_rollout is measured: per token, per sequence (product over its "
-        "response tokens), or per sequence as the geometric mean (length-normalised).")
-    upper: float = Field(2.0, gt=1, description="Upper bound of w (truncation cap, or mask upper edge).")
-    lower: float | None = Field(
-        None, gt=0, lt=1, description="Lower edge of the mask (mode 'mask' only; default 1 / upper).")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> MismatchCorrection:
-        if self.lower is not None and self.mode != "mask":
-            raise ValueError(f"lower: only used by mode 'mask', but mode is {self.mode!r}")
-        if self.mode == "none" and (self.level != "token" or self.upper != 2.0):
-            raise ValueError("mode: 'none' ignores level and upper; set mode to 'truncate' or 'mask', or drop them")
-        return self
-
-    @property
-    def mask_lower(self) -> float:
-        return self.lower if self.lower is not None else 1.0 / self.upper
+from contract.trainer_settings import MismatchCorrection
 
 
 @dataclass(frozen=True)

@@ -22,28 +22,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-
-class ParityThresholds(BaseModel):
-    """Bounds on trainer/rollout disagreement at step 1 (part of the run spec)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    iw_mean_tolerance: float = Field(
-        1e-3, ge=0,
-        description="Largest allowed |mean(IW) - 1| over response tokens, IW = exp(logp - rollout_logp). "
-        "Seed 000: 0.9996 with varlen attention (passes), 0.41 with boundary-blind SDPA (fails).")
-    iw_max: float = Field(
-        3.0, gt=1,
-        description="Largest allowed single-token IW. One token far above it means the trainer assigns much "
-        "more probability than the sampler did: a numerics or masking bug concentrated somewhere.")
-    logprob_abs_diff_mean: float = Field(
-        0.03, ge=0,
-        description="Largest allowed mean |logp - rollout_logp| over response tokens (0.03; a healthy Qwen3-4B LoRA run on MI355X averaged 0.0123).")
-    worst_tokens: int = Field(
-        8, ge=0, le=1000,
-        description="How many tokens with the largest |logp - rollout_logp| the diagnostic lists.")
+from contract.trainer_settings import ParityThresholds
 
 
 def gate_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> dict[str, float]:

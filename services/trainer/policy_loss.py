@@ -1,8 +1,8 @@
 """The policy-gradient objective of a step (PPO-clip, GSPO, M2PO) and how token losses aggregate.
 
 Pure functions over flat per-token tensors of response tokens (the layout of
-services/trainer/grpo.py), plus the run-spec models that choose them
-(`trainer.policy_loss`, `trainer.loss_agg`).
+services/trainer/grpo.py). The run-spec settings that choose them
+(`trainer.policy_loss`, `trainer.loss_agg`) are in contract/trainer_settings.py.
 
 What "old" means. Every objective takes a ratio against the PPO old policy,
 which the trainer chooses from `trainer.mismatch_correction`:
@@ -31,57 +31,12 @@ How each objective composes with that:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from contract.trainer_run import TrainerRunConfig
+from contract.trainer_settings import LossAggregation, PolicyLoss
 from services.trainer.grpo import clipped_surrogate, kl_to_reference, ppo_clip_loss
 from services.trainer.mismatch_correction import correction_weights
-
-if TYPE_CHECKING:  # config.py embeds PolicyLoss, so it cannot be imported from here at run time
-    from services.trainer.config import TrainerRunConfig
-
-LossAggregation = Literal["token_mean", "seq_mean_token_sum_norm", "seq_mean_token_mean"]
-
-DEFAULT_M2PO_THRESHOLD = 0.04
-DEFAULT_GSPO_CLIP_LOW = 3e-4
-DEFAULT_GSPO_CLIP_HIGH = 4e-4
-
-
-class PolicyLoss(BaseModel):
-    """Which policy-gradient objective a step minimises; the default is the PPO-clip loss."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
-
-    kind: Literal["ppo_clip", "gspo", "m2po"] = Field(
-        "ppo_clip",
-        description="'ppo_clip': token-level PPO-clip with trainer.clip_eps_low/high. 'gspo': GSPO (Zheng et al. "
-        "2025), sequence-level ratio exp(mean_t(logp - old_logp)) clipped per sequence to [1 - gspo_clip_low, "
-        "1 + gspo_clip_high]. 'm2po': M2PO (Zheng et al. 2025), the tokens with the largest (logp - rollout_logp)^2 "
-        "are masked until the kept tokens' mean is <= m2po_threshold; kept tokens use the unclipped ratio.")
-    m2po_threshold: float = Field(
-        DEFAULT_M2PO_THRESHOLD, gt=0, le=1e6,
-        description="M2PO bound on the mean (logp - rollout_logp)^2 of the tokens kept in the loss "
-        "(kind 'm2po' only; 0.04 as in the paper and AReaL).")
-    gspo_clip_low: float = Field(
-        DEFAULT_GSPO_CLIP_LOW, ge=0, lt=1,
-        description="GSPO: sequence ratios below 1 - gspo_clip_low stop contributing gradient (kind 'gspo' only; "
-        "the paper's 3e-4).")
-    gspo_clip_high: float = Field(
-        DEFAULT_GSPO_CLIP_HIGH, ge=0, le=100.0,
-        description="GSPO: sequence ratios above 1 + gspo_clip_high stop contributing gradient (kind 'gspo' only; "
-        "the paper's 4e-4).")
-
-    @model_validator(mode="after")
-    def _no_unused_settings(self) -> PolicyLoss:
-        if self.kind != "m2po" and self.m2po_threshold != DEFAULT_M2PO_THRESHOLD:
-            raise ValueError(f"m2po_threshold: only used by kind 'm2po', but kind is {self.kind!r}")
-        if self.kind != "gspo":
-            for name, default in (("gspo_clip_low", DEFAULT_GSPO_CLIP_LOW), ("gspo_clip_high", DEFAULT_GSPO_CLIP_HIGH)):
-                if getattr(self, name) != default:
-                    raise ValueError(f"{name}: only used by kind 'gspo', but kind is {self.kind!r}")
-        return self
 
 
 @dataclass(frozen=True)

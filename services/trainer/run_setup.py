@@ -11,7 +11,7 @@ from services.common.models import load_causal_lm, resolve_dtype
 from services.trainer import checkpoint as ckpt
 from services.trainer import lora, sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
-from services.trainer.config import TrainerRunConfig, format_validation_error
+from contract.trainer_run import TrainerRunConfig, format_validation_error
 from services.trainer.packing import PackingConfig, pack_samples
 from services.trainer.policy import PolicyModule
 from services.trainer.wire import InvalidRequest

@@ -27,7 +27,7 @@ from services.common.weight_stream import LoraAdapterMeta
 from services.trainer import checkpoint as ckpt
 from services.trainer import lora, run_setup, sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order
-from services.trainer.config import TrainerRunConfig
+from contract.trainer_run import TrainerRunConfig
 from services.trainer.data_parallel import DataParallel
 from services.trainer.grpo import step_metrics
 from services.trainer.lr_schedule import lr_at

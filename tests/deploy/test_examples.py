@@ -11,9 +11,8 @@ import json
 import pytest
 import yaml
 
+from contract.engine_options import SGLangEngineConfig, TorchEngineConfig
 from services.coordinator.run_spec import parse_run_spec
-from services.rollout.sglang_config import SGLangEngineConfig
-from services.rollout.torch_engine import TorchEngineConfig
 from tests.conftest import REPO_ROOT
 
 EXAMPLES = sorted((REPO_ROOT / "deploy" / "examples").glob("*.yaml"))

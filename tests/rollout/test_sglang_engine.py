@@ -21,11 +21,12 @@ import httpx
 import pytest
 import torch
 
+from contract.engine_options import SGLangEngineConfig
 from kernels.logprob import token_logprobs
 from services.common.models import load_causal_lm
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.rollout.engine import EngineUnavailable, GenerationRequest, PromptSpec, SamplingConfig
-from services.rollout.sglang_config import SGLangEngineConfig, SGLangHostConfig, default_python
+from services.rollout.sglang_config import SGLangHostConfig, default_python
 from services.rollout.sglang_weights import load_checkpoint_tensors
 from tests.conftest import require
 

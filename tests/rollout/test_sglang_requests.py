@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from contract.engine_options import SGLangEngineConfig
 from services.common.platform import Platform, SGLangPlatformConfig, sglang_launch_plan
 from services.rollout.engine import GenerationRequest, PromptSpec, SamplingConfig
 from services.rollout.sglang_client import (
@@ -25,7 +26,7 @@ from services.rollout.sglang_client import (
     update_weights_from_disk_body,
     update_weights_from_distributed_body,
 )
-from services.rollout.sglang_config import SGLangEngineConfig, SGLangHostConfig
+from services.rollout.sglang_config import SGLangHostConfig
 from services.rollout.sglang_server import API_KEY_ENV, BOOTSTRAP, server_command, server_env
 from services.rollout.sglang_weights import checkpoint_specs, verify_tensors, write_checkpoint
 

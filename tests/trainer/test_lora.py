@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
 from services.trainer.batching import TrainSample
-from services.trainer.config import TrainerRunConfig
+from contract.trainer_run import TrainerRunConfig
 from services.trainer.grpo import group_advantages
 from services.trainer.trainer import Trainer
 from services.trainer.wire import InvalidRequest, StepRequest

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
 from services.trainer.batching import TrainSample
-from services.trainer.config import TrainerRunConfig
+from contract.trainer_run import TrainerRunConfig
 from services.trainer.grpo import group_advantages
 from services.trainer.lr_schedule import LRSchedule, lr_at
 from services.trainer.trainer import Trainer, parse_run_config

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from services.trainer.config import TrainerRunConfig
+from contract.trainer_run import TrainerRunConfig
 from services.trainer.grpo import step_metrics
 from services.trainer.policy_loss import (
     StepShape,

@@ -1,0 +1,209 @@
+"""The engine options a run spec may set (`rollout.engine_options`): pydantic only, no torch.
+
+The rollout service validates LoadModel's `engine_config_json` with these
+models, and the coordinator validates a run spec's engine_options with the
+same ones at submit time, so both refuse a bad option with the same message.
+What the rollout host's operator decides (the SGLang interpreter, weight and
+log directories, server URL, extra flags) is not here: it is the rollout
+service's configuration (services/rollout/config.py, sglang_config.py).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from contract.platforms import SGLangPlatformConfig
+
+LOGPROB_BACKEND_NAMES: tuple[str, ...] = ("reference", "triton", "native")
+"""kernels.logprob backends a run may name (besides 'auto')."""
+
+# Device types torch.device parses (c10's DeviceType names): a string of one
+# of these, optionally ':<index>', is a torch device name.
+TORCH_DEVICE_TYPES = frozenset({
+    "cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga", "maia", "xla",
+    "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone",
+})
+_DEVICE_NAME = re.compile(r"(?P<type>[a-z_]+)(?::(?P<index>[0-9]+))?")
+
+
+def torch_device_type(name: str) -> str:
+    """The device type of torch device name `name` ('cuda' for 'cuda:1'), parsed as torch.device parses it;
+    ValueError saying why for a string torch.device refuses."""
+    match = _DEVICE_NAME.fullmatch(name)
+    if match is None or match["type"] not in TORCH_DEVICE_TYPES:
+        raise ValueError(f"not a torch device name (expected a device type such as 'cpu' or 'cuda', "
+                         f"optionally followed by ':<index>'; got {name!r})")
+    return match["type"]
+
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def parse_engine_config(model: type[ConfigT], text: str) -> ConfigT:
+    """Parse LoadModelRequest.engine_config_json into an engine's own config.
+
+    Errors are ValueError naming the field (`engine_config.dtype: ...`), which
+    the server answers with INVALID_ARGUMENT.
+    """
+    try:
+        raw = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"engine_config_json: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"engine_config_json: expected a JSON object, got {type(raw).__name__}")
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "engine_config"
+            parts.append(f"engine_config.{loc}: {err['msg']}")
+        raise ValueError("; ".join(parts)) from None
+
+
+class TorchEngineConfig(BaseModel):
+    """Options of the embedded torch engine (LoadModelRequest.engine_config_json)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="Weights and activations dtype; must equal the trainer's or step-1 importance weights drift.",
+    )
+    device: str = Field("cpu", min_length=1, description="torch device the model runs on ('cpu', 'cuda', 'cuda:1').")
+    max_batch_size: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="Sequences (prompts x samples) per forward; larger requests run as consecutive micro-batches.",
+    )
+    attn_implementation: str = Field(
+        "sdpa",
+        min_length=1,
+        description="Hugging Face attention implementation; must match the trainer's (same model code, same kernels).",
+    )
+    logprob_backend: str = Field(
+        "auto",
+        min_length=1,
+        description="kernels.logprob backend ('auto', 'reference', 'triton', 'native'); must match the trainer's.",
+    )
+    pad_token_id: int = Field(
+        0,
+        ge=0,
+        description="Id placed in left padding and after a sequence finished. Those positions are masked out of "
+        "attention, so any in-vocabulary id gives the same results.",
+    )
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        device_type = torch_device_type(v)
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"{v!r}: only 'cpu' and 'cuda[:N]' devices serve rollouts")
+        return v
+
+    @field_validator("logprob_backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        if v != "auto" and v not in LOGPROB_BACKEND_NAMES:
+            raise ValueError(f"unknown backend {v!r}; known: {['auto', *LOGPROB_BACKEND_NAMES]}")
+        return v
+
+    @classmethod
+    def from_json(cls, text: str) -> "TorchEngineConfig":
+        """Parse and validate; errors are ValueError naming the field (`engine_config.dtype: ...`)."""
+        return parse_engine_config(cls, text)
+
+
+SERVICE_OWNED_OPTIONS: dict[str, str] = {
+    "python": "sglang_python",
+    "weights_dir": "sglang_weights_dir",
+    "log_dir": "sglang_weights_dir",
+    "url": "sglang_url",
+    "extra_args": "sglang_extra_args",
+}
+"""Options a run may not set (they choose an executable, a server to talk to, or where files are written),
+with the rollout service setting that decides each instead."""
+
+
+def service_owned_reason(option: str) -> str:
+    return (f"{option}: set by the rollout service's configuration ({SERVICE_OWNED_OPTIONS[option]}), "
+            "not by a run: it chooses what runs on the host or where files are written")
+
+
+class SGLangEngineConfig(BaseModel):
+    """How a run wants its SGLang server: platform, parallelism, timeouts (see SGLangHostConfig for the rest)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", min_length=1, description="Address the launched server binds to.")
+    port: int = Field(0, ge=0, le=65535, description="Port of the launched server (0 = a free port picked at launch).")
+    platform: str = Field(
+        "auto",
+        description="'auto' (detect: services.common.platform.probe_platform), 'cpu', 'cuda' or 'rocm'.",
+    )
+    server: SGLangPlatformConfig = Field(
+        default_factory=SGLangPlatformConfig,
+        description="Platform-dependent server options (attention backend on CUDA, deterministic mode, dtype, ...).",
+    )
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel degree of the server (--tp-size).")
+    keep_versions: int = Field(
+        2, ge=1, description="Synced checkpoints kept on disk (the current one always among them)."
+    )
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="Seconds a launched server gets to answer /health (CPU start-up is 20-90 s)."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds one /generate call may take before the server is considered lost."
+    )
+    weight_update_timeout_s: float = Field(600.0, gt=0, description="Seconds /update_weights_from_disk may take.")
+    max_restarts: int = Field(
+        3, ge=0, description="Consecutive failed restarts after which the engine stops trying and stays unavailable."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_service_options(cls, data: object) -> object:
+        if isinstance(data, dict):
+            for key in sorted(set(data) & set(SERVICE_OWNED_OPTIONS)):
+                raise ValueError(service_owned_reason(key))
+        return data
+
+    @field_validator("platform")
+    @classmethod
+    def _known_platform(cls, v: str) -> str:
+        if v not in ("auto", "cpu", "cuda", "rocm"):
+            raise ValueError(f"unknown platform {v!r}; expected auto, cpu, cuda or rocm")
+        return v
+
+    @classmethod
+    def from_json(cls, text: str) -> "SGLangEngineConfig":
+        """Parse and validate; errors are ValueError naming the field (`engine_config.server.dtype: ...`)."""
+        return parse_engine_config(cls, text)
+
+
+ENGINE_OPTIONS: dict[str, type[BaseModel]] = {
+    "torch": TorchEngineConfig,
+    "sglang": SGLangEngineConfig,
+}
+"""Each rollout engine's options model, by engine name (the rollout service's engine registry has the same names)."""
+
+
+def known_engines() -> list[str]:
+    return sorted(ENGINE_OPTIONS)
+
+
+def engine_config_class(name: str) -> type[BaseModel]:
+    """The options model of engine `name`; ValueError listing the known engines otherwise."""
+    model = ENGINE_OPTIONS.get(name)
+    if model is None:
+        raise ValueError(f"engine: unknown engine {name!r}; known engines: {known_engines()}")
+    return model
+
+
+def check_engine_options(name: str, options_json: str) -> BaseModel:
+    """Validate engine options as LoadModel will; ValueError naming each bad field (`engine_config.dtype: ...`)."""
+    return parse_engine_config(engine_config_class(name), options_json)
