@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from services.common.model_files import check_model_dir
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -18,16 +20,6 @@ def resolve_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"dtype: unknown {name!r}, expected one of {sorted(DTYPES)}") from None
-
-
-def check_model_dir(path: str | Path) -> Path:
-    """Fail at once, naming the path, when it is not a Hugging Face model directory."""
-    p = Path(path)
-    if not p.is_dir():
-        raise FileNotFoundError(f"model_path: {p} is not a directory")
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model_path: {p} has no config.json (not a Hugging Face model directory)")
-    return p
 
 
 def load_causal_lm(
@@ -44,9 +36,3 @@ def load_causal_lm(
         str(p), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
     )
     return model.to(device)
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(check_model_dir(path)))

@@ -1,14 +1,15 @@
-"""Tensor <-> proto conversion with validation that names the offending field.
+"""torch Tensor <-> proto conversion with validation that names the offending field.
 
-Every decode checks dtype, rank and byte size before touching the payload, so a
-malformed message becomes a ValueError (mapped to INVALID_ARGUMENT by the
-servers) instead of a crash or, worse, a silently reinterpreted buffer.
+The wire format and its checks are the torch-free contract's
+(contract/wire_tensors.py: dtype names, rank and byte-size validation before
+the payload is touched); this module maps them to torch dtypes.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from contract.wire_tensors import check_dtype_name, check_tensor_proto
 from proto import lockstep_pb2 as pb
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -32,10 +33,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str, *, field: str = "dtype") -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"{field}: unknown dtype {name!r} (known: {sorted(_DTYPES)})") from None
+    return _DTYPES[check_dtype_name(name, field=field)]
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -67,24 +65,9 @@ def from_proto(
     ndim: int | None = None,
 ) -> torch.Tensor:
     """Decode and validate. `field` names the message field in every error."""
-    if not msg.dtype:
-        raise ValueError(f"{field}: missing tensor")
-    got = dtype_from_name(msg.dtype, field=f"{field}.dtype")
-    if dtype is not None and got != dtype:
-        raise ValueError(f"{field}: expected dtype {dtype_name(dtype)}, got {msg.dtype}")
-    shape = list(msg.shape)
-    if ndim is not None and len(shape) != ndim:
-        raise ValueError(f"{field}: expected {ndim}-d tensor, got shape {shape}")
-    if any(s < 0 for s in shape):
-        raise ValueError(f"{field}: negative dimension in shape {shape}")
-    numel = int(np.prod(shape)) if shape else 1
-    itemsize = torch.empty(0, dtype=got).element_size()
-    if len(msg.data) != numel * itemsize:
-        raise ValueError(
-            f"{field}: {len(msg.data)} bytes do not hold shape {shape} of {msg.dtype} "
-            f"({numel * itemsize} bytes expected)"
-        )
-    return tensor_from_bytes(msg.data, got, shape)
+    expected = None if dtype is None else dtype_name(dtype)
+    got, shape = check_tensor_proto(msg, field=field, dtype=expected, ndim=ndim)
+    return tensor_from_bytes(msg.data, _DTYPES[got], shape)
 
 
 def ids_to_proto(ids: list[int] | torch.Tensor) -> pb.Tensor:

@@ -37,10 +37,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract.advantages import group_advantages
+from contract.wire_tensors import array_from_proto as from_proto
+from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
 from services.common.step_record import StepRecordMeta, write_step_record
 from services.common.structured_logging import log_event
-from services.common.tensors import from_proto, ids_to_proto
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
 from services.coordinator.dynamic_sampling import select_informative
 from services.coordinator.evaluation import Evaluator, build_eval_sets
@@ -50,7 +52,6 @@ from services.coordinator.replicas import NoLiveReplica, ReplicaPool
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
 from services.coordinator.tasks import Problem, Task, build_task
-from services.trainer.grpo import group_advantages
 
 log = logging.getLogger("lockstep.coordinator.run")
 

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from contract.engine_options import SGLangEngineConfig
-from services.common.models import check_model_dir
+from services.common.model_files import check_model_dir
 from services.common.weight_stream import LoraAdapterMeta
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
 from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, GenerationRequest
