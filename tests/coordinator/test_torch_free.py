@@ -1,8 +1,9 @@
 """The coordinator runs without torch: the contract it shares with trainer and rollout is torch-free.
 
-The first test imports the coordinator, parses run specs (trainer config and
-both engines' options included), computes advantages, tokenizes and encodes
-token ids in a subprocess where importing torch raises. The others check that
+The first test imports every module of the coordinator package (and the
+CLI), parses run specs (trainer config and both engines' options included),
+computes advantages, tokenizes and encodes token ids in a subprocess where
+importing torch raises. The others check that
 each torch-free piece is the same function as the torch side it stands in for.
 """
 from __future__ import annotations
@@ -50,9 +51,11 @@ WITHOUT_TORCH = BLOCK_TORCH + textwrap.dedent('''
     else:
         raise SystemExit("the torch blocker does not block")
 
-    import services.coordinator.__main__
-    import services.coordinator.api
-    import services.coordinator.run_loop
+    import importlib, pkgutil
+    import services.coordinator
+    for module in pkgutil.walk_packages(services.coordinator.__path__, "services.coordinator."):
+        importlib.import_module(module.name)  # every module of the package, __main__, api and run_loop among them
+    import services.cli.__main__
     from contract.advantages import group_advantages
     from contract.wire_tensors import array_from_proto, ids_to_proto
     from services.common.model_files import load_tokenizer
