@@ -1,0 +1,82 @@
+"""The weight-stream receiver writes chunks into preallocated buffers and hands out views of them.
+
+Checked: finish() copies nothing (its tensors are the receive buffers), a tensor whose declared byte size
+does not match its dtype and shape is refused at its first chunk, an assembler that refused a chunk
+accepts nothing more, and every tensor layout (non-contiguous, 0-d, empty, bool, bf16, chunks cut
+mid-element, chunks big enough to hash on the helper thread) round-trips bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.common import weight_stream
+from services.common.weight_stream import WeightStreamAssembler, WeightStreamError, iter_weight_chunks
+
+
+def _assemble(chunks) -> WeightStreamAssembler:
+    asm = WeightStreamAssembler()
+    for c in chunks:
+        asm.add(c)
+    return asm
+
+
+def test_finish_hands_out_the_receive_buffers_without_copying():
+    w = {"a": torch.randn(300, 7), "b": torch.randn(5).to(torch.bfloat16)}
+    asm = _assemble(iter_weight_chunks(w.items(), run_id="r", policy_version=1, chunk_bytes=512))
+    first, second = asm.finish(), asm.finish()
+    for name, t in w.items():
+        assert torch.equal(first[name], t)
+        assert first[name].data_ptr() == second[name].data_ptr()
+        assert first[name].untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def test_a_tensor_whose_byte_size_disagrees_with_its_shape_is_refused_at_its_first_chunk():
+    chunks = list(iter_weight_chunks([("w", torch.ones(4, 4))], run_id="r", policy_version=1))
+    chunks[0].tensor_nbytes = 60
+    with pytest.raises(WeightStreamError, match=r"tensor_nbytes=60 but shape \[4, 4\] of float32 holds 64 bytes"):
+        WeightStreamAssembler().add(chunks[0])
+
+
+def test_an_unknown_dtype_is_refused_naming_the_chunk():
+    chunks = list(iter_weight_chunks([("w", torch.ones(4))], run_id="r", policy_version=1))
+    chunks[0].dtype = "float8"
+    with pytest.raises(WeightStreamError, match=r"chunk 0 \('w'\)\.dtype: unknown dtype 'float8'"):
+        WeightStreamAssembler().add(chunks[0])
+
+
+def test_after_a_refused_chunk_nothing_more_is_accepted():
+    tensors = [("a", torch.ones(8)), ("b", torch.zeros(8))]
+    chunks = list(iter_weight_chunks(tensors, run_id="r", policy_version=1))
+    bad = type(chunks[0])()
+    bad.CopyFrom(chunks[0])
+    bad.chunk_sha256 = "0" * 64
+    asm = WeightStreamAssembler()
+    with pytest.raises(WeightStreamError, match="chunk_sha256 mismatch"):
+        asm.add(bad)
+    # The intact chunks that follow do not revive it.
+    for c in chunks:
+        with pytest.raises(WeightStreamError, match="already refused: chunk 0 .* chunk_sha256 mismatch"):
+            asm.add(c)
+    with pytest.raises(WeightStreamError, match="already refused"):
+        asm.finish()
+
+
+@pytest.mark.parametrize("chunk_bytes", [3, 1000, 1 << 20])
+def test_every_layout_round_trips_bit_for_bit(chunk_bytes, monkeypatch):
+    # A low threshold sends the larger chunks through the helper-thread hash as well.
+    monkeypatch.setattr(weight_stream, "PARALLEL_HASH_MIN_BYTES", 512)
+    g = torch.Generator().manual_seed(0)
+    w = {
+        "transposed": torch.randn(33, 17, generator=g).t(),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 4),
+        "mask": torch.rand(19, generator=g) > 0.5,
+        "half": torch.randn(9, 3, generator=g).to(torch.bfloat16),
+        "ids": torch.randint(-5, 5, (7,), generator=g, dtype=torch.int64),
+    }
+    chunks = list(iter_weight_chunks(w.items(), run_id="r", policy_version=2, chunk_bytes=chunk_bytes))
+    out = _assemble(chunks).finish()
+    assert set(out) == set(w)
+    for name, t in w.items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape and torch.equal(out[name], t), name
