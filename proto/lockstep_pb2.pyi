@@ -203,6 +203,18 @@ class SyncWeightsRequest(_message.Message):
     trainer_address: str
     def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., trainer_address: _Optional[str] = ...) -> None: ...
 
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "policy_version", "directory", "expected_sha256")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_SHA256_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    directory: str
+    expected_sha256: str
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., directory: _Optional[str] = ..., expected_sha256: _Optional[str] = ...) -> None: ...
+
 class ConfigureRunRequest(_message.Message):
     __slots__ = ("run_id", "model_path", "seed", "trainer_config_json", "resume_checkpoint")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +360,28 @@ class SaveCheckpointResponse(_message.Message):
     directory: str
     policy_version: int
     def __init__(self, directory: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
+
+class WriteWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "directory")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    directory: str
+    def __init__(self, run_id: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+
+class WriteWeightsResponse(_message.Message):
+    __slots__ = ("directory", "policy_version", "tensors", "bytes", "total_sha256")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    policy_version: int
+    tensors: int
+    bytes: int
+    total_sha256: str
+    def __init__(self, directory: _Optional[str] = ..., policy_version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., total_sha256: _Optional[str] = ...) -> None: ...
 
 class LoadCheckpointRequest(_message.Message):
     __slots__ = ("run_id", "directory")

@@ -54,6 +54,11 @@ class RolloutStub:
                 request_serializer=proto_dot_lockstep__pb2.SyncWeightsRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.LoadWeights = channel.unary_unary(
+                '/lockstep.v1.Rollout/LoadWeights',
+                request_serializer=proto_dot_lockstep__pb2.LoadWeightsRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Rollout/Health',
                 request_serializer=proto_dot_lockstep__pb2.HealthRequest.SerializeToString,
@@ -95,6 +100,13 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadWeights(self, request, context):
+        """Reads a WriteWeights directory, verifies its digest and version, and applies it as UpdateWeights does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -128,6 +140,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'SyncWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.SyncWeights,
                     request_deserializer=proto_dot_lockstep__pb2.SyncWeightsRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'LoadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadWeights,
+                    request_deserializer=proto_dot_lockstep__pb2.LoadWeightsRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
@@ -260,6 +277,33 @@ class Rollout:
             _registered_method=True)
 
     @staticmethod
+    def LoadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Rollout/LoadWeights',
+            proto_dot_lockstep__pb2.LoadWeightsRequest.SerializeToString,
+            proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Health(request,
             target,
             options=(),
@@ -348,6 +392,11 @@ class TrainerStub:
                 request_serializer=proto_dot_lockstep__pb2.SaveCheckpointRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.SaveCheckpointResponse.FromString,
                 _registered_method=True)
+        self.WriteWeights = channel.unary_unary(
+                '/lockstep.v1.Trainer/WriteWeights',
+                request_serializer=proto_dot_lockstep__pb2.WriteWeightsRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.WriteWeightsResponse.FromString,
+                _registered_method=True)
         self.LoadCheckpoint = channel.unary_unary(
                 '/lockstep.v1.Trainer/LoadCheckpoint',
                 request_serializer=proto_dot_lockstep__pb2.LoadCheckpointRequest.SerializeToString,
@@ -400,6 +449,12 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WriteWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def LoadCheckpoint(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -445,6 +500,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.SaveCheckpoint,
                     request_deserializer=proto_dot_lockstep__pb2.SaveCheckpointRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.SaveCheckpointResponse.SerializeToString,
+            ),
+            'WriteWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.WriteWeights,
+                    request_deserializer=proto_dot_lockstep__pb2.WriteWeightsRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.WriteWeightsResponse.SerializeToString,
             ),
             'LoadCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadCheckpoint,
@@ -597,6 +657,33 @@ class Trainer:
             '/lockstep.v1.Trainer/SaveCheckpoint',
             proto_dot_lockstep__pb2.SaveCheckpointRequest.SerializeToString,
             proto_dot_lockstep__pb2.SaveCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/WriteWeights',
+            proto_dot_lockstep__pb2.WriteWeightsRequest.SerializeToString,
+            proto_dot_lockstep__pb2.WriteWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

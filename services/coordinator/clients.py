@@ -55,6 +55,13 @@ class RolloutClient:
                 raise TrainerUnavailable(f"replica {self.address} could not pull weights: {exc.details()}") from exc
             raise
 
+    async def load_weights(self, run_id: str, policy_version: int, directory: str,
+                           expected_sha256: str) -> pb.UpdateWeightsResponse:
+        """The replica reads the weight directory the trainer wrote, checks its digest, and applies it."""
+        return await self._stub.LoadWeights(
+            pb.LoadWeightsRequest(run_id=run_id, policy_version=policy_version, directory=directory,
+                                  expected_sha256=expected_sha256), timeout=self._timeout)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -125,6 +132,12 @@ class TrainerClient:
     async def save_checkpoint(self, run_id: str, directory: str) -> pb.SaveCheckpointResponse:
         return await self._stub.SaveCheckpoint(
             pb.SaveCheckpointRequest(run_id=run_id, directory=directory), timeout=self._timeout
+        )
+
+    @_trainer_rpc
+    async def write_weights(self, run_id: str, directory: str) -> pb.WriteWeightsResponse:
+        return await self._stub.WriteWeights(
+            pb.WriteWeightsRequest(run_id=run_id, directory=directory), timeout=self._timeout
         )
 
     async def close(self) -> None:

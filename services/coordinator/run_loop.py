@@ -52,6 +52,7 @@ from services.coordinator.replicas import NoLiveReplica, ReplicaPool
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
 from services.coordinator.tasks import Problem, Task, build_task
+from services.coordinator.weight_sources import SharedPathWeights
 
 log = logging.getLogger("lockstep.coordinator.run")
 
@@ -109,6 +110,8 @@ class RunDriver:
         self.replica_recovery_timeout_s = replica_recovery_timeout_s
         self._replica_recovery = asyncio.Lock()  # concurrent shards wait for one recovery, not one each
         self._reloads: dict[str, int] = {}  # replica address -> times it was found restarted and reloaded
+        self._shared_weights = (SharedPathWeights(trainer, run_id, run_dir / "weights")
+                                if spec.rollout.weight_sync == "shared_path" else None)
         self.task: Task = build_task(spec.task.name, spec.task.options)
         for split in ("train", "heldout"):  # built now, in the constructing thread, not at step 1 on the event loop
             self.task.split(split)
@@ -348,9 +351,12 @@ class RunDriver:
             await self._pull_weights(client, version)
 
     async def _pull_weights(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
-        """The replica streams `version` from the trainer itself (SyncWeights): the weights' bytes never
-        pass through the coordinator."""
-        got = await client.sync_weights(self.run_id, version, self.trainer.weights_address)
+        """The replica streams `version` from the trainer itself (SyncWeights), or reads the directory the
+        trainer wrote (shared_path): the weights' bytes never pass through the coordinator."""
+        if self._shared_weights is not None:
+            got = await self._shared_weights.load(client, version)
+        else:
+            got = await client.sync_weights(self.run_id, version, self.trainer.weights_address)
         if got.policy_version != version:
             raise RunFailed(f"replica {client.address} reports version {got.policy_version} after sync, expected {version}")
         return got

@@ -64,6 +64,11 @@ class RolloutSpec(_Strict):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
     dynamic_sampling: DynamicSamplingSpec = Field(
         default_factory=DynamicSamplingSpec, description="Drop zero-variance groups and sample more (DAPO).")
+    weight_sync: Literal["grpc", "shared_path"] = Field(
+        "grpc", description="How replicas get each new policy version: 'grpc' streams it from the trainer "
+        "(SyncWeights; any host); 'shared_path' has the trainer write it once as safetensors under the run's "
+        "directory and every replica read that directory (the run directory must lie inside the trainer's "
+        "checkpoint_roots and the rollout services' model_roots). Both verify the trainer's digest.")
 
     @field_validator("engine_options")
     @classmethod
@@ -251,6 +256,14 @@ class RunSpec(_Strict):
                 f"trainer.temperature ({self.trainer.temperature}) must equal "
                 f"rollout.sampling.temperature ({self.rollout.sampling.temperature})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _weight_sync_carries_the_policy(self) -> "RunSpec":
+        # WriteWeights writes whole models; a LoRA run's adapters carry their rank and alpha on the stream.
+        if self.rollout.weight_sync == "shared_path" and self.trainer.lora is not None:
+            raise field_error("rollout.weight_sync", "'shared_path' writes whole models; a run with trainer.lora "
+                              "syncs its adapters with 'grpc'")
         return self
 
 

@@ -7,7 +7,9 @@ Status codes the coordinator can rely on:
   that does not decode (services.common.grpc_decode), a model_path outside the
   service's model_roots, an unknown engine (message lists the known ones), bad
   engine options, a model_path LoadModel cannot load, a weight stream that
-  fails any checksum / structure check or does not match the model. The state
+  fails any checksum / structure check or does not match the model; a
+  LoadWeights directory outside model_roots, or whose version or recomputed
+  digest is not the one requested. The state
   is unchanged and the server keeps serving.
 - FAILED_PRECONDITION: no model loaded; Generate for a policy_version or
   run_id other than the loaded one; UpdateWeights or SyncWeights for another
@@ -51,6 +53,7 @@ from services.common.health_service import add_health_service
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.path_roots import resolve_inside
 from services.common.structured_logging import log_event
+from services.common.weight_files import read_weight_dir
 from services.common.weight_stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.convert import (
@@ -241,6 +244,24 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             await channel.close()
         return await self._apply(assembler, "SyncWeights")
 
+    @_rpc("LoadWeights", counter="lockstep_rollout_weight_updates_total")
+    async def LoadWeights(self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
+                          ) -> pb.UpdateWeightsResponse:
+        # Confined like LoadModel's model_path; read and verified off the lock (generation goes on), and a
+        # directory whose version or digest disagrees (WeightFilesError, a ValueError) applies nothing.
+        directory = resolve_inside(request.directory, self.config.model_roots, "directory")
+        self._check_run(request.run_id, "LoadWeights")
+        if not request.expected_sha256:
+            raise ValueError("expected_sha256: required (the digest the trainer reported for the directory)")
+        tensors, files = await asyncio.to_thread(read_weight_dir, directory, policy_version=request.policy_version,
+                                                 expected_sha256=request.expected_sha256)
+        async with self._lock:
+            engine = self._loaded()
+            self._check_run(request.run_id, "LoadWeights")
+            await self._in_worker(engine.update_weights, tensors, files.policy_version)
+        return self._applied("LoadWeights", files.policy_version, len(tensors), files.nbytes, files.total_sha256,
+                             lora=False)
+
     async def _apply(self, assembler: WeightStreamAssembler, what: str) -> pb.UpdateWeightsResponse:
         """Apply a received stream (all of it verified by finish()) between batches."""
         tensors = assembler.finish()
@@ -252,11 +273,14 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                 await self._in_worker(engine.update_lora_adapter, assembler.lora, tensors, version)
             else:
                 await self._in_worker(engine.update_weights, tensors, version)
+        return self._applied(what, version, len(tensors), assembler.nbytes, assembler.total_sha256,
+                             lora=assembler.lora is not None)
+
+    def _applied(self, what: str, version: int, tensors: int, nbytes: int, digest: str, *, lora: bool
+                 ) -> pb.UpdateWeightsResponse:
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(version)
-        log_event(log, "weights updated", via=what, policy_version=version, tensors=len(tensors),
-                  bytes=assembler.nbytes, lora=assembler.lora is not None)
-        return pb.UpdateWeightsResponse(policy_version=version, tensors=len(tensors), bytes=assembler.nbytes,
-                                        total_sha256=assembler.total_sha256)
+        log_event(log, "weights updated", via=what, policy_version=version, tensors=tensors, bytes=nbytes, lora=lora)
+        return pb.UpdateWeightsResponse(policy_version=version, tensors=tensors, bytes=nbytes, total_sha256=digest)
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         # ok means "this process answers RPCs"; whether a model is loaded is in status.

@@ -42,6 +42,7 @@ from services.common.health_service import add_health_service
 from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.common.structured_logging import log_event
+from services.common.weight_files import WeightFilesError, write_weight_dir
 from services.common.weight_stream import iter_weight_chunks
 from services.trainer.checkpoint import ForeignDirectory
 from services.trainer.config import TrainerServiceConfig
@@ -64,6 +65,7 @@ _STATUS = (
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (StepFailed, grpc.StatusCode.ABORTED),
     (ForeignDirectory, grpc.StatusCode.INVALID_ARGUMENT),
+    (WeightFilesError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 
 
@@ -226,6 +228,25 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             return pb.SaveCheckpointResponse(directory=str(path), policy_version=version)
 
         return await self._guard(context, "SaveCheckpoint", work)
+
+    async def WriteWeights(self, request: pb.WriteWeightsRequest, context) -> pb.WriteWeightsResponse:
+        async def work() -> pb.WriteWeightsResponse:
+            directory = confined(request.directory, self.checkpoint_roots, "directory")
+
+            def write():
+                snapshot = self.trainer.weight_tensors(request.run_id)
+                if snapshot.lora is not None:
+                    raise FailedPrecondition("WriteWeights: a LoRA run's adapters sync over the gRPC stream")
+                return write_weight_dir(directory, snapshot.tensors, snapshot.policy_version)
+
+            written = await self._locked(write)
+            log_event(log, "weights written", run_id=request.run_id, directory=str(written.directory),
+                      policy_version=written.policy_version, bytes=written.nbytes)
+            return pb.WriteWeightsResponse(directory=str(written.directory), policy_version=written.policy_version,
+                                           tensors=written.tensors, bytes=written.nbytes,
+                                           total_sha256=written.total_sha256)
+
+        return await self._guard(context, "WriteWeights", work)
 
     async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context) -> pb.LoadCheckpointResponse:
         async def work() -> pb.LoadCheckpointResponse:

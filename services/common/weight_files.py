@@ -1,0 +1,103 @@
+"""Shared-path weight source: the trainer writes one policy version as a safetensors directory, a replica
+on a host that sees the same path reads it back.
+
+The directory holds `model.safetensors` whose metadata records the policy version and the order the
+tensors stream in. Its digest is sha256 over the tensors' bytes in that order: exactly the total_sha256
+of the GetWeights stream of the same weights (a stream's digest covers its chunks' bytes in order, and a
+tensor's chunks are its bytes cut in order), so a replica reports one digest per version whichever source
+it read. The writer computes the digest over what it wrote, the reader over what it read; a reader whose
+digest, version or layout disagrees applies nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+WEIGHTS_FILE = "model.safetensors"
+VERSION_KEY = "lockstep.policy_version"
+ORDER_KEY = "lockstep.tensor_order"
+
+
+class WeightFilesError(ValueError):
+    """A weight directory that is missing, malformed, of another version or fails its digest."""
+
+
+@dataclass(frozen=True)
+class WeightFiles:
+    directory: Path
+    policy_version: int
+    tensors: int
+    nbytes: int
+    total_sha256: str
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+
+def _digest(ordered: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
+    total, nbytes = hashlib.sha256(), 0
+    for _, t in ordered:
+        view = _byte_view(t)
+        total.update(view)
+        nbytes += len(view)
+    return total.hexdigest(), nbytes
+
+
+def write_weight_dir(directory: str | Path, named_tensors: list[tuple[str, torch.Tensor]],
+                     policy_version: int) -> WeightFiles:
+    """Write the tensors (stream order) as `directory`; it must not exist. Written beside it and renamed into
+    place, so a reader never sees a half-written directory under the final name."""
+    final = Path(directory)
+    if final.exists():
+        raise WeightFilesError(f"directory: {str(final)!r} already exists (one directory per version)")
+    names = [n for n, _ in named_tensors]
+    if not names or len(set(names)) != len(names):
+        raise WeightFilesError("tensors: need at least one, each name once")
+    staging = final.with_name(f".{final.name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}
+        save_file(tensors, str(staging / WEIGHTS_FILE),
+                  metadata={VERSION_KEY: str(int(policy_version)), ORDER_KEY: json.dumps(names)})
+        staging.rename(final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    digest, nbytes = _digest([(n, tensors[n]) for n in names])
+    return WeightFiles(final, int(policy_version), len(names), nbytes, digest)
+
+
+def read_weight_dir(directory: str | Path, *, policy_version: int,
+                    expected_sha256: str) -> tuple[dict[str, torch.Tensor], WeightFiles]:
+    """The directory's tensors, after its version and its digest (recomputed here) match the expected."""
+    path = Path(directory) / WEIGHTS_FILE
+    if not path.is_file():
+        raise WeightFilesError(f"directory: no {WEIGHTS_FILE} in {str(directory)!r}")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        try:
+            version = int(meta[VERSION_KEY])
+            order = json.loads(meta[ORDER_KEY])
+        except (KeyError, ValueError) as exc:
+            raise WeightFilesError(f"directory: {str(directory)!r} is not a WriteWeights directory "
+                                   f"(metadata {exc})") from None
+        if version != policy_version:
+            raise WeightFilesError(f"policy_version: the directory holds version {version}, not {policy_version}")
+        if not isinstance(order, list) or sorted(order) != sorted(f.keys()):
+            raise WeightFilesError("directory: the recorded tensor order does not name the file's tensors")
+        tensors = {name: f.get_tensor(name) for name in order}
+    digest, nbytes = _digest([(n, tensors[n]) for n in order])
+    if digest != expected_sha256:
+        raise WeightFilesError(f"expected_sha256: the directory's tensors hash to {digest}, "
+                               f"not {expected_sha256}")
+    return tensors, WeightFiles(Path(directory), version, len(order), nbytes, digest)

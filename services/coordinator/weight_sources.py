@@ -1,0 +1,44 @@
+"""Where a replica gets a policy version from: the trainer's gRPC stream (SyncWeights) or a shared path.
+
+Shared path: the trainer writes the version once as a safetensors directory under the run's directory
+(WriteWeights; inside the trainer's checkpoint_roots), and every replica that needs it reads that
+directory itself (LoadWeights; inside the rollout's model_roots) and verifies the digest the trainer
+reported. Either way the weights' bytes never pass through the coordinator.
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import uuid
+from pathlib import Path
+
+from proto import lockstep_pb2 as pb
+from services.coordinator.clients import RolloutClient, TrainerClient
+
+
+class SharedPathWeights:
+    """One written directory per policy version, however many replicas load it; the previous version's
+    directory is removed once a newer one is written (every replica moves to the newest)."""
+
+    def __init__(self, trainer: TrainerClient, run_id: str, root: Path) -> None:
+        self.trainer, self.run_id, self.root = trainer, run_id, root
+        self._written: pb.WriteWeightsResponse | None = None
+        self._lock = asyncio.Lock()  # replicas synced at once wait for one write, not one each
+
+    async def written(self, version: int) -> pb.WriteWeightsResponse:
+        async with self._lock:
+            if self._written is not None and self._written.policy_version == version:
+                return self._written
+            # A fresh name each time: a trainer that recovered may write a version again.
+            directory = self.root / f"v{version:06d}-{uuid.uuid4().hex[:8]}"
+            written = await self.trainer.write_weights(self.run_id, str(directory))
+            if written.policy_version != version:
+                raise RuntimeError(f"trainer wrote version {written.policy_version}, expected {version}")
+            previous, self._written = self._written, written
+            if previous is not None:
+                await asyncio.to_thread(shutil.rmtree, previous.directory, True)
+            return written
+
+    async def load(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
+        written = await self.written(version)
+        return await client.load_weights(self.run_id, version, written.directory, written.total_sha256)

@@ -1,0 +1,41 @@
+"""rollout.weight_sync is checked at submit: a known source, and shared_path only for whole-model runs."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from services.common.tiny_model import build_model_dir
+from services.coordinator.run_spec import RunSpec, validation_fields
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return str(build_model_dir(tmp_path_factory.mktemp("m") / "model", seed=0))
+
+
+def _refused(**spec) -> list[dict[str, str]]:
+    with pytest.raises(ValidationError) as exc:
+        RunSpec.model_validate(spec)
+    return validation_fields(exc.value.errors())
+
+
+def test_the_default_is_the_grpc_stream_and_shared_path_is_accepted(model):
+    base = {"name": "s", "model_path": model, "steps": 1, "task": {"name": "arithmetic"}}
+    assert RunSpec.model_validate(base).rollout.weight_sync == "grpc"
+    assert RunSpec.model_validate({**base, "rollout": {"weight_sync": "shared_path"}}).rollout.weight_sync == "shared_path"
+
+
+def test_an_unknown_source_is_refused_naming_the_field(model):
+    fields = _refused(name="s", model_path=model, steps=1, task={"name": "arithmetic"},
+                      rollout={"weight_sync": "nccl"})
+    assert [f["field"] for f in fields] == ["rollout.weight_sync"]
+    assert "'grpc' or 'shared_path'" in fields[0]["reason"]
+
+
+def test_shared_path_is_refused_for_a_lora_run(model):
+    fields = _refused(name="s", model_path=model, steps=1, task={"name": "arithmetic"},
+                      rollout={"weight_sync": "shared_path"},
+                      trainer={"lora": {"rank": 4, "alpha": 8.0}})
+    assert fields == [{"field": "rollout.weight_sync",
+                       "reason": "'shared_path' writes whole models; a run with trainer.lora syncs its adapters "
+                                 "with 'grpc'"}]
