@@ -1,7 +1,9 @@
 """Shared-path weight source: the trainer writes one policy version as a safetensors directory, a replica
 on a host that sees the same path reads it back.
 
-The directory holds `model.safetensors` whose metadata records the policy version and the order the
+The directory is a complete model directory: the run's model's other files (config, tokenizer) copied
+beside `model.safetensors`, so an engine that loads model directories itself (SGLang's
+/update_weights_from_disk) loads it in place. The weight file's metadata records the policy version and the order the
 tensors stream in. Its digest is sha256 over the tensors' bytes in that order: exactly the total_sha256
 of the GetWeights stream of the same weights (a stream's digest covers its chunks' bytes in order, and a
 tensor's chunks are its bytes cut in order), so a replica reports one digest per version whichever source
@@ -22,6 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 WEIGHTS_FILE = "model.safetensors"
+# The base model's files that are weights (or their index) and are therefore not copied.
+BASE_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+BASE_WEIGHT_INDEX = "model.safetensors.index.json"
 VERSION_KEY = "lockstep.policy_version"
 ORDER_KEY = "lockstep.tensor_order"
 
@@ -53,9 +58,9 @@ def _digest(ordered: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
 
 
 def write_weight_dir(directory: str | Path, named_tensors: list[tuple[str, torch.Tensor]],
-                     policy_version: int) -> WeightFiles:
-    """Write the tensors (stream order) as `directory`; it must not exist. Written beside it and renamed into
-    place, so a reader never sees a half-written directory under the final name."""
+                     policy_version: int, base_dir: str | Path) -> WeightFiles:
+    """Write the tensors (stream order) and base_dir's non-weight files as `directory`; it must not exist.
+    Written beside it and renamed into place, so a reader never sees a half-written directory."""
     final = Path(directory)
     if final.exists():
         raise WeightFilesError(f"directory: {str(final)!r} already exists (one directory per version)")
@@ -66,6 +71,9 @@ def write_weight_dir(directory: str | Path, named_tensors: list[tuple[str, torch
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
+        for f in Path(base_dir).iterdir():
+            if f.is_file() and not f.name.endswith(BASE_WEIGHT_SUFFIXES) and f.name != BASE_WEIGHT_INDEX:
+                shutil.copy2(f, staging / f.name)
         tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}
         save_file(tensors, str(staging / WEIGHTS_FILE),
                   metadata={VERSION_KEY: str(int(policy_version)), ORDER_KEY: json.dumps(names)})

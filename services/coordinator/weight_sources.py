@@ -17,26 +17,27 @@ from services.coordinator.clients import RolloutClient, TrainerClient
 
 
 class SharedPathWeights:
-    """One written directory per policy version, however many replicas load it; the previous version's
-    directory is removed once a newer one is written (every replica moves to the newest)."""
+    """One written directory per policy version, however many replicas load it. The newest two are kept:
+    a replica serves the previous one until it has loaded the newest (an SGLang server that restarts
+    meanwhile reloads the directory it serves from)."""
 
     def __init__(self, trainer: TrainerClient, run_id: str, root: Path) -> None:
         self.trainer, self.run_id, self.root = trainer, run_id, root
-        self._written: pb.WriteWeightsResponse | None = None
+        self._written: list[pb.WriteWeightsResponse] = []  # oldest first
         self._lock = asyncio.Lock()  # replicas synced at once wait for one write, not one each
 
     async def written(self, version: int) -> pb.WriteWeightsResponse:
         async with self._lock:
-            if self._written is not None and self._written.policy_version == version:
-                return self._written
+            if self._written and self._written[-1].policy_version == version:
+                return self._written[-1]
             # A fresh name each time: a trainer that recovered may write a version again.
             directory = self.root / f"v{version:06d}-{uuid.uuid4().hex[:8]}"
             written = await self.trainer.write_weights(self.run_id, str(directory))
             if written.policy_version != version:
                 raise RuntimeError(f"trainer wrote version {written.policy_version}, expected {version}")
-            previous, self._written = self._written, written
-            if previous is not None:
-                await asyncio.to_thread(shutil.rmtree, previous.directory, True)
+            self._written.append(written)
+            while len(self._written) > 2:
+                await asyncio.to_thread(shutil.rmtree, self._written.pop(0).directory, True)
             return written
 
     async def load(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:

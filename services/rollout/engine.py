@@ -113,6 +113,12 @@ class Engine(abc.ABC):
     def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
         """Replace weights atomically: all tensors verified against the model first, then applied."""
 
+    def update_weights_from_dir(self, directory: str, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+        """Apply a weight directory the trainer wrote, whose digest has been verified over `tensors` (read from
+        it). Applied as update_weights applies them; an engine that loads model directories itself overrides
+        this to load `directory` in place rather than write the same tensors out again."""
+        self.update_weights(tensors, policy_version)
+
     def update_lora_adapter(self, meta: "LoraAdapterMeta", tensors: dict[str, torch.Tensor],
                             policy_version: int) -> None:
         """Serve the base model with this LoRA adapter from `policy_version` on (replacing any earlier one);

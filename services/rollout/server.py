@@ -258,7 +258,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         async with self._lock:
             engine = self._loaded()
             self._check_run(request.run_id, "LoadWeights")
-            await self._in_worker(engine.update_weights, tensors, files.policy_version)
+            await self._in_worker(engine.update_weights_from_dir, str(directory), tensors, files.policy_version)
         return self._applied("LoadWeights", files.policy_version, len(tensors), files.nbytes, files.total_sha256,
                              lora=False)
 

@@ -279,6 +279,22 @@ class SGLangEngine(Engine):
         Re-sending the current version with identical weights is a no-op;
         different weights under the current version, or an older version, are refused.
         """
+        sent = self._checked_update(tensors, policy_version)
+        if sent is None:
+            return
+        target = self._dir / "weights" / f"v{policy_version:09d}"
+        shutil.rmtree(target, ignore_errors=True)  # left by an attempt that did not complete
+        path = write_checkpoint(sent, self._model_path, target)
+        self.update_weights_from_path(str(path), policy_version)
+
+    def update_weights_from_dir(self, directory: str, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+        """The directory is a complete model directory (the trainer's WriteWeights): checked as update_weights
+        checks, then SGLang loads it in place, with no second copy written."""
+        if self._checked_update(tensors, policy_version) is not None:
+            self.update_weights_from_path(directory, policy_version)
+
+    def _checked_update(self, tensors: dict[str, torch.Tensor], policy_version: int) -> dict[str, torch.Tensor] | None:
+        """The tensors to apply, verified against the model; None when they are the loaded version's own."""
         if not self._specs:
             raise RuntimeError("sglang engine: no model loaded (call load first)")
         if policy_version < self._version:
@@ -287,12 +303,9 @@ class SGLangEngine(Engine):
         if policy_version == self._version:
             current = load_checkpoint_tensors(self._weights_path)
             if all(torch.equal(current[k], v.to("cpu", current[k].dtype)) for k, v in sent.items()):
-                return
+                return None
             raise ValueError(f"policy_version: {policy_version} is loaded already with different weights")
-        target = self._dir / "weights" / f"v{policy_version:09d}"
-        shutil.rmtree(target, ignore_errors=True)  # left by an attempt that did not complete
-        path = write_checkpoint(sent, self._model_path, target)
-        self.update_weights_from_path(str(path), policy_version)
+        return sent
 
     def update_weights_from_path(self, path: str, policy_version: int) -> None:
         """Load a complete checkpoint directory (written by us or by the trainer) as `policy_version`."""

@@ -237,7 +237,8 @@ class TrainerServicer(pb_grpc.TrainerServicer):
                 snapshot = self.trainer.weight_tensors(request.run_id)
                 if snapshot.lora is not None:
                     raise FailedPrecondition("WriteWeights: a LoRA run's adapters sync over the gRPC stream")
-                return write_weight_dir(directory, snapshot.tensors, snapshot.policy_version)
+                return write_weight_dir(directory, snapshot.tensors, snapshot.policy_version,
+                                        base_dir=snapshot.run.model_path)
 
             written = await self._locked(write)
             log_event(log, "weights written", run_id=request.run_id, directory=str(written.directory),

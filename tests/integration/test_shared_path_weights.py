@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 
 def _spec(model: Path, name: str, weight_sync: str) -> dict:
-    return {"name": name, "model_path": str(model), "seed": 5, "steps": 2,
+    return {"name": name, "model_path": str(model), "seed": 5, "steps": 3,
             "task": {"name": "arithmetic", "options": {"heldout_size": 4}},
             "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "sampling": {"max_new_tokens": 4},
                         "weight_sync": weight_sync},
@@ -47,14 +47,16 @@ def test_shared_path_source_matches_the_grpc_source_bitwise(tmp_path):
             outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
                                 _synced(client, run["id"]))
         (_, grpc_metrics, grpc_synced), (shared_id, shared_metrics, shared_synced) = outcomes.values()
-        assert len(shared_metrics) == 2 and shared_metrics == grpc_metrics
-        # Both replicas loaded versions 1 and 2 and report the digest the gRPC stream carries for them.
+        assert len(shared_metrics) == 3 and shared_metrics == grpc_metrics
+        # Both replicas loaded versions 1 to 3 and report the digest the gRPC stream carries for them.
         replicas = sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
-        assert [s[0] for s in shared_synced] == [1, 2] and all(s[3] == replicas for s in shared_synced)
+        assert [s[0] for s in shared_synced] == [1, 2, 3] and all(s[3] == replicas for s in shared_synced)
         assert shared_synced == grpc_synced
-        # Each version was written once; only the newest directory is kept.
+        # Each version was written once, as a complete model directory; the newest two are kept.
         written = sorted((stack.run_dir / "coordinator" / shared_id / "weights").glob("v*"))
-        assert [p.name[:7] for p in written] == ["v000002"], written
+        assert [p.name[:7] for p in written] == ["v000002", "v000003"], written
+        assert sorted(p.name for p in written[-1].iterdir()) == sorted(
+            p.name for p in model.iterdir())
 
         channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
         try:
@@ -62,7 +64,7 @@ def test_shared_path_source_matches_the_grpc_source_bitwise(tmp_path):
             version, digest = shared_synced[-1][0], shared_synced[-1][1]
 
             def load(**overrides) -> grpc.RpcError:
-                request = {"run_id": shared_id, "policy_version": version, "directory": str(written[0]),
+                request = {"run_id": shared_id, "policy_version": version, "directory": str(written[-1]),
                            "expected_sha256": digest, **overrides}
                 with pytest.raises(grpc.RpcError) as refused:
                     rollout.LoadWeights(pb.LoadWeightsRequest(**request), timeout=60)
@@ -75,11 +77,11 @@ def test_shared_path_source_matches_the_grpc_source_bitwise(tmp_path):
             assert f"hash to {digest}, not {'0' * 64}" in wrong.details()
             stale = load(policy_version=7)
             assert stale.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "holds version 2, not 7" in stale.details()
+            assert "holds version 3, not 7" in stale.details()
             assert rollout.Info(pb.InfoRequest(), timeout=10).policy_version == version
             # The intact request is accepted (the loaded version again, identical weights: a no-op).
             again = rollout.LoadWeights(pb.LoadWeightsRequest(run_id=shared_id, policy_version=version,
-                                                              directory=str(written[0]), expected_sha256=digest),
+                                                              directory=str(written[-1]), expected_sha256=digest),
                                         timeout=60)
             assert again.total_sha256 == digest and again.policy_version == version
         finally:
