@@ -1,0 +1,385 @@
+"""Weight sync trainer -> rollout: GB/s over loopback gRPC between real processes, against the copy limits.
+
+Prints one JSON object (and writes it to --out).
+
+For each model shape (Qwen3 dimensions of bench/train.py SHAPES, Qwen3 vocabulary, random init, bf16):
+- a real trainer service (`python -m services.trainer`) is configured on the model and a real rollout
+  service (`python -m services.rollout`, torch engine) loads it; both are separate processes on loopback;
+- sync: a caller process that holds only the coordinator's RolloutClient asks the replica to pull the
+  trainer's version (SyncWeights, the coordinator's own call) `--reps` times; the replica streams GetWeights
+  from the trainer, verifies every chunk and the whole, and applies it. Reported: median seconds, GB/s of
+  the weight bytes, and the caller's peak RSS (VmHWM) before and after the syncs;
+- shared_path: the caller asks the trainer to write the version as safetensors under the shared directory
+  (WriteWeights) and the replica to read, verify and apply it (LoadWeights); `write`, `load` and their sum;
+- stream: this process reads GetWeights from the trainer itself (the gRPC transfer with the trainer's
+  chunking and sender-side hashing, nothing kept), then `assemble`: the rollout's WeightStreamAssembler over
+  those chunks in memory (every receiver-side check, no network), i.e. the receive path's own cost;
+- limits measured in the same run over the same byte count: memcpy (torch copy_ of a byte tensor),
+  loopback TCP (one process, a sender thread, sendall / recv_into of preallocated buffers) and sha256 (each
+  byte is hashed twice on each side: per chunk and over the whole stream).
+
+`--device cuda`: the trainer and the rollout engine run on the same GPU (separate processes); the weights
+still cross loopback gRPC through host memory, the memcpy limit is then a device-to-device copy.
+A shape that does not fit the host is built with fewer decoder layers (`--layers qwen3-4b=6`; reported as
+`layers` next to `full_layers`): the embedding and every layer keep the shape's real dimensions.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+GB = 1e9
+
+
+def peak_rss_bytes(pid: int | str = "self") -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
+def timed_s(fn, reps: int) -> list[float]:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def rate(nbytes: int, seconds: list[float]) -> dict:
+    median = statistics.median(seconds)
+    return {"seconds": [round(s, 4) for s in seconds], "median_s": round(median, 4),
+            "gb_per_s": round(nbytes / median / GB, 3)}
+
+
+# ------------------------------------------------------------------ limits --
+
+def memcpy_limit(nbytes: int, device: str, reps: int) -> dict:
+    import torch
+
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    copy()
+    return rate(nbytes, timed_s(copy, reps))
+
+
+def loopback_tcp_limit(nbytes: int, reps: int) -> dict:
+    """One TCP connection over 127.0.0.1; sendall and recv_into release the GIL, so sender and receiver
+    threads run in parallel. Buffers are preallocated: this is the kernel's loopback copy rate."""
+    src = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+    dst = memoryview(bytearray(len(src)))
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    sender = socket.create_connection(("127.0.0.1", port))
+    receiver, _ = server.accept()
+
+    def once() -> None:
+        thread = threading.Thread(target=sender.sendall, args=(src,))
+        thread.start()
+        got = 0
+        while got < len(dst):
+            got += receiver.recv_into(dst[got:], len(dst) - got)
+        thread.join()
+
+    try:
+        once()
+        return rate(len(src), timed_s(once, reps))
+    finally:
+        for s in (sender, receiver, server):
+            s.close()
+
+
+def sha256_limit(nbytes: int, reps: int) -> dict:
+    data = os.urandom(1 << 20) * (nbytes >> 20)
+    return rate(len(data), timed_s(lambda: hashlib.sha256(data).digest(), reps))
+
+
+# ---------------------------------------------------------------- services --
+
+def write_model(shape: str, layers: int, directory: Path, seed: int) -> dict:
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    from bench.train import SHAPES, VOCAB
+    from services.common.tiny_model import TinyQwen3Config, qwen3_config, save_model_dir
+
+    dims = {k: v for k, v in SHAPES[shape].items() if k != "num_hidden_layers"}
+    cfg = TinyQwen3Config(num_hidden_layers=layers, max_position_embeddings=4096, **dims)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(qwen3_config(cfg, VOCAB))
+        model = model.to_empty(device="cpu").to(torch.bfloat16)
+        for p in model.parameters():
+            p.data.normal_(0.0, 0.02)
+    save_model_dir(model, directory)
+    params = sum(p.numel() for p in model.parameters())
+    del model
+    return {"params": params, "layers": layers, "full_layers": SHAPES[shape]["num_hidden_layers"]}
+
+
+class Services:
+    """A trainer and one rollout replica as real processes on loopback, sharing one token file."""
+
+    def __init__(self, workdir: Path, device: str, num_threads: int) -> None:
+        from services.common.auth import TOKEN_FILE_ENV, read_token_file, write_token_file
+        from services.common.ports import free_port
+        from services.local_stack import ServiceProcess, service_env
+
+        token_file = write_token_file(workdir / "auth_token")
+        self.token = read_token_file(token_file)
+        self.trainer_address = f"127.0.0.1:{free_port()}"
+        self.rollout_address = f"127.0.0.1:{free_port()}"
+        env = service_env({**os.environ, TOKEN_FILE_ENV: str(token_file)})
+        roots, threads = str(workdir.resolve()), str(num_threads)
+        self.processes = [
+            ServiceProcess("trainer", [sys.executable, "-m", "services.trainer", "--grpc-port",
+                                       self.trainer_address.rsplit(":", 1)[1], "--metrics-port", "0",
+                                       "--device", device, "--num-threads", threads,
+                                       "--model-roots", roots, "--checkpoint-roots", roots],
+                           env, workdir / "logs" / "trainer.log"),
+            ServiceProcess("rollout", [sys.executable, "-m", "services.rollout", "--grpc-port",
+                                       self.rollout_address.rsplit(":", 1)[1], "--metrics-port", "0",
+                                       "--num-threads", threads, "--model-roots", roots,
+                                       "--sglang-weights-dir", str(workdir / "sglang-weights"),
+                                       "--weight-sources", self.trainer_address],
+                           env, workdir / "logs" / "rollout.log"),
+        ]
+
+    def __enter__(self) -> "Services":
+        for p in self.processes:
+            p.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in reversed(self.processes):
+            p.stop()
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        import grpc
+
+        from proto import lockstep_pb2 as pb
+        from proto import lockstep_pb2_grpc as pb_grpc
+        from services.common.grpc_options import sync_channel
+
+        deadline = time.monotonic() + timeout_s
+        for address, stub in ((self.trainer_address, pb_grpc.TrainerStub), (self.rollout_address, pb_grpc.RolloutStub)):
+            channel = sync_channel(address, self.token)
+            try:
+                while True:
+                    for p in self.processes:
+                        if not p.alive():
+                            raise RuntimeError(f"{p.name} exited:\n{p.tail()}")
+                    try:
+                        stub(channel).Health(pb.HealthRequest(), timeout=5)
+                        break
+                    except grpc.RpcError:
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.5)
+            finally:
+                channel.close()
+
+    def load(self, run_id: str, model_dir: Path, device: str) -> None:
+        from proto import lockstep_pb2 as pb
+        from proto import lockstep_pb2_grpc as pb_grpc
+        from services.common.grpc_options import sync_channel
+
+        trainer = sync_channel(self.trainer_address, self.token)
+        rollout = sync_channel(self.rollout_address, self.token)
+        try:
+            pb_grpc.TrainerStub(trainer).ConfigureRun(pb.ConfigureRunRequest(
+                run_id=run_id, model_path=str(model_dir), seed=0,
+                trainer_config_json=json.dumps({"dtype": "bfloat16"})), timeout=1800)
+            pb_grpc.RolloutStub(rollout).LoadModel(pb.LoadModelRequest(
+                run_id=run_id, model_path=str(model_dir), policy_version=0,
+                engine_config_json=json.dumps({"engine": "torch", "dtype": "bfloat16", "device": device})),
+                timeout=1800)
+        finally:
+            trainer.close()
+            rollout.close()
+
+    def read_stream(self, run_id: str) -> tuple[list, float]:
+        from proto import lockstep_pb2 as pb
+        from proto import lockstep_pb2_grpc as pb_grpc
+        from services.common.grpc_options import sync_channel
+
+        channel = sync_channel(self.trainer_address, self.token)
+        try:
+            t0 = time.perf_counter()
+            chunks = list(pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=1800))
+            return chunks, time.perf_counter() - t0
+        finally:
+            channel.close()
+
+
+def run_caller(args: argparse.Namespace) -> None:
+    """The coordinator's side of a sync, in a process that holds nothing else: SyncWeights `reps` times."""
+    import asyncio
+    import shutil
+
+    from services.common.auth import read_token_file
+    from services.coordinator.clients import RolloutClient, TrainerClient
+
+    async def sync() -> dict:
+        token = read_token_file(args.token_file)
+        client = RolloutClient(args.rollout, timeout_s=1800, token=token)
+        trainer = TrainerClient(args.trainer, timeout_s=1800, token=token)
+        before = peak_rss_bytes()
+        seconds, got = [], None
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            got = await client.sync_weights(args.run_id, 0, args.trainer)
+            seconds.append(time.perf_counter() - t0)
+        after_grpc = peak_rss_bytes()
+        write_s, load_s = [], []
+        for rep in range(args.reps):
+            directory = Path(args.weights_dir) / f"rep{rep}"
+            t0 = time.perf_counter()
+            written = await trainer.write_weights(args.run_id, str(directory))
+            t1 = time.perf_counter()
+            loaded = await client.load_weights(args.run_id, 0, written.directory, written.total_sha256)
+            write_s.append(t1 - t0)
+            load_s.append(time.perf_counter() - t1)
+            assert loaded.total_sha256 == written.total_sha256 == got.total_sha256
+            shutil.rmtree(directory)
+        return {"seconds": seconds, "bytes": got.bytes, "tensors": got.tensors, "digest": got.total_sha256,
+                "peak_rss_before": before, "peak_rss_after_grpc": after_grpc, "peak_rss_after": peak_rss_bytes(),
+                "shared_path_write_s": write_s, "shared_path_load_s": load_s}
+
+    print(json.dumps(asyncio.run(sync())))
+
+
+def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
+    from services.common.weight_stream import WeightStreamAssembler
+
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        workdir = Path(tmp)
+        counts = write_model(shape, layers, workdir / "model", args.seed)
+        with Services(workdir, args.device, args.num_threads) as services:
+            services.wait_ready()
+            run_id = f"bench-{shape}"
+            services.load(run_id, workdir / "model", args.device)
+            caller = subprocess.run(
+                [sys.executable, __file__, "--caller", "--rollout", services.rollout_address, "--trainer",
+                 services.trainer_address, "--run-id", run_id, "--token-file", str(workdir / "auth_token"),
+                 "--reps", str(args.reps), "--weights-dir", str(workdir / "weights")], capture_output=True, text=True,
+                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+            if caller.returncode != 0:
+                logs = "\n".join(f"--- {p.name}:\n{p.tail()}" for p in services.processes)
+                raise RuntimeError(f"the caller failed ({caller.returncode}):\n{caller.stderr[-4000:]}\n{logs}")
+            sync = json.loads(caller.stdout.strip().splitlines()[-1])
+            nbytes = sync["bytes"]
+            stream_seconds, assemble_seconds = [], []
+            for _ in range(args.reps):
+                chunks, seconds = services.read_stream(run_id)
+                stream_seconds.append(seconds)
+                t0 = time.perf_counter()
+                assembler = WeightStreamAssembler()
+                for chunk in chunks:
+                    assembler.add(chunk)
+                tensors = assembler.finish()
+                assemble_seconds.append(time.perf_counter() - t0)
+                assert assembler.total_sha256 == sync["digest"]
+                del chunks, tensors, assembler
+    return {
+        "shape": shape, **counts, "bytes": nbytes, "tensors": sync["tensors"], "digest": sync["digest"],
+        "sync": rate(nbytes, sync["seconds"]),
+        "caller_peak_rss_growth_bytes": sync["peak_rss_after_grpc"] - sync["peak_rss_before"],
+        "shared_path": {**rate(nbytes, [w + r for w, r in zip(sync["shared_path_write_s"], sync["shared_path_load_s"])]),
+                        "write": rate(nbytes, sync["shared_path_write_s"]),
+                        "load": rate(nbytes, sync["shared_path_load_s"])},
+        "caller_peak_rss_growth_with_shared_path_bytes": sync["peak_rss_after"] - sync["peak_rss_before"],
+        "caller_peak_rss_bytes": sync["peak_rss_after"],
+        "stream": rate(nbytes, stream_seconds),
+        "assemble": rate(nbytes, assemble_seconds),
+        "limits": {"memcpy": memcpy_limit(nbytes, args.device, args.reps),
+                   "loopback_tcp": loopback_tcp_limit(nbytes, args.reps),
+                   "sha256": sha256_limit(nbytes, args.reps)},
+    }
+
+
+def versions(device: str) -> dict:
+    import grpc
+    import torch
+    import transformers
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "grpcio": grpc.__version__,
+           "transformers": transformers.__version__, "cpu": platform.processor() or platform.machine(),
+           "cpu_count": os.cpu_count()}
+    try:
+        out["cpu_model"] = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                                if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if device != "cpu":
+        out["device"] = torch.cuda.get_device_name(0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-4b", help="comma-separated keys of bench/train.py SHAPES")
+    ap.add_argument("--layers", default="",
+                    help="comma-separated shape=N: build that shape with only N decoder layers (one that does not "
+                    "fit the host); other shapes are full")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (trainer and rollout engine on the same GPU)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--num-threads", type=int, default=0, help="torch threads per service (0 = torch's default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tmp", default=None, help="directory for the model files (default: the system's)")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--note", default="", help="free text recorded in the JSON (e.g. why a shape is truncated)")
+    ap.add_argument("--caller", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rollout", help=argparse.SUPPRESS)
+    ap.add_argument("--trainer", help=argparse.SUPPRESS)
+    ap.add_argument("--run-id", help=argparse.SUPPRESS)
+    ap.add_argument("--token-file", help=argparse.SUPPRESS)
+    ap.add_argument("--weights-dir", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.caller:
+        run_caller(args)
+        return
+    from bench.train import SHAPES  # imports torch: not in the caller, whose peak RSS is measured
+
+    layers = {k: int(v) for k, v in (item.split("=", 1) for item in args.layers.split(",") if item)}
+    unknown = sorted(set(layers) - set(SHAPES)) + sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        ap.error(f"unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
+    results = [measure_shape(shape, layers.get(shape, SHAPES[shape]["num_hidden_layers"]), args)
+               for shape in args.shapes.split(",")]
+    report = {
+        "benchmark": "weight_sync",
+        "sources": {"sync": "grpc loopback (SyncWeights: the replica pulls GetWeights)",
+                    "shared_path": "WriteWeights + LoadWeights through a directory both services see"},
+        "device": args.device, "reps": args.reps, "statistic": "median wall seconds; gb_per_s = bytes / median / 1e9",
+        "versions": versions(args.device), "note": args.note, "results": results,
+    }
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
