@@ -160,7 +160,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
 
         def make_driver(run_id: str, spec: RunSpec, run_dir: Path) -> RunDriver:
             return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,
-                             config.generate_retries, load_tokenizer, config.crash_after_train_step,
+                             config.generate_retries, load_tokenizer,
                              trainer_recovery_timeout_s=config.trainer_recovery_timeout_s,
                              replica_recovery_timeout_s=config.replica_recovery_timeout_s)
 

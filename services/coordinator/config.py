@@ -71,11 +71,6 @@ class CoordinatorConfig(AuthSetting):
         "0 = fail the run at once.",
     )
     log_level: str = Field("info", description="Log level.")
-    crash_after_train_step: int = Field(
-        0, ge=0,
-        description="Fault injection for tests: the process exits abruptly right after the trainer applied "
-        "this step and before the step is recorded (0 = never).",
-    )
 
     @field_validator("rollout_addresses", mode="before")
     @classmethod

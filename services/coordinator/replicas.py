@@ -4,7 +4,7 @@ A replica that stops answering (UNAVAILABLE or a deadline: the process died,
 the host went away) is evicted: the run goes on with the others instead of
 failing at the next weight sync. Before every step the driver probes the
 evicted ones; one that answers again is re-admitted only once it holds the
-run's current weights (run_loop.RunDriver._readmit_replicas), and when none is
+run's current weights (fleet.RolloutFleet.readmit), and when none is
 left the run waits for one to do so. Any other error
 from a replica -- a refused request, a wrong version after a sync -- is not an
 outage and still fails the run: nothing is papered over.

@@ -3,15 +3,18 @@
     for step in next_step(trainer version, cursor) .. steps:
         prompts   = step_problems(train, seed, step)         # deterministic
         readmit evicted replicas that answer again (after syncing their weights)
-        samples   = rollout(prompts, policy_version=step-1)  # live replicas, re-dispatched on loss
+        samples   = fleet.generate(prompts, policy_version=step-1)  # live replicas, re-dispatched on loss
         rewards   = task.score(...)                           # verifiable
         adv       = group-normalised advantages
-        metrics   = trainer.train_step(trajectories)          # policy_version -> step
-        sync weights to every live replica (a replica that stopped answering is evicted)
-        (no replica left: wait for one to answer again, reload it at the current weights)
+        metrics   = trainer.train(trajectories)               # policy_version -> step
+        fleet.sync_weights(step)                              # replicas pull from the trainer
         eval (avg@k, pass@k per held-out set: evaluation.py) when due; checkpoint when due
-        record step exactly once (Redis), export metrics
+        record step exactly once (Redis, log, Prometheus: event_log.py)
         (trainer lost: wait for it, resume it from the last checkpoint, go on from there)
+
+The collaborators: fleet.RolloutFleet (replicas, eviction, readmission, reload, weight sync),
+trainer_session.TrainerSession (configure, train, replay, checkpoint, recovery) and
+event_log.EventLog (every event written to Redis, the log and Prometheus in one call).
 
 Resuming: the trainer keeps its state across a coordinator restart and treats
 a TrainStep for a step it already applied as a replay (it returns that step's
@@ -31,10 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from contract.advantages import group_advantages
@@ -42,27 +42,24 @@ from contract.wire_tensors import array_from_proto as from_proto
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
 from services.common.step_record import StepRecordMeta, write_step_record
-from services.common.structured_logging import log_event
-from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
+from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable
 from services.coordinator.dynamic_sampling import select_informative
-from services.coordinator.evaluation import Evaluator, build_eval_sets
+from services.coordinator.evaluation import EvalReport, Evaluator, build_eval_sets
+from services.coordinator.event_log import EventLog, PhaseTimer
 from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.prompts import SamplingPlan, group_id, step_problems
+from services.coordinator.fleet import RolloutFleet
+from services.coordinator.prompts import SamplingPlan, step_problems
 from services.coordinator.replicas import NoLiveReplica, ReplicaPool
+from services.coordinator.run_errors import RunCancelled, RunFailed
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
 from services.coordinator.tasks import Problem, Task, build_task
+from services.coordinator.trainer_session import TrainerSession
 from services.coordinator.weight_sources import SharedPathWeights
 
+__all__ = ["RunCancelled", "RunDriver", "RunFailed", "next_step"]
+
 log = logging.getLogger("lockstep.coordinator.run")
-
-
-class RunCancelled(Exception):
-    pass
-
-
-class RunFailed(Exception):
-    pass
 
 
 def next_step(trainer_version: int, cursor: int) -> int:
@@ -74,14 +71,6 @@ def next_step(trainer_version: int, cursor: int) -> int:
     if trainer_version > cursor + 1:
         raise RunFailed(f"trainer holds policy version {trainer_version}, but only {cursor} steps are recorded")
     return min(trainer_version, cursor) + 1
-
-
-@dataclass
-class Shard:
-    """Prompts sent to one replica in one Generate call."""
-
-    problems: list[Problem]
-    first_index: int  # index of problems[0] within the step
 
 
 class RunDriver:
@@ -96,22 +85,21 @@ class RunDriver:
         run_dir: Path,
         generate_retries: int,
         tokenizer_loader: Callable[[str], object],
-        crash_after_train_step: int = 0,
         *,
         trainer_recovery_timeout_s: float = 0.0,
         replica_recovery_timeout_s: float = 0.0,
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
-        self.replicas, self.trainer, self.exporter = ReplicaPool(rollouts), trainer, exporter
         self.run_dir = run_dir
-        self.generate_retries = generate_retries
-        self.crash_after_train_step = crash_after_train_step
-        self.trainer_recovery_timeout_s = trainer_recovery_timeout_s
-        self.replica_recovery_timeout_s = replica_recovery_timeout_s
-        self._replica_recovery = asyncio.Lock()  # concurrent shards wait for one recovery, not one each
-        self._reloads: dict[str, int] = {}  # replica address -> times it was found restarted and reloaded
-        self._shared_weights = (SharedPathWeights(trainer, run_id, run_dir / "weights")
-                                if spec.rollout.weight_sync == "shared_path" else None)
+        self.events = EventLog(run_id, store, exporter, log)
+        shared = (SharedPathWeights(trainer, run_id, run_dir / "weights")
+                  if spec.rollout.weight_sync == "shared_path" else None)
+        self.fleet = RolloutFleet(run_id, spec, rollouts, trainer.weights_address, self.events,
+                                  generate_retries=generate_retries, recovery_timeout_s=replica_recovery_timeout_s,
+                                  check_cancelled=self._check_cancelled, shared_weights=shared)
+        self.trainer = TrainerSession(run_id, spec, trainer, store, self.events, run_dir,
+                                      recovery_timeout_s=trainer_recovery_timeout_s,
+                                      check_cancelled=self._check_cancelled)
         self.task: Task = build_task(spec.task.name, spec.task.options)
         for split in ("train", "heldout"):  # built now, in the constructing thread, not at step 1 on the event loop
             self.task.split(split)
@@ -119,6 +107,10 @@ class RunDriver:
         self._prompt_ids: dict[str, list[int]] = {}
         self.evaluator = Evaluator(spec, self.task, build_eval_sets(spec, self.task), self._eval_rollout,
                                    self._decode, self._stop_ids())
+
+    @property
+    def replicas(self) -> ReplicaPool:
+        return self.fleet.pool
 
     # ------------------------------------------------------------------ loop --
     async def run(self) -> None:
@@ -128,7 +120,6 @@ class RunDriver:
             await asyncio.to_thread(self.task.close)
 
     async def _run(self) -> None:
-        spec = self.spec
         run = await self.store.get_run(self.run_id)
         assert run is not None
         if not await self.store.set_status(self.run_id, "running"):
@@ -136,105 +127,84 @@ class RunDriver:
         try:
             trainer_version = await self._configure_services()
         except TrainerUnavailable as exc:
-            trainer_version = await self._recover_trainer(run.step + 1, exc)
-        if await self.store.get_aux(self.run_id, "eval_initial") is None:
-            report = await self.evaluator.evaluate(step=0, policy_version=trainer_version)
-            await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": report.greedy_accuracy, "step": 0,
-                                                                   "metrics": report.metrics()})
-            self.exporter.on_eval(self.run_id, report)
+            trainer_version = await self.trainer.recover(run.step + 1, exc, self._configure_services)
+        await self._initial_eval(trainer_version)
         cursor = run.step
-        while (step := next_step(trainer_version, cursor)) <= spec.steps:
+        while (step := next_step(trainer_version, cursor)) <= self.spec.steps:
             await self._check_cancelled()
             try:
-                await self._readmit_replicas(step, trainer_version)
+                await self.fleet.readmit(step, trainer_version)
                 await self._one_step(step, trainer_version)
             except NoLiveReplica as exc:
                 raise RunFailed(f"step {step}: {exc}") from None
             except TrainerUnavailable as exc:
-                trainer_version = await self._recover_trainer(step, exc)
+                trainer_version = await self.trainer.recover(step, exc, self._configure_services)
                 continue
             trainer_version, cursor = step, max(cursor, step)
         if not await self.store.set_status(self.run_id, "completed"):
             raise RunCancelled(self.run_id)  # cancelled while the last step ran
-        log_event(log, "run completed", run_id=self.run_id, steps=spec.steps)
+        self.events.note("run completed", steps=self.spec.steps)
 
     async def _one_step(self, step: int, trainer_version: int) -> None:
-        spec, t0 = self.spec, time.monotonic()
-        timings: dict[str, float] = {}
+        """Sample, score, train, sync, record. A step the trainer applied already (before the previous
+        coordinator died) is replayed: its recorded metrics, not a second update."""
+        timer = PhaseTimer()
         header = pb.TrainStepHeader(run_id=self.run_id, step=step, policy_version=step - 1)
-        counts = {"trajectories_trained": 0, "trajectories_dropped": 0}
         if trainer_version == step:
-            # The trainer applied this step before the previous coordinator died:
-            # replay its recorded metrics instead of training twice.
-            result = await self.trainer.train_step(header, [])
-            if not result.replayed:
-                raise RunFailed(f"step {step}: trainer at version {step} did not replay the step")
-            pending = await self.store.get_aux(self.run_id, "pending_step")
-            if pending is None or pending["step"] != step:
-                raise RunFailed(f"step {step}: replayed by the trainer but its trajectory counts were not recorded")
-            counts = pending["counts"]
-            await self.store.add_event(self.run_id, "step_replayed", step=step)
-        else:
-            if trainer_version != step - 1:
-                raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
-            problems = step_problems(self.task.split("train"), seed=spec.seed, step=step,
-                                     count=spec.rollout.prompts_per_step)
-            tr = time.monotonic()
-            samples, dropped = await self._rollout(problems, step=step, policy_version=step - 1)
-            timings["rollout"] = time.monotonic() - tr
-            tr = time.monotonic()
-            trajectories = await self._score(problems, samples, step)
-            timings["reward"] = time.monotonic() - tr
-            if not trajectories:
-                raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
-            counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped}
-            if spec.rollout.dynamic_sampling.enabled:
-                tr = time.monotonic()
-                trajectories, counts = await self._informative_groups(step, trajectories, dropped)
-                timings["dynamic_sampling"] = time.monotonic() - tr
+            result, counts = await self.trainer.replay(header)
+        elif trainer_version == step - 1:
+            trajectories, counts = await self._sample_and_score(step, timer)
             header.num_trajectories = len(trajectories)
-            # Written before the trainer applies the step, so a replay after a
-            # coordinator crash still accounts for every trajectory exactly once.
-            await self.store.set_aux(self.run_id, "pending_step", {"step": step, "counts": counts})
-            if spec.debug.record_trajectories:
+            if self.spec.debug.record_trajectories:
                 await asyncio.to_thread(self._record_step_input, header, trajectories)
-            tr = time.monotonic()
-            result = await self.trainer.train_step(header, trajectories)
-            timings["train"] = time.monotonic() - tr
-            if step == self.crash_after_train_step:
-                os._exit(137)  # fault injection: die between "applied" and "recorded"
-        tr = time.monotonic()
-        await self._sync_weights(step)
-        timings["weight_sync"] = time.monotonic() - tr
+            with timer.phase("train"):
+                result = await self.trainer.train(header, trajectories, counts)
+        else:
+            raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
+        with timer.phase("weight_sync"):
+            await self.fleet.sync_weights(step)
         metrics = dict(result.metrics)
         metrics.update(counts)
         report = None
         if self._eval_due(step):
-            tr = time.monotonic()
-            report = await self.evaluator.evaluate(step=step, policy_version=step)
+            with timer.phase("eval"):
+                report = await self.evaluator.evaluate(step=step, policy_version=step)
             metrics.update(report.metrics())
-            timings["eval"] = time.monotonic() - tr
         if self._checkpoint_due(step):
-            tr = time.monotonic()
-            path = str(self.run_dir / "checkpoints" / f"step_{step:06d}")
-            await self.trainer.save_checkpoint(self.run_id, path)
-            # What a restarted trainer resumes from (the coordinator need not see the trainer's disk).
-            await self.store.set_aux(self.run_id, "last_checkpoint", {"step": step, "path": path})
-            timings["checkpoint"] = time.monotonic() - tr
-        timings["total"] = time.monotonic() - t0
-        if await self.store.record_step(self.run_id, step, metrics, timings):
-            self.exporter.on_step(self.run_id, step, metrics, timings)
-            if report is not None:
-                self.exporter.on_eval(self.run_id, report)
-            self.exporter.trajectories(self.run_id, "trained", counts["trajectories_trained"])
-            self.exporter.trajectories(self.run_id, "dropped", counts["trajectories_dropped"])
-            for outcome in ("filtered", "surplus"):
-                self.exporter.trajectories(self.run_id, outcome, counts.get(f"trajectories_{outcome}", 0))
-        else:
+            with timer.phase("checkpoint"):
+                await self.trainer.checkpoint(step)
+        await self._record(step, metrics, timer.finish(), counts, report)
+
+    async def _sample_and_score(self, step: int, timer: PhaseTimer) -> tuple[list[pb.Trajectory], dict]:
+        """The step's trajectories (scored, with advantages) and their counts."""
+        spec = self.spec
+        problems = step_problems(self.task.split("train"), seed=spec.seed, step=step,
+                                 count=spec.rollout.prompts_per_step)
+        with timer.phase("rollout"):
+            samples, dropped = await self._rollout(problems, step=step, policy_version=step - 1)
+        with timer.phase("reward"):
+            trajectories = await self._score(problems, samples, step)
+        if not trajectories:
+            raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
+        counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped}
+        if spec.rollout.dynamic_sampling.enabled:
+            with timer.phase("dynamic_sampling"):
+                trajectories, counts = await self._informative_groups(step, trajectories, dropped)
+        return trajectories, counts
+
+    async def _record(self, step: int, metrics: dict, timings: dict, counts: dict,
+                      report: EvalReport | None) -> None:
+        """Record the step exactly once; a step recorded before (recomputed after a trainer loss) is
+        compared with its record instead."""
+        if not await self.events.record_step(step, metrics, timings, counts, report):
             await self._note_recomputed(step, metrics)
-        log_event(log, "step recorded", run_id=self.run_id, step=step,
-                  reward_mean=metrics.get("reward_mean"), iw_mean=metrics.get("iw_mean"),
-                  eval_accuracy=metrics.get("eval_accuracy"), seconds=round(timings["total"], 3))
+
+    async def _initial_eval(self, policy_version: int) -> None:
+        if await self.store.get_aux(self.run_id, "eval_initial") is None:
+            report = await self.evaluator.evaluate(step=0, policy_version=policy_version)
+            await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": report.greedy_accuracy, "step": 0,
+                                                                   "metrics": report.metrics()})
+            self.events.exporter.on_eval(self.run_id, report)
 
     async def _informative_groups(self, step: int, first: list[pb.Trajectory],
                                   dropped: int) -> tuple[list[pb.Trajectory], dict]:
@@ -252,8 +222,8 @@ class RunDriver:
             selection = select_informative(rounds, want)
         kept = selection.kept
         if selection.groups < want:
-            await self.store.add_event(self.run_id, "dynamic_sampling_short", step=step, groups=selection.groups,
-                                       wanted=want, rounds=len(rounds))
+            await self.events.record("dynamic_sampling_short", "dynamic sampling short of informative groups",
+                                     step=step, groups=selection.groups, wanted=want, rounds=len(rounds))
             if not kept:  # no signal anywhere: the first round's batch, whose advantages are all zero
                 kept = first
         counts = {"trajectories_trained": len(kept), "trajectories_dropped": dropped,
@@ -274,154 +244,21 @@ class RunDriver:
         recorded = await self.store.step_metrics(self.run_id, step)
         same = recorded is not None and json.dumps(recorded, sort_keys=True) == json.dumps(metrics, sort_keys=True)
         differing = sorted(k for k in metrics if recorded is None or json.dumps(recorded.get(k)) != json.dumps(metrics[k]))
-        await self.store.add_event(self.run_id, "step_recomputed", step=step, matches_recorded=same,
-                                   differing_metrics=differing)
-        self.exporter.step_recomputed(self.run_id, same)
-        log_event(log, "step recomputed", run_id=self.run_id, step=step, matches_recorded=same,
-                  differing_metrics=differing)
-
-    # ------------------------------------------------------------- trainer --
-    async def _recover_trainer(self, step: int, lost: TrainerUnavailable) -> int:
-        """Wait for the trainer to answer again, re-configure it from the last checkpoint; its version."""
-        timeout = self.trainer_recovery_timeout_s
-        await self.store.add_event(self.run_id, "trainer_lost", step=step, reason=str(lost),
-                                   recovery_timeout_s=timeout)
-        log_event(log, "trainer lost", run_id=self.run_id, step=step, reason=str(lost), recovery_timeout_s=timeout)
-        if timeout <= 0:
-            raise RunFailed(f"step {step}: {lost} (trainer_recovery_timeout_s is 0)")
-        deadline, delay = time.monotonic() + timeout, 0.5
-        while True:
-            await self._check_cancelled()
-            try:
-                await self.trainer.health()
-                version = await self._configure_services()
-                break
-            except TrainerUnavailable as exc:
-                if time.monotonic() + delay > deadline:
-                    raise RunFailed(f"step {step}: trainer did not come back within {timeout:.0f} s ({exc})") from None
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 5.0)
-        checkpoint = await self.store.get_aux(self.run_id, "last_checkpoint")
-        await self.store.add_event(self.run_id, "trainer_recovered", step=step, policy_version=version,
-                                   resumed_from=checkpoint["path"] if checkpoint else "")
-        self.exporter.trainer_recovered(self.run_id)
-        log_event(log, "trainer recovered", run_id=self.run_id, step=step, policy_version=version)
-        return version
+        await self.events.record("step_recomputed", "step recomputed",
+                                 export=lambda exporter: exporter.step_recomputed(self.run_id, same),
+                                 step=step, matches_recorded=same, differing_metrics=differing)
 
     # ------------------------------------------------------------- phases --
     async def _configure_services(self) -> int:
-        spec = self.spec
-        # A trainer that still holds the run keeps its state; one that does not
-        # (restarted) resumes from the last checkpoint, or starts from the model.
-        checkpoint = await self.store.get_aux(self.run_id, "last_checkpoint")
-        info = await self.trainer.configure(
-            self.run_id, spec.model_path, spec.seed, spec.trainer.model_dump_json(),
-            resume_checkpoint=checkpoint["path"] if checkpoint else "",
-        )
-        version = info.policy_version
-        for client in self.replicas.all():
-            try:
-                await self._bring_up_to_date(client, version)
-            except Exception as exc:
-                if not is_unavailable(exc):
-                    raise
-                await self._evict(client, step=0, reason=f"unreachable at run start ({exc.code()})")
+        """The trainer configured for the run and every replica brought to its version; that version."""
+        version = await self.trainer.configure()
         try:
-            await self._await_replica(0, version)
+            live = await self.fleet.start_at(version)
         except NoLiveReplica as exc:
             raise RunFailed(str(exc)) from None
-        live = self.replicas.live()
-        self._export_replicas()
-        await self.store.add_event(self.run_id, "services_configured", policy_version=version,
-                                   rollouts=[c.address for c in live])
+        await self.events.record("services_configured", "services configured", policy_version=version,
+                                 rollouts=[c.address for c in live])
         return version
-
-    async def _bring_up_to_date(self, client: RolloutClient, version: int) -> None:
-        """Load this run's model on `client` if it holds another, then have it pull `version` from the
-        trainer unless it holds it already."""
-        rinfo = await client.info()
-        # Reload when the replica holds another run, nothing, or a version ahead
-        # of the trainer (which came back from an older checkpoint): engines
-        # refuse to step a version back, so it starts again from the model.
-        if rinfo.run_id != self.run_id or not 0 <= rinfo.policy_version <= version:
-            engine_json = json.dumps({"engine": self.spec.rollout.engine, **self.spec.rollout.engine_options})
-            await client.load_model(self.run_id, self.spec.model_path, 0, engine_json)
-            rinfo = await client.info()
-        if rinfo.policy_version != version:
-            await self._pull_weights(client, version)
-
-    async def _pull_weights(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
-        """The replica streams `version` from the trainer itself (SyncWeights), or reads the directory the
-        trainer wrote (shared_path): the weights' bytes never pass through the coordinator."""
-        if self._shared_weights is not None:
-            got = await self._shared_weights.load(client, version)
-        else:
-            got = await client.sync_weights(self.run_id, version, self.trainer.weights_address)
-        if got.policy_version != version:
-            raise RunFailed(f"replica {client.address} reports version {got.policy_version} after sync, expected {version}")
-        return got
-
-    async def _evict(self, client: RolloutClient, *, step: int, reason: str) -> None:
-        if self.replicas.evict(client):
-            await self.store.add_event(self.run_id, "replica_evicted", step=step, replica=client.address,
-                                       reason=reason, live=len(self.replicas.live()))
-            log_event(log, "rollout replica evicted", run_id=self.run_id, step=step, replica=client.address,
-                      reason=reason, live=len(self.replicas.live()))
-        self._export_replicas()
-
-    def _export_replicas(self) -> None:
-        self.exporter.replicas_live(self.run_id, len(self.replicas.live()), len(self.replicas.all()))
-
-    async def _readmit_replicas(self, step: int, version: int) -> None:
-        """Probe each evicted replica; one that answers is brought to `version` and put back in service."""
-        for client in self.replicas.evicted():
-            try:
-                await client.health()
-                await self._bring_up_to_date(client, version)
-            except Exception as exc:
-                if is_unavailable(exc):
-                    continue  # still down: probed again before the next step
-                raise
-            self.replicas.readmit(client)
-            await self.store.add_event(self.run_id, "replica_readmitted", step=step, replica=client.address,
-                                       policy_version=version, live=len(self.replicas.live()))
-            log_event(log, "rollout replica readmitted", run_id=self.run_id, step=step, replica=client.address)
-        self._export_replicas()
-
-    async def _await_replica(self, step: int, version: int) -> None:
-        """With no live replica, wait up to replica_recovery_timeout_s for an evicted one to answer again
-        (restarted by its supervisor), bring it to `version` and readmit it; NoLiveReplica if none does."""
-        async with self._replica_recovery:
-            if self.replicas.live():
-                return
-            timeout = self.replica_recovery_timeout_s
-            deadline, delay = time.monotonic() + timeout, 0.5
-            while True:
-                await self._check_cancelled()
-                await self._readmit_replicas(step, version)
-                if self.replicas.live():
-                    return
-                if time.monotonic() + delay > deadline:
-                    self.replicas.require_live(f"step {step} (waited {timeout:.0f} s for one to come back)")
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 5.0)
-
-    async def _reload_if_restarted(self, client: RolloutClient, info: pb.ServiceInfo | None, *, step: int,
-                                   version: int) -> bool:
-        """A replica that answers but holds no model at all was restarted since it last served the run:
-        load the run's model and weights at `version`. False (nothing done) for one holding a model.
-        `info` None: ask the replica (under the recovery lock, so concurrent shards reload it once)."""
-        async with self._replica_recovery:
-            info = info if info is not None else await client.info()
-            if info.run_id or info.policy_version >= 0:
-                return False
-            await self._bring_up_to_date(client, version)
-            self._reloads[client.address] = self._reloads.get(client.address, 0) + 1
-        await self.store.add_event(self.run_id, "replica_reloaded", step=step, replica=client.address,
-                                   policy_version=version)
-        log_event(log, "restarted rollout replica reloaded", run_id=self.run_id, step=step,
-                  replica=client.address, policy_version=version)
-        return True
 
     def _training_plan(self, step: int) -> SamplingPlan:
         s = self.spec.rollout.sampling
@@ -432,78 +269,11 @@ class RunDriver:
     async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int,
                        plan: SamplingPlan | None = None,
                        first_index: int = 0) -> tuple[list[tuple[int, pb.Sample]], int]:
-        """Samples as (index in `problems`, sample) in problem order; returns also the dropped count.
-
-        `plan` None: the step's training samples. `first_index` numbers the problems within the step (group
-        ids and sampling seeds derive from it), so further rounds of one step never reuse a group id or a seed."""
+        """Samples as (index in `problems`, sample) in problem order, and the dropped count.
+        `plan` None: the step's training samples."""
         plan = self._training_plan(step) if plan is None else plan
-        await self._await_replica(step, policy_version)
-        n = len(self.replicas.live())
-        size = -(-len(problems) // n)
-        shards = [Shard(problems[i:i + size], first_index + i) for i in range(0, len(problems), size)]
-        samples_per_prompt = plan.samples_per_prompt
-        self.exporter.queue_depth(self.run_id, len(problems))
-        results = await asyncio.gather(*(
-            self._generate_shard(shard, k, step=step, policy_version=policy_version, plan=plan)
-            for k, shard in enumerate(shards)
-        ))
-        self.exporter.queue_depth(self.run_id, 0)
-        out: list[tuple[int, pb.Sample]] = []
-        dropped = 0
-        for shard, res in zip(shards, results):
-            if res is None:
-                dropped += len(shard.problems) * samples_per_prompt
-                continue
-            gids = {group_id(step, shard.first_index + j): shard.first_index - first_index + j
-                    for j in range(len(shard.problems))}
-            for s in res.samples:
-                out.append((gids[s.group_id], s))
-        return out, dropped
-
-    async def _generate_shard(self, shard: Shard, replica: int, *, step: int, policy_version: int,
-                              plan: SamplingPlan) -> pb.GenerateResponse | None:
-        prompts = [
-            pb.Prompt(group_id=group_id(step, shard.first_index + j),
-                      token_ids=ids_to_proto(self._encode(p)), seed=plan.seed(shard.first_index + j))
-            for j, p in enumerate(shard.problems)
-        ]
-        samples_per_prompt = plan.samples_per_prompt
-        request = pb.GenerateRequest(
-            run_id=self.run_id, step=step, policy_version=policy_version, prompts=prompts,
-            samples_per_prompt=samples_per_prompt, sampling=plan.params,
-        )
-        attempts = self.generate_retries + 1
-        for attempt in range(attempts):
-            await self._await_replica(step, policy_version)
-            candidates = self.replicas.live()
-            client = candidates[(replica + attempt) % len(candidates)]
-            reloads = self._reloads.get(client.address, 0)
-            try:
-                try:
-                    return await client.generate(request)
-                except Exception as exc:
-                    # A refusal from a replica that lost its model (restarted between two calls) is
-                    # answered by reloading it -- here, or by a concurrent shard meanwhile; any other
-                    # refusal fails the run.
-                    if is_unavailable(exc):
-                        raise
-                    if not await self._reload_if_restarted(client, None, step=step, version=policy_version) \
-                            and self._reloads.get(client.address, 0) == reloads:
-                        raise
-                    continue
-            except Exception as exc:
-                if not is_unavailable(exc):
-                    raise
-                await self._evict(client, step=step, reason=f"generate failed ({exc.code()})")
-                await self.store.add_event(self.run_id, "generate_redispatched", step=step, replica=client.address,
-                                           attempt=attempt + 1, reason=str(exc.code()))
-                log_event(log, "rollout replica unavailable; re-dispatching", run_id=self.run_id, step=step,
-                          replica=client.address, attempt=attempt + 1)
-                await asyncio.sleep(min(2.0 ** attempt, 10.0))
-        await self.store.add_event(self.run_id, "trajectories_dropped", step=step,
-                                   count=len(shard.problems) * samples_per_prompt,
-                                   reason=f"rollout unavailable after {attempts} attempts")
-        return None
+        return await self.fleet.generate(problems, plan, self._encode, step=step, policy_version=policy_version,
+                                         first_index=first_index)
 
     async def _score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
                      step: int) -> list[pb.Trajectory]:
@@ -521,41 +291,7 @@ class RunDriver:
         ]
 
     async def _sync_weights(self, version: int) -> None:
-        stale = []
-        for client in self.replicas.live():
-            try:
-                info = await client.info()
-                if not await self._reload_if_restarted(client, info, step=version, version=version) \
-                        and info.policy_version != version:
-                    stale.append(client)
-            except Exception as exc:
-                if not is_unavailable(exc):
-                    raise
-                await self._evict(client, step=version, reason=f"unreachable before weight sync ({exc.code()})")
-        if stale:
-            await self._sync_replicas(stale, version)
-        await self._await_replica(version, version)
-
-    async def _sync_replicas(self, clients: Sequence[RolloutClient], version: int) -> None:
-        """Every stale replica pulls `version` at once; one that is unreachable is evicted. Each verified
-        its stream against the digest the trainer computed while sending it; replicas that report
-        different digests for one version did not get the same weights, and the run fails."""
-        results = await asyncio.gather(*(self._pull_weights(c, version) for c in clients), return_exceptions=True)
-        synced: dict[str, pb.UpdateWeightsResponse] = {}
-        for c, r in zip(clients, results):
-            if isinstance(r, BaseException):
-                if not is_unavailable(r):
-                    raise r
-                await self._evict(c, step=version, reason=f"weight sync failed ({r.code()})")
-            else:
-                synced[c.address] = r
-        digests = {address: r.total_sha256 for address, r in synced.items()}
-        if len(set(digests.values())) > 1:
-            raise RunFailed(f"step {version}: replicas report different weight digests for one version: {digests}")
-        if synced:
-            first = next(iter(synced.values()))
-            await self.store.add_event(self.run_id, "weights_synced", policy_version=version,
-                                       digest=first.total_sha256, bytes=first.bytes, replicas=sorted(synced))
+        await self.fleet.sync_weights(version)
 
     async def _eval_rollout(self, problems: list[Problem], policy_version: int,
                             plan: SamplingPlan) -> list[tuple[int, pb.Sample]]:

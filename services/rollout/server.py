@@ -22,6 +22,8 @@ Status codes the coordinator can rely on:
   unreachable, or its weights changed mid-stream); nothing was applied.
 - UNAVAILABLE: the engine cannot serve right now (EngineUnavailable); retry.
 - INTERNAL: an engine bug (e.g. non-finite log-probs); logged with a traceback.
+The mapping is applied, and the process (health, metrics, graceful stop) run,
+by services.common.grpc_service, which the trainer server shares.
 
 Engine work runs on one dedicated worker thread so the event loop keeps
 answering Health while a batch runs, and one asyncio lock orders Generate,
@@ -31,25 +33,29 @@ batches, never during one.
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib.metadata
 import logging
-import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from safetensors import SafetensorError
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.auth import BearerToken, BearerTokenInterceptor
-from services.common.grpc_decode import RefuseUndecodable
-from services.common.grpc_options import grpc_options, insecure_channel
-from services.common.health_service import add_health_service
+from services.common.auth import BearerToken
+from services.common.grpc_options import insecure_channel
+from services.common.grpc_service import (
+    GrpcServiceHost,
+    RpcErrors,
+    RpcFailure,
+    StatusMap,
+    package_version,
+    rpc_handler,
+    serve_until_signalled,
+)
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.path_roots import resolve_inside
 from services.common.structured_logging import log_event
@@ -73,62 +79,14 @@ T = TypeVar("T")
 MODEL_LOAD_ERRORS = (OSError, ValueError, KeyError, SafetensorError)
 
 
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("lockstep")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (lockstep not installed as a package)"
-
-
-class RpcFailure(Exception):
-    """Raised inside handlers to end the RPC with `code`; mapped by `_rpc`."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    """The one exception -> status mapping of this service."""
-    if isinstance(exc, RpcFailure):
-        return exc.code
-    if isinstance(exc, EngineUnavailable):
-        return grpc.StatusCode.UNAVAILABLE
-    if isinstance(exc, DeviceUnavailable):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    if isinstance(exc, (ValueError, FileNotFoundError)):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, ImportError):
-        return grpc.StatusCode.FAILED_PRECONDITION
-    return grpc.StatusCode.INTERNAL
-
-
-def _rpc(method: str, counter: str | None = None) -> Callable:
-    """Decorator: run the handler, map exceptions to status codes, count outcomes."""
-
-    def wrap(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        @functools.wraps(fn)
-        async def handler(self: "RolloutServicer", request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                result = await fn(self, request, context)
-            except grpc.aio.AbortError:  # already ended with its status (an undecodable stream message)
-                raise
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status, the server keeps serving
-                code = status_for(exc)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("%s failed", method)
-                else:
-                    log_event(log, f"{method} refused", code=code.name, reason=str(exc))
-                if counter:
-                    self.metrics[counter].labels(SERVICE, code.name.lower()).inc()
-                await context.abort(code, f"{type(exc).__name__}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc))
-            if counter:
-                self.metrics[counter].labels(SERVICE, "ok").inc()
-            return result
-
-        return handler
-
-    return wrap
+ERRORS = RpcErrors(SERVICE, StatusMap(
+    (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (DeviceUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
+    ((ValueError, FileNotFoundError), grpc.StatusCode.INVALID_ARGUMENT),
+    (ImportError, grpc.StatusCode.FAILED_PRECONDITION),
+), log)
+status_for = ERRORS.status_for  # the one exception -> status mapping of this service
+__all__ = ["RolloutService", "RolloutServicer", "RpcFailure", "serve", "status_for"]
 
 
 class RolloutServicer(pb_grpc.RolloutServicer):
@@ -163,7 +121,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
 
     # ------------------------------------------------------------ handlers --
 
-    @_rpc("Generate", counter="lockstep_rollout_requests_total")
+    @rpc_handler(ERRORS, "Generate", counter="lockstep_rollout_requests_total")
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         started = time.perf_counter()
         async with self._lock:
@@ -183,7 +141,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         self.metrics["lockstep_rollout_generate_seconds"].labels(SERVICE).observe(time.perf_counter() - started)
         return pb.GenerateResponse(samples=out, policy_version=version, engine=self.engine_name)
 
-    @_rpc("LoadModel")
+    @rpc_handler(ERRORS, "LoadModel")
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.LoadModelResponse:
         name, options = split_engine_config(request.engine_config_json, self.config.engine)
         model_path = str(resolve_inside(request.model_path, self.config.model_roots, "model_path"))
@@ -206,7 +164,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                   run_id=request.run_id, policy_version=engine.policy_version)
         return pb.LoadModelResponse(info=self._info())
 
-    @_rpc("UpdateWeights", counter="lockstep_rollout_weight_updates_total")
+    @rpc_handler(ERRORS, "UpdateWeights", counter="lockstep_rollout_weight_updates_total")
     async def UpdateWeights(
         self, request_iterator: AsyncIterator[pb.WeightChunk], context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
@@ -218,7 +176,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             assembler.add(chunk)
         return await self._apply(assembler, "UpdateWeights")
 
-    @_rpc("SyncWeights", counter="lockstep_rollout_weight_updates_total")
+    @rpc_handler(ERRORS, "SyncWeights", counter="lockstep_rollout_weight_updates_total")
     async def SyncWeights(self, request: pb.SyncWeightsRequest, context: grpc.aio.ServicerContext
                           ) -> pb.UpdateWeightsResponse:
         if request.trainer_address not in self.config.weight_sources:
@@ -244,7 +202,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             await channel.close()
         return await self._apply(assembler, "SyncWeights")
 
-    @_rpc("LoadWeights", counter="lockstep_rollout_weight_updates_total")
+    @rpc_handler(ERRORS, "LoadWeights", counter="lockstep_rollout_weight_updates_total")
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
                           ) -> pb.UpdateWeightsResponse:
         # Confined like LoadModel's model_path; read and verified off the lock (generation goes on), and a
@@ -314,60 +272,24 @@ class RolloutServicer(pb_grpc.RolloutServicer):
 
 
 class RolloutService:
-    """The process: gRPC server + metrics server around one servicer. start() -> wait() -> stop()."""
+    """The process: one servicer in a GrpcServiceHost (gRPC, health, metrics server)."""
 
     def __init__(self, config: RolloutServiceConfig, token: BearerToken) -> None:
         self.config = config
-        self.registry = CollectorRegistry()
-        self.metrics = build_collectors(ROLLOUT_METRICS, self.registry)
+        registry = CollectorRegistry()
+        self.metrics = build_collectors(ROLLOUT_METRICS, registry)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(-1)
         self.servicer = RolloutServicer(config, self.metrics, token)
-        self.server = grpc.aio.server(options=grpc_options(),
-                                      interceptors=[BearerTokenInterceptor(token), RefuseUndecodable()])
-        pb_grpc.add_RolloutServicer_to_server(self.servicer, self.server)
-        self.grpc_port = 0
-        self.health: Any = None  # grpc.health.v1 servicer, added in start() (it needs the event loop)
-        self._metrics_server: Any = None
-        self._stopped = asyncio.Event()
+        self.host = GrpcServiceHost(
+            SERVICE, lambda server: pb_grpc.add_RolloutServicer_to_server(self.servicer, server), token,
+            host=config.host, grpc_port=config.grpc_port, metrics_port=config.metrics_port, registry=registry,
+            shutdown_grace_s=config.shutdown_grace_s, logger=log)
 
-    async def start(self) -> None:
-        self.grpc_port = self.server.add_insecure_port(f"{self.config.host}:{self.config.grpc_port}")
-        if self.grpc_port == 0:
-            raise OSError(f"grpc_port: could not bind {self.config.host}:{self.config.grpc_port}")
-        self.health = await add_health_service(self.server, SERVICE)
-        await self.server.start()
-        if self.config.metrics_port:
-            self._metrics_server, _ = start_http_server(
-                self.config.metrics_port, addr=self.config.host, registry=self.registry
-            )
-        log_event(log, "rollout serving", host=self.config.host, grpc_port=self.grpc_port,
-                  metrics_port=self.config.metrics_port, default_engine=self.config.engine)
-
-    def request_stop(self) -> None:
-        self._stopped.set()
-
-    async def wait(self) -> None:
-        await self._stopped.wait()
-
-    async def stop(self) -> None:
-        if self.health is not None:
-            await self.health.enter_graceful_shutdown()  # NOT_SERVING while in-flight RPCs drain
-        await self.server.stop(grace=self.config.shutdown_grace_s)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+    async def close(self) -> None:
         self.servicer.close()
-        log_event(log, "rollout stopped")
 
 
 async def serve(config: RolloutServiceConfig, token: BearerToken) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get shutdown_grace_s)."""
     service = RolloutService(config, token)
-    await service.start()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.request_stop)
-    try:
-        await service.wait()
-    finally:
-        await service.stop()
+    await serve_until_signalled(service.host, close=service.close, default_engine=config.engine)

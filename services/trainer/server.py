@@ -16,29 +16,36 @@ Status codes:
 - FailedPrecondition (state does not allow) -> FAILED_PRECONDITION
 - StepFailed (update not applied)           -> ABORTED
 - anything else                             -> INTERNAL (logged with traceback)
-Every one of them leaves the server serving.
+Every one of them leaves the server serving. The mapping is applied, and the
+process (health, metrics, graceful stop) run, by services.common.grpc_service,
+which the rollout server shares.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
-import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TypeVar
 
 import grpc
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from safetensors import SafetensorError
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.auth import BearerToken, BearerTokenInterceptor
-from services.common.grpc_decode import RefuseUndecodable
-from services.common.grpc_options import grpc_options
-from services.common.health_service import add_health_service
+from services.common.auth import BearerToken
+from services.common.grpc_service import (
+    GrpcServiceHost,
+    RpcErrors,
+    StatusMap,
+    package_version,
+    rpc_handler,
+    serve_until_signalled,
+)
 from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.common.structured_logging import log_event
@@ -60,13 +67,26 @@ T = TypeVar("T")
 # safetensors and torch.load use these); the request's fault, so INVALID_ARGUMENT naming the field.
 LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError, pickle.UnpicklingError)
 
-_STATUS = (
+ERRORS = RpcErrors(SERVICE, StatusMap(
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (StepFailed, grpc.StatusCode.ABORTED),
     (ForeignDirectory, grpc.StatusCode.INVALID_ARGUMENT),
     (WeightFilesError, grpc.StatusCode.INVALID_ARGUMENT),
-)
+), log)
+status_for = ERRORS.status_for
+
+
+@contextlib.contextmanager
+def loading(field: str) -> Iterator[None]:
+    """Files named by request `field` are loaded in the block: a LOAD_ERRORS failure that maps to no
+    status of its own is that field's fault (INVALID_ARGUMENT naming it), not the trainer's."""
+    try:
+        yield
+    except LOAD_ERRORS as exc:
+        if status_for(exc) != grpc.StatusCode.INTERNAL:
+            raise
+        raise InvalidRequest(f"{field}: cannot load: {exc}") from None
 
 
 def parity_report(verdict: ParityVerdict) -> pb.ParityReport:
@@ -76,22 +96,6 @@ def parity_report(verdict: ParityVerdict) -> pb.ParityReport:
                                      rollout_logp=w.rollout_logp) for w in verdict.worst],
         attention_backend=verdict.attention_backend, logprob_backend=verdict.logprob_backend,
     )
-
-
-def status_for(exc: BaseException) -> grpc.StatusCode:
-    for kind, code in _STATUS:
-        if isinstance(exc, kind):
-            return code
-    return grpc.StatusCode.INTERNAL
-
-
-def package_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("lockstep")
-    except PackageNotFoundError:
-        return "0+unknown"
 
 
 def confined(value: str, roots: Sequence[str], field: str) -> str:
@@ -111,25 +115,6 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
         self.lock = threading.Lock()
 
-    async def _guard(self, context: grpc.aio.ServicerContext, rpc: str, work: Callable[[], Awaitable[T]],
-                     *, loads: str | None = None) -> T:
-        """Run `work`, mapping its errors to a status. `loads` names the request field whose files `work`
-        loads: a LOAD_ERRORS failure is then that field's fault (INVALID_ARGUMENT), not the trainer's."""
-        try:
-            return await work()
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status, the server keeps serving
-            code = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL and loads is not None and isinstance(exc, LOAD_ERRORS):
-                code, exc = grpc.StatusCode.INVALID_ARGUMENT, InvalidRequest(f"{loads}: cannot load: {exc}")
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("%s failed", rpc)
-            else:
-                log_event(log, "request refused", rpc=rpc, code=code.name, reason=str(exc))
-            await context.abort(code, f"{rpc}: {exc}" if code == grpc.StatusCode.INTERNAL else str(exc))
-            raise  # unreachable: abort raises
-
     async def _locked(self, fn: Callable[..., T], *args: object) -> T:
         def run() -> T:
             with self.lock:
@@ -143,8 +128,9 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
     # ------------------------------------------------------------ RPCs --
 
+    @rpc_handler(ERRORS, "ConfigureRun")
     async def ConfigureRun(self, request: pb.ConfigureRunRequest, context) -> pb.ConfigureRunResponse:
-        async def work() -> pb.ConfigureRunResponse:
+        with loading("resume_checkpoint" if request.resume_checkpoint else "model_path"):
             model_path = confined(request.model_path, self.model_roots, "model_path")
             resume = request.resume_checkpoint and confined(request.resume_checkpoint, self.checkpoint_roots,
                                                             "resume_checkpoint")
@@ -152,48 +138,40 @@ class TrainerServicer(pb_grpc.TrainerServicer):
                 run_id=request.run_id, model_path=model_path, seed=request.seed,
                 config_json=request.trainer_config_json, resume_checkpoint=resume,
             ))
-            self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(run.policy_version)
-            return pb.ConfigureRunResponse(info=self._service_info())
+        self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(run.policy_version)
+        return pb.ConfigureRunResponse(info=self._service_info())
 
-        return await self._guard(context, "ConfigureRun", work,
-                                 loads="resume_checkpoint" if request.resume_checkpoint else "model_path")
-
+    @rpc_handler(ERRORS, "TrainStep")
     async def TrainStep(self, request_iterator: AsyncIterator[pb.TrainStepChunk], context) -> pb.StepMetrics:
         steps = self.metrics["lockstep_trainer_steps_total"]
-
-        async def work() -> pb.StepMetrics:
-            t0 = time.monotonic()
-            try:
-                req = await read_train_step(request_iterator)
-                outcome = await self._locked(self.trainer.train_step, req)
-            except grpc.aio.AbortError:  # an undecodable message: refused with its own status
-                steps.labels(SERVICE, "rejected").inc()
-                raise
-            except Exception as exc:
-                steps.labels(SERVICE, "rejected" if status_for(exc) != grpc.StatusCode.INTERNAL else "failed").inc()
-                raise
-            seconds = time.monotonic() - t0
-            if outcome.replayed:
-                steps.labels(SERVICE, "replayed").inc()
-            else:
-                steps.labels(SERVICE, "trained").inc()
-                self.metrics["lockstep_trainer_tokens_total"].labels(SERVICE).inc(outcome.metrics["tokens_total"])
-                self.metrics["lockstep_trainer_step_seconds"].labels(SERVICE).observe(seconds)
-                self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(outcome.policy_version)
-            log_event(log, "train step", run_id=req.run_id, step=req.step, replayed=outcome.replayed,
-                      seconds=round(seconds, 4), iw_mean=outcome.metrics["iw_mean"], loss=outcome.metrics["loss"])
-            return step_metrics_message(req.run_id, outcome.step, outcome.policy_version, outcome.metrics,
-                                        replayed=outcome.replayed)
-
-        return await self._guard(context, "TrainStep", work)
-
-    async def CheckParity(self, request_iterator: AsyncIterator[pb.TrainStepChunk], context) -> pb.ParityReport:
-        async def work() -> pb.ParityReport:
+        t0 = time.monotonic()
+        try:
             req = await read_train_step(request_iterator)
-            verdict = await self._locked(self.trainer.check_parity, req)
-            return parity_report(verdict)
+            outcome = await self._locked(self.trainer.train_step, req)
+        except grpc.aio.AbortError:  # an undecodable message: refused with its own status
+            steps.labels(SERVICE, "rejected").inc()
+            raise
+        except Exception as exc:
+            steps.labels(SERVICE, "rejected" if status_for(exc) != grpc.StatusCode.INTERNAL else "failed").inc()
+            raise
+        seconds = time.monotonic() - t0
+        if outcome.replayed:
+            steps.labels(SERVICE, "replayed").inc()
+        else:
+            steps.labels(SERVICE, "trained").inc()
+            self.metrics["lockstep_trainer_tokens_total"].labels(SERVICE).inc(outcome.metrics["tokens_total"])
+            self.metrics["lockstep_trainer_step_seconds"].labels(SERVICE).observe(seconds)
+            self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(outcome.policy_version)
+        log_event(log, "train step", run_id=req.run_id, step=req.step, replayed=outcome.replayed,
+                  seconds=round(seconds, 4), iw_mean=outcome.metrics["iw_mean"], loss=outcome.metrics["loss"])
+        return step_metrics_message(req.run_id, outcome.step, outcome.policy_version, outcome.metrics,
+                                    replayed=outcome.replayed)
 
-        return await self._guard(context, "CheckParity", work)
+    @rpc_handler(ERRORS, "CheckParity")
+    async def CheckParity(self, request_iterator: AsyncIterator[pb.TrainStepChunk], context) -> pb.ParityReport:
+        req = await read_train_step(request_iterator)
+        verdict = await self._locked(self.trainer.check_parity, req)
+        return parity_report(verdict)
 
     async def GetWeights(self, request: pb.GetWeightsRequest, context) -> AsyncIterator[pb.WeightChunk]:
         if request.chunk_bytes < 0:
@@ -221,42 +199,37 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
 
+    @rpc_handler(ERRORS, "SaveCheckpoint")
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
-        async def work() -> pb.SaveCheckpointResponse:
-            directory = confined(request.directory, self.checkpoint_roots, "directory")
-            path, version = await self._locked(self.trainer.save_checkpoint, request.run_id, directory)
-            return pb.SaveCheckpointResponse(directory=str(path), policy_version=version)
+        directory = confined(request.directory, self.checkpoint_roots, "directory")
+        path, version = await self._locked(self.trainer.save_checkpoint, request.run_id, directory)
+        return pb.SaveCheckpointResponse(directory=str(path), policy_version=version)
 
-        return await self._guard(context, "SaveCheckpoint", work)
-
+    @rpc_handler(ERRORS, "WriteWeights")
     async def WriteWeights(self, request: pb.WriteWeightsRequest, context) -> pb.WriteWeightsResponse:
-        async def work() -> pb.WriteWeightsResponse:
-            directory = confined(request.directory, self.checkpoint_roots, "directory")
+        directory = confined(request.directory, self.checkpoint_roots, "directory")
 
-            def write():
-                snapshot = self.trainer.weight_tensors(request.run_id)
-                if snapshot.lora is not None:
-                    raise FailedPrecondition("WriteWeights: a LoRA run's adapters sync over the gRPC stream")
-                return write_weight_dir(directory, snapshot.tensors, snapshot.policy_version,
-                                        base_dir=snapshot.run.model_path)
+        def write():
+            snapshot = self.trainer.weight_tensors(request.run_id)
+            if snapshot.lora is not None:
+                raise FailedPrecondition("WriteWeights: a LoRA run's adapters sync over the gRPC stream")
+            return write_weight_dir(directory, snapshot.tensors, snapshot.policy_version,
+                                    base_dir=snapshot.run.model_path)
 
-            written = await self._locked(write)
-            log_event(log, "weights written", run_id=request.run_id, directory=str(written.directory),
-                      policy_version=written.policy_version, bytes=written.nbytes)
-            return pb.WriteWeightsResponse(directory=str(written.directory), policy_version=written.policy_version,
-                                           tensors=written.tensors, bytes=written.nbytes,
-                                           total_sha256=written.total_sha256)
+        written = await self._locked(write)
+        log_event(log, "weights written", run_id=request.run_id, directory=str(written.directory),
+                  policy_version=written.policy_version, bytes=written.nbytes)
+        return pb.WriteWeightsResponse(directory=str(written.directory), policy_version=written.policy_version,
+                                       tensors=written.tensors, bytes=written.nbytes,
+                                       total_sha256=written.total_sha256)
 
-        return await self._guard(context, "WriteWeights", work)
-
+    @rpc_handler(ERRORS, "LoadCheckpoint")
     async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context) -> pb.LoadCheckpointResponse:
-        async def work() -> pb.LoadCheckpointResponse:
+        with loading("directory"):
             directory = confined(request.directory, self.checkpoint_roots, "directory")
             version = await self._locked(self.trainer.load_checkpoint, request.run_id, directory)
-            self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(version)
-            return pb.LoadCheckpointResponse(policy_version=version)
-
-        return await self._guard(context, "LoadCheckpoint", work, loads="directory")
+        self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(version)
+        return pb.LoadCheckpointResponse(policy_version=version)
 
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         if self.lock.locked():
@@ -272,57 +245,25 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
 
 class TrainerServer:
-    """Build -> start -> wait -> close. Owns the gRPC server, the metrics server and the trainer."""
+    """Build -> serve -> close. Owns the trainer and its servicer; the process around them is a
+    GrpcServiceHost."""
 
     def __init__(self, config: TrainerServiceConfig, token: BearerToken) -> None:
         self.config = config
-        self.token = token
         import_attention_plugins(config.attention_plugins)
-        self.registry = CollectorRegistry()
-        collectors = build_collectors(TRAINER_METRICS, self.registry)
+        registry = CollectorRegistry()
+        collectors = build_collectors(TRAINER_METRICS, registry)
         self.trainer = build_trainer(config)
         self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes,
                                         model_roots=config.model_roots, checkpoint_roots=config.checkpoint_roots)
-        self.grpc_server: grpc.aio.Server | None = None
-        self.grpc_port: int | None = None
-        self.health = None  # grpc.health.v1 servicer, added in start() (it needs the event loop)
-        self._metrics_server = None
-        self._stop = asyncio.Event()
-
-    async def start(self) -> None:
-        cfg = self.config
-        server = grpc.aio.server(options=grpc_options(),
-                                 interceptors=[BearerTokenInterceptor(self.token), RefuseUndecodable()])
-        pb_grpc.add_TrainerServicer_to_server(self.servicer, server)
-        self.health = await add_health_service(server, SERVICE)
-        self.grpc_port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
-        if self.grpc_port == 0:
-            raise RuntimeError(f"grpc_port: could not bind {cfg.host}:{cfg.grpc_port}")
-        if cfg.metrics_port:
-            self._metrics_server, _ = start_http_server(cfg.metrics_port, addr=cfg.host, registry=self.registry)
-        await server.start()
-        self.grpc_server = server
-        log_event(log, "trainer serving", host=cfg.host, grpc_port=self.grpc_port,
-                  metrics_port=cfg.metrics_port or None, device=cfg.device)
-
-    def request_stop(self) -> None:
-        self._stop.set()
-
-    async def wait(self) -> None:
-        await self._stop.wait()
+        self.host = GrpcServiceHost(
+            SERVICE, lambda server: pb_grpc.add_TrainerServicer_to_server(self.servicer, server), token,
+            host=config.host, grpc_port=config.grpc_port, metrics_port=config.metrics_port, registry=registry,
+            shutdown_grace_s=config.shutdown_grace_s, logger=log)
 
     async def close(self) -> None:
-        if self.health is not None:
-            await self.health.enter_graceful_shutdown()  # NOT_SERVING while in-flight RPCs drain
-        if self.grpc_server is not None:
-            await self.grpc_server.stop(grace=self.config.shutdown_grace_s)
-            self.grpc_server = None
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server = None
         if isinstance(self.trainer, GroupTrainer):
             await asyncio.to_thread(self.trainer.close)
-        log_event(log, "trainer stopped")
 
 
 def build_trainer(config: TrainerServiceConfig) -> Trainer | GroupTrainer:
@@ -336,11 +277,4 @@ def build_trainer(config: TrainerServiceConfig) -> Trainer | GroupTrainer:
 async def serve(config: TrainerServiceConfig, token: BearerToken) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully (in-flight RPCs get `shutdown_grace_s`)."""
     server = TrainerServer(config, token)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, server.request_stop)
-    try:
-        await server.start()
-        await server.wait()
-    finally:
-        await server.close()
+    await serve_until_signalled(server.host, close=server.close, device=config.device)

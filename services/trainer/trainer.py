@@ -355,76 +355,99 @@ class Trainer:
         return m2po_keep_mask(delta, cfg.policy_loss.m2po_threshold)
 
     def _apply_update(self, run: RunState, samples: list[TrainSample], *, step: int) -> dict[str, float]:
-        cfg, policy = run.config, run.policy
+        """One step: forward and backward over the microbatches, the step-1 parity gate, the optimizer
+        step, and the step's metrics."""
+        cfg = run.config
         microbatches = self._microbatches(run, samples)
         ordered = canonical_order(samples)
         # Every divisor of the loss is a step-wide constant (policy_loss.aggregate_loss), so summing
         # the microbatch gradients gives the same update however the step was split.
         shape = step_shape(ordered)
         keep = self._m2po_keep(run, microbatches, shape) if cfg.policy_loss.kind == "m2po" else None
-        local: list[dict] = []  # per microbatch: its loss and the pre-update tensors the metrics need
         # The optimizer holds the sharded float32 masters; the module registers its unsharded
         # compute-dtype parameters while they are gathered, so never take parameters from it.
         params = [p for group in run.optimizer.param_groups for p in group["params"]]
         run.optimizer.zero_grad(set_to_none=True)
         try:
-            for k in self._my_passes(len(microbatches)):
-                if k is None:
-                    logp, _lse, _ent = policy(microbatches[0], temperature=cfg.temperature)
-                    (logp.sum() * 0.0).backward()
-                    continue
-                mb = microbatches[k]
-                logp, _lse, ent = policy(mb, temperature=cfg.temperature)
-                ref_logp = None
-                if run.ref_model is not None:
-                    with torch.no_grad():
-                        ref_logp = run.ref_model(mb, temperature=cfg.temperature)[0]
-                mb_keep = None
-                if keep is not None:
-                    mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_positions)].to(logp.device)
-                part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, mb.response_advantages,
-                                       mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
-                part.loss.backward()
-                # Every forward here runs before the optimizer step, so these are
-                # the pre-update log-probs: the train/inference mismatch measure.
-                out = {"loss": float(part.loss.detach()), "logp": logp.detach(), "rollout": mb.response_rollout_logprobs,
-                       "clipped": part.clipped, "sample_index": mb.response_sample_index,
-                       "is_weight": part.is_weight, "is_affected": part.is_affected, "entropy": ent.detach()}
-                if part.kl is not None:
-                    out["kl"] = part.kl
-                local.append(out)
-            outputs = self._in_order(local, len(microbatches))
+            outputs = self._forward_backward(run, microbatches, shape, keep)
             loss_value = 0.0
             for o in outputs:  # in microbatch order, one rank or many: the same sum
                 loss_value += o["loss"]
-            logps = [o["logp"] for o in outputs]
             if step == 1:
                 # Step-1 parity gate: same weights on both sides, so any
                 # disagreement is a bug; refuse before the update.
-                verdict = self._parity_verdict(run, microbatches, logps, samples)
+                verdict = self._parity_verdict(run, microbatches, [o["logp"] for o in outputs], samples)
                 log.info("parity gate", extra={"fields": {"run_id": run.run_id, "passed": verdict.passed,
                                                           **verdict.stats}})
                 if not verdict.passed:
                     raise ParityGateFailed(verdict)
-            grad_norm = self._clip_gradients(params, cfg.grad_clip)
-            if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
-                raise StepFailed(f"non-finite update (loss={loss_value}, grad_norm={grad_norm}); no update applied")
-            # Set from the step every time, never carried: a param group's lr
-            # restored from a checkpoint's optimizer state (or left by the
-            # previous step) would otherwise survive into this update.
-            lr = lr_at(step, cfg.lr, cfg.lr_schedule)
-            for group in run.optimizer.param_groups:
-                group["lr"] = lr
-            run.optimizer.step()
-            run.weights_epoch += 1
+            grad_norm, lr = self._optimizer_step(run, params, step=step, loss_value=loss_value)
         finally:
             run.optimizer.zero_grad(set_to_none=True)
+        return self._step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm, lr=lr)
 
+    def _forward_backward(self, run: RunState, microbatches: list[Microbatch], shape: StepShape,
+                          keep: torch.Tensor | None) -> list[dict]:
+        """Forward, policy loss and backward of this rank's microbatches (gradients accumulate); per
+        microbatch of every rank, in microbatch order: its loss and the pre-update tensors the metrics
+        need."""
+        cfg, policy = run.config, run.policy
+        local: list[dict] = []
+        for k in self._my_passes(len(microbatches)):
+            if k is None:
+                logp, _lse, _ent = policy(microbatches[0], temperature=cfg.temperature)
+                (logp.sum() * 0.0).backward()
+                continue
+            mb = microbatches[k]
+            logp, _lse, ent = policy(mb, temperature=cfg.temperature)
+            ref_logp = None
+            if run.ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = run.ref_model(mb, temperature=cfg.temperature)[0]
+            mb_keep = None
+            if keep is not None:
+                mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_positions)].to(logp.device)
+            part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, mb.response_advantages,
+                                   mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
+            part.loss.backward()
+            # Every forward here runs before the optimizer step, so these are
+            # the pre-update log-probs: the train/inference mismatch measure.
+            out = {"loss": float(part.loss.detach()), "logp": logp.detach(), "rollout": mb.response_rollout_logprobs,
+                   "clipped": part.clipped, "sample_index": mb.response_sample_index,
+                   "is_weight": part.is_weight, "is_affected": part.is_affected, "entropy": ent.detach()}
+            if part.kl is not None:
+                out["kl"] = part.kl
+            local.append(out)
+        return self._in_order(local, len(microbatches))
+
+    def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int,
+                        loss_value: float) -> tuple[float, float]:
+        """Clip the accumulated gradients and apply them at the step's learning rate; (grad norm, lr).
+        StepFailed, with nothing applied, for a non-finite loss or gradient."""
+        cfg = run.config
+        grad_norm = self._clip_gradients(params, cfg.grad_clip)
+        if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
+            raise StepFailed(f"non-finite update (loss={loss_value}, grad_norm={grad_norm}); no update applied")
+        # Set from the step every time, never carried: a param group's lr
+        # restored from a checkpoint's optimizer state (or left by the
+        # previous step) would otherwise survive into this update.
+        lr = lr_at(step, cfg.lr, cfg.lr_schedule)
+        for group in run.optimizer.param_groups:
+            group["lr"] = lr
+        run.optimizer.step()
+        run.weights_epoch += 1
+        return grad_norm, lr
+
+    @staticmethod
+    def _step_metrics(outputs: list[dict], samples: list[TrainSample], ordered: list[TrainSample],
+                      keep: torch.Tensor | None, *, loss_value: float, grad_norm: float, lr: float) -> dict[str, float]:
+        """The step's metrics (grpo.step_metrics) from the microbatches' pre-update tensors, keyed and
+        ordered as TRAIN_STEP_METRIC_KEYS."""
         def cat(key: str) -> torch.Tensor:
             return torch.cat([o[key] for o in outputs])
 
         metrics = step_metrics(
-            loss=loss_value, logp=torch.cat(logps), rollout_logp=cat("rollout"), clipped=cat("clipped"),
+            loss=loss_value, logp=cat("logp"), rollout_logp=cat("rollout"), clipped=cat("clipped"),
             sample_index=cat("sample_index"), m2po_keep=keep, is_weight=cat("is_weight"),
             is_affected=cat("is_affected"), entropy=cat("entropy"), kl=cat("kl") if "kl" in outputs[0] else None,
             rewards=[s.reward for s in ordered], num_tokens_total=sum(s.num_tokens for s in samples),

@@ -173,10 +173,13 @@ def test_coordinator_sigkill_resumes_with_every_step_once(client, model_dir, sta
 
 def test_crash_between_train_and_record_replays_the_step(client, model_dir, stack):
     """The trainer applied step 2 but the coordinator died before recording it:
-    the restarted coordinator must replay step 2 (not train it twice) and go on."""
+    the restarted coordinator must replay step 2 (not train it twice) and go on.
+    The crash comes from a test-only entry point (tests.support.crashing_coordinator)."""
     args = list(stack.coordinator.args)
     stack.coordinator.stop()
-    stack.coordinator.args = args + ["--crash-after-train-step", "2"]
+    assert args[1:3] == ["-m", "services.coordinator"], args
+    stack.coordinator.args = [args[0], "-m", "tests.support.crashing_coordinator", "--crash-after-train-step", "2",
+                              *args[3:]]
     stack.restart_coordinator()
     c = stack.client()
     try:

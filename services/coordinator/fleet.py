@@ -1,0 +1,263 @@
+"""The run's rollout replicas as one fleet: dispatching a step's prompts over the live ones, evicting
+a replica that stops answering and readmitting it once it answers again at the run's weights,
+reloading one that was restarted behind the run's back, and syncing weights after each train step.
+
+Weights never pass through the coordinator: a stale replica is told to pull a version from the
+trainer (SyncWeights) and reports the digest it verified; replicas reporting different digests for
+one version did not get the same weights, and the run fails. Which replicas are in service is the
+pure bookkeeping of replicas.ReplicaPool; this module does the I/O around it."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from contract.wire_tensors import ids_to_proto
+from proto import lockstep_pb2 as pb
+from services.coordinator.clients import RolloutClient, is_unavailable
+from services.coordinator.event_log import EventLog
+from services.coordinator.prompts import SamplingPlan, group_id
+from services.coordinator.replicas import ReplicaPool
+from services.coordinator.run_errors import RunFailed
+from services.coordinator.run_spec import RunSpec
+from services.coordinator.tasks import Problem
+from services.coordinator.weight_sources import SharedPathWeights
+
+Encode = Callable[[Problem], list[int]]
+
+
+@dataclass
+class Shard:
+    """Prompts sent to one replica in one Generate call."""
+
+    problems: list[Problem]
+    first_index: int  # index of problems[0] within the step
+
+
+class RolloutFleet:
+    def __init__(self, run_id: str, spec: RunSpec, clients: Sequence[RolloutClient], weights_address: str,
+                 events: EventLog, *, generate_retries: int, recovery_timeout_s: float,
+                 check_cancelled: Callable[[], Awaitable[None]],
+                 shared_weights: SharedPathWeights | None = None) -> None:
+        self.run_id, self.spec = run_id, spec
+        self.pool = ReplicaPool(clients)
+        self.weights_address = weights_address  # where replicas pull the trainer's weights from
+        self.shared_weights = shared_weights  # rollout.weight_sync shared_path: the directories the trainer writes
+        self.events = events
+        self.generate_retries = generate_retries
+        self.recovery_timeout_s = recovery_timeout_s
+        self.check_cancelled = check_cancelled
+        self._recovery = asyncio.Lock()  # concurrent shards wait for one recovery, not one each
+        self._reloads: dict[str, int] = {}  # replica address -> times it was found restarted and reloaded
+
+    # ------------------------------------------------------------ service --
+    async def start_at(self, version: int) -> list[RolloutClient]:
+        """Bring every replica to `version` (evicting the unreachable); the live ones. NoLiveReplica if
+        none comes up within the recovery timeout."""
+        for client in self.pool.all():
+            try:
+                await self.bring_up_to_date(client, version)
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                await self.evict(client, step=0, reason=f"unreachable at run start ({exc.code()})")
+        await self.await_live(0, version)
+        self.export_counts(self.events.exporter)
+        return self.pool.live()
+
+    def export_counts(self, exporter) -> None:
+        exporter.replicas_live(self.run_id, len(self.pool.live()), len(self.pool.all()))
+
+    async def bring_up_to_date(self, client: RolloutClient, version: int) -> None:
+        """Load this run's model on `client` if it holds another, then have it pull `version` from the
+        trainer unless it holds it already."""
+        rinfo = await client.info()
+        # Reload when the replica holds another run, nothing, or a version ahead
+        # of the trainer (which came back from an older checkpoint): engines
+        # refuse to step a version back, so it starts again from the model.
+        if rinfo.run_id != self.run_id or not 0 <= rinfo.policy_version <= version:
+            engine_json = json.dumps({"engine": self.spec.rollout.engine, **self.spec.rollout.engine_options})
+            await client.load_model(self.run_id, self.spec.model_path, 0, engine_json)
+            rinfo = await client.info()
+        if rinfo.policy_version != version:
+            await self.pull_weights(client, version)
+
+    async def pull_weights(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
+        """The replica streams `version` from the trainer itself (SyncWeights), or reads the directory the
+        trainer wrote (shared_path): the weights' bytes never pass through the coordinator."""
+        if self.shared_weights is not None:
+            got = await self.shared_weights.load(client, version)
+        else:
+            got = await client.sync_weights(self.run_id, version, self.weights_address)
+        if got.policy_version != version:
+            raise RunFailed(f"replica {client.address} reports version {got.policy_version} after sync, expected {version}")
+        return got
+
+    async def evict(self, client: RolloutClient, *, step: int, reason: str) -> None:
+        if self.pool.evict(client):
+            await self.events.record("replica_evicted", "rollout replica evicted", export=self.export_counts,
+                                     step=step, replica=client.address, reason=reason, live=len(self.pool.live()))
+
+    async def readmit(self, step: int, version: int) -> None:
+        """Probe each evicted replica; one that answers is brought to `version` and put back in service."""
+        for client in self.pool.evicted():
+            try:
+                await client.health()
+                await self.bring_up_to_date(client, version)
+            except Exception as exc:
+                if is_unavailable(exc):
+                    continue  # still down: probed again before the next step
+                raise
+            self.pool.readmit(client)
+            await self.events.record("replica_readmitted", "rollout replica readmitted", export=self.export_counts,
+                                     step=step, replica=client.address, policy_version=version,
+                                     live=len(self.pool.live()))
+
+    async def await_live(self, step: int, version: int) -> None:
+        """With no live replica, wait up to the recovery timeout for an evicted one to answer again
+        (restarted by its supervisor), bring it to `version` and readmit it; NoLiveReplica if none does."""
+        async with self._recovery:
+            if self.pool.live():
+                return
+            timeout = self.recovery_timeout_s
+            deadline, delay = time.monotonic() + timeout, 0.5
+            while True:
+                await self.check_cancelled()
+                await self.readmit(step, version)
+                if self.pool.live():
+                    return
+                if time.monotonic() + delay > deadline:
+                    self.pool.require_live(f"step {step} (waited {timeout:.0f} s for one to come back)")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    async def reload_if_restarted(self, client: RolloutClient, info: pb.ServiceInfo | None, *, step: int,
+                                  version: int) -> bool:
+        """A replica that answers but holds no model at all was restarted since it last served the run:
+        load the run's model and weights at `version`. False (nothing done) for one holding a model.
+        `info` None: ask the replica (under the recovery lock, so concurrent shards reload it once)."""
+        async with self._recovery:
+            info = info if info is not None else await client.info()
+            if info.run_id or info.policy_version >= 0:
+                return False
+            await self.bring_up_to_date(client, version)
+            self._reloads[client.address] = self._reloads.get(client.address, 0) + 1
+        await self.events.record("replica_reloaded", "restarted rollout replica reloaded",
+                                 step=step, replica=client.address, policy_version=version)
+        return True
+
+    # ------------------------------------------------------------ weights --
+    async def sync_weights(self, version: int) -> None:
+        """Every live replica at `version` after a train step: restarted ones reloaded, stale ones synced,
+        unreachable ones evicted; waits for one to come back if none is left."""
+        stale = []
+        for client in self.pool.live():
+            try:
+                info = await client.info()
+                if not await self.reload_if_restarted(client, info, step=version, version=version) \
+                        and info.policy_version != version:
+                    stale.append(client)
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                await self.evict(client, step=version, reason=f"unreachable before weight sync ({exc.code()})")
+        if stale:
+            await self.sync_replicas(stale, version)
+        await self.await_live(version, version)
+
+    async def sync_replicas(self, clients: Sequence[RolloutClient], version: int) -> None:
+        """Every stale replica pulls `version` at once; one that is unreachable is evicted. Each verified
+        its stream against the digest the trainer computed while sending it; replicas that report
+        different digests for one version did not get the same weights, and the run fails. A trainer
+        that aborts the stream (it lost the run's state) is TrainerUnavailable."""
+        results = await asyncio.gather(*(self.pull_weights(c, version) for c in clients), return_exceptions=True)
+        synced: dict[str, pb.UpdateWeightsResponse] = {}
+        for c, r in zip(clients, results):
+            if isinstance(r, BaseException):
+                if not is_unavailable(r):
+                    raise r
+                await self.evict(c, step=version, reason=f"weight sync failed ({r.code()})")
+            else:
+                synced[c.address] = r
+        digests = {address: r.total_sha256 for address, r in synced.items()}
+        if len(set(digests.values())) > 1:
+            raise RunFailed(f"step {version}: replicas report different weight digests for one version: {digests}")
+        if synced:
+            first = next(iter(synced.values()))
+            await self.events.record("weights_synced", "weights synced", policy_version=version,
+                                     digest=first.total_sha256, bytes=first.bytes, replicas=sorted(synced))
+
+    # ----------------------------------------------------------- generate --
+    async def generate(self, problems: list[Problem], plan: SamplingPlan, encode: Encode, *, step: int,
+                       policy_version: int, first_index: int = 0) -> tuple[list[tuple[int, pb.Sample]], int]:
+        """Samples as (index in `problems`, sample) in problem order; returns also the dropped count.
+
+        `first_index` numbers the problems within the step (group ids and sampling seeds derive from
+        it), so further rounds of one step never reuse a group id or a seed."""
+        await self.await_live(step, policy_version)
+        n = len(self.pool.live())
+        size = -(-len(problems) // n)
+        shards = [Shard(problems[i:i + size], first_index + i) for i in range(0, len(problems), size)]
+        exporter = self.events.exporter
+        exporter.queue_depth(self.run_id, len(problems))
+        results = await asyncio.gather(*(
+            self._generate_shard(shard, k, plan, encode, step=step, policy_version=policy_version)
+            for k, shard in enumerate(shards)
+        ))
+        exporter.queue_depth(self.run_id, 0)
+        out: list[tuple[int, pb.Sample]] = []
+        dropped = 0
+        for shard, res in zip(shards, results):
+            if res is None:
+                dropped += len(shard.problems) * plan.samples_per_prompt
+                continue
+            gids = {group_id(step, shard.first_index + j): shard.first_index - first_index + j
+                    for j in range(len(shard.problems))}
+            for s in res.samples:
+                out.append((gids[s.group_id], s))
+        return out, dropped
+
+    async def _generate_shard(self, shard: Shard, replica: int, plan: SamplingPlan, encode: Encode, *,
+                              step: int, policy_version: int) -> pb.GenerateResponse | None:
+        prompts = [
+            pb.Prompt(group_id=group_id(step, shard.first_index + j),
+                      token_ids=ids_to_proto(encode(p)), seed=plan.seed(shard.first_index + j))
+            for j, p in enumerate(shard.problems)
+        ]
+        request = pb.GenerateRequest(
+            run_id=self.run_id, step=step, policy_version=policy_version, prompts=prompts,
+            samples_per_prompt=plan.samples_per_prompt, sampling=plan.params,
+        )
+        attempts = self.generate_retries + 1
+        for attempt in range(attempts):
+            await self.await_live(step, policy_version)
+            candidates = self.pool.live()
+            client = candidates[(replica + attempt) % len(candidates)]
+            reloads = self._reloads.get(client.address, 0)
+            try:
+                try:
+                    return await client.generate(request)
+                except Exception as exc:
+                    # A refusal from a replica that lost its model (restarted between two calls) is
+                    # answered by reloading it -- here, or by a concurrent shard meanwhile; any other
+                    # refusal fails the run.
+                    if is_unavailable(exc):
+                        raise
+                    if not await self.reload_if_restarted(client, None, step=step, version=policy_version) \
+                            and self._reloads.get(client.address, 0) == reloads:
+                        raise
+                    continue
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                await self.evict(client, step=step, reason=f"generate failed ({exc.code()})")
+                await self.events.record("generate_redispatched", "rollout replica unavailable; re-dispatching",
+                                         step=step, replica=client.address, attempt=attempt + 1,
+                                         reason=str(exc.code()))
+                await asyncio.sleep(min(2.0 ** attempt, 10.0))
+        await self.events.record("trajectories_dropped", "trajectories dropped: rollout unavailable", step=step,
+                                 count=len(shard.problems) * plan.samples_per_prompt,
+                                 reason=f"rollout unavailable after {attempts} attempts")
+        return None

@@ -1,0 +1,10 @@
+"""How a run ends other than by completing: shared by the run loop and its collaborators."""
+from __future__ import annotations
+
+
+class RunCancelled(Exception):
+    """The run was cancelled (or ended) while the driver ran it."""
+
+
+class RunFailed(Exception):
+    """The run cannot go on; the message says which step and why."""

@@ -1,0 +1,98 @@
+"""The run as the trainer holds it: configuring it (from the run's last checkpoint when it lost the
+run), training and replaying steps, checkpoints, and waiting for a lost trainer to come back.
+
+The trainer keeps its state across a coordinator restart and treats a TrainStep for a step it
+already applied as a replay (it returns that step's recorded metrics and does not train again).
+The trajectory counts of a step are stored before the trainer applies it, so a replay accounts for
+every trajectory exactly once."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from proto import lockstep_pb2 as pb
+from services.coordinator.clients import TrainerClient, TrainerUnavailable
+from services.coordinator.event_log import EventLog
+from services.coordinator.run_errors import RunFailed
+from services.coordinator.run_spec import RunSpec
+from services.coordinator.store import RunStore
+
+
+class TrainerSession:
+    def __init__(self, run_id: str, spec: RunSpec, trainer: TrainerClient, store: RunStore, events: EventLog,
+                 run_dir: Path, *, recovery_timeout_s: float,
+                 check_cancelled: Callable[[], Awaitable[None]]) -> None:
+        self.run_id, self.spec, self.trainer, self.store, self.events = run_id, spec, trainer, store, events
+        self.run_dir = run_dir
+        self.recovery_timeout_s = recovery_timeout_s
+        self.check_cancelled = check_cancelled
+
+    @property
+    def weights_address(self) -> str:
+        return self.trainer.weights_address
+
+    async def configure(self) -> int:
+        """Configure the run on the trainer; the policy version it holds. A trainer that still holds
+        the run keeps its state; one that does not (restarted) resumes from the last checkpoint, or
+        starts from the model."""
+        checkpoint = await self.store.get_aux(self.run_id, "last_checkpoint")
+        info = await self.trainer.configure(
+            self.run_id, self.spec.model_path, self.spec.seed, self.spec.trainer.model_dump_json(),
+            resume_checkpoint=checkpoint["path"] if checkpoint else "",
+        )
+        return info.policy_version
+
+    async def recover(self, step: int, lost: TrainerUnavailable, reconfigure: Callable[[], Awaitable[int]]) -> int:
+        """Wait for the trainer to answer again, then `reconfigure` (the trainer from the last
+        checkpoint, and the fleet at its version); the version it came back at."""
+        timeout = self.recovery_timeout_s
+        await self.events.record("trainer_lost", "trainer lost", step=step, reason=str(lost),
+                                 recovery_timeout_s=timeout)
+        if timeout <= 0:
+            raise RunFailed(f"step {step}: {lost} (trainer_recovery_timeout_s is 0)")
+        deadline, delay = time.monotonic() + timeout, 0.5
+        while True:
+            await self.check_cancelled()
+            try:
+                await self.trainer.health()
+                version = await reconfigure()
+                break
+            except TrainerUnavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise RunFailed(f"step {step}: trainer did not come back within {timeout:.0f} s ({exc})") from None
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+        checkpoint = await self.store.get_aux(self.run_id, "last_checkpoint")
+        await self.events.record("trainer_recovered", "trainer recovered",
+                                 export=lambda exporter: exporter.trainer_recovered(self.run_id),
+                                 step=step, policy_version=version,
+                                 resumed_from=checkpoint["path"] if checkpoint else "")
+        return version
+
+    async def train(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory],
+                    counts: dict[str, int]) -> pb.StepMetrics:
+        """Apply one step. Its trajectory counts are stored first, so that a replay after a coordinator
+        crash still accounts for every trajectory exactly once."""
+        await self.store.set_aux(self.run_id, "pending_step", {"step": header.step, "counts": counts})
+        return await self.trainer.train_step(header, trajectories)
+
+    async def replay(self, header: pb.TrainStepHeader) -> tuple[pb.StepMetrics, dict[str, int]]:
+        """A step the trainer applied before the previous coordinator died: its recorded metrics and
+        trajectory counts, without training twice."""
+        step = header.step
+        result = await self.trainer.train_step(header, [])
+        if not result.replayed:
+            raise RunFailed(f"step {step}: trainer at version {step} did not replay the step")
+        pending = await self.store.get_aux(self.run_id, "pending_step")
+        if pending is None or pending["step"] != step:
+            raise RunFailed(f"step {step}: replayed by the trainer but its trajectory counts were not recorded")
+        await self.events.record("step_replayed", "step replayed", step=step)
+        return result, pending["counts"]
+
+    async def checkpoint(self, step: int) -> None:
+        path = str(self.run_dir / "checkpoints" / f"step_{step:06d}")
+        await self.trainer.save_checkpoint(self.run_id, path)
+        # What a restarted trainer resumes from (the coordinator need not see the trainer's disk).
+        await self.store.set_aux(self.run_id, "last_checkpoint", {"step": step, "path": path})
