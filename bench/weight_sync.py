@@ -284,7 +284,8 @@ def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
                 [sys.executable, __file__, "--caller", "--rollout", services.rollout_address, "--trainer",
                  services.trainer_address, "--run-id", run_id, "--token-file", str(workdir / "auth_token"),
                  "--reps", str(args.reps), "--weights-dir", str(workdir / "weights")], capture_output=True, text=True,
-                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                    p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p)})
             if caller.returncode != 0:
                 logs = "\n".join(f"--- {p.name}:\n{p.tail()}" for p in services.processes)
                 raise RuntimeError(f"the caller failed ({caller.returncode}):\n{caller.stderr[-4000:]}\n{logs}")
