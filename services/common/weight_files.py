@@ -12,10 +12,12 @@ digest, version or layout disagrees applies nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +59,25 @@ def _digest(ordered: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
     return total.hexdigest(), nbytes
 
 
+@contextlib.contextmanager
+def staged_model_dir(final: Path, base_dir: str | Path) -> Iterator[Path]:
+    """A staging directory beside `final`, holding base_dir's files other than weights (config, tokenizer,
+    generation config); the block writes the weights into it. Renamed to `final` when the block ends and
+    removed if it raises, so a reader never sees a half-written model directory. `final` must not exist."""
+    staging = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        for f in Path(base_dir).iterdir():
+            if f.is_file() and not f.name.endswith(BASE_WEIGHT_SUFFIXES) and f.name != BASE_WEIGHT_INDEX:
+                shutil.copy2(f, staging / f.name)
+        yield staging
+        os.replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def write_weight_dir(directory: str | Path, named_tensors: list[tuple[str, torch.Tensor]],
                      policy_version: int, base_dir: str | Path) -> WeightFiles:
     """Write the tensors (stream order) and base_dir's non-weight files as `directory`; it must not exist.
@@ -67,20 +88,10 @@ def write_weight_dir(directory: str | Path, named_tensors: list[tuple[str, torch
     names = [n for n, _ in named_tensors]
     if not names or len(set(names)) != len(names):
         raise WeightFilesError("tensors: need at least one, each name once")
-    staging = final.with_name(f".{final.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        for f in Path(base_dir).iterdir():
-            if f.is_file() and not f.name.endswith(BASE_WEIGHT_SUFFIXES) and f.name != BASE_WEIGHT_INDEX:
-                shutil.copy2(f, staging / f.name)
-        tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}
+    tensors = {n: t.detach().contiguous().cpu() for n, t in named_tensors}
+    with staged_model_dir(final, base_dir) as staging:
         save_file(tensors, str(staging / WEIGHTS_FILE),
                   metadata={VERSION_KEY: str(int(policy_version)), ORDER_KEY: json.dumps(names)})
-        staging.rename(final)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     digest, nbytes = _digest([(n, tensors[n]) for n in names])
     return WeightFiles(final, int(policy_version), len(names), nbytes, digest)
 

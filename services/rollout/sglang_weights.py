@@ -9,14 +9,12 @@ restarted server) never sees half a checkpoint.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
-INDEX_NAME = "model.safetensors.index.json"
+from services.common.weight_files import BASE_WEIGHT_INDEX, staged_model_dir
+
 SHARD_BYTES = 4 * 2**30  # per file; safetensors loads shards independently
 
 
@@ -101,13 +99,7 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], base_dir: str | Path, out
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"weights_dir: {out} already exists")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        for f in Path(base_dir).iterdir():
-            if f.is_file() and not f.name.endswith(WEIGHT_SUFFIXES) and f.name != INDEX_NAME:
-                shutil.copy2(f, tmp / f.name)
+    with staged_model_dir(out, base_dir) as tmp:
         shards = _shard(tensors)
         if len(shards) == 1:
             save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -118,11 +110,8 @@ def write_checkpoint(tensors: dict[str, torch.Tensor], base_dir: str | Path, out
                 save_file(shard, str(tmp / fname), metadata={"format": "pt"})
                 weight_map.update({name: fname for name in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            (tmp / BASE_WEIGHT_INDEX).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     return out
 
 
