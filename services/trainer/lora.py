@@ -50,8 +50,7 @@ def apply_lora(lm: torch.nn.Module, settings: LoraSettings, *, base_model_path: 
     """Inject adapters into `lm` in place and freeze everything else; returns `lm` (the same HF model).
 
     B starts at zero, so the adapted model computes exactly the base model until the first update. A
-    target list that matches no linear layer of the model is a ValueError naming the field. This is the
-    hook for building a LoRA policy on any Hugging Face causal LM (benchmarks included)."""
+    target list that matches no linear layer of the model is a ValueError naming the field."""
     peft = _peft()
     try:
         peft.inject_adapter_in_model(peft_config(settings, base_model_path=base_model_path), lm, adapter_name=ADAPTER_NAME)
@@ -140,23 +139,3 @@ def load_adapter_tensors(lm: torch.nn.Module, weights: dict[str, torch.Tensor]) 
     from services.trainer.sharding import load_master_tensors
 
     load_master_tensors(lm, {param_name(k): v for k, v in weights.items()})
-
-
-def build_lora_policy(lm: torch.nn.Module, settings: LoraSettings, device: torch.device, *,
-                      compute_dtype: torch.dtype = torch.bfloat16, activation_checkpointing: bool = False,
-                      compile_layers: bool = False):
-    """The trainer's LoRA policy on any Hugging Face causal LM with float32 weights (random init is fine):
-    adapters injected, base frozen, FSDP2-sharded onto `device` in this process's group (a world of one is
-    formed when there is none), exactly as a run with `trainer.lora` builds it. The optimizer belongs over
-    `[p for p in policy.parameters() if p.requires_grad]`, the adapters alone."""
-    from services.trainer import sharding
-    from services.trainer.policy import PolicyModule
-
-    if not torch.distributed.is_initialized():
-        sharding.ensure_single_process_group(device)
-    apply_lora(lm, settings)
-    policy = PolicyModule(lm)
-    sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
-        compute_dtype=compute_dtype, activation_checkpointing=activation_checkpointing,
-        compile_layers=compile_layers, cpu_offload=settings.base_on_cpu))
-    return policy
