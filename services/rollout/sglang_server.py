@@ -48,11 +48,13 @@ class SGLangStartError(RuntimeError):
 # (PR_SET_PDEATHSIG is no substitute: it fires when the launching *thread*
 # exits, and servers are launched from worker and restart threads.)
 # The bootstrap also hands SGLang its --api-key from the environment: arguments
-# set in sys.argv here never appear in /proc/<pid>/cmdline.
+# set in sys.argv here never appear in /proc/<pid>/cmdline. As one `--api-key=KEY`
+# argument: a URL-safe key may start with '-', which argparse would otherwise take
+# for an option and refuse the server's start.
 BOOTSTRAP = (
     "import os, runpy, signal, sys, threading, time\n"
     "parent = int(sys.argv.pop(1))\n"
-    f"sys.argv += ['--api-key', os.environ.pop({API_KEY_ENV!r})]\n"
+    f"sys.argv.append('--api-key=' + os.environ.pop({API_KEY_ENV!r}))\n"
     "def watch():\n"
     "    while os.getppid() == parent:\n"
     "        time.sleep(1.0)\n"

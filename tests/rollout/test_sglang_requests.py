@@ -9,6 +9,8 @@ this suite.
 """
 from __future__ import annotations
 
+import os
+
 import json
 
 import pytest
@@ -184,6 +186,33 @@ def test_a_fixed_port_is_given_up_by_the_previous_engine(tmp_path):
         new.load(str(model), 0)
     with pytest.raises(EngineUnavailable, match="replaced by a newer engine on port 30123"):
         old.generate(REQ)
+
+
+def test_server_bootstrap_hands_over_an_api_key_that_starts_with_a_dash(tmp_path):
+    """Generated keys are URL-safe base64, so one in 64 starts with '-': SGLang's argparse must still read it
+    as the value of --api-key, not as another option (the server exited with code 2 when it did)."""
+    import argparse  # noqa: F401 - the stand-in server below parses its argv as SGLang's does
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    out = tmp_path / "key"
+    (fake / "launch_server.py").write_text(
+        "import argparse, sys\n"
+        "ap = argparse.ArgumentParser()\n"
+        "ap.add_argument('--model-path')\n"
+        "ap.add_argument('--api-key')\n"
+        f"open({str(out)!r}, 'w').write(ap.parse_args().api_key)\n"
+    )
+    key = "-Xq3" + "a" * 39
+    # Its own session, and this process as the parent its watchdog follows (as SGLangServer.start does).
+    done = subprocess.run([sys.executable, "-c", BOOTSTRAP, str(os.getpid()), "--model-path", "/m"],
+                          capture_output=True, text=True, timeout=60, start_new_session=True,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "fake"), API_KEY_ENV: key})
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == key
 
 
 def test_server_bootstrap_takes_its_group_down_when_the_rollout_service_dies(tmp_path):
