@@ -1,0 +1,97 @@
+"""Shared inputs and checks of the batch-invariant op tests (CPU, interpreted Triton and GPU).
+
+Run as a module it checks guarantees (1) and (2) of the pure-torch ops and prints the CPU
+capability torch runs with; the CPU tests run it under ATEN_CPU_CAPABILITY=default.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_COUNTS = (1, 3, 17, 64, 200)
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    same = got.view(-1).view(torch.uint8 if got.element_size() == 1 else
+                             {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()])
+    ref = want.view(-1).view(same.dtype)
+    if not torch.equal(same, ref):
+        diff = (same != ref).nonzero().flatten()
+        i = int(diff[0])
+        raise AssertionError(f"{what}: {diff.numel()} of {same.numel()} elements differ in bits; first at flat "
+                             f"index {i}: {got.reshape(-1)[i].item()!r} vs {want.reshape(-1)[i].item()!r}")
+
+
+def pack_lengths(lengths, device="cpu") -> torch.Tensor:
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(list(lengths)).cumsum(0)
+    return cu.to(device)
+
+
+def make_qkv(total: int, n_heads: int, n_kv: int, head_dim: int, dtype, seed: int, device="cpu"):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return tuple(torch.randn(total, h, head_dim, generator=g, device=device).to(dtype)
+                 for h in (n_heads, n_kv, n_kv))
+
+
+def sdpa_packed(q, k, v, cu_seqlens, scale):
+    """Plain torch causal attention per sequence: the accuracy oracle."""
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        qi, ki, vi = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale,
+                                                   enable_gqa=q.shape[1] != k.shape[1])[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def decode_rows_of_sequences(q, k, v, lengths, cap: int, fill: float):
+    """One decode row per packed token: its query, its sequence's keys [0, t] in a cache row, `fill` beyond.
+
+    Returns (q [T, H, D], k_cache, v_cache [T, Hkv, cap, D], lengths int32 [T]) so that
+    decode row i corresponds to packed row i.
+    """
+    total, n_kv, d = k.shape
+    kc = torch.full((total, n_kv, cap, d), fill, dtype=k.dtype, device=k.device)
+    vc = torch.full_like(kc, fill)
+    lens = torch.empty(total, dtype=torch.int32)
+    start = 0
+    for length in lengths:
+        for t in range(length):
+            row = start + t
+            kc[row, :, : t + 1] = k[start:row + 1].transpose(0, 1)
+            vc[row, :, : t + 1] = v[start:row + 1].transpose(0, 1)
+            lens[row] = t + 1
+        start += length
+    return q, kc, vc, lens.to(k.device)
+
+
+def check_reference_invariance() -> None:
+    from kernels.batch_invariant import KEY_BLOCK, bi_linear, bi_rms_norm, decode_attention, packed_attention
+
+    lengths = [1, KEY_BLOCK - 1, KEY_BLOCK + 1, 9]
+    for dtype in (torch.float32, torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(200, 136, generator=g).to(dtype)
+        w = (torch.randn(40, 136, generator=g) / 12).to(dtype)
+        nw = torch.randn(136, generator=g).to(dtype)
+        lin, norm = bi_linear(x, w), bi_rms_norm(x, nw, 1e-6)
+        for m in ROW_COUNTS:
+            idx = torch.randperm(200, generator=g)[:m]
+            assert_bitwise(bi_linear(x[idx], w), lin[idx], f"linear {dtype} M={m}")
+            assert_bitwise(bi_rms_norm(x[idx], nw, 1e-6), norm[idx], f"rms_norm {dtype} M={m}")
+        q, k, v = make_qkv(sum(lengths), 4, 2, 16, dtype, seed=1)
+        cu = pack_lengths(lengths)
+        packed = packed_attention(q, k, v, cu, max(lengths), 0.25)
+        one = packed_attention(q[1:1 + lengths[1]], k[1:1 + lengths[1]], v[1:1 + lengths[1]],
+                               pack_lengths(lengths[1:2]), lengths[1], 0.25)
+        assert_bitwise(one, packed[1:1 + lengths[1]], f"packed {dtype} one sequence vs pack")
+        dq, kc, vc, lens = decode_rows_of_sequences(q, k, v, lengths, cap=2 * KEY_BLOCK, fill=float("nan"))
+        assert_bitwise(decode_attention(dq, kc, vc, lens, 0.25), packed, f"decode vs packed {dtype}")
+
+
+if __name__ == "__main__":
+    print(f"capability={torch.backends.cpu.get_cpu_capability()}")
+    check_reference_invariance()
+    print("invariance ok")
