@@ -253,6 +253,22 @@ REGISTRY.register(AttentionBackend(
     description="one scaled_dot_product_attention call per sequence: the definition the others are tested against",
 ))
 
+REGISTRY.register(AttentionBackend(
+    name="batch_invariant",
+    target="kernels.attention.batch_invariant:attention",
+    # deterministic: the forward is bitwise reproducible by construction; the backward recomputes
+    # with SDPA restricted to flash (deterministic under use_deterministic_algorithms) or math.
+    # Head dims: the Triton kernel zero-pads to a power of two up to 256; the CPU code takes any.
+    capabilities={
+        "cpu": Capability(honours_boundaries=True, dtypes=_FLOAT, max_head_dim=1 << 16, deterministic=True),
+        **_caps(("cuda", "rocm"), honours_boundaries=True, dtypes=_FLOAT, max_head_dim=256, deterministic=True),
+    },
+    # After the reference: only ever used when forced (the true_on_policy numerics mode).
+    priority=2000,
+    description="kernels.batch_invariant.packed_attention: fixed KEY_BLOCK key reduction, a token's bits "
+                "independent of the batch and equal to KV-cache decode (Triton on GPUs, pure torch on CPU)",
+))
+
 
 def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                             max_seqlen: int, *, scale: float | None = None, window: int | None = None,

@@ -18,6 +18,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.batch_invariant import reference
 
@@ -252,14 +253,28 @@ def _packed_forward(q, k, v, cu_seqlens, max_seqlen, scale, impl: str) -> torch.
 
 
 def _sdpa_packed(q, k, v, cu_seqlens, scale) -> torch.Tensor:
-    """Plain torch causal attention per sequence (the backward's recompute)."""
+    """Plain torch causal attention per sequence: the backward's recompute, differentiated by autograd.
+
+    On GPUs SDPA may use only the flash kernels (whose backward takes its deterministic path under
+    torch.use_deterministic_algorithms(True)) or the math path: the memory-efficient and cuDNN
+    backwards are not deterministic. KV heads are repeated for the flash kernels (autograd sums
+    their gradients back in a fixed order).
+    """
     gqa = q.shape[1] != k.shape[1]
+    on_gpu = q.device.type == "cuda"
+    if gqa and on_gpu:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        gqa = False
+    backends = ([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH] if on_gpu and not torch.version.hip
+                else [SDPBackend.MATH])
     bounds = cu_seqlens.tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qi, ki, vi = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=end - start > 1, scale=scale, enable_gqa=gqa)
-        outs.append(o[0].transpose(0, 1))
+    with sdpa_kernel(backends):
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            qi, ki, vi = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=end - start > 1, scale=scale, enable_gqa=gqa)
+            outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
 
 

@@ -1,9 +1,189 @@
-"""Launchers of the batch-invariant Triton kernels (not built yet)."""
+"""Launchers of the batch-invariant Triton kernels: fixed tile configs per dtype, never per shape of M.
+
+The tile sizes, warps and stages are part of the numerics: another config selects other MMA
+instructions and another in-tile reduction tree, so a row's bits would change (still within
+rounding). They are chosen once per dtype, valid for sm_90 (wgmma wants BLOCK_M >= 64 with a
+multiple of 4 warps) and gfx942 (wave64, MFMA), and checked by `python -m kernels.check_targets`.
+
+Matmul, 16-bit: 64 x 64 x 64, 4 warps, 4 stages. Small enough that a decode step's matmuls
+(M = batch rows, N down to 1024) still cover the GPU without split-K: M=256 rows by N=1024
+makes 64 programs where 128 x 128 tiles would make 16 serial ones; large training matmuls pay
+some of cuBLAS's throughput for it. fp32 uses IEEE fp32 dots (torch's default, no TF32).
+Attention: BLOCK_M = 64 query rows, BLOCK_N = KEY_BLOCK keys, 4 warps.
+"""
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+from dataclasses import dataclass
 
-def _missing(*_args, **_kwargs):
-    raise NotImplementedError("the batch-invariant Triton kernels are not built yet; use impl='reference'")
+import torch
+
+from kernels.batch_invariant.ops import BatchInvariantInputError
+from kernels.batch_invariant.reference import KEY_BLOCK
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-linear = rms_norm = packed_attention = decode_attention = _missing
+@dataclass(frozen=True)
+class MatmulConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    dot_precision: str
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    dot_precision: str
+
+
+_MATMUL_16BIT = MatmulConfig(64, 64, 64, num_warps=4, num_stages=4, dot_precision="ieee")
+_MATMUL_FP32 = MatmulConfig(64, 64, 32, num_warps=4, num_stages=2, dot_precision="ieee")
+MATMUL_CONFIGS = {torch.bfloat16: _MATMUL_16BIT, torch.float16: _MATMUL_16BIT, torch.float32: _MATMUL_FP32}
+
+_ATTN_16BIT = AttentionConfig(64, KEY_BLOCK, num_warps=4, num_stages=2, dot_precision="ieee")
+ATTENTION_CONFIGS = {torch.bfloat16: _ATTN_16BIT, torch.float16: _ATTN_16BIT,
+                     torch.float32: AttentionConfig(64, KEY_BLOCK, num_warps=4, num_stages=1, dot_precision="ieee")}
+MAX_HEAD_DIM = 256
+MAX_RMS_HIDDEN = 65536
+
+
+def rms_norm_warps(hidden: int) -> int:
+    """Warps of the one-row RMSNorm program: a function of the hidden size only (it fixes the sum's tree)."""
+    return 4 if hidden <= 2048 else 8 if hidden <= 8192 else 16
+
+
+def _kernels():
+    from kernels.batch_invariant import triton_kernels
+
+    return triton_kernels
+
+
+def _device_scope(t: torch.Tensor):
+    if t.device.type == "cuda":
+        return torch.cuda.device(t.device)
+    if not INTERPRETED:
+        raise BatchInvariantInputError(f"Triton kernels run on CPU tensors only in the interpreter (TRITON_INTERPRET=1); "
+                         f"got a {t.device} tensor")
+    return contextlib.nullcontext()
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous last dim on a 16-byte aligned address.
+
+    The JIT compiles a variant per pointer alignment and per integer equal to 1 (a unit stride);
+    a slice at an odd offset would otherwise select another (unpipelined) variant for some
+    batches and not others. Copying such inputs keeps one variant per model shape.
+    """
+    if t.stride(-1) != 1 or t.data_ptr() % 16:
+        return t.contiguous() if t.stride(-1) != 1 else t.clone()
+    return t
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x.shape[-1]
+    n = weight.shape[0]
+    rows = _last_dim_contiguous(x.reshape(-1, k))
+    weight = _last_dim_contiguous(weight)
+    bias = None if bias is None else _last_dim_contiguous(bias)
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out.reshape(*x.shape[:-1], n)
+    if k == 0:
+        out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
+        return out.reshape(*x.shape[:-1], n)
+    cfg = MATMUL_CONFIGS[x.dtype]
+    grid = (triton_cdiv(n, cfg.block_n), triton_cdiv(m, cfg.block_m))
+    with _device_scope(x):
+        _kernels().bi_matmul_kernel[grid](
+            rows, weight, bias if bias is not None else weight, out, m, n, k,
+            rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+            HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out.reshape(*x.shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.shape[-1]
+    if h > MAX_RMS_HIDDEN:
+        raise BatchInvariantInputError(f"bi_rms_norm: hidden size {h} exceeds the one-row kernel's limit {MAX_RMS_HIDDEN}")
+    rows = _last_dim_contiguous(x.reshape(-1, h))
+    weight = _last_dim_contiguous(weight)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if rows.shape[0] and h:
+        with _device_scope(x):
+            _kernels().bi_rms_norm_kernel[(rows.shape[0],)](
+                rows, weight, out, rows.stride(0), out.stride(0), h, eps,
+                BLOCK_H=triton_next_pow2(h), num_warps=rms_norm_warps(h))
+    return out.reshape(x.shape)
+
+
+def head_block(d: int) -> int:
+    """The head dim the kernel computes in: a power of two >= 16 (tl.dot's minimum), zero-padded."""
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise BatchInvariantInputError(f"batch-invariant attention kernels take head_dim in [1, {MAX_HEAD_DIM}], got {d}")
+    return max(16, triton_next_pow2(d))
+
+
+def _kv_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v with one set of strides and a contiguous head dim (the kernel takes one stride set)."""
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    if k.stride() != v.stride() or k.stride(0) == 1 or k.stride(1) == 1:
+        k, v = k.contiguous(), v.contiguous()
+    return k, v
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                     scale: float) -> torch.Tensor:
+    t, n_heads, d = q.shape
+    block_d = head_block(d)
+    q = _last_dim_contiguous(q)
+    k, v = _kv_pair(k, v)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cfg = ATTENTION_CONFIGS[q.dtype]
+    n_seqs = cu_seqlens.numel() - 1
+    grid = (triton_cdiv(max_seqlen, cfg.block_m), n_seqs, n_heads)
+    with _device_scope(q):
+        _kernels().bi_attention_kernel[grid](
+            q, k, v, out, cu_seqlens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            0, k.stride(1), k.stride(0), t, scale * math.log2(math.e),
+            GROUP=n_heads // k.shape[1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE=False,
+            DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    b, n_heads, d = q.shape
+    block_d = head_block(d)
+    q = _last_dim_contiguous(q)
+    k_cache, v_cache = _kv_pair(k_cache, v_cache)
+    n_kv, cap = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cfg = ATTENTION_CONFIGS[q.dtype]
+    group = n_heads // n_kv
+    grid = (triton_cdiv(group, cfg.block_m), b, n_kv)
+    with _device_scope(q):
+        _kernels().bi_attention_kernel[grid](
+            q, k_cache, v_cache, out, lengths, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cap, scale * math.log2(math.e),
+            GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE=True,
+            DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())

@@ -13,9 +13,9 @@ ROW_COUNTS = (1, 3, 17, 64, 200)
 
 def assert_bitwise(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
-    same = got.view(-1).view(torch.uint8 if got.element_size() == 1 else
-                             {2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()])
-    ref = want.view(-1).view(same.dtype)
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[got.element_size()]
+    same = got.contiguous().view(-1).view(bits)
+    ref = want.contiguous().view(-1).view(bits)
     if not torch.equal(same, ref):
         diff = (same != ref).nonzero().flatten()
         i = int(diff[0])
@@ -65,6 +65,40 @@ def decode_rows_of_sequences(q, k, v, lengths, cap: int, fill: float):
             lens[row] = t + 1
         start += length
     return q, kc, vc, lens.to(k.device)
+
+
+def check_rotary_row_invariance(device: str) -> None:
+    """HF Qwen3's rotary embedding gives a position the same cos/sin bits in any batch, and applying it is elementwise.
+
+    Its forward is a [.., 1] x [1, D/2] broadcast product, cat, cos/sin and a cast: no reduction,
+    so a row's bits depend only on its position. Checked against one call over all positions,
+    for batches of other shapes, orders and sizes, in fp32 and bf16.
+    """
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = Qwen3Config(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=40960, rope_theta=1000000.0)
+    rotary = Qwen3RotaryEmbedding(cfg).to(device)
+    g = torch.Generator().manual_seed(0)
+    n_pos = 4096
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.zeros(1, dtype=dtype, device=device)
+        cos_all, sin_all = rotary(x, torch.arange(n_pos, device=device)[None])
+        for shape in ((1, 1), (3, 17), (8, 200), (1, 4000)):
+            pos = torch.randint(0, n_pos, shape, generator=g).to(device)
+            cos, sin = rotary(x, pos)
+            assert_bitwise(cos, cos_all[0][pos], f"cos {dtype} batch {shape}")
+            assert_bitwise(sin, sin_all[0][pos], f"sin {dtype} batch {shape}")
+        # Applying it: [B, H, T, D] rows rotated alone or in a batch give the same bits.
+        q = torch.randn(4, 16, 64, 128, generator=g).to(device, dtype)
+        k = torch.randn(4, 8, 64, 128, generator=g).to(device, dtype)
+        pos = torch.randint(0, n_pos, (4, 64), generator=g).to(device)
+        cos, sin = rotary(q, pos)
+        q_all, k_all = apply_rotary_pos_emb(q, k, cos, sin)
+        q_one, k_one = apply_rotary_pos_emb(q[2:3, :, 5:9], k[2:3, :, 5:9], cos[2:3, 5:9], sin[2:3, 5:9])
+        assert_bitwise(q_one, q_all[2:3, :, 5:9], f"rotated q {dtype}")
+        assert_bitwise(k_one, k_all[2:3, :, 5:9], f"rotated k {dtype}")
 
 
 def check_reference_invariance() -> None:
