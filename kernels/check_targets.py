@@ -3,7 +3,7 @@
     python -m kernels.check_targets [--skip-native] [--only-triton]
 
 Prints one JSON object and exits non-zero if anything failed:
-  * every Triton kernel, in the specializations the launchers use, compiled
+  * every Triton kernel (kernels/logprob, kernels/batch_invariant), in the specializations the launchers use, compiled
     ahead of time for GPUTarget("hip", "gfx942", 64) (hsaco) and
     GPUTarget("cuda", 90, 32) (cubin) by the installed triton wheel, no GPU needed;
   * the native source compiled with hipcc (HIP_PLATFORM=amd, gfx90a and gfx940:
@@ -79,27 +79,81 @@ def _triton_specs():
     return specs
 
 
+def _batch_invariant_specs():
+    """(kernel, signature, constexprs, options, label, 16-divisible args) of kernels/batch_invariant at Qwen3 shapes.
+
+    The launchers' fixed configs per dtype (triton_launch.py); every pointer 16-byte aligned and
+    every size and stride the JIT sees divisible by 16 at those shapes marked so; the per-call
+    row count left plain; unit strides constant, as the JIT makes them.
+    """
+    import torch
+
+    from kernels.batch_invariant import KEY_BLOCK
+    from kernels.batch_invariant import triton_kernels as k
+    from kernels.batch_invariant.triton_launch import ATTENTION_CONFIGS, MATMUL_CONFIGS, rms_norm_warps
+
+    ptr = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+    specs = []
+    # The unit strides: the JIT compiles an int argument equal to 1 as the constant 1.
+    mm_sig = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om"]
+    for dtype, bias in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)):
+        cfg = MATMUL_CONFIGS[dtype]
+        types = [ptr[dtype]] * 4 + ["i32"] * 6
+        const = dict(stride_xk=1, stride_wk=1, stride_on=1, HAS_BIAS=bias, BLOCK_M=cfg.block_m,
+                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
+        div16 = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+        specs.append((k.bi_matmul_kernel, dict(zip(mm_sig, types)), const,
+                      {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                      f"bi_matmul {str(dtype)[6:]} bias={bias} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}", div16))
+    rms_sig = ["x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_o", "H", "eps"]
+    for dtype, hidden in ((torch.bfloat16, 1024), (torch.float32, 1024), (torch.bfloat16, 5120)):
+        block = 1 << (hidden - 1).bit_length()
+        specs.append((k.bi_rms_norm_kernel, dict(zip(rms_sig, [ptr[dtype]] * 3 + ["i32"] * 3 + ["fp32"])),
+                      dict(BLOCK_H=block), {"num_warps": rms_norm_warps(hidden)},
+                      f"bi_rms_norm {str(dtype)[6:]} H={hidden}", ("x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_o", "H")))
+    attn_sig = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "seq_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                "stride_kb", "stride_kh", "stride_kn", "cap", "qk_scale"]
+    # Qwen3-0.6B: 16 query heads over 8 kv heads of 128 (GQA group 2), bf16 (fp32 compiles the same
+    # code with IEEE dots and takes ~25 s more here; the interpreted tests run it).
+    for dtype, decode in ((torch.bfloat16, False), (torch.bfloat16, True)):
+        cfg = ATTENTION_CONFIGS[dtype]
+        types = [ptr[dtype]] * 4 + ["*i32"] + ["i32"] * 8 + ["fp32"]
+        const = dict(GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=KEY_BLOCK, DECODE=decode,
+                     DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
+        div16 = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "seq_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
+                 "stride_kh", "stride_kn") + (("stride_kb",) if decode else ())
+        specs.append((k.bi_attention_kernel, dict(zip(attn_sig, types)), const,
+                      {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                      f"bi_attention {'decode' if decode else 'packed'} {str(dtype)[6:]} D=128 group=2", div16))
+    return specs
+
+
 def check_triton() -> list[dict]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     results = []
+    specs = []
     for fn, sig, const, num_warps, label in _triton_specs():
-        full_sig = dict(sig)
-        full_sig.update({name: "constexpr" for name in const})
         # As the JIT specializes a Qwen3 call: the logits and gradient pointers 16-byte aligned and
         # the layout's sizes and strides divisible by 16; the kernels mark the other pointers and
         # the per-call integers do_not_specialize* (the JIT leaves them without attributes).
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-                 if n in ("x_ptr", "g_ptr") or (t == "i32" and n not in fn.do_not_specialize)}
+        div16 = tuple(n for n, t in sig.items()
+                      if n in ("x_ptr", "g_ptr") or (t == "i32" and n not in fn.do_not_specialize))
+        specs.append((fn, sig, const, {"num_warps": num_warps}, label, div16))
+    specs += _batch_invariant_specs()
+    for fn, sig, const, options, label, div16 in specs:
+        full_sig = dict(sig)
+        full_sig.update({name: "constexpr" for name in const})
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
         for backend, arch, warp in TRITON_TARGETS:
             target = GPUTarget(backend, arch, warp)
             entry = {"kind": "triton", "kernel": fn.__name__, "spec": label, "target": f"{backend}:{arch}:w{warp}"}
             t0 = time.perf_counter()
             try:
                 src = ASTSource(fn, full_sig, constexprs=const, attrs=attrs)
-                compiled = triton.compile(src, target=target, options={"num_warps": num_warps})
+                compiled = triton.compile(src, target=target, options=dict(options))
                 binary = "hsaco" if backend == "hip" else "cubin"
                 blob = compiled.asm.get(binary)
                 if not blob:
