@@ -121,3 +121,19 @@ def test_triton_head_dim_that_is_not_a_power_of_two_is_zero_padded():
                                                                 impl="reference").float(), **TOL[torch.bfloat16])
     dq, kc, vc, lens = decode_rows_of_sequences(q, k, v, lengths, cap=KEY_BLOCK + 8, fill=float("nan"))
     assert_bitwise(decode_attention(dq, kc, vc, lens, 0.2, impl="triton"), packed, "head_dim 24: decode vs packed")
+
+
+def test_triton_fully_masked_key_blocks_leave_rows_untouched(monkeypatch):
+    """With BLOCK_M = 2 * KEY_BLOCK a packed tile's first rows walk a key block they cannot see at all;
+    their state must pass through it bit for bit (decode of the same rows never visits that block)."""
+    from dataclasses import replace
+
+    from kernels.batch_invariant import triton_launch
+
+    wide = {dt: replace(cfg, block_m=2 * KEY_BLOCK) for dt, cfg in triton_launch.ATTENTION_CONFIGS.items()}
+    monkeypatch.setattr(triton_launch, "ATTENTION_CONFIGS", wide)
+    lengths = [2 * KEY_BLOCK + 1]
+    q, k, v = (t.to(DEVICE) for t in make_qkv(sum(lengths), 1, 1, 16, torch.float32, seed=6))
+    packed = packed_attention(q, k, v, pack_lengths(lengths, DEVICE), max(lengths), 0.3, impl="triton")
+    dq, kc, vc, lens = decode_rows_of_sequences(q, k, v, lengths, cap=2 * KEY_BLOCK + 8, fill=float("nan"))
+    assert_bitwise(decode_attention(dq, kc, vc, lens, 0.3, impl="triton"), packed, "BLOCK_M=128: decode vs packed")
