@@ -80,7 +80,10 @@ def _triton_specs():
 
 
 def _batch_invariant_specs():
-    """(kernel, signature, constexprs, options, label, 16-divisible args) of kernels/batch_invariant at Qwen3 shapes.
+    """(kernel, signature, constexprs, options, label, 16-divisible args, platform) of kernels/batch_invariant.
+
+    At Qwen3 shapes; platform 'cuda' or 'rocm' for a config chosen per platform (compiled for that
+    target only), None for one shared by both.
 
     The launchers' fixed configs per dtype (triton_launch.py); every pointer 16-byte aligned and
     every size and stride the JIT sees divisible by 16 at those shapes marked so; the per-call
@@ -90,27 +93,33 @@ def _batch_invariant_specs():
 
     from kernels.batch_invariant import KEY_BLOCK
     from kernels.batch_invariant import triton_kernels as k
-    from kernels.batch_invariant.triton_launch import ATTENTION_CONFIGS, MATMUL_CONFIGS, rms_norm_warps
+    from kernels.batch_invariant.triton_launch import ATTENTION_CONFIGS, matmul_config, rms_norm_warps
 
     ptr = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
     specs = []
     # The unit strides: the JIT compiles an int argument equal to 1 as the constant 1.
     mm_sig = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om"]
-    for dtype, bias in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False)):
-        cfg = MATMUL_CONFIGS[dtype]
-        types = [ptr[dtype]] * 4 + ["i32"] * 6
-        const = dict(stride_xk=1, stride_wk=1, stride_on=1, HAS_BIAS=bias, BLOCK_M=cfg.block_m,
-                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
-        div16 = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
-        specs.append((k.bi_matmul_kernel, dict(zip(mm_sig, types)), const,
-                      {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-                      f"bi_matmul {str(dtype)[6:]} bias={bias} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}", div16))
+    # (dtype, bias, N): the projections' tiles, and the lm_head's wide ones.
+    for dtype, bias, n in ((torch.bfloat16, False, 3072), (torch.bfloat16, True, 1024), (torch.float32, False, 1024),
+                           (torch.bfloat16, False, QWEN3_VOCAB)):
+        for platform in ("cuda", "rocm"):
+            cfg = matmul_config(dtype, n, platform)
+            types = [ptr[dtype]] * 4 + ["i32"] * 6
+            const = dict(stride_xk=1, stride_wk=1, stride_on=1, HAS_BIAS=bias, BLOCK_M=cfg.block_m,
+                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=cfg.dot_precision,
+                         INTERPRETED=False)
+            div16 = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+            specs.append((k.bi_matmul_kernel, dict(zip(mm_sig, types)), const,
+                          {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                          f"bi_matmul {str(dtype)[6:]} bias={bias} N={n} "
+                          f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages}", div16, platform))
     rms_sig = ["x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_o", "H", "eps"]
     for dtype, hidden in ((torch.bfloat16, 1024), (torch.float32, 1024), (torch.bfloat16, 5120)):
         block = 1 << (hidden - 1).bit_length()
         specs.append((k.bi_rms_norm_kernel, dict(zip(rms_sig, [ptr[dtype]] * 3 + ["i32"] * 3 + ["fp32"])),
                       dict(BLOCK_H=block), {"num_warps": rms_norm_warps(hidden)},
-                      f"bi_rms_norm {str(dtype)[6:]} H={hidden}", ("x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_o", "H")))
+                      f"bi_rms_norm {str(dtype)[6:]} H={hidden}", ("x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_o", "H"),
+                      None))
     attn_sig = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "seq_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
                 "stride_kb", "stride_kh", "stride_kn", "cap", "qk_scale"]
     # Qwen3-0.6B: 16 query heads over 8 kv heads of 128 (GQA group 2), bf16 (fp32 compiles the same
@@ -124,7 +133,7 @@ def _batch_invariant_specs():
                  "stride_kh", "stride_kn") + (("stride_kb",) if decode else ())
         specs.append((k.bi_attention_kernel, dict(zip(attn_sig, types)), const,
                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-                      f"bi_attention {'decode' if decode else 'packed'} {str(dtype)[6:]} D=128 group=2", div16))
+                      f"bi_attention {'decode' if decode else 'packed'} {str(dtype)[6:]} D=128 group=2", div16, None))
     return specs
 
 
@@ -141,13 +150,15 @@ def check_triton() -> list[dict]:
         # the per-call integers do_not_specialize* (the JIT leaves them without attributes).
         div16 = tuple(n for n, t in sig.items()
                       if n in ("x_ptr", "g_ptr") or (t == "i32" and n not in fn.do_not_specialize))
-        specs.append((fn, sig, const, {"num_warps": num_warps}, label, div16))
+        specs.append((fn, sig, const, {"num_warps": num_warps}, label, div16, None))
     specs += _batch_invariant_specs()
-    for fn, sig, const, options, label, div16 in specs:
+    for fn, sig, const, options, label, div16, platform in specs:
         full_sig = dict(sig)
         full_sig.update({name: "constexpr" for name in const})
         attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
         for backend, arch, warp in TRITON_TARGETS:
+            if platform is not None and platform != {"hip": "rocm", "cuda": "cuda"}[backend]:
+                continue
             target = GPUTarget(backend, arch, warp)
             entry = {"kind": "triton", "kernel": fn.__name__, "spec": label, "target": f"{backend}:{arch}:w{warp}"}
             t0 = time.perf_counter()

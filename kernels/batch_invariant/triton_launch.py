@@ -8,7 +8,10 @@ multiple of 4 warps) and gfx942 (wave64, MFMA), and checked by `python -m kernel
 Matmul, 16-bit: 64 x 64 x 64, 4 warps, 4 stages. Small enough that a decode step's matmuls
 (M = batch rows, N down to 1024) still cover the GPU without split-K: M=256 rows by N=1024
 makes 64 programs where 128 x 128 tiles would make 16 serial ones; large training matmuls pay
-some of cuBLAS's throughput for it. fp32 uses IEEE fp32 dots (torch's default, no TF32).
+some of cuBLAS's throughput for it. Weights of N >= WIDE_N rows (an lm_head) have programs to
+spare at any M and take 128 x 128 x 64 tiles with 8 warps (3 stages on sm_90; 2 on gfx942, whose
+64 KB of LDS holds no more). The choice is a function of the weight's shape and the platform,
+which trainer and rollout share, never of M. fp32 uses IEEE fp32 dots (torch's default, no TF32).
 Attention: BLOCK_M = 64 query rows, BLOCK_N = KEY_BLOCK keys, 4 warps.
 """
 from __future__ import annotations
@@ -48,6 +51,20 @@ class AttentionConfig:
 _MATMUL_16BIT = MatmulConfig(64, 64, 64, num_warps=4, num_stages=4, dot_precision="ieee")
 _MATMUL_FP32 = MatmulConfig(64, 64, 32, num_warps=4, num_stages=2, dot_precision="ieee")
 MATMUL_CONFIGS = {torch.bfloat16: _MATMUL_16BIT, torch.float16: _MATMUL_16BIT, torch.float32: _MATMUL_FP32}
+WIDE_N = 16384
+WIDE_MATMUL_16BIT = {"cuda": MatmulConfig(128, 128, 64, num_warps=8, num_stages=3, dot_precision="ieee"),
+                     "rocm": MatmulConfig(128, 128, 64, num_warps=8, num_stages=2, dot_precision="ieee")}
+
+
+def matmul_config(dtype: torch.dtype, n: int, platform: str) -> MatmulConfig:
+    """The tiles of an [M, K] x [K, n] product: a function of dtype, weight rows and platform, never of M."""
+    if dtype != torch.float32 and n >= WIDE_N:
+        return WIDE_MATMUL_16BIT[platform]
+    return MATMUL_CONFIGS[dtype]
+
+
+def _platform() -> str:
+    return "rocm" if torch.version.hip else "cuda"
 
 _ATTN_16BIT = AttentionConfig(64, KEY_BLOCK, num_warps=4, num_stages=2, dot_precision="ieee")
 ATTENTION_CONFIGS = {torch.bfloat16: _ATTN_16BIT, torch.float16: _ATTN_16BIT,
@@ -101,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     if k == 0:
         out.copy_(bias.expand(m, n) if bias is not None else torch.zeros_like(out))
         return out.reshape(*x.shape[:-1], n)
-    cfg = MATMUL_CONFIGS[x.dtype]
+    cfg = matmul_config(x.dtype, n, _platform())
     grid = (triton_cdiv(n, cfg.block_n), triton_cdiv(m, cfg.block_m))
     with _device_scope(x):
         _kernels().bi_matmul_kernel[grid](

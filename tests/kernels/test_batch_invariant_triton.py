@@ -51,6 +51,23 @@ def test_triton_linear_matches_reference_and_is_row_invariant(dtype):
     assert_bitwise(bi_linear(shifted[:3], w, b, impl="triton"), full[:3], "misaligned rows")
 
 
+def test_triton_linear_wide_weight_tiles_are_row_invariant(monkeypatch):
+    """Weights of N >= WIDE_N rows (an lm_head) take the 128 x 128 tiles: same guarantees.
+    (WIDE_N is lowered here: the interpreter pays per program, and a real lm_head has ~1200 per row block.)"""
+    from kernels.batch_invariant import triton_launch
+
+    monkeypatch.setattr(triton_launch, "WIDE_N", 256)
+    assert triton_launch.matmul_config(torch.bfloat16, 300, "cuda").block_n == 128
+    g = _gen(7)
+    x = torch.randn(150, 80, generator=g).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(300, 80, generator=g) / 9).to(DEVICE, torch.bfloat16)
+    full = bi_linear(x, w, impl="triton")
+    torch.testing.assert_close(full.float(), bi_linear(x, w, impl="reference").float(), **TOL[torch.bfloat16])
+    for m in (1, 3, 17, 64):
+        idx = torch.randperm(150, generator=g)[:m]
+        assert_bitwise(bi_linear(x[idx], w, impl="triton"), full[idx], f"wide M={m}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_rms_norm_matches_reference_and_is_row_invariant(dtype):
     g = _gen(1)
