@@ -278,11 +278,32 @@ def _sdpa_packed(q, k, v, cu_seqlens, scale) -> torch.Tensor:
     return torch.cat(outs, dim=0)
 
 
+def _varlen_packed(q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor:
+    """The whole buffer in one FlashAttention-2 varlen call (torch's own kernels, CUDA only): the
+    backward's recompute where it exists. A per-sequence loop costs one SDPA forward and backward
+    per sequence and layer, which at RL batch sizes (hundreds of sequences) dominates the step."""
+    from kernels.attention.contract import PackedLayout
+    from kernels.attention.torch_varlen import attention
+
+    return attention(q, k, v, PackedLayout(cu_seqlens, max_seqlen), scale, None,
+                     torch.are_deterministic_algorithms_enabled())
+
+
+def _backward_recompute(device: torch.device) -> str:
+    """Which kernel recomputes attention for the backward: decided by the platform, never by a failure."""
+    if device.type == "cuda" and not torch.version.hip:
+        from kernels.attention.torch_varlen import unavailable_reason
+
+        if unavailable_reason("cuda") is None:
+            return "varlen"
+    return "sdpa"
+
+
 class _PackedAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, impl):
         ctx.save_for_backward(q, k, v, cu_seqlens)
-        ctx.scale = scale
+        ctx.scale, ctx.max_seqlen = scale, max_seqlen
         return _packed_forward(q, k, v, cu_seqlens, max_seqlen, scale, impl)
 
     @staticmethod
@@ -290,7 +311,10 @@ class _PackedAttentionFn(torch.autograd.Function):
         q, k, v, cu_seqlens = ctx.saved_tensors
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
-            out = _sdpa_packed(*leaves, cu_seqlens, ctx.scale)
+            if _backward_recompute(q.device) == "varlen":
+                out = _varlen_packed(*leaves, cu_seqlens, ctx.max_seqlen, ctx.scale)
+            else:
+                out = _sdpa_packed(*leaves, cu_seqlens, ctx.scale)
             wanted = [t for t in leaves if t.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad_out))
         return (*(next(grads) if t.requires_grad else None for t in leaves), None, None, None, None)
