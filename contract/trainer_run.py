@@ -11,11 +11,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, field_validator, model_validator
 
 from contract.trainer_settings import (
+    BATCH_INVARIANT_ATTENTION,
     AttentionPolicy,
     LoraSettings,
     LossAggregation,
     LRSchedule,
     MismatchCorrection,
+    Numerics,
     ParityThresholds,
     PolicyLoss,
 )
@@ -138,6 +140,15 @@ class TrainerRunConfig(BaseModel):
         description="LoRA adapters on a frozen base (rank, alpha, dropout, target_modules, base_on_cpu): only the "
         "adapters are trained, checkpointed and sent at a weight sync. null = full fine-tune.",
     )
+    numerics: Numerics = Field(
+        "fast",
+        description="'fast': the fastest kernels (log-probs agree with the rollout's up to rounding, checked by "
+        "parity_gate's bounds). 'true_on_policy': the forward runs on batch-invariant kernels (every linear layer, "
+        "RMSNorm, the 'batch_invariant' packed attention, the log-prob head), so a token's log-prob has the same "
+        "bits whatever else shares its microbatch, and equals the bits of a rollout engine in the same mode: the "
+        "step-1 gate then demands bitwise equality. Backward keeps torch's fast kernels. Needs batching 'packed'; "
+        "refuses compile_layers and any other attention.backend.",
+    )
     parity_gate: ParityThresholds = Field(
         default_factory=ParityThresholds,
         description="Step-1 parity gate: before the run's first update, trainer and rollout log-probs must agree "
@@ -157,6 +168,26 @@ class TrainerRunConfig(BaseModel):
                 "loss_agg_tokens: required by loss_agg 'seq_mean_token_sum_norm' (the constant each sequence's "
                 f"token sum is divided by), and used by nothing else; loss_agg is {self.loss_agg!r} and "
                 f"loss_agg_tokens is {self.loss_agg_tokens}")
+        return self
+
+    @model_validator(mode="after")
+    def _consistent_numerics(self) -> TrainerRunConfig:
+        if self.numerics != "true_on_policy":
+            return self
+        if self.compile_layers:
+            raise ValueError(
+                "compile_layers: true is refused with numerics 'true_on_policy': torch.compile fuses the elementwise "
+                "work around the batch-invariant kernels and changes its rounding, so the trainer's log-probs would "
+                "no longer be the rollout's bits")
+        if self.attention.backend not in (None, BATCH_INVARIANT_ATTENTION):
+            raise ValueError(
+                f"attention.backend: {self.attention.backend!r} conflicts with numerics 'true_on_policy', which runs "
+                f"packed attention on the {BATCH_INVARIANT_ATTENTION!r} backend (leave attention.backend unset or "
+                f"name {BATCH_INVARIANT_ATTENTION!r})")
+        if self.batching != "packed":
+            raise ValueError(
+                f"batching: {self.batching!r} is refused with numerics 'true_on_policy': the padded layout runs "
+                f"Hugging Face's {self.attn_implementation!r} attention, whose bits depend on the batch; use 'packed'")
         return self
 
     @field_validator("betas")

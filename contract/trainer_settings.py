@@ -16,6 +16,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 LossAggregation = Literal["token_mean", "seq_mean_token_sum_norm", "seq_mean_token_mean"]
 
+Numerics = Literal["fast", "true_on_policy"]
+"""How forward numerics are chosen: 'fast' (the fastest kernels; trainer and rollout agree up to rounding)
+or 'true_on_policy' (batch-invariant kernels on both sides, so a token's log-prob has the same bits in the
+rollout and in the trainer's recompute). One name and literal in the trainer, the engine and the run spec."""
+
+BATCH_INVARIANT_ATTENTION = "batch_invariant"
+"""The attention registry backend true_on_policy runs packed attention on (kernels/attention/registry.py)."""
+
 DEFAULT_M2PO_THRESHOLD = 0.04
 DEFAULT_GSPO_CLIP_LOW = 3e-4
 DEFAULT_GSPO_CLIP_HIGH = 4e-4

@@ -13,6 +13,11 @@ The statistics are services/trainer/grpo.mismatch_stats, the same function
 the trainer exports every step (`lockstep_step_iw_mean`, ...), so the gate and
 the dashboards can never disagree about what "IW mean" means.
 
+In numerics 'true_on_policy' trainer and rollout run the same batch-invariant
+kernels, so the bounds are not the test: every response token's logp must
+equal its rollout_logp bit for bit, and one token off by one ulp fails the
+gate naming that token.
+
 Pure functions over tensors: no model, no I/O; float64 reductions.
 """
 from __future__ import annotations
@@ -63,12 +68,16 @@ class ParityVerdict:
     attention_backend: str
     logprob_backend: str
     thresholds: ParityThresholds
+    numerics: str = "fast"
 
     def message(self) -> str:
         head = "step-1 parity gate " + ("PASSED" if self.passed else "FAILED: " + "; ".join(self.failures))
         s = self.stats
+        demand = ("bitwise equality of logp and rollout_logp" if self.numerics == "true_on_policy"
+                  else "the thresholds below")
         lines = [
             head,
+            f"  numerics: {self.numerics} (demands {demand})",
             f"  attention backend: {self.attention_backend}; logprob backend: {self.logprob_backend}",
             "  " + ", ".join(f"{k}={v:.6g}" for k, v in s.items()),
         ]
@@ -102,6 +111,7 @@ def check_parity(
     loss_mask: torch.Tensor | None = None,
     sample_ids: Sequence[str] | None = None,
     thresholds: ParityThresholds = ParityThresholds(),
+    numerics: str = "fast",
 ) -> ParityVerdict:
     """Compare trainer and rollout log-probs of one step's response tokens.
 
@@ -112,7 +122,11 @@ def check_parity(
     sample_ids[i], when given, names sample i in the diagnostic.
     attention_backend and logprob_backend name what produced logp (e.g. ",".join(REGISTRY.usage())
     and the log-prob backend); they appear in the verdict so a failure names its suspects.
+    numerics 'true_on_policy' (TrainerRunConfig.numerics) adds the demand that every logp equal its
+    rollout_logp exactly; 'fast' applies the thresholds alone.
     """
+    if numerics not in ("fast", "true_on_policy"):
+        raise ValueError(f"numerics: {numerics!r} is not 'fast' or 'true_on_policy'")
     n = logp.shape[0]
     for name, t in (("rollout_logp", rollout_logp), ("sample_index", sample_index), ("positions", positions)) + (
             (("loss_mask", loss_mask),) if loss_mask is not None else ()):
@@ -125,6 +139,8 @@ def check_parity(
         raise ValueError("parity gate: no response tokens to compare")
     stats = gate_stats(logp, rollout_logp)
     failures: list[str] = []
+    if numerics == "true_on_policy":
+        failures += _bitwise_failure(logp, rollout_logp, sample_index, positions, sample_ids)
     if stats["nonfinite"]:
         failures.append(f"{int(stats['nonfinite'])} response tokens have a non-finite logp - rollout_logp")
     # `not x <= bound` so that NaN statistics fail too.
@@ -139,7 +155,21 @@ def check_parity(
     worst = _worst_tokens(logp, rollout_logp, sample_index, positions, sample_ids, thresholds.worst_tokens)
     return ParityVerdict(passed=not failures, failures=tuple(failures), stats=stats, worst=worst,
                          attention_backend=attention_backend, logprob_backend=logprob_backend,
-                         thresholds=thresholds)
+                         thresholds=thresholds, numerics=numerics)
+
+
+def _bitwise_failure(logp, rollout_logp, sample_index, positions, sample_ids) -> list[str]:
+    """The true_on_policy demand: no token may differ at all (NaN differs from everything)."""
+    # float64 holds every float32 exactly, so this compares the reported bits whatever the inputs' dtypes.
+    lp, rl = logp.detach().double().cpu(), rollout_logp.detach().double().cpu()
+    differ = ~(lp == rl)
+    count = int(differ.sum())
+    if count == 0:
+        return []
+    (w,) = _worst_tokens(lp, rl, sample_index, positions, sample_ids, 1)
+    return [f"numerics 'true_on_policy' demands bitwise equality of logp and rollout_logp, but {count} of "
+            f"{lp.numel()} response tokens differ; worst: sample {w.sample} ({w.sample_id}) position {w.position}: "
+            f"logp={w.logp!r} rollout_logp={w.rollout_logp!r} (difference {w.logp - w.rollout_logp:.3g})"]
 
 
 def _worst_tokens(logp, rollout_logp, sample_index, positions, sample_ids, k) -> tuple[WorstToken, ...]:

@@ -9,6 +9,11 @@ response positions with the lm_head through the log-prob head
 nor the [N, V] logits of the response rows are ever built. Called with
 Hugging Face arguments it is the HF model (`.logits` and all), for callers
 that want plain logits.
+
+In numerics 'true_on_policy' the model runs patched onto the batch-invariant
+ops (kernels/batch_invariant/hf.py) and the head is scored by
+`score_hidden_batch_invariant`: bi_linear logits of the response rows, then
+the log-prob kernel call the rollout engine makes on its lm_head's logits.
 """
 from __future__ import annotations
 
@@ -34,10 +39,55 @@ def score_hidden(hidden: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
     return linear_token_logprobs(hidden[mask], weight, targets, temperature=temperature, with_entropy=True)
 
 
+BATCH_INVARIANT_CHUNK_ROWS = 1024
+"""Response rows per bi_linear head call in true_on_policy: bounds the [rows, vocab] logits alive at once
+(each chunk's are recomputed in backward). bi_linear is row-invariant, so the chunking changes no bit."""
+
+
+def _batch_invariant_head(rows: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from kernels.batch_invariant import bi_linear
+    from kernels.logprob import token_logprobs_with_entropy
+
+    return token_logprobs_with_entropy(bi_linear(rows, weight), targets, temperature=temperature)
+
+
+def score_hidden_batch_invariant(hidden: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor,
+                                 targets: torch.Tensor, *, temperature: float,
+                                 chunk_rows: int = BATCH_INVARIANT_CHUNK_ROWS,
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logp, lse, entropy) as `score_hidden`, every bit independent of which other rows are scored.
+
+    The rollout engine in true_on_policy takes logits = its patched lm_head (bi_linear) of a row and
+    calls kernels.logprob on them; this is that computation on the response rows: bi_linear(rows,
+    weight), then the same kernel with the same (auto) backend — with entropy, whose extra output
+    leaves logp and lse untouched. The fused linear head is not used: its GEMM tiling depends on the
+    number of rows. Rows go in chunks, each recomputed in backward (activation checkpointing), so
+    at most one chunk's logits are kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    rows = hidden[mask]
+    recompute = torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad)
+    parts = []
+    for start in range(0, max(rows.shape[0], 1), chunk_rows):
+        piece, piece_targets = rows[start:start + chunk_rows], targets[start:start + chunk_rows]
+        if recompute:
+            parts.append(checkpoint(_batch_invariant_head, piece, weight, piece_targets, temperature,
+                                    use_reentrant=False))
+        else:
+            parts.append(_batch_invariant_head(piece, weight, piece_targets, temperature))
+    if len(parts) == 1:
+        return parts[0]
+    logp, lse, ent = zip(*parts)
+    return torch.cat(logp), torch.cat(lse), torch.cat(ent)
+
+
 class PolicyModule(torch.nn.Module):
-    def __init__(self, lm: torch.nn.Module) -> None:
+    def __init__(self, lm: torch.nn.Module, *, numerics: str = "fast") -> None:
         super().__init__()
         self.lm = lm
+        self.numerics = numerics
+        """'fast' or 'true_on_policy' (TrainerRunConfig.numerics): which head `forward` scores with."""
 
     @property
     def config(self):
@@ -48,4 +98,7 @@ class PolicyModule(torch.nn.Module):
             return self.lm(**hf_kwargs)
         hidden = microbatch.hidden_states(self.lm)
         weight = self.lm.get_output_embeddings().weight
+        if self.numerics == "true_on_policy":
+            return score_hidden_batch_invariant(hidden, weight, microbatch.loss_mask, microbatch.response_targets,
+                                                temperature=temperature)
         return score_hidden(hidden, weight, microbatch.loss_mask, microbatch.response_targets, temperature=temperature)

@@ -15,6 +15,7 @@ from contract.trainer_run import TrainerRunConfig, format_validation_error
 from services.trainer.packing import PackingConfig, pack_samples
 from services.trainer.policy import PolicyModule
 from services.trainer.wire import InvalidRequest
+from contract.trainer_settings import BATCH_INVARIANT_ATTENTION, AttentionPolicy
 
 
 def parse_run_config(text: str) -> TrainerRunConfig:
@@ -34,6 +35,27 @@ def attn_implementation(config: TrainerRunConfig) -> str:
     return config.attn_implementation
 
 
+def attention_policy(config: TrainerRunConfig) -> AttentionPolicy:
+    """The attention registry policy of a run: its own, with the backend forced in true_on_policy (the
+    config refuses another explicit backend there)."""
+    if config.numerics == "true_on_policy":
+        return config.attention.model_copy(update={"backend": BATCH_INVARIANT_ATTENTION})
+    return config.attention
+
+
+def apply_numerics(model: torch.nn.Module, config: TrainerRunConfig) -> torch.nn.Module:
+    """In true_on_policy, patch the model onto the batch-invariant ops (idempotent: called again after
+    LoRA injects its adapter Linears); in fast mode the model is left alone."""
+    if config.numerics != "true_on_policy":
+        return model
+    from kernels.batch_invariant.hf import BatchInvariantUnsupported, make_batch_invariant
+
+    try:
+        return make_batch_invariant(model)
+    except BatchInvariantUnsupported as exc:
+        raise InvalidRequest(f"trainer_config_json.numerics: 'true_on_policy' cannot run this model: {exc}") from None
+
+
 def load_model(path: str | Path, config: TrainerRunConfig, device: str, *, dtype: str,
                 field_name: str) -> torch.nn.Module:
     try:
@@ -44,7 +66,16 @@ def load_model(path: str | Path, config: TrainerRunConfig, device: str, *, dtype
     # function the rollout engine sampled from, or step-1 IW drifts from 1;
     # gradients flow in eval mode all the same.
     model.eval()
-    return model
+    return apply_numerics(model, config)
+
+
+def load_reference(model_path: str, config: TrainerRunConfig, device: str) -> PolicyModule:
+    """The KL reference: the run's initial policy, frozen, whole, in the compute dtype (the same cast of
+    the same masters the policy computes with at step 1), scored with the run's numerics."""
+    ref = PolicyModule(load_model(model_path, config, device, dtype=config.dtype, field_name="model_path"),
+                       numerics=config.numerics)
+    ref.requires_grad_(False)
+    return ref
 
 
 def load_policy(path: str | Path, config: TrainerRunConfig, device: torch.device, *, field_name: str) -> PolicyModule:
@@ -71,6 +102,7 @@ def load_run_policy(model_path: str, resume_checkpoint: str, config: TrainerRunC
         lora.apply_lora(lm, config.lora, base_model_path=model_path)
     except ValueError as exc:
         raise InvalidRequest(f"trainer_config_json.lora.{exc}") from None
+    apply_numerics(lm, config)  # the adapters' own Linears
     if resume_checkpoint:
         try:
             weights = ckpt.load_adapter_weights(resume_checkpoint)
@@ -82,7 +114,7 @@ def load_run_policy(model_path: str, resume_checkpoint: str, config: TrainerRunC
 
 
 def _sharded(lm: torch.nn.Module, config: TrainerRunConfig, device: torch.device) -> PolicyModule:
-    policy = PolicyModule(lm)
+    policy = PolicyModule(lm, numerics=config.numerics)
     base_on_cpu = config.lora is not None and config.lora.base_on_cpu
     sharding.shard_policy(policy, lm, device, sharding.ShardingPlan(
         compute_dtype=resolve_dtype(config.dtype), activation_checkpointing=config.activation_checkpointing,

@@ -193,13 +193,8 @@ class Trainer:
                 sharding.load_optimizer_state(policy.lm, optimizer, ckpt.read_optimizer_state(resume_checkpoint))
             except (FileNotFoundError, ValueError) as exc:
                 raise InvalidRequest(f"resume_checkpoint: {exc}") from None
-        ref_model = None
-        if config.kl_coef > 0:
-            # The reference is the run's initial policy, also when resuming: frozen, in the compute
-            # dtype (the same cast of the same masters the policy computes with at step 1).
-            ref_model = PolicyModule(run_setup.load_model(model_path, config, self.device, dtype=config.dtype,
-                                                 field_name="model_path"))
-            ref_model.requires_grad_(False)
+        # The reference is the run's initial policy, also when resuming.
+        ref_model = run_setup.load_reference(model_path, config, self.device) if config.kl_coef > 0 else None
         run = RunState(
             run_id=run_id,
             model_path=model_path,
@@ -223,7 +218,7 @@ class Trainer:
         from kernels.attention import REGISTRY, AttentionBackendError
 
         try:
-            REGISTRY.set_policy(config.attention)
+            REGISTRY.set_policy(run_setup.attention_policy(config))
         except AttentionBackendError as exc:
             raise InvalidRequest(f"trainer_config_json.attention.backend: {exc}") from None
 
@@ -299,7 +294,7 @@ class Trainer:
             positions=torch.cat([mb.response_positions for mb in microbatches]).cpu(),
             attention_backend=attention, logprob_backend=logprob,
             sample_ids=[s.sample_id for s in canonical_order(samples)],
-            thresholds=run.config.parity_gate,
+            thresholds=run.config.parity_gate, numerics=run.config.numerics,
         )
 
     def check_parity(self, request: StepRequest) -> ParityVerdict:
@@ -593,6 +588,7 @@ class Trainer:
                 master_dtype="float32",
                 attn_implementation=run.config.attn_implementation,
                 batching=run.config.batching,
+                numerics=run.config.numerics,
                 reference_model=str(run.ref_model is not None).lower(),
                 lora=(f"rank={run.config.lora.rank},alpha={run.config.lora.alpha}" if run.config.lora else "none"),
             )
