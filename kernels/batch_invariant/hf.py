@@ -35,6 +35,8 @@ import types
 
 import torch
 
+from kernels.batch_invariant import bi_linear, bi_rms_norm
+
 # Modules whose own forward is row-invariant given patched children: containers, gathers,
 # elementwise activations and the Hugging Face blocks of the supported families (their
 # forwards only call children, elementwise torch ops and the attention interface).
@@ -87,14 +89,10 @@ def qualified_name(module: torch.nn.Module) -> str:
 
 
 def _bi_linear_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    from kernels.batch_invariant import bi_linear
-
     return bi_linear(input, self.weight, self.bias)
 
 
 def _bi_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    from kernels.batch_invariant import bi_rms_norm
-
     if self.weight.dtype != hidden_states.dtype:
         # HF would return weight-dtype values (`weight * normed.to(x.dtype)` promotes); the
         # batch-invariant op computes in x's dtype. Refused rather than silently different.
