@@ -13,7 +13,9 @@ decoder calls its own attention function.
 Why the rest of the model needs no patch: embedding gathers, residual adds,
 SiLU-and-mul, the rotary cos/sin (a K=1 product per position) and its
 application are elementwise in eager mode, so a row's bits never depend on
-the other rows. What is not elementwise — every matmul and every RMSNorm's
+the other rows. The rotary table itself is pinned to float32 (a
+`model.to(bfloat16)` would round it, and then one side's cos/sin would not be
+the other's). What is not elementwise — every matmul and every RMSNorm's
 mean over the hidden size — is what the patch replaces.
 
 Fail closed: every module of the model must be of a class on the allowlist
@@ -103,9 +105,33 @@ def _bi_rms_norm_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> 
     return bi_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
+def _fp32_rotary_forward(self: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
+    if self.inv_freq.dtype != torch.float32:
+        raise BatchInvariantUnsupported(
+            "rotary embedding", qualified_name(self),
+            f"inv_freq became {self.inv_freq.dtype} after make_batch_invariant (a model.to(dtype)?); both sides "
+            "must compute cos/sin from the float32 table")
+    return type(self).forward(self, x, position_ids)
+
+
+def _pin_fp32_rotary_table(module: torch.nn.Module) -> None:
+    """The cos/sin table in float32, as the config defines it: a `model.to(bfloat16)` casts the inv_freq
+    buffer (from_pretrained(dtype=...) does not), and a rounded table gives other cos/sin bits than the
+    other side's float32 one. Non-persistent buffers: no state_dict key changes."""
+    if module.inv_freq.dtype == torch.float32 and module.original_inv_freq.dtype == torch.float32:
+        return
+    inv_freq, _scaling = module.compute_default_rope_parameters(module.config)
+    device = module.inv_freq.device
+    module.inv_freq = inv_freq.to(device)
+    module.original_inv_freq = inv_freq.clone().to(device)
+
+
+_PATCHED_FORWARDS = (_bi_linear_forward, _bi_rms_norm_forward, _fp32_rotary_forward)
+
+
 def is_patched(module: torch.nn.Module) -> bool:
     forward = module.__dict__.get("forward")
-    return getattr(forward, "__func__", None) in (_bi_linear_forward, _bi_rms_norm_forward)
+    return getattr(forward, "__func__", None) in _PATCHED_FORWARDS
 
 
 def _check_config(config) -> None:
@@ -176,11 +202,15 @@ def make_batch_invariant(model: torch.nn.Module) -> torch.nn.Module:
     for path, module in modules:
         _check_module(path, module)
     for _path, module in modules:
+        name = qualified_name(module)
+        if name.endswith("RotaryEmbedding"):
+            _pin_fp32_rotary_table(module)
         if is_patched(module):
             continue
-        name = qualified_name(module)
         if name == _LINEAR:
             module.forward = types.MethodType(_bi_linear_forward, module)
         elif name in RMS_NORM_CLASSES:
             module.forward = types.MethodType(_bi_rms_norm_forward, module)
+        elif name.endswith("RotaryEmbedding"):
+            module.forward = types.MethodType(_fp32_rotary_forward, module)
     return model

@@ -155,3 +155,41 @@ def test_attention_bias_is_handled():
     ids = torch.stack(_sequences(model.config.vocab_size, lengths=(6, 6)))
     with torch.no_grad():
         assert torch.allclose(model(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-4)
+
+
+def test_the_rotary_table_is_pinned_to_float32():
+    reference = _model()  # float32 table, as from_pretrained(dtype=...) leaves it
+    model = _model(torch.bfloat16)  # .to(bfloat16) rounds the inv_freq buffer
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    make_batch_invariant(model)
+    rotary = model.model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(rotary.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert "model.rotary_emb.inv_freq" not in model.state_dict()
+    x, pos = torch.zeros(1, 3, 8, dtype=torch.bfloat16), torch.arange(3)[None]
+    assert all(torch.equal(a, b) for a, b in zip(rotary(x, pos), reference.model.rotary_emb(x, pos)))
+    model.to(torch.bfloat16)  # after the patch: refused at the next forward, not silently rounded
+    with pytest.raises(BatchInvariantUnsupported, match="inv_freq became torch.bfloat16"):
+        rotary(x, pos)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_qwen2_and_llama_are_covered(family):
+    import transformers
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    if family == "qwen2":
+        cfg = transformers.Qwen2Config(**shape)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        cfg = transformers.LlamaConfig(**shape, mlp_bias=True)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    plain = cls(cfg).eval()
+    patched = make_batch_invariant(copy.deepcopy(plain))
+    norms = [m for m in patched.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * 2 + 1 and all(map(is_patched, norms))
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(patched(input_ids=ids).logits, plain(input_ids=ids).logits, atol=1e-4)
