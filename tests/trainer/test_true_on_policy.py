@@ -27,6 +27,15 @@ SMALL = TinyQwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads
 TEMPERATURE = 0.8
 
 
+@pytest.fixture(autouse=True)
+def restore_attention_policy():
+    """A true_on_policy Trainer forces the process-wide registry onto 'batch_invariant'; later tests
+    that select automatically must not inherit that."""
+    saved = REGISTRY.policy
+    yield
+    REGISTRY.set_policy(saved)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_model_dir(tmp_path_factory.mktemp("tiny_bi") / "m", SMALL, seed=5)
