@@ -12,10 +12,10 @@ from services.trainer import checkpoint as ckpt
 from services.trainer import lora, sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
 from contract.trainer_run import TrainerRunConfig, format_validation_error
+from contract.trainer_settings import BATCH_INVARIANT_ATTENTION, AttentionPolicy
 from services.trainer.packing import PackingConfig, pack_samples
 from services.trainer.policy import PolicyModule
 from services.trainer.wire import InvalidRequest
-from contract.trainer_settings import BATCH_INVARIANT_ATTENTION, AttentionPolicy
 
 
 def parse_run_config(text: str) -> TrainerRunConfig:

@@ -175,3 +175,15 @@ def test_a_model_true_on_policy_cannot_run_is_refused_at_configure(tmp_path, res
     with pytest.raises(InvalidRequest, match="trainer_config_json.numerics: 'true_on_policy' cannot run this model: "
                                              "config.rope_parameters.rope_type"):
         _configure(Trainer(device="cpu", num_threads=1), path, "r", "float32", 64)
+
+
+def test_the_kl_reference_scores_with_the_same_bits(model_dir, restore_torch_globals):
+    trainer = Trainer(device="cpu", num_threads=1)
+    _configure(trainer, model_dir, "kl", "bfloat16", 64, kl_coef=0.1)
+    ref = trainer.run.ref_model
+    assert ref.numerics == "true_on_policy"
+    assert all("forward" in m.__dict__ for m in ref.lm.modules() if type(m) is torch.nn.Linear)
+    # At step 1 policy and reference hold the same bf16 weights and run the same batch-invariant
+    # forward: the k3 KL to the reference is exactly 0, not merely small.
+    outcome = trainer.train_step(_request(trainer, model_dir, seed=4))
+    assert outcome.metrics["kl_ref"] == 0.0 and outcome.metrics["iw_max"] == 1.0
