@@ -187,3 +187,19 @@ def test_the_kl_reference_scores_with_the_same_bits(model_dir, restore_torch_glo
     # forward: the k3 KL to the reference is exactly 0, not merely small.
     outcome = trainer.train_step(_request(trainer, model_dir, seed=4))
     assert outcome.metrics["kl_ref"] == 0.0 and outcome.metrics["iw_max"] == 1.0
+
+
+def test_a_data_parallel_group_scores_the_samplers_bits(model_dir, restore_torch_globals):
+    from services.trainer.worker_group import GroupSpec, GroupTrainer
+
+    group = GroupTrainer(GroupSpec(world_size=2, device="cpu", num_threads=1, timeout_s=120))
+    try:
+        # A small budget: several microbatches, spread over both ranks, each a forward of the shards.
+        _configure(group, model_dir, "dp", "bfloat16", 24)
+        request = _request(group, model_dir, n=8, seed=6)
+        verdict = group.check_parity(request)
+        assert verdict.passed and verdict.stats["logprob_abs_diff_max"] == 0.0, verdict.message()
+        metrics = group.train_step(request).metrics
+        assert metrics["iw_min"] == metrics["iw_max"] == 1.0
+    finally:
+        group.close()
