@@ -13,7 +13,7 @@ import json
 import re
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from contract.platforms import SGLangPlatformConfig
 
@@ -83,7 +83,34 @@ class TorchEngineConfig(BaseModel):
     attn_implementation: str = Field(
         "sdpa",
         min_length=1,
-        description="Hugging Face attention implementation; must match the trainer's (same model code, same kernels).",
+        description="Hugging Face attention implementation the model is loaded with (and runs with outside "
+        "generation). Generation runs the decoder's own attention: packed prefill, then decode_attention over "
+        "a static KV cache.",
+    )
+    numerics: Literal["fast", "true_on_policy"] = Field(
+        "fast",
+        description="'fast': the model's own kernels. 'true_on_policy': batch-invariant kernels for every op from "
+        "token ids to log-probs (float32 or bfloat16 only), so each reported log-prob has the bits of the "
+        "trainer's recompute in the same mode; must equal the trainer's numerics.",
+    )
+    cuda_graphs: bool | None = Field(
+        None,
+        description="Capture each decode step as a CUDA graph (per batch-size bucket: powers of two up to "
+        "max_batch_size). None = on for CUDA devices, off on CPU; true on a CPU device is refused.",
+    )
+    max_context_tokens: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="KV-cache capacity per sequence (prompt + new tokens), allocated once; a longer request is "
+        "refused. None sizes the cache from each batch (grown in steps of 256 tokens, never shrunk).",
+    )
+    stop_check_interval: int = Field(
+        8,
+        ge=1,
+        le=4096,
+        description="Decode steps between host checks of whether every sequence has sampled a stop token "
+        "(stop detection itself runs on the device every step).",
     )
     logprob_backend: str = Field(
         "auto",
@@ -104,6 +131,27 @@ class TorchEngineConfig(BaseModel):
         if device_type not in ("cpu", "cuda"):
             raise ValueError(f"{v!r}: only 'cpu' and 'cuda[:N]' devices serve rollouts")
         return v
+
+    @field_validator("cuda_graphs")
+    @classmethod
+    def _graphs_need_cuda(cls, v: bool | None, info: ValidationInfo) -> bool | None:
+        device = info.data.get("device")
+        if v and device is not None and torch_device_type(device) != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, device is {device!r}")
+        return v
+
+    @field_validator("numerics")
+    @classmethod
+    def _mode_dtype(cls, v: str, info: ValidationInfo) -> str:
+        if v == "true_on_policy" and info.data.get("dtype") == "float16":
+            raise ValueError("'true_on_policy' has no batch-invariant kernels for dtype 'float16' "
+                             "(use 'float32' or 'bfloat16')")
+        return v
+
+    @property
+    def graphs_enabled(self) -> bool:
+        """Whether decode steps are captured: cuda_graphs, or by default whether the device is CUDA."""
+        return torch_device_type(self.device) == "cuda" if self.cuda_graphs is None else self.cuda_graphs
 
     @field_validator("logprob_backend")
     @classmethod

@@ -1,12 +1,11 @@
-"""The embedded PyTorch rollout engine: batched sampling with a KV cache.
+"""The embedded PyTorch rollout engine: the stock Hugging Face model driven by services.rollout.decoder.
 
 It runs the trainer's model code (services.common.models.load_causal_lm, the
 stock Hugging Face module) and scores every sampled token with the trainer's
 log-prob definition (kernels.logprob.token_logprobs), so that before the first
-update rollout and trainer agree on every response token (docs/DESIGN.md, "The
-invariant"). Nothing here re-implements attention or the model: the door to a
-bitwise-equal decode path (attention registry, batch-invariant ops) stays open
-by changing what load_causal_lm builds, not by forking code here.
+update rollout and trainer agree on every response token. Generation (packed
+prefill, static KV cache, CUDA graphs, numerics modes) lives in the decoder;
+this module loads, validates requests and applies weight updates.
 
 Reported log-prob of a sampled token = log_softmax(logits / T)[token] over the
 FULL vocabulary (T = 1 in greedy mode). Top-k / top-p truncate the
@@ -15,121 +14,44 @@ distribution, the same convention as SGLang and vLLM; the trainer recomputes
 exactly this quantity, so with top_k/top_p active the importance weight is
 still 1 at step 1.
 
-Sampling randomness is per sample: sample i of a prompt draws from its own
-torch.Generator seeded `prompt.seed + i`, one exponential-race draw per step,
-so a sample's tokens do not depend on which other prompts share its batch.
+Sampling randomness is per sample: sample i of a prompt draws from the
+counter-based stream of seed `prompt.seed + i` (services.rollout.sampling), so
+a sample's tokens do not depend on which other prompts share its batch.
 """
 from __future__ import annotations
 
 import hashlib
-import inspect
-from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
 from contract.engine_options import TorchEngineConfig
-from services.common.determinism import sample_generator
 from services.common.models import load_causal_lm
 from services.common.weight_stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
+from services.rollout.decoder import Decoder, DecoderOptions
 from services.rollout.engine import (
     Engine,
     GeneratedSample,
     GenerationRequest,
-    PromptSpec,
-    SamplingConfig,
     require_device,
 )
 from services.rollout.lora_adapter import merged_weight, module_adapters
+from services.rollout.sampling import truncate_logits
+
+__all__ = ["TorchEngine", "TorchEngineConfig", "decoder_options", "truncate_logits"]
 
 
-def _forward_kwargs(model: torch.nn.Module) -> tuple[str, dict[str, int]]:
-    """(name of the KV-cache argument, extra kwargs) for this model's forward.
-
-    transformers 5.2x renamed `past_key_values` to `cache`; `logits_to_keep=1`
-    skips the lm_head on every prompt position but the last, where the model
-    supports it (it changes no value, only work).
-    """
-    params = inspect.signature(model.forward).parameters
-    cache_arg = "cache" if "cache" in params else "past_key_values"
-    return cache_arg, ({"logits_to_keep": 1} if "logits_to_keep" in params else {})
-
-
-def left_pad(
-    prompts: Sequence[Sequence[int]], pad_token_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Left-pad prompts into (input_ids, attention_mask, position_ids), each [B, Lmax] int64.
-
-    Left padding puts every prompt's last token in the last column, so one
-    decode step appends one column for the whole batch. Position ids count
-    real tokens only (pads get 0 and are masked), so RoPE sees each prompt at
-    positions 0..L-1 exactly as in an unpadded forward.
-    """
-    lmax = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), lmax), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), lmax), dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, lmax - len(p) :] = torch.as_tensor(list(p), dtype=torch.long)
-        mask[b, lmax - len(p) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
-    return ids.to(device), mask.to(device), positions.to(device)
-
-
-_TOP_P_SCALE = float(2**40)
-
-
-def truncate_logits(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Top-k then top-p (nucleus) on temperature-scaled fp32 logits [B, V]; removed entries become -inf.
-
-    Top-k keeps every logit >= the k-th largest (ties at the boundary are
-    kept). Top-p keeps the smallest prefix of the descending order whose mass
-    reaches p; the most likely token is always kept. The sort is stable so
-    ties are broken by token id, deterministically.
-    """
-    neg_inf = float("-inf")
-    vocab = scaled.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(scaled, top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, neg_inf)
-    if top_p < 1.0:
-        ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
-        probs = torch.softmax(ordered, dim=-1)
-        # Cumulative mass in int64 fixed point (2**-40 resolution): an integer
-        # prefix sum is exact, so the cut does not depend on the scan order, and
-        # torch refuses floating-point cumsum on CUDA in deterministic mode.
-        fixed = torch.round(probs.double() * _TOP_P_SCALE).long()
-        mass_before = torch.cumsum(fixed, dim=-1) - fixed
-        drop = mass_before >= round(top_p * _TOP_P_SCALE)
-        drop[:, 0] = False
-        ordered = ordered.masked_fill(drop, neg_inf)
-        # Undo the sort with a gather (scatter with a tensor src is nondeterministic on CUDA).
-        scaled = ordered.gather(-1, torch.argsort(order, dim=-1))
-    return scaled
-
-
-def choose_tokens(
-    logits: torch.Tensor,
-    sampling: SamplingConfig,
-    generators: Sequence[torch.Generator],
-) -> torch.Tensor:
-    """Next token per row of `logits` [B, V]; row b consumes randomness only from generators[b].
-
-    Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d.
-    per token is an exact draw from p, and p == 0 (truncated) tokens can never
-    win. Each row's noise comes from its own generator, so rows are
-    independent of each other and of the batch they sit in.
-    """
-    if sampling.greedy:
-        return logits.argmax(dim=-1)
-    scaled = truncate_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
-    probs = torch.softmax(scaled, dim=-1)
-    noise = torch.stack(
-        [torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=g) for g in generators]
+def decoder_options(config: TorchEngineConfig) -> DecoderOptions:
+    """The decoder's options for an engine configuration."""
+    return DecoderOptions(
+        numerics=config.numerics,
+        max_batch_size=config.max_batch_size,
+        cuda_graphs=config.graphs_enabled,
+        max_context_tokens=config.max_context_tokens,
+        pad_token_id=config.pad_token_id,
+        logprob_backend=config.logprob_backend,
+        stop_check_interval=config.stop_check_interval,
     )
-    # exponential_ can return exactly 0; clamping keeps p == 0 entries at 0 instead of 0/0 = NaN.
-    noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
 
 
 class TorchEngine(Engine):
@@ -143,8 +65,7 @@ class TorchEngine(Engine):
         self._model: torch.nn.Module | None = None
         self._model_path = ""
         self._policy_version = -1
-        self._cache_arg = "cache"
-        self._forward_extra: dict[str, int] = {}
+        self._decoder: Decoder | None = None
         # LoRA: the loaded base weight of every module an adapter has changed (each version is merged
         # into these, never into the previous merge), and a digest of the adapter at the current version.
         self._pristine: dict[str, torch.Tensor] = {}
@@ -172,10 +93,10 @@ class TorchEngine(Engine):
         if self.config.pad_token_id >= vocab:
             raise ValueError(f"engine_config.pad_token_id: {self.config.pad_token_id} outside the vocabulary [0, {vocab})")
         self._probe_logprob_backend(model, vocab)
-        self._model, self._model_path = model, str(model_path)
+        decoder = Decoder(model, decoder_options(self.config))  # true_on_policy patches the model here
+        self._model, self._decoder, self._model_path = model, decoder, str(model_path)
         self._pristine, self._adapter_digest = {}, None
         self._policy_version = int(policy_version)
-        self._cache_arg, self._forward_extra = _forward_kwargs(model)
 
     def _probe_logprob_backend(self, model: torch.nn.Module, vocab: int) -> None:
         """Score one dummy token now, so a backend that cannot serve this dtype/device fails LoadModel, not step 1."""
@@ -191,7 +112,7 @@ class TorchEngine(Engine):
                              f"{dtype} on {self._device}: {exc}") from exc
 
     def close(self) -> None:
-        self._model = None
+        self._model, self._decoder = None, None
 
     @property
     def policy_version(self) -> int:
@@ -210,6 +131,8 @@ class TorchEngine(Engine):
             "dtype": self.config.dtype,
             "attn_implementation": self.config.attn_implementation,
             "max_batch_size": str(self.config.max_batch_size),
+            "numerics": self.config.numerics,
+            "cuda_graphs": str(self.config.graphs_enabled).lower(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "logprob_backend": self.config.logprob_backend,
@@ -223,15 +146,15 @@ class TorchEngine(Engine):
     # ------------------------------------------------------------- generate --
 
     def generate(self, request: GenerationRequest) -> list[GeneratedSample]:
-        model = self._require_model()
         self.validate_request(request)
+        assert self._decoder is not None  # set with the model by load
         # Sequence s = (prompt, sample index); output order is prompt order, then index.
         seqs = [(p, i) for p in request.prompts for i in range(request.samples_per_prompt)]
-        out: list[GeneratedSample] = []
-        step = self.config.max_batch_size
-        for start in range(0, len(seqs), step):
-            out.extend(self._generate_batch(model, seqs[start : start + step], request.sampling))
-        return out
+        decoded = self._decoder.decode([p.token_ids for p, _ in seqs], [p.seed + i for p, i in seqs],
+                                       request.sampling)
+        return [GeneratedSample(group_id=p.group_id, index=i, token_ids=d.token_ids, logprobs=d.logprobs,
+                                finish_reason=d.finish_reason)
+                for (p, i), d in zip(seqs, decoded)]
 
     def validate_request(self, request: GenerationRequest) -> None:
         """Checks that need the model (vocabulary, context length); ValueError names the field."""
@@ -254,93 +177,15 @@ class TorchEngine(Engine):
                     f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
                     f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={max_len}"
                 )
+            cap = self.config.max_context_tokens
+            if cap is not None and len(p.token_ids) + request.sampling.max_new_tokens > cap:
+                raise ValueError(
+                    f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
+                    f"{request.sampling.max_new_tokens} new tokens exceeds engine_config.max_context_tokens={cap}"
+                )
         bad_stop = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"sampling.stop_token_ids: id {bad_stop[0]} outside the vocabulary [0, {vocab})")
-
-    def _forward(
-        self,
-        model: torch.nn.Module,
-        ids: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        cache: object,
-    ) -> torch.Tensor:
-        """Logits of the last position [B, V]; `cache` is extended in place."""
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            **{self._cache_arg: cache},
-            **self._forward_extra,
-        )
-        return out.logits[:, -1, :]
-
-    @torch.inference_mode()
-    def _generate_batch(
-        self,
-        model: torch.nn.Module,
-        seqs: list[tuple[PromptSpec, int]],
-        sampling: SamplingConfig,
-    ) -> list[GeneratedSample]:
-        from kernels.logprob import token_logprobs
-        from transformers import DynamicCache
-
-        batch = len(seqs)
-        pad = self.config.pad_token_id
-        stop_ids = set(sampling.stop_token_ids)
-        temperature = sampling.logprob_temperature
-        generators = [sample_generator(p.seed + i, self._device) for p, i in seqs]
-
-        ids, mask, positions = left_pad([p.token_ids for p, _ in seqs], pad, self._device)
-        cache = DynamicCache(config=model.config)
-        logits = self._forward(model, ids, mask, positions, cache)
-        # Next RoPE position of each row = its own number of real tokens so far.
-        next_pos = mask.sum(-1, keepdim=True)
-
-        tokens: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        reasons = ["length"] * batch
-        active = list(range(batch))
-        for step in range(sampling.max_new_tokens):
-            rows = torch.as_tensor(active, device=self._device)
-            chosen = choose_tokens(logits[rows], sampling, [generators[b] for b in active])
-            logp, _ = token_logprobs(
-                logits[rows], chosen, temperature=temperature, backend=self.config.logprob_backend
-            )
-            chosen_l, logp_l = chosen.tolist(), logp.float().tolist()
-            still = []
-            for j, b in enumerate(active):
-                tokens[b].append(chosen_l[j])
-                logprobs[b].append(logp_l[j])
-                if chosen_l[j] in stop_ids:
-                    reasons[b] = "stop"
-                else:
-                    still.append(b)
-            active = still
-            if not active or step == sampling.max_new_tokens - 1:
-                break
-            # Finished rows stay in the batch (their cache rows are in place) but
-            # are fed the pad id and never sampled or reported again.
-            feed = torch.full((batch, 1), pad, dtype=torch.long, device=self._device)
-            feed[rows.new_tensor(active), 0] = torch.as_tensor(
-                [tokens[b][-1] for b in active], dtype=torch.long, device=self._device
-            )
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self._device)], dim=-1)
-            logits = self._forward(model, feed, mask, next_pos, cache)
-            next_pos = next_pos + 1
-
-        return [
-            GeneratedSample(
-                group_id=p.group_id,
-                index=i,
-                token_ids=tokens[b],
-                logprobs=logprobs[b],
-                finish_reason=reasons[b],
-            )
-            for b, (p, i) in enumerate(seqs)
-        ]
 
     # ------------------------------------------------------- update weights --
 
