@@ -33,12 +33,13 @@ def _gumbel_argmax_kernel(logits_ptr, stride_row, keys_ptr, out_ptr, temperature
     c2 = tl.full((BLOCK,), C2, tl.uint32)
     mult = tl.full((BLOCK,), MULT, tl.uint32)
     key = tl.load(keys_ptr + row).to(tl.uint32)
-    best_val = -float("inf")
-    best_idx = 0
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    best_val = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.full((), 0, tl.int32)
     for start in range(0, VOCAB, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         inside = offs < VOCAB
-        x = tl.load(logits_ptr + row * stride_row + offs, mask=inside, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + offs, mask=inside, other=float("-inf")).to(tl.float32)
         bits = _fmix32(key ^ (offs.to(tl.uint32) * mult), c1, c2)
         u = ((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
         z = x / temperature - tl.log(-tl.log(u))
