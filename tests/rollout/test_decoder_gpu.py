@@ -1,0 +1,113 @@
+"""The decoder on a CUDA GPU (run on the device machine; CI deselects `gpu`).
+
+Random-init stock Qwen3 models built on the device (same seed -> same weights), bf16, decoded under
+torch's deterministic mode as the rollout service runs. CUDA graph replay must give the eager bits; in
+true_on_policy every log-prob must equal the packed batch-invariant recompute bit for bit; the last test
+prints throughput at the Qwen3-0.6B shape (not asserted).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.engine import SamplingConfig
+from tests.conftest import require
+from tests.rollout.decoder_support import batch_invariant_scorer, packed_recompute
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=128, intermediate=512, vocab=4096)
+QWEN3_0_6B = dict(layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936)
+PROMPT_LENGTHS = [5, 17, 33, 64, 1, 100, 7, 48]
+
+
+@pytest.fixture(autouse=True)
+def cuda_deterministic():
+    require(torch.cuda.is_available(), "no CUDA device")
+    from services.common.determinism import configure_determinism
+
+    before = torch.are_deterministic_algorithms_enabled()
+    configure_determinism(0)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def qwen3(shape: dict, seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+                      num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+                      num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
+                      max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(cfg)
+    model.set_attn_implementation("sdpa")
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def prompts(lengths: list[int], vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def decode(numerics: str, graphs: bool, batch: list[list[int]], cfg: SamplingConfig, **options):
+    decoder = Decoder(qwen3(SMALL), DecoderOptions(numerics=numerics, cuda_graphs=graphs, **options))
+    return decoder.decode(batch, [100 + i for i in range(len(batch))], cfg)
+
+
+def test_fast_graph_replay_equals_eager_bitwise():
+    """Eight rows fill the bucket of eight, so eager and replay run the same GEMM shapes."""
+    batch = prompts(PROMPT_LENGTHS, SMALL["vocab"])
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=40)
+    eager = decode("fast", False, batch, cfg, max_batch_size=8)
+    graphed = decode("fast", True, batch, cfg, max_batch_size=8)
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+    assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
+
+
+def test_true_on_policy_graphs_padding_and_packed_recompute_bitwise():
+    """Five rows replayed in the bucket of eight (three padded rows) give the eager five-row bits, and every
+    log-prob equals one packed batch-invariant forward over the whole sequences."""
+    batch = prompts(PROMPT_LENGTHS[:5], SMALL["vocab"])
+    cfg = SamplingConfig(temperature=0.9, top_k=50, max_new_tokens=40)
+    eager = decode("true_on_policy", False, batch, cfg, max_batch_size=8)
+    graphed = decode("true_on_policy", True, batch, cfg, max_batch_size=8)
+    assert [r.token_ids for r in graphed] == [r.token_ids for r in eager]
+    assert [r.logprobs for r in graphed] == [r.logprobs for r in eager]
+    recomputed = packed_recompute(batch_invariant_scorer(qwen3(SMALL)), batch, [r.token_ids for r in graphed], 0.9)
+    assert [r.logprobs for r in graphed] == recomputed
+    # Control: the fast decoder's log-probs of its own samples differ from a batch-invariant recompute.
+    fast = decode("fast", True, batch, cfg, max_batch_size=8)
+    fast_recomputed = packed_recompute(batch_invariant_scorer(qwen3(SMALL)), batch, [r.token_ids for r in fast], 0.9)
+    assert [r.logprobs for r in fast] != fast_recomputed
+
+
+def test_throughput_at_the_qwen3_0_6b_shape():
+    """256 sequences x 256 new tokens, 128-token prompts, bf16, graphs on: new tokens/s of both modes."""
+    n, new, prompt_len = 256, 256, 128
+    model = qwen3(QWEN3_0_6B)
+    batch = prompts([prompt_len] * n, QWEN3_0_6B["vocab"])
+    seeds = list(range(n))
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=new)
+    report = {}
+    for numerics in ("fast", "true_on_policy"):  # fast first: true_on_policy patches the model in place
+        decoder = Decoder(model, DecoderOptions(numerics=numerics, max_batch_size=n, cuda_graphs=True,
+                                                max_context_tokens=prompt_len + new))
+        decoder.decode(batch, seeds, SamplingConfig(temperature=1.0, max_new_tokens=4))  # capture, compile
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rows = decoder.decode(batch, seeds, cfg)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(r.token_ids) for r in rows)
+        report[numerics] = {"new_tokens": tokens, "seconds": round(seconds, 3),
+                            "new_tokens_per_s": round(tokens / seconds)}
+        decoder.release()
+    report["true_on_policy_time_over_fast"] = round(report["true_on_policy"]["seconds"] / report["fast"]["seconds"], 3)
+    print("decoder throughput " + json.dumps(report))
+    assert report["fast"]["new_tokens"] == n * new
