@@ -93,7 +93,12 @@ class TorchEngine(Engine):
         if self.config.pad_token_id >= vocab:
             raise ValueError(f"engine_config.pad_token_id: {self.config.pad_token_id} outside the vocabulary [0, {vocab})")
         self._probe_logprob_backend(model, vocab)
-        decoder = Decoder(model, decoder_options(self.config))  # true_on_policy patches the model here
+        try:
+            decoder = Decoder(model, decoder_options(self.config))  # true_on_policy patches the model here
+        except ValueError as exc:  # DecoderUnsupported, BatchInvariantUnsupported: the model, not the call
+            field = "numerics" if self.config.numerics == "true_on_policy" else "model"
+            raise ValueError(f"engine_config.{field}: the {self.config.numerics!r} decoder cannot run this "
+                             f"model: {exc}") from exc
         self._model, self._decoder, self._model_path = model, decoder, str(model_path)
         self._pristine, self._adapter_digest = {}, None
         self._policy_version = int(policy_version)

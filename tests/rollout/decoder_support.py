@@ -61,8 +61,8 @@ def dynamic_cache_logprobs(model, prompts, responses, temperature: float, pad: i
 
 
 def _register_packed_bi_attention() -> str:
-    """An HF attention function calling packed_attention on the packed buffer: the trainer's true_on_policy
-    forward, written here independently of the decoder's attention function."""
+    """An HF attention function calling packed_attention on the packed buffer (what the trainer's packed path
+    runs with the registry's batch_invariant backend), written independently of the decoder's."""
     from transformers import AttentionInterface
 
     from kernels.batch_invariant import packed_attention
@@ -77,7 +77,7 @@ def _register_packed_bi_attention() -> str:
 
 
 def batch_invariant_scorer(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` (a fresh copy, not the decoder's) patched onto the batch-invariant ops, attention included."""
+    """`model` (a fresh copy, not the decoder's) patched onto the batch-invariant ops, packed attention too."""
     from kernels.batch_invariant.hf import make_batch_invariant
 
     model.set_attn_implementation(_register_packed_bi_attention())
@@ -87,9 +87,10 @@ def batch_invariant_scorer(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def packed_recompute(scorer: torch.nn.Module, prompts, responses, temperature: float) -> list[list[float]]:
-    """Every sequence prompt+response in ONE packed forward of `scorer`; each response token's log-prob from
-    the logits of all positions, as the trainer computes them."""
+    """Every sequence prompt+response in ONE packed forward of `scorer`; each response token scored by the
+    trainer's true_on_policy head (services.trainer.policy.score_hidden_batch_invariant)."""
     from kernels.attention import packed_forward_kwargs
+    from services.trainer.policy import score_hidden_batch_invariant
 
     device = next(scorer.parameters()).device
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
@@ -98,11 +99,14 @@ def packed_recompute(scorer: torch.nn.Module, prompts, responses, temperature: f
     cu[1:] = lens.cumsum(0)
     positions = torch.cat([torch.arange(n) for n in lens.tolist()])
     with torch.no_grad():
-        logits = scorer(input_ids=torch.tensor([t for s in seqs for t in s], device=device)[None],
-                        **packed_forward_kwargs(positions.to(device), cu.to(device), int(lens.max()))).logits[0]
-    rows = torch.cat([torch.arange(int(cu[b]) + len(p) - 1, int(cu[b + 1]) - 1) for b, p in enumerate(prompts)])
-    targets = torch.tensor([t for r in responses for t in r], device=device)
-    logp = token_logprobs(logits[rows.to(device)], targets, temperature=temperature)[0].float().tolist()
+        hidden = scorer.model(input_ids=torch.tensor([t for s in seqs for t in s], device=device)[None],
+                              **packed_forward_kwargs(positions.to(device), cu.to(device),
+                                                      int(lens.max()))).last_hidden_state[0]
+        rows = torch.cat([torch.arange(int(cu[b]) + len(p) - 1, int(cu[b + 1]) - 1) for b, p in enumerate(prompts)])
+        targets = torch.tensor([t for r in responses for t in r], device=device)
+        mask = torch.ones(len(rows), dtype=torch.bool, device=device)
+        logp = score_hidden_batch_invariant(hidden[rows.to(device)], scorer.get_output_embeddings().weight, mask,
+                                            targets, temperature=temperature)[0].float().tolist()
     out, at = [], 0
     for r in responses:
         out.append(logp[at:at + len(r)])
