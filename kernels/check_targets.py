@@ -76,6 +76,19 @@ def _triton_specs():
         const = dict(BLOCK=BACKWARD_BLOCK, WITH_ENT=ent, HAS_MASK=mask, SCALE=scale, HAS_GLSE=ent)
         specs.append((k.logprob_backward_kernel, dict(zip(bwd_sig, types)), const, 4,
                       f"backward {str(dtype)[6:]} ent={ent} mask={mask} scale={scale}"))
+    return specs + _sampler_specs()
+
+
+def _sampler_specs():
+    """The rollout decoder's Gumbel-max sampling kernel on Qwen3's vocab (bf16 logits; fp32 when truncated)."""
+    from services.rollout import sampling_triton as st
+    from services.rollout.sampling import FMIX_C1, FMIX_C2, TOKEN_MULT
+
+    specs = []
+    for ptr in ("*bf16", "*fp32"):
+        sig = {"logits_ptr": ptr, "stride_row": "i32", "keys_ptr": "*i64", "out_ptr": "*i64", "temperature": "fp32"}
+        const = dict(VOCAB=QWEN3_VOCAB, C1=FMIX_C1, C2=FMIX_C2, MULT=TOKEN_MULT, BLOCK=st.BLOCK_V)
+        specs.append((st._gumbel_argmax_kernel, sig, const, 4, f"gumbel_argmax V={QWEN3_VOCAB} {ptr[1:]}"))
     return specs
 
 

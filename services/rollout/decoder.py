@@ -50,7 +50,7 @@ from services.rollout.kv_cache import (
     StaticKVCache,
     register_decoder_attention,
 )
-from services.rollout.sampling import sample_tokens, seed_words
+from services.rollout.sampling import sample_tokens, seed_words, stream_keys
 
 NUMERICS_MODES = ("fast", "true_on_policy")
 CAPACITY_STEP = 256
@@ -250,14 +250,14 @@ class Decoder:
         lengths.copy_(positions[:, 0] + 1)
 
         logits = self._prefill_logits(prompts)
-        words = seed_words(seeds, self.device)
+        keys = stream_keys(seed_words(seeds, self.device), new)
         stops = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.int64, device=self.device)
         tokens = torch.empty((n, new), dtype=torch.int64, device=self.device)
         logps = torch.empty((n, new), dtype=torch.float32, device=self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         steps = new
         for step in range(new):
-            chosen = sample_tokens(logits[:n], sampling, words, step)
+            chosen = sample_tokens(logits[:n], sampling, keys[step])
             logp, _ = token_logprobs(logits[:n], chosen, temperature=sampling.logprob_temperature,
                                      backend=self.options.logprob_backend)
             tokens[:, step] = chosen

@@ -98,9 +98,16 @@ def seed_words(seeds: Sequence[int], device: torch.device) -> torch.Tensor:
 
 def row_keys(words: torch.Tensor, step: int) -> torch.Tensor:
     """int64 [B] in [0, 2**32): the key of every row's stream at `step` (see the module docstring)."""
+    return stream_keys(words, step + 1)[step]
+
+
+def stream_keys(words: torch.Tensor, steps: int) -> torch.Tensor:
+    """int64 [steps, B]: every row's key at steps 0..steps-1, in one batch of ops (row t is contiguous), so a
+    decode loop launches nothing per step to derive its keys."""
     h = fmix32(words[:, 0] ^ SEED_SALT)
     h = fmix32(h ^ words[:, 1])
-    return fmix32(h ^ (step & MASK32))
+    step_ids = torch.arange(steps, dtype=torch.int64, device=words.device) & MASK32
+    return fmix32(h[None, :] ^ step_ids[:, None])
 
 
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -116,17 +123,17 @@ def gumbel_argmax_reference(scaled: torch.Tensor, keys: torch.Tensor) -> torch.T
     return (scaled + (-torch.log(-torch.log(u)))).argmax(dim=-1)
 
 
-def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, words: torch.Tensor, step: int) -> torch.Tensor:
-    """Next token (int64 [B]) of every row of `logits` [B, V] at `step`; row b draws from the stream of words[b]."""
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, keys: torch.Tensor) -> torch.Tensor:
+    """Next token (int64 [B]) of every row of `logits` [B, V]; row b draws from the stream keyed keys[b] (the
+    row's key at this step: `row_keys` / `stream_keys`)."""
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    keys = row_keys(words, step)
     truncated = sampling.top_k > 0 or sampling.top_p < 1.0
     if logits.is_cuda:
         from services.rollout.sampling_triton import gumbel_argmax
 
         if not truncated:
-            return gumbel_argmax(logits, keys, 1.0 / sampling.temperature)
+            return gumbel_argmax(logits, keys, sampling.temperature)
         scaled = truncate_logits(logits.float() / sampling.temperature, sampling.top_k, sampling.top_p)
         return gumbel_argmax(scaled, keys, 1.0)
     scaled = logits.float() / sampling.temperature

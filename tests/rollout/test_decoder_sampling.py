@@ -14,6 +14,7 @@ from services.rollout.sampling import (
     row_keys,
     sample_tokens,
     seed_words,
+    stream_keys,
     uniforms,
 )
 
@@ -44,6 +45,13 @@ def test_stream_matches_its_definition(seed):
         assert u[token].item() == py_uniform(seed, 17, token)
 
 
+def test_all_steps_keys_at_once_equal_each_steps_key():
+    words = seed_words([3, 2**50, -1], CPU)
+    table = stream_keys(words, 40)
+    assert table.shape == (40, 3) and table[7].is_contiguous()
+    assert all(torch.equal(table[t], row_keys(words, t)) for t in (0, 1, 7, 39))
+
+
 def test_uniforms_look_uniform_and_streams_differ():
     keys = row_keys(seed_words(list(range(64)), CPU), 3)
     u = uniforms(keys, 4096)
@@ -61,11 +69,11 @@ def test_a_rows_draw_does_not_depend_on_the_batch():
     logits = torch.randn(6, 50) * 2
     seeds = [5, 6, 7, 8, 9, 10]
     cfg = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)
-    together = sample_tokens(logits, cfg, seed_words(seeds, CPU), 4)
+    together = sample_tokens(logits, cfg, row_keys(seed_words(seeds, CPU), 4))
     for b in range(6):
-        alone = sample_tokens(logits[b:b + 1], cfg, seed_words([seeds[b]], CPU), 4)
+        alone = sample_tokens(logits[b:b + 1], cfg, row_keys(seed_words([seeds[b]], CPU), 4))
         assert alone.item() == together[b].item()
-    reordered = sample_tokens(logits.flip(0), cfg, seed_words(seeds[::-1], CPU), 4)
+    reordered = sample_tokens(logits.flip(0), cfg, row_keys(seed_words(seeds[::-1], CPU), 4))
     assert reordered.flip(0).tolist() == together.tolist()
 
 
@@ -74,7 +82,7 @@ def test_draws_follow_the_distribution():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n, temperature = 20000, 0.8
     draws = sample_tokens(logits.expand(n, -1), SamplingConfig(temperature=temperature),
-                          seed_words(range(n), CPU), 0)
+                          row_keys(seed_words(range(n), CPU), 0))
     freq = torch.bincount(draws, minlength=6).double() / n
     p = torch.softmax(logits.double() / temperature, -1)
     # 5 standard errors per token.
@@ -83,10 +91,10 @@ def test_draws_follow_the_distribution():
 
 def test_truncated_tokens_are_never_drawn_and_greedy_is_argmax():
     logits = torch.tensor([[3.0, 2.9, 2.8, -1.0, 0.0, 1.0]]).expand(512, -1)
-    words = seed_words(range(512), CPU)
-    top2 = sample_tokens(logits, SamplingConfig(temperature=2.0, top_k=2), words, 1)
+    keys = row_keys(seed_words(range(512), CPU), 1)
+    top2 = sample_tokens(logits, SamplingConfig(temperature=2.0, top_k=2), keys)
     assert set(top2.tolist()) == {0, 1}
-    assert sample_tokens(logits, SamplingConfig(greedy=True), words, 1).tolist() == [0] * 512
+    assert sample_tokens(logits, SamplingConfig(greedy=True), keys).tolist() == [0] * 512
 
 
 def test_triton_kernel_matches_the_torch_definition():
