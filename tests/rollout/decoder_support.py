@@ -60,36 +60,24 @@ def dynamic_cache_logprobs(model, prompts, responses, temperature: float, pad: i
     return [steps[b, :len(r)] for b, r in enumerate(responses)]
 
 
-def _register_packed_bi_attention() -> str:
-    """An HF attention function calling packed_attention on the packed buffer (what the trainer's packed path
-    runs with the registry's batch_invariant backend), written independently of the decoder's."""
-    from transformers import AttentionInterface
-
-    from kernels.batch_invariant import packed_attention
-
-    def forward(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
-                **kwargs):
-        q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
-        return packed_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling).unsqueeze(0), None
-
-    AttentionInterface.register("test_bi_packed", forward)
-    return "test_bi_packed"
-
-
 def batch_invariant_scorer(model: torch.nn.Module) -> torch.nn.Module:
-    """`model` (a fresh copy, not the decoder's) patched onto the batch-invariant ops, packed attention too."""
+    """`model` (a fresh copy, not the decoder's) set up as the trainer runs it in true_on_policy: patched onto
+    the batch-invariant ops, attention through the packed HF path (`packed_recompute` forces the registry's
+    batch_invariant backend)."""
+    from kernels.attention import register_hf_attention
     from kernels.batch_invariant.hf import make_batch_invariant
 
-    model.set_attn_implementation(_register_packed_bi_attention())
+    model.set_attn_implementation(register_hf_attention())
     model.eval().requires_grad_(False)
     make_batch_invariant(model)
     return model
 
 
 def packed_recompute(scorer: torch.nn.Module, prompts, responses, temperature: float) -> list[list[float]]:
-    """Every sequence prompt+response in ONE packed forward of `scorer`; each response token scored by the
-    trainer's true_on_policy head (services.trainer.policy.score_hidden_batch_invariant)."""
-    from kernels.attention import packed_forward_kwargs
+    """Every sequence prompt+response in ONE packed forward of `scorer` (the trainer's packed layout and
+    attention backend); each response token scored by the trainer's true_on_policy head
+    (services.trainer.policy.score_hidden_batch_invariant)."""
+    from kernels.attention import REGISTRY, packed_forward_kwargs
     from services.trainer.policy import score_hidden_batch_invariant
 
     device = next(scorer.parameters()).device
@@ -98,7 +86,7 @@ def packed_recompute(scorer: torch.nn.Module, prompts, responses, temperature: f
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     cu[1:] = lens.cumsum(0)
     positions = torch.cat([torch.arange(n) for n in lens.tolist()])
-    with torch.no_grad():
+    with torch.no_grad(), REGISTRY.forced("batch_invariant"):
         hidden = scorer.model(input_ids=torch.tensor([t for s in seqs for t in s], device=device)[None],
                               **packed_forward_kwargs(positions.to(device), cu.to(device),
                                                       int(lens.max()))).last_hidden_state[0]
