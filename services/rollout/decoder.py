@@ -137,7 +137,8 @@ class _CapturedDecodeStep:
                 step(self.ids, self.positions, self.lengths)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: a CUDA call from another thread (the server's) does not invalidate this capture.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.logits = step(self.ids, self.positions, self.lengths)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -153,6 +154,11 @@ class Decoder:
     def __init__(self, model: torch.nn.Module, options: DecoderOptions) -> None:
         if options.numerics not in NUMERICS_MODES:
             raise ValueError(f"numerics: {options.numerics!r} is not one of {list(NUMERICS_MODES)}")
+        for name in ("max_batch_size", "stop_check_interval"):
+            if getattr(options, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(options, name)}")
+        if options.max_context_tokens is not None and options.max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens: must be >= 1 or None, got {options.max_context_tokens}")
         check_decodable(model)
         self.model, self.options = model, options
         self.device = next(model.parameters()).device
