@@ -31,8 +31,3 @@ def configure_determinism(seed: int, *, num_threads: int | None = None) -> None:
     if num_threads is not None:
         torch.set_num_threads(num_threads)
 
-
-def sample_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(seed % 2**63)
-    return g
