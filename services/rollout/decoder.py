@@ -15,7 +15,9 @@ tokens depend only on its seed, step and logits).
 
 Numerics modes:
 - `fast`: the model's own kernels (cuBLAS etc.); prefill attention through the
-  attention registry's fastest packed backend.
+  attention registry's packed backend for the dtype/device (the batch-invariant
+  packed kernel where the registry has none, e.g. float32 on a GPU in
+  deterministic mode; `Decoder.prefill_attention` names it).
 - `true_on_policy`: the model patched with `make_batch_invariant` (every
   Linear and RMSNorm on batch-invariant kernels), prefill through
   `packed_attention`, decode through `decode_attention` (same key-block
@@ -172,9 +174,9 @@ class Decoder:
             from kernels.batch_invariant.hf import make_batch_invariant
 
             make_batch_invariant(model)
-            self._packed_attention = packed_attention
+            self._packed_attention, self.prefill_attention = packed_attention, "batch_invariant"
         else:
-            self._packed_attention = _registry_packed_attention
+            self._packed_attention, self.prefill_attention = _fast_prefill_attention(model, self.device)
         self._base = getattr(model, model.base_model_prefix)
         self._head = model.get_output_embeddings()
         cfg = model.config
@@ -304,10 +306,29 @@ class Decoder:
         return self._head(hidden[:, -1])
 
 
-def _registry_packed_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-    from kernels.attention import REGISTRY, PackedLayout
+def _fast_prefill_attention(model: torch.nn.Module, device: torch.device) -> tuple[Callable, str]:
+    """(packed attention fn, its name) of fast-mode prefill: the attention registry's choice for this
+    dtype/device/head size, or, where the registry has no backend for it (float32 on a GPU under
+    deterministic algorithms: its fused backends are 16-bit, its reference not deterministic there), the
+    batch-invariant packed kernel, which serves every dtype the decoder runs. Engine info reports which."""
+    from kernels.attention import REGISTRY, AttentionBackendError, PackedLayout
 
-    return REGISTRY.attention(q, k, v, PackedLayout(cu_seqlens, max_seqlen), scale=scale)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    try:
+        backend = REGISTRY.select(device=device, dtype=next(model.parameters()).dtype, head_dim=head_dim,
+                                  packed=True, window=None)
+    except AttentionBackendError:
+        if REGISTRY.policy.backend is not None:
+            raise  # a backend forced by policy is never replaced
+        from kernels.batch_invariant import packed_attention
+
+        return packed_attention, "batch_invariant"
+
+    def registry_attention(q, k, v, cu_seqlens, max_seqlen, scale):
+        return REGISTRY.attention(q, k, v, PackedLayout(cu_seqlens, max_seqlen), scale=scale)
+
+    return registry_attention, backend.name
 
 
 def _trim(tokens: list[list[int]], logps: list[list[float]], stops: set[int]) -> list[DecodedSequence]:

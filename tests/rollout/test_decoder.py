@@ -135,7 +135,30 @@ def test_engine_reports_decoder_rows_and_keeps_the_model_stock(model_dir):
     with torch.no_grad():
         logits = engine._require_model()(input_ids=torch.tensor([PROMPTS[1]])).logits
     assert logits.shape[1] == len(PROMPTS[1])
-    assert engine.info()["numerics"] == "fast" and engine.info()["cuda_graphs"] == "false"
+    info = engine.info()
+    assert (info["numerics"], info["cuda_graphs"], info["prefill_attention"]) == ("fast", "false", "reference")
+
+
+def test_fast_prefill_takes_the_registry_backend_or_the_batch_invariant_kernel(model_dir):
+    """Fast prefill runs the registry's choice; where auto-selection finds none it runs the batch-invariant
+    packed kernel, and a backend forced by policy that cannot serve is an error, never replaced."""
+    from contract.trainer_settings import AttentionPolicy
+    from kernels.attention import REGISTRY, AttentionBackendError
+
+    assert Decoder(loaded(model_dir, "float32"), DecoderOptions()).prefill_attention == "reference"
+    reference = REGISTRY.get("reference")
+    REGISTRY.unregister("reference")  # the only CPU backend: auto-selection now finds none
+    try:
+        decoder = Decoder(loaded(model_dir, "float32"), DecoderOptions())
+        assert decoder.prefill_attention == "batch_invariant"
+        rows = decoder.decode(PROMPTS, SEEDS, sampling())
+    finally:
+        REGISTRY.register(reference)
+    assert [r.token_ids for r in rows] == [r.token_ids for r in
+                                           Decoder(loaded(model_dir, "float32"), DecoderOptions()).decode(
+                                               PROMPTS, SEEDS, sampling())]
+    with REGISTRY.use_policy(AttentionPolicy(backend="flash_attn")), pytest.raises(AttentionBackendError):
+        Decoder(loaded(model_dir, "float32"), DecoderOptions())
 
 
 def test_decode_under_deterministic_algorithms_as_the_service_runs(model_dir):
