@@ -174,3 +174,21 @@ def test_decode_under_deterministic_algorithms_as_the_service_runs(model_dir):
         torch.use_deterministic_algorithms(False)
     assert [r.token_ids for r in strict] == [r.token_ids for r in free]
     assert [r.logprobs for r in strict] == [r.logprobs for r in free]
+
+
+def test_the_decoder_attention_refuses_calls_outside_a_decode(model_dir):
+    """The attention function fails closed: without the static cache kwarg, or given a mask, it raises."""
+    from services.rollout.kv_cache import KVStep, StaticKVCache, decoder_attention_forward
+
+    layer = loaded(model_dir, "float32").model.layers[0].self_attn
+    q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="without the lockstep_kv forward kwarg"):
+        decoder_attention_forward(layer, q, kv, kv, None)
+    cache = StaticKVCache(layers=2, rows=1, kv_heads=2, capacity=8, head_dim=8, dtype=torch.float32,
+                          device=torch.device("cpu"))
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    step = KVStep.prefill(cache, torch.zeros(3, dtype=torch.long), torch.arange(3), cu, 3, lambda *a: a[0])
+    with pytest.raises(RuntimeError, match="got an attention mask"):
+        decoder_attention_forward(layer, q, kv, kv, torch.zeros(1, 1, 3, 3), lockstep_kv=step)
+    with pytest.raises(RuntimeError, match="sliding windows"):
+        decoder_attention_forward(layer, q, kv, kv, None, sliding_window=4, lockstep_kv=step)
