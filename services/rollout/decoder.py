@@ -7,17 +7,20 @@ A batch of prompts is prefilled as ONE packed [1, T] forward (no padding;
 cu_seqlens), each sequence's K/V landing in its own row of a static cache
 (services.rollout.kv_cache). Each decode step then runs the stock HF model on
 [B, 1] ids with position_ids = each row's length, `use_cache=False`, and the
-decoder's attention function, which writes the new K/V and calls
-`decode_attention`. The logits of the last position of every row go through
+decoder's attention function, which writes the new K/V and attends over the
+row's cached keys. The logits of the last position of every row go through
 `kernels.logprob.token_logprobs` (the trainer's log-prob definition) and the
 sampler (services.rollout.sampling: one batched call per step; a sample's
 tokens depend only on its seed, step and logits).
 
 Numerics modes:
-- `fast`: the model's own kernels (cuBLAS etc.); prefill attention through the
-  attention registry's packed backend for the dtype/device (the batch-invariant
-  packed kernel where the registry has none, e.g. float32 on a GPU in
-  deterministic mode; `Decoder.prefill_attention` names it).
+- `fast`: the model's own kernels (cuBLAS etc.). Decode attention: the
+  batch-invariant Triton kernel on GPUs (it reads a static cache and captures
+  in a graph), torch SDPA with a key mask on CPU. Prefill attention: the
+  attention registry's packed backend for the dtype/device, or the
+  batch-invariant packed kernel where the registry has none (float32 on a GPU
+  in deterministic mode). `Decoder.prefill_attention` / `.decode_attention`
+  name them.
 - `true_on_policy`: the model patched with `make_batch_invariant` (every
   Linear and RMSNorm on batch-invariant kernels), prefill through
   `packed_attention`, decode through `decode_attention` (same key-block
@@ -168,7 +171,10 @@ class Decoder:
             raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, the model is on {self.device}")
         from kernels.batch_invariant import decode_attention
 
-        self._decode_attention = decode_attention
+        self._decode_attention, self.decode_attention = decode_attention, "batch_invariant"
+        if options.numerics == "fast" and self.device.type == "cpu":
+            # The batch-invariant CPU kernel walks key blocks in Python; fast mode promises no bits.
+            self._decode_attention, self.decode_attention = _sdpa_decode_attention, "sdpa"
         if options.numerics == "true_on_policy":
             from kernels.batch_invariant import packed_attention
             from kernels.batch_invariant.hf import make_batch_invariant
@@ -304,6 +310,19 @@ class Decoder:
         kv = KVStep.decode_step(self._cache, positions[:, 0], lengths, self._decode_attention)
         hidden = self._base(input_ids=ids, position_ids=positions, use_cache=False, lockstep_kv=kv).last_hidden_state
         return self._head(hidden[:, -1])
+
+
+def _sdpa_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """decode_attention's contract through torch SDPA with a key mask (fast mode on CPU, where reading
+    the lengths costs no device sync): row b attends keys [0, lengths[b]) of cache row b."""
+    used = int(lengths.max())
+    keys = torch.arange(used, device=q.device)
+    mask = (keys[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, used]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k_cache[:, :, :used], v_cache[:, :, :used], attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k_cache.shape[1])
+    return out[:, :, 0]
 
 
 def _fast_prefill_attention(model: torch.nn.Module, device: torch.device) -> tuple[Callable, str]:

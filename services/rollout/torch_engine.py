@@ -142,6 +142,7 @@ class TorchEngine(Engine):
             "transformers": transformers.__version__,
             "logprob_backend": self.config.logprob_backend,
             "prefill_attention": self._decoder.prefill_attention if self._decoder is not None else "",
+            "decode_attention": self._decoder.decode_attention if self._decoder is not None else "",
         }
 
     def _require_model(self) -> torch.nn.Module:

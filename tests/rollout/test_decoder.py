@@ -136,7 +136,8 @@ def test_engine_reports_decoder_rows_and_keeps_the_model_stock(model_dir):
         logits = engine._require_model()(input_ids=torch.tensor([PROMPTS[1]])).logits
     assert logits.shape[1] == len(PROMPTS[1])
     info = engine.info()
-    assert (info["numerics"], info["cuda_graphs"], info["prefill_attention"]) == ("fast", "false", "reference")
+    assert (info["numerics"], info["cuda_graphs"], info["prefill_attention"], info["decode_attention"]) == (
+        "fast", "false", "reference", "sdpa")
 
 
 def test_fast_prefill_takes_the_registry_backend_or_the_batch_invariant_kernel(model_dir):

@@ -67,7 +67,9 @@ def test_logprobs_equal_a_packed_recompute_bitwise(model_dir, dtype):
 def test_engine_in_true_on_policy_reports_the_recompute_bits(model_dir):
     engine = TorchEngine(TorchEngineConfig(dtype="bfloat16", numerics="true_on_policy", max_batch_size=3))
     engine.load(str(model_dir), 0)
-    assert engine.info()["numerics"] == "true_on_policy"
+    info = engine.info()
+    assert (info["numerics"], info["prefill_attention"], info["decode_attention"]) == (
+        "true_on_policy", "batch_invariant", "batch_invariant")
     prompts = tuple(PromptSpec(f"g{i}", p, s) for i, (p, s) in enumerate(zip(PROMPTS, SEEDS)))
     samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sampling(), samples_per_prompt=2))
     scorer = batch_invariant_scorer(loaded(model_dir, "bfloat16"))
