@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from contract.engine_options import SERVICE_OWNED_OPTIONS, check_engine_options, service_owned_reason
 from contract.trainer_run import TrainerRunConfig
+from contract.trainer_settings import Numerics
 from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_bounded
 from services.common.float32_fields import Float32
 from services.common.model_files import check_model_dir
@@ -202,6 +203,13 @@ class RunSpec(_Strict):
                            "task's held-out split and extra held-out sets.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
     debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
+    numerics: Numerics = Field(
+        "fast", description="'fast': rollout and trainer each run their fastest kernels; their log-probs agree up "
+        "to rounding, which the step-1 parity gate bounds (trainer.parity_gate). 'true_on_policy': the torch engine "
+        "and the trainer run every op from token ids to a log-prob on batch-invariant kernels, so at every step the "
+        "trainer's recompute of each response token's log-prob has the rollout's bits (importance weights exactly "
+        "1) and the gate demands that equality. Needs rollout.engine 'torch'; it sets trainer.numerics and "
+        "rollout.engine_options.numerics, which may only repeat it.")
 
     @field_validator("model_path")
     @classmethod
@@ -245,6 +253,37 @@ class RunSpec(_Strict):
         if not isinstance(max_rank, int) or max_rank < lora.rank:
             raise ValueError(f"rollout.engine_options.server.max_lora_rank ({max_rank}) must be set to at least "
                              f"trainer.lora.rank ({lora.rank}): the SGLang server serves the run's adapters")
+        return self
+
+    @model_validator(mode="after")
+    def _one_numerics_mode(self) -> "RunSpec":
+        # Bitwise agreement needs both sides in the mode: one field decides, the others may only repeat it.
+        mode = self.numerics
+        options = self.rollout.engine_options
+        for field, value in (("trainer.numerics", self.trainer.numerics if "numerics" in self.trainer.model_fields_set
+                              else None), ("rollout.engine_options.numerics", options.get("numerics"))):
+            if value is not None and value != mode:
+                raise ValueError(f"{field}: {value!r} differs from the run's numerics {mode!r}; set `numerics` "
+                                 "once for the run (it configures both the rollout engine and the trainer)")
+        if mode == "fast":
+            return self
+        if self.rollout.engine != "torch":
+            raise ValueError(f"rollout.engine: {self.rollout.engine!r} cannot run numerics 'true_on_policy', which "
+                             "needs the torch engine's batch-invariant decoder (SGLang's deterministic inference "
+                             "is reproducible but not bitwise the trainer's)")
+        backend = options.get("logprob_backend", "auto")
+        if backend != "auto":
+            raise ValueError(f"rollout.engine_options.logprob_backend: {backend!r} is refused with numerics "
+                             "'true_on_policy': the trainer scores with the 'auto' log-prob backend, and another "
+                             "kernel would give the rollout's log-probs other bits")
+        try:
+            self.trainer = TrainerRunConfig.model_validate({**self.trainer.model_dump(), "numerics": mode})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"trainer{'.' + where if where else ''}: {err['msg'].removeprefix('Value error, ')}") \
+                from None
+        self.rollout.engine_options = {**options, "numerics": mode}
         return self
 
     @model_validator(mode="after")
