@@ -110,8 +110,10 @@ def mismatch_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> MismatchSt
     d = logp.detach().double() - rollout_logp.detach().double()
     iw = torch.exp(d)
     absd = d.abs()
+    # sum / n, not .mean(): CUDA's mean multiplies by 1/n, which makes the mean of n exact ones 1 - 1 ulp
+    # for some n, and true on-policy runs report (and test) an IW mean of exactly 1.
     return MismatchStats(
-        iw_mean=iw.mean().item(),
+        iw_mean=iw.sum().item() / iw.numel(),
         iw_min=iw.min().item(),
         iw_max=iw.max().item(),
         logprob_abs_diff_mean=absd.mean().item(),
