@@ -20,6 +20,8 @@ from kernels.attention import (
     register_hf_attention,
 )
 
+from tests.support.rounding_bounds import causal_lm_logprob_bounds
+
 transformers = pytest.importorskip("transformers")
 VOCAB = 256
 
@@ -116,14 +118,20 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(models, case):
         # runs on one thread, see one_thread.)
         assert same or not inv, f"length {n}: GEMMs row-invariant here, yet packed logits differ from single"
         bitwise.append(same and inv)
-        assert (logits[s:s + n] - single).abs().max().item() < 1e-5
     # Next-token log-probs of every sequence's own tokens (a sequence's last row has no target).
     rows = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(starts, lengths)])
     if rows.numel():
         lp_packed = logprobs(logits[rows], ids[rows + 1])
         lp_single = logprobs(torch.cat([x[:-1] for x in singles]), ids[rows + 1])
-        worst = (lp_packed - lp_single).abs().max().item()
-        assert worst <= 1e-6, f"max |logp packed - logp single| = {worst:.3g}"
+        dlogp = (lp_packed - lp_single).abs().double()
+        worst = dlogp.max().item()
+        # Elsewhere the two paths differ by rounding only: within what float32 guarantees for this model
+        # and these tokens (tests/support/rounding_bounds.py), whatever this CPU's GEMMs do. (Only the
+        # tokens that differ need their bound: one backward pass each.)
+        bound = causal_lm_logprob_bounds(single_model, lambda m: torch.cat([m(input_ids=x[None]).logits[0, :-1]
+                                                                            for x in seqs]), ids[rows + 1],
+                                         only=dlogp > 0)
+        assert (dlogp <= bound).all(), f"max |logp packed - logp single| = {worst:.3g} over its bound"
         # Bitwise logits give bitwise log-probs (the log-prob kernel is batch-composition invariant).
         same_rows = torch.cat([torch.full((n - 1,), b) for n, b in zip(lengths, bitwise)])
         assert torch.equal(lp_packed[same_rows], lp_single[same_rows])
