@@ -20,7 +20,7 @@ from kernels.attention import (
     register_hf_attention,
 )
 
-from tests.support.rounding_bounds import causal_lm_logprob_bounds
+from tests.support.rounding_bounds import response_logprob_bounds
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 256
@@ -128,9 +128,8 @@ def test_packed_logprobs_equal_one_sequence_at_a_time(models, case):
         # Elsewhere the two paths differ by rounding only: within what float32 guarantees for this model
         # and these tokens (tests/support/rounding_bounds.py), whatever this CPU's GEMMs do. (Only the
         # tokens that differ need their bound: one backward pass each.)
-        bound = causal_lm_logprob_bounds(single_model, lambda m: torch.cat([m(input_ids=x[None]).logits[0, :-1]
-                                                                            for x in seqs]), ids[rows + 1],
-                                         only=dlogp > 0)
+        bound = response_logprob_bounds(single_model, [(x[:1].tolist(), x[1:].tolist()) for x in seqs],
+                                        only=dlogp > 0)
         assert (dlogp <= bound).all(), f"max |logp packed - logp single| = {worst:.3g} over its bound"
         # Bitwise logits give bitwise log-probs (the log-prob kernel is batch-composition invariant).
         same_rows = torch.cat([torch.full((n - 1,), b) for n, b in zip(lengths, bitwise)])

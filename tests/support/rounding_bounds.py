@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,26 +33,6 @@ def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
     nu = n * unit_roundoff(dtype)
     assert nu < 1, f"gamma_{n} undefined for {dtype}"
     return nu / (1 - nu)
-
-
-def matmul_difference_bound(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Elementwise bound on |a - b| for two evaluations a, b of x @ weight.T in `dtype`, in any summation
-    order (each is within gamma_K |x| @ |weight|.T of the exact product)."""
-    k = weight.shape[-1]
-    return 2 * gamma(k, dtype) * (x.abs().double() @ weight.abs().double().T)
-
-
-def logprob_difference_bound_from_logits(logit_bound: torch.Tensor | float, logits: torch.Tensor,
-                                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per row: bound on |a - b| for log-probs of two float32 logit rows that differ by at most
-    `logit_bound` elementwise. log_softmax moves by at most 2 max|dz| (its row Jacobian, I - 1 p^T, has
-    max-norm 2); each evaluation then rounds the sum of V exps (gamma_{V+4} relative, absolute after
-    the log) and the exps' arguments z - max and the final differences (u times |z| each)."""
-    z = logits.double().abs().amax(-1)
-    dz = torch.as_tensor(logit_bound, dtype=torch.float64)
-    dz = dz.amax(-1) if dz.dim() else dz
-    u, v = unit_roundoff(dtype), logits.shape[-1]
-    return 2 * dz + 2 * (gamma(v + 4, dtype) + 6 * u * z)
 
 
 def _site(value: torch.Tensor, magnitude: torch.Tensor, sites: list) -> torch.Tensor:
@@ -97,7 +77,7 @@ def _attention_error(seen: dict, heads: int, scale: float, dtype: torch.dtype) -
 
 
 def causal_lm_logprob_bounds(model: torch.nn.Module, logits_of: Callable[[torch.nn.Module], torch.Tensor],
-                             targets: torch.Tensor, only: torch.Tensor | None = None,
+                             targets: torch.Tensor, only: torch.Tensor | None = None, temperature: float = 1.0,
                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Per target: a bound on |a - b| for the log-probs a, b of two `dtype` evaluations of the same
     Qwen3-style causal LM that may round differently (other GEMM shapes, packed or one sequence at a
@@ -105,7 +85,8 @@ def causal_lm_logprob_bounds(model: torch.nn.Module, logits_of: Callable[[torch.
 
     `logits_of(m)` runs the forward on a float64 copy m of `model`, one sequence per call of m (the same
     function as a packed call), and returns the logit rows [N, V] of `targets` [N]; `only` (bool [N])
-    limits the bound to some rows (0 elsewhere: a backward pass per row is the cost). Error bounds per site, for
+    limits the bound to some rows (0 elsewhere: a backward pass per row is the cost); log-probs are of
+    logits / `temperature`, as the log-prob kernel computes them. Error bounds per site, for
     one evaluation (two evaluations: twice that):
     - GEMM output (K inputs): gamma_K |x| |W|^T.
     - RMSNorm over n elements (a sum of squares, rsqrt, two products): gamma_{n+4} |y|.
@@ -179,7 +160,7 @@ def causal_lm_logprob_bounds(model: torch.nn.Module, logits_of: Callable[[torch.
     handles.append(m64.lm_head.register_forward_hook(on_output(gemm)))
     try:
         with torch.enable_grad():
-            logits = logits_of(m64)
+            logits = logits_of(m64) / temperature
             logp = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
             leaves = [s[0] for s in sites]
             bound = torch.zeros(logp.shape[0], dtype=torch.float64)
@@ -190,7 +171,22 @@ def causal_lm_logprob_bounds(model: torch.nn.Module, logits_of: Callable[[torch.
     finally:
         for h in handles:
             h.remove()
-    # Twice each evaluation's error at every site, plus the log-prob kernel's own rounding.
+    # Twice each evaluation's error at every site, plus the log-prob kernel's own rounding: the sum of
+    # V exps (relative, absolute after the log), u |x| for the division by the temperature (moving the
+    # log-prob by up to 2 u max|x|), for exp's arguments x - max and for the final differences.
     lse = torch.logsumexp(logits.detach(), -1)
-    kernel = gamma(logits.shape[-1] + 4, dtype) + u * (6 * logits.detach().abs().amax(-1) + lse.abs())
+    kernel = gamma(logits.shape[-1] + 4, dtype) + u * (8 * logits.detach().abs().amax(-1) + lse.abs())
     return (2 * bound + 2 * kernel) * wanted
+
+
+def response_logprob_bounds(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
+                            temperature: float = 1.0, only: torch.Tensor | None = None) -> torch.Tensor:
+    """causal_lm_logprob_bounds for every response token of each (prompt, response), in order: the
+    float64 pass runs each sequence alone on sdpa (a packed evaluation computes the same function)."""
+    def logits_of(m: torch.nn.Module) -> torch.Tensor:
+        m.set_attn_implementation("sdpa")
+        return torch.cat([m(input_ids=torch.tensor([[*p, *r]]), use_cache=False).logits[0, len(p) - 1:-1]
+                          for p, r in pairs])
+
+    targets = torch.tensor([t for _, r in pairs for t in r], dtype=torch.long)
+    return causal_lm_logprob_bounds(model, logits_of, targets, only=only, temperature=temperature)

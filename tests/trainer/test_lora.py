@@ -8,11 +8,13 @@ import torch
 from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
+from services.common.models import load_causal_lm
 from services.trainer.batching import TrainSample
 from contract.trainer_run import TrainerRunConfig
 from services.trainer.grpo import group_advantages
 from services.trainer.trainer import Trainer
 from services.trainer.wire import InvalidRequest, StepRequest
+from tests.support.rounding_bounds import response_logprob_bounds
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
 
@@ -53,8 +55,14 @@ def test_only_adapters_train_and_step1_is_on_policy(tiny_model_dir):
     in_optimizer = {id(p) for g in t.run.optimizer.param_groups for p in g["params"]}
     assert in_optimizer == {id(p) for n, p in lm.named_parameters() if n in trainable}
 
-    m = t.train_step(on_policy_step(t, 1)).metrics
-    assert abs(m["iw_mean"] - 1) <= 1e-5 and m["logprob_abs_diff_max"] <= 1e-5 and m["grad_norm"] > 0
+    req = on_policy_step(t, 1)
+    m = t.train_step(req).metrics
+    # lora_B starts at zero, so step 1 computes the base model's function exactly (x A 0 = 0, y + 0 = y):
+    # the trainer and rollout differ by the base model's float32 rounding only.
+    bound = response_logprob_bounds(load_causal_lm(tiny_model_dir),
+                                    [(s.prompt_ids.tolist(), s.response_ids.tolist()) for s in req.samples])
+    assert abs(m["iw_mean"] - 1) <= bound.expm1().mean().item() and m["logprob_abs_diff_max"] <= bound.max().item()
+    assert m["grad_norm"] > 0
     t.train_step(on_policy_step(t, 2))
     masters = t.master_state_dict()
     for name, value in base_weights(tiny_model_dir).items():

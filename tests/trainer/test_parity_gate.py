@@ -11,7 +11,7 @@ from kernels.attention import REGISTRY, register_hf_attention
 from services.trainer.packing import PackingConfig, PackSample, pack_samples
 from services.trainer.parity_gate import ParityGateError, ParityThresholds, check_parity
 from tests.support.boundary_blind_attention import backend as boundary_blind_backend
-from tests.support.rounding_bounds import causal_lm_logprob_bounds
+from tests.support.rounding_bounds import response_logprob_bounds
 
 
 def _gate(delta, **kw):
@@ -162,26 +162,14 @@ def _run_gate(trainer, samples, backend):
                         sample_ids=[s.sample_id for s in samples])
 
 
-def _dlogp_bounds(trainer, samples):
-    """Per response token: how far the trainer's packed float32 log-prob may sit from the engine's
-    one-sequence float32 one when both compute the same function and differ only in rounding
-    (tests/support/rounding_bounds.py; its float64 pass runs one sequence at a time on sdpa)."""
-    def logits_of(model):
-        model.set_attn_implementation("sdpa")
-        return torch.cat([model(input_ids=torch.tensor([*s.prompt_ids, *s.response_ids])[None]).logits[0, len(s.prompt_ids) - 1:-1]
-                          for s in samples])
-
-    targets = torch.tensor([t for s in samples for t in s.response_ids])
-    return causal_lm_logprob_bounds(trainer, logits_of, targets)
-
-
 def test_reference_attention_passes_the_gate(step1):
     verdict = _run_gate(*step1, "reference")
     assert verdict.passed, verdict.message()
     # Same weights, same per-sequence SDPA call, same log-prob kernel: what is left is rounding (the
     # CPU GEMM gives a row other bits inside a [T, K] product than inside an [L, K] one), bounded from
     # float32's unit roundoff and this model's own values, not from one machine's kernels.
-    bound = _dlogp_bounds(*step1)
+    trainer, samples = step1
+    bound = response_logprob_bounds(trainer, [(s.prompt_ids, s.response_ids) for s in samples])
     assert verdict.stats["logprob_abs_diff_max"] <= bound.max().item()
     # |mean(e^d) - 1| <= mean(e^|d| - 1), and the gate reduces in float64.
     assert abs(verdict.stats["iw_mean"] - 1.0) <= torch.expm1(bound).mean().item()
