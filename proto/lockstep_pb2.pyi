@@ -215,6 +215,58 @@ class LoadWeightsRequest(_message.Message):
     expected_sha256: str
     def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., directory: _Optional[str] = ..., expected_sha256: _Optional[str] = ...) -> None: ...
 
+class BroadcastTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BroadcastBucket(_message.Message):
+    __slots__ = ("tensors", "nbytes")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[BroadcastTensor]
+    nbytes: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[BroadcastTensor, _Mapping]]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class BroadcastPlan(_message.Message):
+    __slots__ = ("run_id", "policy_version", "group_name", "rendezvous", "backend", "world_size", "buckets", "tensors", "bytes", "lora", "digest_trailer")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_TRAILER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    group_name: str
+    rendezvous: str
+    backend: str
+    world_size: int
+    buckets: _containers.RepeatedCompositeFieldContainer[BroadcastBucket]
+    tensors: int
+    bytes: int
+    lora: LoraAdapter
+    digest_trailer: bool
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., group_name: _Optional[str] = ..., rendezvous: _Optional[str] = ..., backend: _Optional[str] = ..., world_size: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BroadcastBucket, _Mapping]]] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., digest_trailer: _Optional[bool] = ...) -> None: ...
+
+class ReceiveWeightsRequest(_message.Message):
+    __slots__ = ("plan", "rank")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    plan: BroadcastPlan
+    rank: int
+    def __init__(self, plan: _Optional[_Union[BroadcastPlan, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
+
 class ConfigureRunRequest(_message.Message):
     __slots__ = ("run_id", "model_path", "seed", "trainer_config_json", "resume_checkpoint")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -396,3 +448,23 @@ class LoadCheckpointResponse(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     def __init__(self, policy_version: _Optional[int] = ...) -> None: ...
+
+class OpenWeightBroadcastRequest(_message.Message):
+    __slots__ = ("run_id", "replicas", "bucket_bytes", "digest_trailer")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_TRAILER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    replicas: int
+    bucket_bytes: int
+    digest_trailer: bool
+    def __init__(self, run_id: _Optional[str] = ..., replicas: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., digest_trailer: _Optional[bool] = ...) -> None: ...
+
+class RunWeightBroadcastRequest(_message.Message):
+    __slots__ = ("run_id", "group_name")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    group_name: str
+    def __init__(self, run_id: _Optional[str] = ..., group_name: _Optional[str] = ...) -> None: ...

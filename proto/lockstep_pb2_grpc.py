@@ -59,6 +59,11 @@ class RolloutStub:
                 request_serializer=proto_dot_lockstep__pb2.LoadWeightsRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.ReceiveWeights = channel.unary_unary(
+                '/lockstep.v1.Rollout/ReceiveWeights',
+                request_serializer=proto_dot_lockstep__pb2.ReceiveWeightsRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Rollout/Health',
                 request_serializer=proto_dot_lockstep__pb2.HealthRequest.SerializeToString,
@@ -107,6 +112,15 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReceiveWeights(self, request, context):
+        """Joins the plan's group (rendezvous must be one of the service's broadcast_sources), receives every
+        bucket, and applies them as UpdateWeights does; total_sha256 is the replica's own digest of what it
+        received (the torch engine), or empty where the engine cannot read the received bytes back (SGLang).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -145,6 +159,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'LoadWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadWeights,
                     request_deserializer=proto_dot_lockstep__pb2.LoadWeightsRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'ReceiveWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReceiveWeights,
+                    request_deserializer=proto_dot_lockstep__pb2.ReceiveWeightsRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
@@ -304,6 +323,33 @@ class Rollout:
             _registered_method=True)
 
     @staticmethod
+    def ReceiveWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Rollout/ReceiveWeights',
+            proto_dot_lockstep__pb2.ReceiveWeightsRequest.SerializeToString,
+            proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Health(request,
             target,
             options=(),
@@ -402,6 +448,16 @@ class TrainerStub:
                 request_serializer=proto_dot_lockstep__pb2.LoadCheckpointRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.LoadCheckpointResponse.FromString,
                 _registered_method=True)
+        self.OpenWeightBroadcast = channel.unary_unary(
+                '/lockstep.v1.Trainer/OpenWeightBroadcast',
+                request_serializer=proto_dot_lockstep__pb2.OpenWeightBroadcastRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.BroadcastPlan.FromString,
+                _registered_method=True)
+        self.RunWeightBroadcast = channel.unary_unary(
+                '/lockstep.v1.Trainer/RunWeightBroadcast',
+                request_serializer=proto_dot_lockstep__pb2.RunWeightBroadcastRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Trainer/Health',
                 request_serializer=proto_dot_lockstep__pb2.HealthRequest.SerializeToString,
@@ -461,6 +517,20 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenWeightBroadcast(self, request, context):
+        """Plans a broadcast of the current weights (buckets, group name, the configured rendezvous); nothing moves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunWeightBroadcast(self, request, context):
+        """Hosts the plan's group, waits for every rank, broadcasts every bucket; total_sha256 as GetWeights'.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -510,6 +580,16 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.LoadCheckpoint,
                     request_deserializer=proto_dot_lockstep__pb2.LoadCheckpointRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.LoadCheckpointResponse.SerializeToString,
+            ),
+            'OpenWeightBroadcast': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenWeightBroadcast,
+                    request_deserializer=proto_dot_lockstep__pb2.OpenWeightBroadcastRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.BroadcastPlan.SerializeToString,
+            ),
+            'RunWeightBroadcast': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunWeightBroadcast,
+                    request_deserializer=proto_dot_lockstep__pb2.RunWeightBroadcastRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -711,6 +791,60 @@ class Trainer:
             '/lockstep.v1.Trainer/LoadCheckpoint',
             proto_dot_lockstep__pb2.LoadCheckpointRequest.SerializeToString,
             proto_dot_lockstep__pb2.LoadCheckpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenWeightBroadcast(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/OpenWeightBroadcast',
+            proto_dot_lockstep__pb2.OpenWeightBroadcastRequest.SerializeToString,
+            proto_dot_lockstep__pb2.BroadcastPlan.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunWeightBroadcast(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/RunWeightBroadcast',
+            proto_dot_lockstep__pb2.RunWeightBroadcastRequest.SerializeToString,
+            proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -112,6 +112,7 @@ class LocalStack:
             redis_args += ["--redis-password-file", str(password_file)]
         self.api_port = free_port()
         self.trainer_port = free_port()
+        self.broadcast_port = free_port()  # the trainer's rendezvous for the broadcast weight source
         self.rollout_ports = [free_port() for _ in range(self.rollout_replicas)]
         self.metrics_ports = {"trainer": free_port(), **{f"rollout{i}": free_port() for i in range(self.rollout_replicas)}}
         env = service_env({**os.environ, **self.extra_env, TOKEN_FILE_ENV: str(self.token_file)})
@@ -121,12 +122,14 @@ class LocalStack:
             self.python, "-m", "services.trainer", "--grpc-port", str(self.trainer_port),
             "--metrics-port", str(self.metrics_ports["trainer"]), "--num-threads", threads,
             "--model-roots", roots, "--checkpoint-roots", roots,
+            "--weight-broadcast-address", f"127.0.0.1:{self.broadcast_port}",
         ], env, logs / "trainer.log")
         self.rollouts = [ServiceProcess(f"rollout{i}", [
             self.python, "-m", "services.rollout", "--grpc-port", str(port),
             "--metrics-port", str(self.metrics_ports[f"rollout{i}"]), "--num-threads", threads,
             "--model-roots", roots, "--sglang-weights-dir", str(self.run_dir / "sglang-weights"),
             "--weight-sources", f"127.0.0.1:{self.trainer_port}",
+            "--broadcast-sources", f"127.0.0.1:{self.broadcast_port}",
         ], env, logs / f"rollout{i}.log") for i, port in enumerate(self.rollout_ports)]
         self.coordinator = ServiceProcess("coordinator", [
             self.python, "-m", "services.coordinator", "--port", str(self.api_port),

@@ -16,6 +16,13 @@ from typing import TypeVar
 from pydantic import BaseModel, Field, ValidationError
 
 
+def split_host_port(address: str, field: str) -> tuple[str, int]:
+    """`address` as (host, port); ValueError naming `field` unless it is host:port with a port in 1..65535."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{field}: {address!r} is not host:port")
+    return host, int(port)
+
 
 class AuthSetting(BaseModel):
     """The setting every service's configuration shares: where its copy of the deployment's token is

@@ -62,6 +62,10 @@ class RolloutClient:
             pb.LoadWeightsRequest(run_id=run_id, policy_version=policy_version, directory=directory,
                                   expected_sha256=expected_sha256), timeout=self._timeout)
 
+    async def receive_weights(self, plan: pb.BroadcastPlan, rank: int) -> pb.UpdateWeightsResponse:
+        """The replica joins the plan's weight-update group as `rank` and applies what the trainer broadcasts."""
+        return await self._stub.ReceiveWeights(pb.ReceiveWeightsRequest(plan=plan, rank=rank), timeout=self._timeout)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -139,6 +143,16 @@ class TrainerClient:
         return await self._stub.WriteWeights(
             pb.WriteWeightsRequest(run_id=run_id, directory=directory), timeout=self._timeout
         )
+
+    @_trainer_rpc
+    async def open_weight_broadcast(self, run_id: str, replicas: int, *, digest_trailer: bool) -> pb.BroadcastPlan:
+        return await self._stub.OpenWeightBroadcast(pb.OpenWeightBroadcastRequest(
+            run_id=run_id, replicas=replicas, digest_trailer=digest_trailer), timeout=self._timeout)
+
+    @_trainer_rpc
+    async def run_weight_broadcast(self, run_id: str, group_name: str) -> pb.UpdateWeightsResponse:
+        return await self._stub.RunWeightBroadcast(pb.RunWeightBroadcastRequest(run_id=run_id, group_name=group_name),
+                                                   timeout=self._timeout)
 
     async def close(self) -> None:
         await self._channel.close()

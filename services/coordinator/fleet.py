@@ -3,7 +3,8 @@ a replica that stops answering and readmitting it once it answers again at the r
 reloading one that was restarted behind the run's back, and syncing weights after each train step.
 
 Weights never pass through the coordinator: a stale replica is told to pull a version from the
-trainer (SyncWeights) and reports the digest it verified; replicas reporting different digests for
+trainer (SyncWeights), to read the directory the trainer wrote (shared_path), or to join the group the
+trainer broadcasts it over (broadcast), and reports the digest it verified; replicas reporting different digests for
 one version did not get the same weights, and the run fails. Which replicas are in service is the
 pure bookkeeping of replicas.ReplicaPool; this module does the I/O around it."""
 from __future__ import annotations
@@ -14,18 +15,24 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+import grpc
+
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
-from services.coordinator.clients import RolloutClient, is_unavailable
+from services.coordinator.clients import RolloutClient, TrainerUnavailable, is_unavailable
 from services.coordinator.event_log import EventLog
 from services.coordinator.prompts import SamplingPlan, group_id
 from services.coordinator.replicas import ReplicaPool
 from services.coordinator.run_errors import RunFailed
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.tasks import Problem
-from services.coordinator.weight_sources import SharedPathWeights
+from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
 Encode = Callable[[Problem], list[int]]
+
+
+def _details(exc: BaseException) -> str:
+    return f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
 
 
 @dataclass
@@ -40,11 +47,13 @@ class RolloutFleet:
     def __init__(self, run_id: str, spec: RunSpec, clients: Sequence[RolloutClient], weights_address: str,
                  events: EventLog, *, generate_retries: int, recovery_timeout_s: float,
                  check_cancelled: Callable[[], Awaitable[None]],
-                 shared_weights: SharedPathWeights | None = None) -> None:
+                 shared_weights: SharedPathWeights | None = None,
+                 broadcast_weights: BroadcastWeights | None = None) -> None:
         self.run_id, self.spec = run_id, spec
         self.pool = ReplicaPool(clients)
         self.weights_address = weights_address  # where replicas pull the trainer's weights from
         self.shared_weights = shared_weights  # rollout.weight_sync shared_path: the directories the trainer writes
+        self.broadcast_weights = broadcast_weights  # rollout.weight_sync broadcast: one group per sync
         self.events = events
         self.generate_retries = generate_retries
         self.recovery_timeout_s = recovery_timeout_s
@@ -87,7 +96,10 @@ class RolloutFleet:
     async def pull_weights(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
         """The replica streams `version` from the trainer itself (SyncWeights), or reads the directory the
         trainer wrote (shared_path): the weights' bytes never pass through the coordinator."""
-        if self.shared_weights is not None:
+        if self.broadcast_weights is not None:
+            # A replica found behind on its own (restarted, readmitted, run start) gets a group of its own.
+            got = await self._broadcast_alone(client, version)
+        elif self.shared_weights is not None:
             got = await self.shared_weights.load(client, version)
         else:
             got = await client.sync_weights(self.run_id, version, self.weights_address)
@@ -172,15 +184,18 @@ class RolloutFleet:
         its stream against the digest the trainer computed while sending it; replicas that report
         different digests for one version did not get the same weights, and the run fails. A trainer
         that aborts the stream (it lost the run's state) is TrainerUnavailable."""
-        results = await asyncio.gather(*(self.pull_weights(c, version) for c in clients), return_exceptions=True)
-        synced: dict[str, pb.UpdateWeightsResponse] = {}
-        for c, r in zip(clients, results):
-            if isinstance(r, BaseException):
-                if not is_unavailable(r):
-                    raise r
-                await self.evict(c, step=version, reason=f"weight sync failed ({r.code()})")
-            else:
-                synced[c.address] = r
+        if self.broadcast_weights is not None:
+            synced = await self._broadcast_to(clients, version)
+        else:
+            results = await asyncio.gather(*(self.pull_weights(c, version) for c in clients), return_exceptions=True)
+            synced = {}
+            for c, r in zip(clients, results):
+                if isinstance(r, BaseException):
+                    if not is_unavailable(r):
+                        raise r
+                    await self.evict(c, step=version, reason=f"weight sync failed ({r.code()})")
+                else:
+                    synced[c.address] = r
         digests = {address: r.total_sha256 for address, r in synced.items()}
         if len(set(digests.values())) > 1:
             raise RunFailed(f"step {version}: replicas report different weight digests for one version: {digests}")
@@ -188,6 +203,57 @@ class RolloutFleet:
             first = next(iter(synced.values()))
             await self.events.record("weights_synced", "weights synced", policy_version=version,
                                      digest=first.total_sha256, bytes=first.bytes, replicas=sorted(synced))
+
+    async def _broadcast_to(self, clients: Sequence[RolloutClient], version: int) -> dict[str, pb.UpdateWeightsResponse]:
+        """One group of every stale replica. Replicas that turn out unreachable are evicted; when that broke
+        the broadcast, the others are synced again in a fresh group of their own (once, recorded as
+        weight_broadcast_regrouped). Any other failure fails the run."""
+        for attempt in range(2):
+            done = await self.broadcast_weights.round(clients, version)
+            unreachable = [(c, r) for c, r in zip(clients, done.received) if is_unavailable(r)]
+            for c, r in unreachable:
+                await self.evict(c, step=version, reason=f"weight broadcast failed ({r.code()})")
+            rest = [c for c, r in zip(clients, done.received) if not is_unavailable(r)]
+            if not isinstance(done.sent, BaseException):
+                return {c.address: self._verified(c, r, done.sent, version)
+                        for c, r in zip(clients, done.received) if not is_unavailable(r)}
+            if isinstance(done.sent, TrainerUnavailable) or not rest:
+                if rest:
+                    raise done.sent
+                return {}
+            if not unreachable or attempt == 1:
+                raise RunFailed(f"step {version}: weight broadcast {done.plan.group_name} failed: "
+                                f"{_details(done.sent)}")
+            await self.events.record("weight_broadcast_regrouped", "weight broadcast retried without unreachable "
+                                     "replicas", step=version, policy_version=version,
+                                     dropped=sorted(c.address for c, _ in unreachable),
+                                     replicas=sorted(c.address for c in rest))
+            clients = rest
+        raise AssertionError("unreachable")
+
+    def _verified(self, client: RolloutClient, got: pb.UpdateWeightsResponse | BaseException,
+                  sent: pb.UpdateWeightsResponse, version: int) -> pb.UpdateWeightsResponse:
+        """A replica's answer to a broadcast that went through: it must report the trainer's digest."""
+        if isinstance(got, BaseException):
+            raise got
+        if got.policy_version != version or got.total_sha256 != sent.total_sha256:
+            raise RunFailed(f"step {version}: replica {client.address} reports version {got.policy_version} digest "
+                            f"{got.total_sha256!r} after the broadcast; the trainer sent version {sent.policy_version} "
+                            f"digest {sent.total_sha256!r}")
+        return got
+
+    async def _broadcast_alone(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
+        done = await self.broadcast_weights.round([client], version)
+        if isinstance(done.received[0], BaseException):
+            raise done.received[0]  # an unreachable replica is evicted by the caller
+        if isinstance(done.sent, BaseException):
+            raise done.sent if isinstance(done.sent, TrainerUnavailable) else RunFailed(
+                f"weight broadcast {done.plan.group_name} to {client.address} failed: {_details(done.sent)}")
+        got = self._verified(client, done.received[0], done.sent, version)
+        await self.events.record("weights_caught_up", "replica brought up to date in a group of its own",
+                                 policy_version=version, replica=client.address, digest=got.total_sha256,
+                                 group_name=done.plan.group_name)
+        return got
 
     # ----------------------------------------------------------- generate --
     async def generate(self, problems: list[Problem], plan: SamplingPlan, encode: Encode, *, step: int,

@@ -55,7 +55,7 @@ from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
 from services.coordinator.tasks import Problem, Task, build_task
 from services.coordinator.trainer_session import TrainerSession
-from services.coordinator.weight_sources import SharedPathWeights
+from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
 __all__ = ["RunCancelled", "RunDriver", "RunFailed", "next_step"]
 
@@ -94,9 +94,13 @@ class RunDriver:
         self.events = EventLog(run_id, store, exporter, log)
         shared = (SharedPathWeights(trainer, run_id, run_dir / "weights")
                   if spec.rollout.weight_sync == "shared_path" else None)
+        # The torch engine receives in its own process and checks the trainer's digest before applying.
+        broadcast = (BroadcastWeights(trainer, run_id, digest_trailer=spec.rollout.engine == "torch")
+                     if spec.rollout.weight_sync == "broadcast" else None)
         self.fleet = RolloutFleet(run_id, spec, rollouts, trainer.weights_address, self.events,
                                   generate_retries=generate_retries, recovery_timeout_s=replica_recovery_timeout_s,
-                                  check_cancelled=self._check_cancelled, shared_weights=shared)
+                                  check_cancelled=self._check_cancelled, shared_weights=shared,
+                                  broadcast_weights=broadcast)
         self.trainer = TrainerSession(run_id, spec, trainer, store, self.events, run_dir,
                                       recovery_timeout_s=trainer_recovery_timeout_s,
                                       check_cancelled=self._check_cancelled)

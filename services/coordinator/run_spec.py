@@ -65,11 +65,14 @@ class RolloutSpec(_Strict):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
     dynamic_sampling: DynamicSamplingSpec = Field(
         default_factory=DynamicSamplingSpec, description="Drop zero-variance groups and sample more (DAPO).")
-    weight_sync: Literal["grpc", "shared_path"] = Field(
+    weight_sync: Literal["grpc", "shared_path", "broadcast"] = Field(
         "grpc", description="How replicas get each new policy version: 'grpc' streams it from the trainer "
         "(SyncWeights; any host); 'shared_path' has the trainer write it once as safetensors under the run's "
         "directory and every replica read that directory (the run directory must lie inside the trainer's "
-        "checkpoint_roots and the rollout services' model_roots). Both verify the trainer's digest.")
+        "checkpoint_roots and the rollout services' model_roots); 'broadcast' has the trainer broadcast it in "
+        "buckets over a torch.distributed group of itself and the replicas being synced (NCCL/RCCL on GPUs, "
+        "gloo on CPU; the trainer's weight_broadcast_address, listed in every replica's broadcast_sources). "
+        "Each verifies the trainer's digest.")
 
     @field_validator("engine_options")
     @classmethod
@@ -303,6 +306,12 @@ class RunSpec(_Strict):
         if self.rollout.weight_sync == "shared_path" and self.trainer.lora is not None:
             raise field_error("rollout.weight_sync", "'shared_path' writes whole models; a run with trainer.lora "
                               "syncs its adapters with 'grpc'")
+        if self.rollout.weight_sync == "broadcast" and self.rollout.engine == "sglang" and self.trainer.lora is not None:
+            # SGLang's /update_weights_from_distributed loads model weights; its adapters load from files or
+            # serialized tensors (/load_lora_adapter, /load_lora_adapter_from_tensors), never from a group.
+            raise field_error("rollout.weight_sync", "'broadcast' to engine sglang carries whole models (SGLang "
+                              "loads LoRA adapters from files or tensors, not from a process group); a run with "
+                              "trainer.lora and engine sglang syncs its adapters with 'grpc'")
         return self
 
 

@@ -1,15 +1,25 @@
-"""Where a replica gets a policy version from: the trainer's gRPC stream (SyncWeights) or a shared path.
+"""Where a replica gets a policy version from: the trainer's gRPC stream (SyncWeights), a shared path,
+or a collective broadcast from the trainer.
 
 Shared path: the trainer writes the version once as a safetensors directory under the run's directory
 (WriteWeights; inside the trainer's checkpoint_roots), and every replica that needs it reads that
 directory itself (LoadWeights; inside the rollout's model_roots) and verifies the digest the trainer
-reported. Either way the weights' bytes never pass through the coordinator.
+reported.
+
+Broadcast: the trainer plans the version into buckets (OpenWeightBroadcast: names, dtypes, shapes, a fresh
+group name and the rendezvous of its own configuration), then hosts that group as rank 0 and broadcasts
+every bucket (RunWeightBroadcast) while each replica being synced joins as rank 1..N and receives
+(ReceiveWeights). One group per sync, of exactly the replicas that sync: a replica that missed versions
+joins the next sync's group and gets the whole policy. Whichever the source, the weights' bytes never
+pass through the coordinator.
 """
 from __future__ import annotations
 
 import asyncio
 import shutil
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from proto import lockstep_pb2 as pb
@@ -43,3 +53,30 @@ class SharedPathWeights:
     async def load(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
         written = await self.written(version)
         return await client.load_weights(self.run_id, version, written.directory, written.total_sha256)
+
+
+@dataclass
+class BroadcastRound:
+    """One sync's group: what the trainer sent (or why it failed) and each replica's answer, in rank order."""
+
+    plan: pb.BroadcastPlan
+    sent: pb.UpdateWeightsResponse | BaseException
+    received: list[pb.UpdateWeightsResponse | BaseException]
+
+
+class BroadcastWeights:
+    """`digest_trailer`: the replicas receive in their own process (torch engine) and check the trainer's
+    digest, broadcast after the last bucket, before applying anything."""
+
+    def __init__(self, trainer: TrainerClient, run_id: str, *, digest_trailer: bool) -> None:
+        self.trainer, self.run_id, self.digest_trailer = trainer, run_id, digest_trailer
+
+    async def round(self, clients: Sequence[RolloutClient], version: int) -> BroadcastRound:
+        plan = await self.trainer.open_weight_broadcast(self.run_id, len(clients), digest_trailer=self.digest_trailer)
+        if plan.policy_version != version:
+            raise RuntimeError(f"trainer plans a broadcast of version {plan.policy_version}, expected {version}")
+        sent, *received = await asyncio.gather(
+            self.trainer.run_weight_broadcast(self.run_id, plan.group_name),
+            *(client.receive_weights(plan, rank) for rank, client in enumerate(clients, start=1)),
+            return_exceptions=True)
+        return BroadcastRound(plan, sent, list(received))

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
-from services.common.service_config import AuthSetting
+from services.common.service_config import AuthSetting, split_host_port
 
 ENV_PREFIX = "LOCKSTEP_ROLLOUT"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -71,18 +71,26 @@ class RolloutServiceConfig(AuthSetting):
         "replica at a server of its choosing. Empty: SyncWeights is refused.",
     )
 
-    @field_validator("weight_sources", mode="before")
+    broadcast_sources: list[str] = Field(
+        default_factory=list,
+        description="Comma-separated host:port of the trainer rendezvous (their weight_broadcast_address) "
+        "ReceiveWeights may join a weight-update group at; a plan naming any other address is refused, so no "
+        "caller can make the replica connect where it chooses. Empty: ReceiveWeights is refused.",
+    )
+    weight_broadcast_timeout_s: float = Field(
+        300.0, gt=0, description="ReceiveWeights fails (nothing applied) when the group does not form or a "
+        "bucket does not arrive within this long.")
+
+    @field_validator("weight_sources", "broadcast_sources", mode="before")
     @classmethod
     def _split_sources(cls, v: object) -> object:
         return [a.strip() for a in v.split(",") if a.strip()] if isinstance(v, str) else v
 
-    @field_validator("weight_sources")
+    @field_validator("weight_sources", "broadcast_sources")
     @classmethod
-    def _host_port(cls, v: list[str]) -> list[str]:
+    def _host_port(cls, v: list[str], info) -> list[str]:
         for i, address in enumerate(v):
-            host, sep, port = address.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"weight_sources[{i}]: {address!r} is not host:port")
+            split_host_port(address, f"{info.field_name}[{i}]")
         return v
 
     # What the SGLang engine executes and where it writes belong to the operator, never to a run:

@@ -125,6 +125,12 @@ class Engine(abc.ABC):
         every tensor verified first, nothing applied on any error. Engines without LoRA support refuse."""
         raise ValueError(f"weights.lora: the {self.name} engine cannot apply LoRA adapters")
 
+    def broadcast_device(self) -> torch.device:
+        """Where this engine's model lives, for a replica that receives broadcast weights in this process
+        (services/rollout/weight_broadcast.py) and applies them with update_weights. Engines whose model is
+        elsewhere refuse, naming why."""
+        raise ValueError(f"rollout.weight_sync: the {self.name} engine cannot receive broadcast weights")
+
     @property
     @abc.abstractmethod
     def policy_version(self) -> int: ...

@@ -18,8 +18,11 @@ Status codes the coordinator can rely on:
   host (`cuda:99`, CUDA on a CPU host).
 - PERMISSION_DENIED: SyncWeights names a trainer that is not one of the
   service's weight_sources.
+- PERMISSION_DENIED: ReceiveWeights names a rendezvous that is not one of
+  the service's broadcast_sources.
 - ABORTED: SyncWeights could not read the trainer's stream (trainer
-  unreachable, or its weights changed mid-stream); nothing was applied.
+  unreachable, or its weights changed mid-stream), or ReceiveWeights' group
+  did not form or lost a bucket; nothing was applied.
 - UNAVAILABLE: the engine cannot serve right now (EngineUnavailable); retry.
 - INTERNAL: an engine bug (e.g. non-finite log-probs); logged with a traceback.
 The mapping is applied, and the process (health, metrics, graceful stop) run,
@@ -70,6 +73,12 @@ from services.rollout.convert import (
 )
 from services.rollout.engine import DeviceUnavailable, Engine, EngineUnavailable
 from services.rollout.registry import build_engine
+from services.rollout.weight_broadcast import (
+    BroadcastReceiveFailed,
+    checked_plan,
+    receive_broadcast,
+    staging_device,
+)
 
 log = logging.getLogger("lockstep.rollout")
 SERVICE = "rollout"
@@ -84,6 +93,7 @@ ERRORS = RpcErrors(SERVICE, StatusMap(
     (DeviceUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     ((ValueError, FileNotFoundError), grpc.StatusCode.INVALID_ARGUMENT),
     (ImportError, grpc.StatusCode.FAILED_PRECONDITION),
+    (BroadcastReceiveFailed, grpc.StatusCode.ABORTED),
 ), log)
 status_for = ERRORS.status_for  # the one exception -> status mapping of this service
 __all__ = ["RolloutService", "RolloutServicer", "RpcFailure", "serve", "status_for"]
@@ -219,6 +229,30 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             await self._in_worker(engine.update_weights_from_dir, str(directory), tensors, files.policy_version)
         return self._applied("LoadWeights", files.policy_version, len(tensors), files.nbytes, files.total_sha256,
                              lora=False)
+
+    @rpc_handler(ERRORS, "ReceiveWeights", counter="lockstep_rollout_weight_updates_total")
+    async def ReceiveWeights(self, request: pb.ReceiveWeightsRequest, context: grpc.aio.ServicerContext
+                             ) -> pb.UpdateWeightsResponse:
+        plan = request.plan
+        if plan.rendezvous not in self.config.broadcast_sources:
+            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
+                             f"plan.rendezvous: {plan.rendezvous!r} is not one of this service's "
+                             f"broadcast_sources {self.config.broadcast_sources}")
+        self._check_run(plan.run_id, "ReceiveWeights")
+        buckets = checked_plan(request)
+        device = staging_device(plan.backend, self._loaded().broadcast_device())
+        # Received into staging off the lock (generation goes on), applied between batches like a stream.
+        got = await asyncio.to_thread(receive_broadcast, request, buckets, device,
+                                      self.config.weight_broadcast_timeout_s)
+        async with self._lock:
+            engine = self._loaded()
+            self._check_run(plan.run_id, "ReceiveWeights")
+            if got.lora is not None:
+                await self._in_worker(engine.update_lora_adapter, got.lora, got.tensors, plan.policy_version)
+            else:
+                await self._in_worker(engine.update_weights, got.tensors, plan.policy_version)
+        return self._applied("ReceiveWeights", plan.policy_version, len(got.tensors), got.nbytes, got.total_sha256,
+                             lora=got.lora is not None)
 
     async def _apply(self, assembler: WeightStreamAssembler, what: str) -> pb.UpdateWeightsResponse:
         """Apply a received stream (all of it verified by finish()) between batches."""

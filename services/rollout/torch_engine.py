@@ -119,6 +119,9 @@ class TorchEngine(Engine):
     def close(self) -> None:
         self._model, self._decoder = None, None
 
+    def broadcast_device(self) -> torch.device:
+        return self._device
+
     @property
     def policy_version(self) -> int:
         return self._policy_version

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
-from services.common.service_config import AuthSetting
+from services.common.service_config import AuthSetting, split_host_port
 
 
 class TrainerServiceConfig(AuthSetting):
@@ -62,6 +62,28 @@ class TrainerServiceConfig(AuthSetting):
     weight_chunk_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Default chunk size of GetWeights streams (a request may override)."
     )
+    weight_broadcast_address: str = Field(
+        "",
+        description="host:port of this trainer's rendezvous for the broadcast weight source: the trainer serves a "
+        "TCP store on the port and replicas reach it at this address (each must list it in its "
+        "broadcast_sources). Never taken from a run or a request. Empty: OpenWeightBroadcast is refused.",
+    )
+    weight_broadcast_bucket_bytes: int = Field(
+        256 * 1024 * 1024, ge=1024,
+        description="Bucket size of a weight broadcast: consecutive tensors of one dtype up to this many bytes "
+        "go as one flat buffer (a larger tensor alone). Bounds the extra memory a sync takes on either side.",
+    )
+    weight_broadcast_timeout_s: float = Field(
+        300.0, gt=0, description="A weight broadcast whose ranks do not all join, or whose bucket does not "
+        "arrive, within this long fails (ABORTED); the replicas apply nothing of it.")
+
+    @field_validator("weight_broadcast_address")
+    @classmethod
+    def _broadcast_host_port(cls, v: str) -> str:
+        if v:
+            split_host_port(v, "weight_broadcast_address")
+        return v
+
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled."
     )

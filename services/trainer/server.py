@@ -56,6 +56,7 @@ from services.trainer.config import TrainerServiceConfig
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
 from services.trainer.trainer import StepFailed, Trainer
+from services.trainer.weight_broadcast import BroadcastFailed, WeightBroadcaster
 from services.trainer.wire import FailedPrecondition, InvalidRequest, read_train_step, step_metrics_message
 from services.trainer.worker_group import GroupSpec, GroupTrainer
 
@@ -73,6 +74,7 @@ ERRORS = RpcErrors(SERVICE, StatusMap(
     (StepFailed, grpc.StatusCode.ABORTED),
     (ForeignDirectory, grpc.StatusCode.INVALID_ARGUMENT),
     (WeightFilesError, grpc.StatusCode.INVALID_ARGUMENT),
+    (BroadcastFailed, grpc.StatusCode.ABORTED),
 ), log)
 status_for = ERRORS.status_for
 
@@ -108,8 +110,11 @@ def confined(value: str, roots: Sequence[str], field: str) -> str:
 
 class TrainerServicer(pb_grpc.TrainerServicer):
     def __init__(self, trainer: Trainer, collectors: dict[str, object], *, weight_chunk_bytes: int,
-                 model_roots: Sequence[str], checkpoint_roots: Sequence[str]) -> None:
+                 model_roots: Sequence[str], checkpoint_roots: Sequence[str],
+                 broadcaster: WeightBroadcaster | None = None) -> None:
         self.trainer = trainer
+        self.broadcaster = broadcaster or WeightBroadcaster(trainer, address="", bucket_bytes=1, timeout_s=1,
+                                                            logger=log)
         self.metrics = collectors
         self.weight_chunk_bytes = weight_chunk_bytes
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
@@ -231,6 +236,15 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(version)
         return pb.LoadCheckpointResponse(policy_version=version)
 
+    @rpc_handler(ERRORS, "OpenWeightBroadcast")
+    async def OpenWeightBroadcast(self, request: pb.OpenWeightBroadcastRequest, context) -> pb.BroadcastPlan:
+        return await self._locked(self.broadcaster.open, request)
+
+    @rpc_handler(ERRORS, "RunWeightBroadcast")
+    async def RunWeightBroadcast(self, request: pb.RunWeightBroadcastRequest, context) -> pb.UpdateWeightsResponse:
+        # Under the lock for the whole broadcast: no step changes the weights between two buckets.
+        return await self._locked(self.broadcaster.run, request)
+
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         if self.lock.locked():
             status = "busy"
@@ -254,8 +268,12 @@ class TrainerServer:
         registry = CollectorRegistry()
         collectors = build_collectors(TRAINER_METRICS, registry)
         self.trainer = build_trainer(config)
+        broadcaster = WeightBroadcaster(self.trainer, address=config.weight_broadcast_address,
+                                        bucket_bytes=config.weight_broadcast_bucket_bytes,
+                                        timeout_s=config.weight_broadcast_timeout_s, logger=log)
         self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes,
-                                        model_roots=config.model_roots, checkpoint_roots=config.checkpoint_roots)
+                                        model_roots=config.model_roots, checkpoint_roots=config.checkpoint_roots,
+                                        broadcaster=broadcaster)
         self.host = GrpcServiceHost(
             SERVICE, lambda server: pb_grpc.add_TrainerServicer_to_server(self.servicer, server), token,
             host=config.host, grpc_port=config.grpc_port, metrics_port=config.metrics_port, registry=registry,

@@ -1,4 +1,5 @@
-"""rollout.weight_sync is checked at submit: a known source, and shared_path only for whole-model runs."""
+"""rollout.weight_sync is checked at submit: a known source, shared_path only for whole-model runs, and
+broadcast to SGLang only for whole-model runs."""
 from __future__ import annotations
 
 import pytest
@@ -19,17 +20,24 @@ def _refused(**spec) -> list[dict[str, str]]:
     return validation_fields(exc.value.errors())
 
 
-def test_the_default_is_the_grpc_stream_and_shared_path_is_accepted(model):
+def test_the_default_is_the_grpc_stream_and_the_others_are_accepted(model):
     base = {"name": "s", "model_path": model, "steps": 1, "task": {"name": "arithmetic"}}
     assert RunSpec.model_validate(base).rollout.weight_sync == "grpc"
     assert RunSpec.model_validate({**base, "rollout": {"weight_sync": "shared_path"}}).rollout.weight_sync == "shared_path"
+    for engine in ("torch", "sglang"):
+        spec = RunSpec.model_validate({**base, "rollout": {"weight_sync": "broadcast", "engine": engine}})
+        assert spec.rollout.weight_sync == "broadcast"
+    # The torch engine receives a LoRA run's adapters over the broadcast as it does over the stream.
+    lora = RunSpec.model_validate({**base, "rollout": {"weight_sync": "broadcast"},
+                                   "trainer": {"lora": {"rank": 4, "alpha": 8.0}}})
+    assert lora.rollout.weight_sync == "broadcast"
 
 
 def test_an_unknown_source_is_refused_naming_the_field(model):
     fields = _refused(name="s", model_path=model, steps=1, task={"name": "arithmetic"},
                       rollout={"weight_sync": "nccl"})
     assert [f["field"] for f in fields] == ["rollout.weight_sync"]
-    assert "'grpc' or 'shared_path'" in fields[0]["reason"]
+    assert "'grpc', 'shared_path' or 'broadcast'" in fields[0]["reason"]
 
 
 def test_shared_path_is_refused_for_a_lora_run(model):
@@ -39,3 +47,14 @@ def test_shared_path_is_refused_for_a_lora_run(model):
     assert fields == [{"field": "rollout.weight_sync",
                        "reason": "'shared_path' writes whole models; a run with trainer.lora syncs its adapters "
                                  "with 'grpc'"}]
+
+
+def test_broadcast_to_sglang_is_refused_for_a_lora_run(model):
+    fields = _refused(name="s", model_path=model, steps=1, task={"name": "arithmetic"},
+                      rollout={"weight_sync": "broadcast", "engine": "sglang",
+                               "engine_options": {"platform": "cuda", "server": {"max_lora_rank": 4}}},
+                      trainer={"lora": {"rank": 4, "alpha": 8.0}})
+    assert fields == [{"field": "rollout.weight_sync",
+                       "reason": "'broadcast' to engine sglang carries whole models (SGLang loads LoRA adapters "
+                                 "from files or tensors, not from a process group); a run with trainer.lora and "
+                                 "engine sglang syncs its adapters with 'grpc'"}]

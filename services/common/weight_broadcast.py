@@ -1,0 +1,166 @@
+"""Weights by collective broadcast: the bucket plan, bucket packing and the weight-update group.
+
+The trainer (rank 0) and the replicas being synced (ranks 1..N) join one torch.distributed process group
+for one sync. Tensors go in the order the trainer holds them (GetWeights' order), cut into buckets: a run
+of consecutive tensors of one dtype, at most `bucket_bytes` together (a larger tensor is a bucket of its
+own). A bucket travels as one flat uint8 buffer, its tensors' bytes back to back -- SGLang's
+"flattened_bucket" layout (sglang/srt/weight_sync/tensor_bucket.py), so an SGLang server can be a rank.
+Names, dtypes and shapes travel beside it (pb.BroadcastPlan). sha256 over the buckets' bytes in order is
+therefore sha256 over every tensor's bytes in stream order: the GetWeights stream's total_sha256.
+
+The group is built the way SGLang builds its weight-update group (sglang/srt/utils/common.py
+init_custom_process_group, over torch's _new_process_group_helper): a TCP store at the rendezvous, its
+keys under `<group_name>`, then `<group_name>/`, then `<device>/`, and a ProcessGroupGloo (CPU) or
+ProcessGroupNCCL (CUDA; RCCL on ROCm) on it. Built from those public classes rather than through
+torch.distributed's group registry, so it needs no default process group and leaves any other group of
+the process (the trainer's data-parallel one) alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from proto import lockstep_pb2 as pb
+from services.common.service_config import split_host_port
+from services.common.tensors import dtype_from_name, dtype_name
+
+BACKENDS = ("gloo", "nccl")
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # wire dtype name (services.common.tensors)
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def tensor_spec(name: str, tensor: torch.Tensor) -> TensorSpec:
+    return TensorSpec(name, dtype_name(tensor.dtype), tuple(tensor.shape), tensor.numel() * tensor.element_size())
+
+
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive runs of one dtype, each at most `bucket_bytes` unless one tensor alone is larger. Pure."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes: must be >= 1, got {bucket_bytes}")
+    buckets: list[list[TensorSpec]] = []
+    size = 0
+    for spec in specs:
+        current = buckets[-1] if buckets else None
+        if current is None or current[0].dtype != spec.dtype or size + spec.nbytes > bucket_bytes:
+            buckets.append([spec])
+            size = spec.nbytes
+        else:
+            current.append(spec)
+            size += spec.nbytes
+    return buckets
+
+
+def plan_proto(buckets: Sequence[Sequence[TensorSpec]], **fields: object) -> pb.BroadcastPlan:
+    return pb.BroadcastPlan(
+        buckets=[pb.BroadcastBucket(tensors=[pb.BroadcastTensor(name=s.name, dtype=s.dtype, shape=list(s.shape))
+                                             for s in bucket], nbytes=sum(s.nbytes for s in bucket))
+                 for bucket in buckets],
+        tensors=sum(len(b) for b in buckets), bytes=sum(s.nbytes for b in buckets for s in b), **fields)
+
+
+def bucket_specs(plan: pb.BroadcastPlan) -> list[list[TensorSpec]]:
+    """The plan's buckets, checked (ValueError naming the field): known dtypes, non-negative shapes, one
+    dtype and a byte count that adds up per bucket, unique names, totals that match."""
+    out: list[list[TensorSpec]] = []
+    names: set[str] = set()
+    for b, bucket in enumerate(plan.buckets):
+        where = f"plan.buckets[{b}]"
+        if not bucket.tensors:
+            raise ValueError(f"{where}.tensors: empty")
+        specs = []
+        for t, tensor in enumerate(bucket.tensors):
+            dtype = dtype_from_name(tensor.dtype, field=f"{where}.tensors[{t}].dtype")
+            shape = tuple(int(d) for d in tensor.shape)
+            if not tensor.name or tensor.name in names:
+                raise ValueError(f"{where}.tensors[{t}].name: empty or repeated ({tensor.name!r})")
+            if any(d < 0 for d in shape):
+                raise ValueError(f"{where}.tensors[{t}].shape: negative dimension in {list(shape)}")
+            names.add(tensor.name)
+            specs.append(TensorSpec(tensor.name, tensor.dtype, shape,
+                                    math.prod(shape) * torch.empty(0, dtype=dtype).element_size()))
+        if len({s.dtype for s in specs}) != 1:
+            raise ValueError(f"{where}: tensors of more than one dtype")
+        if sum(s.nbytes for s in specs) != bucket.nbytes:
+            raise ValueError(f"{where}.nbytes: {bucket.nbytes}, but its tensors hold {sum(s.nbytes for s in specs)}")
+        out.append(specs)
+    if not out:
+        raise ValueError("plan.buckets: empty")
+    if plan.tensors != len(names) or plan.bytes != sum(b.nbytes for b in plan.buckets):
+        raise ValueError(f"plan.tensors/bytes: {plan.tensors}/{plan.bytes} do not match the buckets")
+    return out
+
+
+def pack_bucket(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One flat uint8 buffer on `device` holding the tensors' bytes back to back."""
+    return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for t in tensors])
+
+
+def unpack_bucket(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """Views of `buffer` as the bucket's tensors (no copy)."""
+    out, offset = [], 0
+    for spec in specs:
+        piece = buffer[offset:offset + spec.nbytes]
+        out.append((spec.name, piece.view(dtype_from_name(spec.dtype)).reshape(spec.shape)))
+        offset += spec.nbytes
+    return out
+
+
+def hash_buffer(digest: "hashlib._Hash", buffer: torch.Tensor) -> None:
+    """Add a uint8 buffer's bytes to `digest` (copied to host first when it lives on a device)."""
+    digest.update(memoryview(buffer.detach().cpu().numpy()))
+
+
+def rendezvous_store(address: str, *, host_it: bool, timeout_s: float) -> dist.TCPStore:
+    """The TCP store at `address`: served by this process (the trainer) or reached as a client (a replica).
+    multi_tenant, as torch's tcp:// rendezvous makes it, so stores of other groups may share a port."""
+    host, port = split_host_port(address, "rendezvous")
+    return dist.TCPStore(host, port, is_master=host_it, timeout=timedelta(seconds=timeout_s),
+                         wait_for_workers=False, multi_tenant=True)
+
+
+class WeightUpdateGroup:
+    """One sync's process group: rank 0 broadcasts, every other rank receives."""
+
+    def __init__(self, store: dist.Store, *, group_name: str, rank: int, world_size: int, backend: str,
+                 timeout_s: float) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: {backend!r} is not one of {list(BACKENDS)}")
+        if world_size < 2 or not 0 <= rank < world_size:
+            raise ValueError(f"rank/world_size: need 0 <= rank < world_size >= 2, got {rank}/{world_size}")
+        device = "cuda" if backend == "nccl" else "cpu"
+        keys = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
+        timeout = timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            self._pg = dist.ProcessGroupGloo(keys, rank, world_size, timeout)
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(keys, rank, world_size, options)
+        self.backend, self.rank, self.world_size = backend, rank, world_size
+
+    def broadcast(self, buffer: torch.Tensor) -> None:
+        """Rank 0's `buffer` into every rank's (same size), complete on return."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self._pg.broadcast([buffer], options).wait()
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
+
+    def close(self) -> None:
+        shutdown = getattr(self._pg, "shutdown", None)
+        if self.backend == "nccl" and shutdown is not None:
+            shutdown()
+        self._pg = None

@@ -1,0 +1,114 @@
+"""The trainer's side of the broadcast weight source: it is rank 0 of one weight-update group per sync.
+
+OpenWeightBroadcast plans the current weights into buckets (services.common.weight_broadcast) and
+names a fresh group; nothing moves. RunWeightBroadcast then hosts that group on the rendezvous of the
+trainer's own configuration (never one a request names), waits for every rank, broadcasts each bucket
+and answers the digest of what it sent. Both run under the servicer's lock, so the weights cannot
+change between the plan and the last bucket; a plan whose weights did change is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from proto import lockstep_pb2 as pb
+from services.common.structured_logging import log_event
+from services.common.weight_broadcast import (
+    WeightUpdateGroup,
+    hash_buffer,
+    pack_bucket,
+    plan_buckets,
+    plan_proto,
+    rendezvous_store,
+    tensor_spec,
+)
+from services.trainer.trainer import WeightSnapshot
+from services.trainer.wire import FailedPrecondition, InvalidRequest
+
+# Plans kept for RunWeightBroadcast: a coordinator runs one right after opening it.
+OPEN_PLANS_KEPT = 4
+
+
+class BroadcastFailed(RuntimeError):
+    """The group did not form (a rank never joined) or a bucket did not go through; the replicas apply
+    nothing of a broadcast they did not receive whole."""
+
+
+@dataclass
+class _OpenPlan:
+    snapshot: WeightSnapshot
+    plan: pb.BroadcastPlan
+    buckets: list[list[int]]  # indices into snapshot.tensors, per bucket
+
+
+class WeightBroadcaster:
+    """`address`: the host:port replicas reach this trainer's TCP store at (the store listens on its port);
+    empty refuses the source. The store is started at the first RunWeightBroadcast and kept."""
+
+    def __init__(self, trainer, *, address: str, bucket_bytes: int, timeout_s: float, logger) -> None:
+        self.trainer = trainer
+        self.address, self.bucket_bytes, self.timeout_s = address, bucket_bytes, timeout_s
+        self.log = logger
+        self._store = None
+        self._open: OrderedDict[str, _OpenPlan] = OrderedDict()
+
+    def open(self, request: pb.OpenWeightBroadcastRequest) -> pb.BroadcastPlan:
+        if not self.address:
+            raise FailedPrecondition("OpenWeightBroadcast: this trainer has no weight_broadcast_address configured")
+        if request.replicas < 1:
+            raise InvalidRequest(f"replicas: must be >= 1, got {request.replicas}")
+        if request.bucket_bytes < 0:
+            raise InvalidRequest(f"bucket_bytes: must be >= 0, got {request.bucket_bytes}")
+        snapshot = self.trainer.weight_tensors(request.run_id)
+        specs = [tensor_spec(name, t) for name, t in snapshot.tensors]
+        buckets = plan_buckets(specs, request.bucket_bytes or self.bucket_bytes)
+        on_cuda = any(t.is_cuda for _, t in snapshot.tensors)
+        group_name = f"lockstep-weights-{uuid.uuid4().hex[:12]}"
+        plan = plan_proto(buckets, run_id=request.run_id, policy_version=snapshot.policy_version,
+                          group_name=group_name, rendezvous=self.address, backend="nccl" if on_cuda else "gloo",
+                          world_size=request.replicas + 1, digest_trailer=request.digest_trailer,
+                          lora=snapshot.lora.to_proto() if snapshot.lora is not None else None)
+        indices, start = [], 0
+        for bucket in buckets:
+            indices.append(list(range(start, start + len(bucket))))
+            start += len(bucket)
+        self._open[group_name] = _OpenPlan(snapshot, plan, indices)
+        while len(self._open) > OPEN_PLANS_KEPT:
+            self._open.popitem(last=False)
+        return plan
+
+    def run(self, request: pb.RunWeightBroadcastRequest) -> pb.UpdateWeightsResponse:
+        opened = self._open.pop(request.group_name, None)
+        if opened is None or opened.plan.run_id != request.run_id:
+            raise FailedPrecondition(f"group_name: {request.group_name!r} is no open broadcast of run "
+                                     f"{request.run_id!r} (OpenWeightBroadcast first)")
+        self.trainer.check_weights_unchanged(opened.snapshot)
+        plan, tensors = opened.plan, opened.snapshot.tensors
+        device = next(t.device for _, t in tensors) if plan.backend == "nccl" else torch.device("cpu")
+        digest = hashlib.sha256()
+        try:
+            if self._store is None:
+                self._store = rendezvous_store(self.address, host_it=True, timeout_s=self.timeout_s)
+            group = WeightUpdateGroup(self._store, group_name=plan.group_name, rank=0,
+                                      world_size=plan.world_size, backend=plan.backend, timeout_s=self.timeout_s)
+            try:
+                for bucket in opened.buckets:
+                    buffer = pack_bucket([tensors[i][1] for i in bucket], device)
+                    group.broadcast(buffer)
+                    hash_buffer(digest, buffer)
+                if plan.digest_trailer:
+                    group.broadcast(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8).to(device))
+            finally:
+                group.close()
+        except RuntimeError as exc:  # torch.distributed's errors: a timeout, a peer that went away
+            raise BroadcastFailed(f"broadcast {plan.group_name} of version {plan.policy_version} to "
+                                  f"{plan.world_size - 1} replicas failed: {exc}") from exc
+        log_event(self.log, "weights broadcast", run_id=plan.run_id, policy_version=plan.policy_version,
+                  group_name=plan.group_name, world_size=plan.world_size, buckets=len(opened.buckets),
+                  bytes=plan.bytes, backend=plan.backend)
+        return pb.UpdateWeightsResponse(policy_version=plan.policy_version, tensors=plan.tensors, bytes=plan.bytes,
+                                        total_sha256=digest.hexdigest())

@@ -1,0 +1,168 @@
+"""The broadcast weight source's pieces: the bucket plan (pure), packing, plan checks, and a real gloo
+group between two threads of this process (the trainer's side sending, a replica's side receiving)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from proto import lockstep_pb2 as pb
+from services.common.ports import free_port
+from services.common.weight_broadcast import (
+    TensorSpec,
+    WeightUpdateGroup,
+    bucket_specs,
+    pack_bucket,
+    plan_buckets,
+    plan_proto,
+    rendezvous_store,
+    tensor_spec,
+    unpack_bucket,
+)
+from services.common.weight_stream import iter_weight_chunks
+from services.rollout.weight_broadcast import BroadcastReceiveFailed, checked_plan, receive_broadcast, staging_device
+
+
+def _spec(name: str, dtype: str, nbytes: int) -> TensorSpec:
+    item = {"float32": 4, "bfloat16": 2}[dtype]
+    return TensorSpec(name, dtype, (nbytes // item,), nbytes)
+
+
+def _names(buckets):
+    return [[s.name for s in b] for b in buckets]
+
+
+def test_buckets_are_runs_of_one_dtype_within_the_size_in_order():
+    specs = [_spec("a", "float32", 40), _spec("b", "float32", 40), _spec("c", "float32", 40),
+             _spec("d", "bfloat16", 20), _spec("e", "float32", 8)]
+    assert _names(plan_buckets(specs, 80)) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert _names(plan_buckets(specs, 1 << 20)) == [["a", "b", "c"], ["d"], ["e"]]
+    # A tensor larger than the bucket size is a bucket of its own, never split.
+    assert _names(plan_buckets([_spec("small", "float32", 4), _spec("big", "float32", 400),
+                                _spec("tail", "float32", 4)], 100)) == [["small"], ["big"], ["tail"]]
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        plan_buckets(specs, 0)
+
+
+def _model_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [("embed.weight", torch.randn(8, 4, generator=g)), ("norm.weight", torch.randn(4, generator=g)),
+            ("mask", torch.randn(3, 2, generator=g).to(torch.bfloat16)), ("head.weight", torch.randn(5, 4, generator=g))]
+
+
+def test_packed_buckets_unpack_to_the_tensors_and_hash_as_the_grpc_stream():
+    import hashlib
+
+    tensors = _model_tensors()
+    buckets = plan_buckets([tensor_spec(n, t) for n, t in tensors], 160)
+    assert _names(buckets) == [["embed.weight", "norm.weight"], ["mask"], ["head.weight"]]
+    digest, out, start = hashlib.sha256(), {}, 0
+    for bucket in buckets:
+        buffer = pack_bucket([t for _, t in tensors[start:start + len(bucket)]], torch.device("cpu"))
+        start += len(bucket)
+        assert buffer.dtype == torch.uint8 and buffer.numel() == sum(s.nbytes for s in bucket)
+        digest.update(buffer.numpy().tobytes())
+        out.update(unpack_bucket(buffer, bucket))
+    assert list(out) == [n for n, _ in tensors]
+    assert all(torch.equal(out[n], t) and out[n].dtype == t.dtype for n, t in tensors)
+    stream = list(iter_weight_chunks(tensors, run_id="r", policy_version=1, chunk_bytes=7))
+    assert digest.hexdigest() == stream[-1].total_sha256
+
+
+def _plan(tensors, bucket_bytes: int, **fields) -> pb.BroadcastPlan:
+    buckets = plan_buckets([tensor_spec(n, t) for n, t in tensors], bucket_bytes)
+    return plan_proto(buckets, run_id="r", policy_version=3, group_name="g", backend="gloo", world_size=2,
+                      digest_trailer=True, **fields)
+
+
+@pytest.mark.parametrize(("edit", "reason"), [
+    (lambda p: p.buckets[0].tensors.add(name="x", dtype="bfloat16", shape=[1]), "more than one dtype"),
+    (lambda p: setattr(p.buckets[0], "nbytes", 1), r"buckets\[0\].nbytes: 1, but its tensors hold 144"),
+    (lambda p: setattr(p.buckets[1].tensors[0], "name", "embed.weight"), "empty or repeated"),
+    (lambda p: p.buckets[2].tensors[0].shape.append(-1), "negative dimension"),
+    (lambda p: setattr(p.buckets[1].tensors[0], "dtype", "complex64"), r"buckets\[1\].tensors\[0\].dtype"),
+    (lambda p: setattr(p, "bytes", 1), "do not match the buckets"),
+])
+def test_a_plan_that_does_not_add_up_is_refused_naming_the_field(edit, reason):
+    plan = _plan(_model_tensors(), 160)
+    bucket_specs(plan)
+    edit(plan)
+    with pytest.raises(ValueError, match=reason):
+        bucket_specs(plan)
+
+
+@pytest.mark.parametrize(("fields", "rank", "reason"), [
+    ({"backend": "mpi"}, 1, "plan.backend"),
+    ({}, 2, "rank: need 0 < rank < plan.world_size, got 2 of 2"),
+    ({}, 0, "rank"),
+    ({"digest_trailer": False}, 1, "plan.digest_trailer: required"),
+    ({"group_name": ""}, 1, "plan.group_name"),
+])
+def test_a_replica_refuses_a_plan_it_cannot_receive(fields, rank, reason):
+    plan = _plan(_model_tensors(), 160)
+    for key, value in fields.items():
+        setattr(plan, key, value)
+    with pytest.raises(ValueError, match=reason):
+        checked_plan(pb.ReceiveWeightsRequest(plan=plan, rank=rank))
+
+
+def test_nccl_needs_a_cuda_engine_device_and_gloo_stages_in_host_memory():
+    with pytest.raises(ValueError, match="'nccl' needs a CUDA"):
+        staging_device("nccl", torch.device("cpu"))
+    assert staging_device("gloo", torch.device("cpu")) == torch.device("cpu")
+
+
+def _send(address: str, plan: pb.BroadcastPlan, tensors, trailer: bytes | None, errors: list) -> None:
+    """Rank 0 as the trainer runs it: every bucket, then the trailer (the sha256 of what was sent, or `trailer`)."""
+    import hashlib
+
+    try:
+        store = rendezvous_store(address, host_it=True, timeout_s=60)
+        group = WeightUpdateGroup(store, group_name=plan.group_name, rank=0, world_size=2, backend="gloo",
+                                  timeout_s=60)
+        digest, start = hashlib.sha256(), 0
+        for bucket in plan.buckets:
+            buffer = pack_bucket([t for _, t in tensors[start:start + len(bucket.tensors)]], torch.device("cpu"))
+            start += len(bucket.tensors)
+            group.broadcast(buffer)
+            digest.update(buffer.numpy().tobytes())
+        group.broadcast(torch.frombuffer(bytearray(trailer or digest.digest()), dtype=torch.uint8))
+        group.close()
+    except Exception as exc:  # noqa: BLE001 - reported to the test thread
+        errors.append(exc)
+
+
+@pytest.mark.parametrize("tampered", [False, True])
+def test_a_replica_applies_nothing_unless_the_trainers_digest_matches(tampered):
+    tensors = _model_tensors()
+    address = f"127.0.0.1:{free_port()}"
+    plan = _plan(tensors, 160, rendezvous=address)
+    errors: list = []
+    sender = threading.Thread(target=_send, args=(address, plan, tensors, b"\0" * 32 if tampered else None, errors))
+    sender.start()
+    request = pb.ReceiveWeightsRequest(plan=plan, rank=1)
+    try:
+        if tampered:
+            with pytest.raises(BroadcastReceiveFailed, match="received bytes hash to .* nothing applied"):
+                receive_broadcast(request, checked_plan(request), torch.device("cpu"), 60)
+        else:
+            got = receive_broadcast(request, checked_plan(request), torch.device("cpu"), 60)
+            assert list(got.tensors) == [n for n, _ in tensors] and got.lora is None
+            assert all(torch.equal(got.tensors[n], t) for n, t in tensors)
+            stream = list(iter_weight_chunks(tensors, run_id="r", policy_version=3))
+            assert got.total_sha256 == stream[-1].total_sha256 and got.nbytes == plan.bytes
+    finally:
+        sender.join(timeout=120)
+    assert not errors
+
+
+def test_a_group_that_never_forms_fails_within_the_timeout():
+    address = f"127.0.0.1:{free_port()}"
+    store = rendezvous_store(address, host_it=True, timeout_s=5)
+    plan = _plan(_model_tensors(), 160, rendezvous=address)
+    request = pb.ReceiveWeightsRequest(plan=plan, rank=1)
+    # Rank 0 never joins: the replica gives up after its timeout rather than waiting forever.
+    with pytest.raises(BroadcastReceiveFailed, match="rank 1 of 2"):
+        receive_broadcast(request, checked_plan(request), torch.device("cpu"), 2)
+    del store
