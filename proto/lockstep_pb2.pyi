@@ -182,16 +182,18 @@ class LoraAdapter(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "tensors", "bytes", "total_sha256")
+    __slots__ = ("policy_version", "tensors", "bytes", "total_sha256", "engine_checksum")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     tensors: int
     bytes: int
     total_sha256: str
-    def __init__(self, policy_version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., total_sha256: _Optional[str] = ...) -> None: ...
+    engine_checksum: str
+    def __init__(self, policy_version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., total_sha256: _Optional[str] = ..., engine_checksum: _Optional[str] = ...) -> None: ...
 
 class SyncWeightsRequest(_message.Message):
     __slots__ = ("run_id", "policy_version", "trainer_address")

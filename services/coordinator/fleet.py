@@ -196,13 +196,13 @@ class RolloutFleet:
                     await self.evict(c, step=version, reason=f"weight sync failed ({r.code()})")
                 else:
                     synced[c.address] = r
-        digests = {address: r.total_sha256 for address, r in synced.items()}
+        digests = {address: r.total_sha256 or f"engine:{r.engine_checksum}" for address, r in synced.items()}
         if len(set(digests.values())) > 1:
             raise RunFailed(f"step {version}: replicas report different weight digests for one version: {digests}")
         if synced:
             first = next(iter(synced.values()))
             await self.events.record("weights_synced", "weights synced", policy_version=version,
-                                     digest=first.total_sha256, bytes=first.bytes, replicas=sorted(synced))
+                                     digest=digests[next(iter(synced))], bytes=first.bytes, replicas=sorted(synced))
 
     async def _broadcast_to(self, clients: Sequence[RolloutClient], version: int) -> dict[str, pb.UpdateWeightsResponse]:
         """One group of every stale replica. Replicas that turn out unreachable are evicted; when that broke
@@ -233,9 +233,14 @@ class RolloutFleet:
 
     def _verified(self, client: RolloutClient, got: pb.UpdateWeightsResponse | BaseException,
                   sent: pb.UpdateWeightsResponse, version: int) -> pb.UpdateWeightsResponse:
-        """A replica's answer to a broadcast that went through: it must report the trainer's digest."""
+        """A replica's answer to a broadcast that went through: it must report the trainer's digest, or, for
+        an engine that cannot hash what it received (SGLang), a checksum of what it serves (which the
+        replicas of one version must then agree on)."""
         if isinstance(got, BaseException):
             raise got
+        if not self.broadcast_weights.digest_trailer and got.policy_version == version and got.engine_checksum \
+                and not got.total_sha256:
+            return got
         if got.policy_version != version or got.total_sha256 != sent.total_sha256:
             raise RunFailed(f"step {version}: replica {client.address} reports version {got.policy_version} digest "
                             f"{got.total_sha256!r} after the broadcast; the trainer sent version {sent.policy_version} "
@@ -251,7 +256,8 @@ class RolloutFleet:
                 f"weight broadcast {done.plan.group_name} to {client.address} failed: {_details(done.sent)}")
         got = self._verified(client, done.received[0], done.sent, version)
         await self.events.record("weights_caught_up", "replica brought up to date in a group of its own",
-                                 policy_version=version, replica=client.address, digest=got.total_sha256,
+                                 policy_version=version, replica=client.address,
+                                 digest=got.total_sha256 or f"engine:{got.engine_checksum}",
                                  group_name=done.plan.group_name)
         return got
 

@@ -62,6 +62,7 @@ from services.common.grpc_service import (
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.path_roots import resolve_inside
 from services.common.structured_logging import log_event
+from services.common.weight_broadcast import bucket_specs
 from services.common.weight_files import read_weight_dir
 from services.common.weight_stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
@@ -239,6 +240,8 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                              f"plan.rendezvous: {plan.rendezvous!r} is not one of this service's "
                              f"broadcast_sources {self.config.broadcast_sources}")
         self._check_run(plan.run_id, "ReceiveWeights")
+        if getattr(self._loaded(), "joins_weight_groups", False):
+            return await self._receive_in_engine(request)
         buckets = checked_plan(request)
         device = staging_device(plan.backend, self._loaded().broadcast_device())
         # Received into staging off the lock (generation goes on), applied between batches like a stream.
@@ -253,6 +256,21 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                 await self._in_worker(engine.update_weights, got.tensors, plan.policy_version)
         return self._applied("ReceiveWeights", plan.policy_version, len(got.tensors), got.nbytes, got.total_sha256,
                              lora=got.lora is not None)
+
+    async def _receive_in_engine(self, request: pb.ReceiveWeightsRequest) -> pb.UpdateWeightsResponse:
+        """An engine whose server is the rank (SGLang) loads the buckets itself, between batches. Its answer
+        carries no sha256 of the bytes (they never reach this process) but the engine's checksum of the
+        parameters it then serves."""
+        plan = request.plan
+        buckets = bucket_specs(plan)
+        async with self._lock:
+            engine = self._loaded()
+            self._check_run(plan.run_id, "ReceiveWeights")
+            checksum = await self._in_worker(engine.receive_broadcast, request, buckets)
+        response = self._applied("ReceiveWeights", plan.policy_version, int(plan.tensors), int(plan.bytes), "",
+                                 lora=False)
+        response.engine_checksum = checksum
+        return response
 
     async def _apply(self, assembler: WeightStreamAssembler, what: str) -> pb.UpdateWeightsResponse:
         """Apply a received stream (all of it verified by finish()) between batches."""

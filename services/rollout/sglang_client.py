@@ -2,7 +2,8 @@
 
 Request bodies follow sglang 0.5.23 (sglang/srt/managers/io_struct.py:
 GenerateReqInput, UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
-UpdateWeightsFromDistributedReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput,
+UpdateWeightsFromDistributedReqInput, DestroyWeightsUpdateGroupReqInput, BeginWeightUpdateReqInput,
+EndWeightUpdateReqInput, CheckWeightsReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput,
 UpdateWeightVersionReqInput, PauseGenerationReqInput). They are built by plain functions so that the paths
 a CPU test server can't exercise (NCCL weight sync, LoRA) are at least checked
 field by field.
@@ -174,21 +175,34 @@ def init_weights_update_group_body(
 
 
 def update_weights_from_distributed_body(
-    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], weight_version: str,
-    group_name: str = "weight_update_group",
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], weight_version: str | None,
+    group_name: str = "weight_update_group", *, flush_cache: bool = True, load_format: str | None = None,
 ) -> dict[str, Any]:
-    """Announce a broadcast: the trainer then broadcasts each tensor, in this order, over the group."""
+    """Announce one broadcast: the trainer then broadcasts these tensors over the group -- each one on its
+    own, in this order, or with load_format "flattened_bucket" all of them as one flat uint8 buffer, their
+    bytes back to back (sglang/srt/weight_sync/tensor_bucket.py). weight_version None keeps the served
+    version's label (a bucket before the last); flush_cache drops the radix cache the old weights filled."""
     if not (len(names) == len(dtypes) == len(shapes)) or not names:
         raise ValueError(f"names/dtypes/shapes: need equal non-zero lengths, got {len(names)}/{len(dtypes)}/{len(shapes)}")
-    return {
+    if load_format not in (None, "flattened_bucket"):
+        raise ValueError(f"load_format: None or 'flattened_bucket', got {load_format!r}")
+    body: dict[str, Any] = {
         "names": list(names),
         "dtypes": list(dtypes),
         "shapes": [list(s) for s in shapes],
         "group_name": group_name,
-        "flush_cache": True,
+        "flush_cache": flush_cache,
         "abort_all_requests": False,
         "weight_version": weight_version,
     }
+    if load_format is not None:
+        body["load_format"] = load_format
+    return body
+
+
+def weights_checksum_body() -> dict[str, Any]:
+    """/weights_checker: SGLang's hash of every parameter it serves (CheckWeightsReqInput)."""
+    return {"action": "checksum"}
 
 
 def update_weight_version_body(new_version: str) -> dict[str, Any]:
@@ -272,14 +286,31 @@ class SGLangClient:
     def update_weights_from_disk(self, model_path: str, weight_version: str, timeout: float) -> dict[str, Any]:
         return self._checked("/update_weights_from_disk", update_weights_from_disk_body(model_path, weight_version), timeout)
 
-    def init_weights_update_group(self, **kw: Any) -> dict[str, Any]:
-        return self._checked("/init_weights_update_group", init_weights_update_group_body(**kw))
+    def init_weights_update_group(self, timeout: float | None = None, **kw: Any) -> dict[str, Any]:
+        """Returns once every rank joined: the trainer hosts the group meanwhile."""
+        return self._checked("/init_weights_update_group", init_weights_update_group_body(**kw), timeout)
 
-    def update_weights_from_distributed(self, **kw: Any) -> dict[str, Any]:
-        return self._checked("/update_weights_from_distributed", update_weights_from_distributed_body(**kw))
+    def update_weights_from_distributed(self, timeout: float | None = None, **kw: Any) -> dict[str, Any]:
+        """Returns once the announced tensors arrived and were loaded."""
+        return self._checked("/update_weights_from_distributed", update_weights_from_distributed_body(**kw), timeout)
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict[str, Any]:
         return self._checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    def begin_weight_update(self) -> dict[str, Any]:
+        """Open the weight-update session /update_weights_from_distributed runs in (BeginWeightUpdateReqInput)."""
+        return self._checked("/begin_weight_update", {})
+
+    def end_weight_update(self) -> dict[str, Any]:
+        return self._checked("/end_weight_update", {})
+
+    def weights_checksum(self) -> str:
+        """SGLang's checksum over every parameter the server holds (per_engine_checksum of /weights_checker)."""
+        out = self._checked("/weights_checker", weights_checksum_body())
+        checksum = out.get("per_engine_checksum")
+        if not isinstance(checksum, str) or not checksum:
+            raise SGLangRequestError("/weights_checker", 200, f"no per_engine_checksum in {str(out)[:500]}")
+        return checksum
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
         return self._checked("/load_lora_adapter", load_lora_adapter_body(lora_name, lora_path, pinned))

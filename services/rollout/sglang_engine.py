@@ -37,13 +37,15 @@ import shutil
 import threading
 import uuid
 import weakref
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from contract.engine_options import SGLangEngineConfig
+from proto import lockstep_pb2 as pb
 from services.common.model_files import check_model_dir
+from services.common.service_config import split_host_port
+from services.common.weight_broadcast import TensorSpec
 from services.common.weight_stream import LoraAdapterMeta
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
 from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, GenerationRequest
@@ -63,6 +65,7 @@ from services.rollout.sglang_weights import (
     eos_token_ids,
     load_checkpoint_tensors,
     tied_embeddings,
+    verify_broadcast_plan,
     verify_tensors,
     write_checkpoint,
 )
@@ -405,29 +408,56 @@ class SGLangEngine(Engine):
             if str(p) not in keep:
                 shutil.rmtree(p, ignore_errors=True)
 
-    # ---------------------------------------------- NCCL/RCCL and LoRA paths --
+    # ------------------------------------------ broadcast (NCCL/RCCL, gloo) and LoRA --
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = "weight_update_group",
-                                  backend: str = "nccl") -> None:
-        """Join the trainer's process group for /update_weights_from_distributed (GPU only)."""
-        self._ready_client().init_weights_update_group(
-            master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-            world_size=world_size, group_name=group_name, backend=backend,
-        )
+    joins_weight_groups = True  # the server is the group's rank, not this process
 
-    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
-                                        shapes: Sequence[Sequence[int]], policy_version: int,
-                                        group_name: str = "weight_update_group") -> None:
-        """Receive a broadcast from the trainer (which broadcasts right after this call is sent)."""
+    def receive_broadcast(self, request: pb.ReceiveWeightsRequest, buckets: list[list[TensorSpec]]) -> str:
+        """Have the server join the plan's group as the request's rank and load every bucket the trainer
+        broadcasts ("flattened_bucket": one flat buffer each); the new version's label is set with the last
+        one. Checked before anything moves: a whole-model plan of the checkpoint's names and shapes. Returns
+        SGLang's checksum over the parameters it then serves (/weights_checker), which replicas of one
+        version must agree on. A failure once buckets started to load leaves the server's weights part
+        old, part new: it is restarted from its last directory (EngineUnavailable), never served so."""
+        plan = request.plan
+        if plan.HasField("lora"):
+            raise ValueError("plan.lora: SGLang loads adapters from files or tensors, not from a process group")
+        if plan.digest_trailer:
+            raise ValueError("plan.digest_trailer: an SGLang server receives the buckets only; sync it without")
+        if plan.policy_version <= self._version:
+            raise ValueError(f"policy_version: {plan.policy_version} is not newer than the loaded {self._version}")
+        verify_broadcast_plan([(s.name, s.dtype, s.shape) for b in buckets for s in b], self._specs, tied=self._tied)
+        host, port = split_host_port(plan.rendezvous, "plan.rendezvous")
         client = self._ready_client()
-        client.update_weights_from_distributed(
-            names=names, dtypes=dtypes, shapes=shapes, weight_version=str(policy_version), group_name=group_name
-        )
-        # Not on disk: a restarted server could only reload the last synced
-        # directory, so mark the weights as not reloadable.
-        self._version, self._weights_path = policy_version, ""
+        timeout = self.config.weight_update_timeout_s
+        version = str(plan.policy_version)
+        try:
+            client.pause_generation("abort")
+            try:
+                client.init_weights_update_group(timeout=timeout, master_address=host, master_port=port,
+                                                 rank_offset=request.rank, world_size=plan.world_size,
+                                                 group_name=plan.group_name, backend=plan.backend)
+                try:
+                    client.begin_weight_update()
+                    for i, bucket in enumerate(buckets):
+                        last = i == len(buckets) - 1
+                        client.update_weights_from_distributed(
+                            timeout=timeout, names=[s.name for s in bucket], dtypes=[s.dtype for s in bucket],
+                            shapes=[list(s.shape) for s in bucket], group_name=plan.group_name,
+                            weight_version=version if last else None, flush_cache=last,
+                            load_format="flattened_bucket")
+                    client.end_weight_update()
+                finally:
+                    client.destroy_weights_update_group(plan.group_name)
+            finally:
+                client.continue_generation()
+        except (SGLangConnectionError, SGLangRequestError) as exc:
+            self._lost(exc, f"broadcast of version {version} interrupted (weights may be partly replaced)")
+        # Not on disk: a restarted server could only reload the last synced directory, so mark the
+        # weights as not reloadable.
+        self._version, self._weights_path = plan.policy_version, ""
         self._check_version(client)
+        return client.weights_checksum()
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> None:
         self._ready_client().load_lora_adapter(lora_name, lora_path, pinned)

@@ -92,6 +92,31 @@ def verify_tensors(
     return sent
 
 
+def verify_broadcast_plan(
+    announced: list[tuple[str, str, tuple[int, ...]]],
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    *, tied: bool,
+) -> None:
+    """verify_tensors' checks on what a broadcast announces (name, dtype name, shape), before a byte moves:
+    the whole checkpoint, nothing unknown, the checkpoint's shapes, floating-point dtypes. The values arrive
+    in the server, out of this process's reach."""
+    names = {name for name, _, _ in announced}
+    if tied and "lm_head.weight" not in specs:
+        names.discard("lm_head.weight")
+    missing, unknown = sorted(set(specs) - names), sorted(names - set(specs))
+    if missing or unknown:
+        raise ValueError(
+            f"plan: does not match the checkpoint (missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unknown {unknown[:5]}{'...' if len(unknown) > 5 else ''})")
+    for name, dtype, shape in announced:
+        if name not in specs:
+            continue  # a tied lm_head the checkpoint does not store
+        if tuple(shape) != specs[name][0]:
+            raise ValueError(f"plan: {name!r} has shape {tuple(shape)}, the checkpoint {specs[name][0]}")
+        if dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"plan: {name!r} has dtype {dtype}, not floating point")
+
+
 def write_checkpoint(tensors: dict[str, torch.Tensor], base_dir: str | Path, out_dir: str | Path) -> Path:
     """Write `tensors` + base_dir's non-weight files as `out_dir`, atomically (tmp dir + rename)."""
     from safetensors.torch import save_file

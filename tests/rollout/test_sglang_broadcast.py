@@ -1,0 +1,134 @@
+"""The broadcast weight source into a real SGLang server (CPU, float32) over a gloo weight-update group.
+
+This process plays the trainer: it hosts the rendezvous and broadcasts the buckets as rank 0, exactly as
+services/trainer/weight_broadcast.py does, while the engine has the server join the group
+(/init_weights_update_group) and load each bucket (/update_weights_from_distributed, "flattened_bucket").
+Generation then follows the new weights, the server's weight_version is the new version, and the engine
+reports SGLang's checksum of what it serves. Every request body of the path is also built into SGLang's
+own request types (sglang/srt/managers/io_struct.py), so a renamed or removed field fails.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from proto import lockstep_pb2 as pb
+from services.common.ports import free_port
+from services.common.weight_broadcast import (
+    WeightUpdateGroup,
+    bucket_specs,
+    pack_bucket,
+    plan_buckets,
+    plan_proto,
+    rendezvous_store,
+    tensor_spec,
+)
+from services.common.weight_files import write_weight_dir
+from services.rollout.sglang_client import (
+    init_weights_update_group_body,
+    update_weights_from_distributed_body,
+    weights_checksum_body,
+)
+from services.rollout.sglang_config import default_python
+from services.rollout.sglang_weights import load_checkpoint_tensors
+from tests.conftest import require
+from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
+
+pytestmark = pytest.mark.slow
+
+
+def _plan(tensors: list[tuple[str, torch.Tensor]], version: int, address: str, **fields) -> pb.BroadcastPlan:
+    buckets = plan_buckets([tensor_spec(n, t) for n, t in tensors], 64 * 1024)
+    return plan_proto(buckets, run_id="r", policy_version=version, group_name=f"g-{version}", rendezvous=address,
+                      backend="gloo", world_size=2, **fields)
+
+
+def _broadcast(store, plan: pb.BroadcastPlan, tensors, errors: list) -> None:
+    try:
+        group = WeightUpdateGroup(store, group_name=plan.group_name, rank=0, world_size=2, backend="gloo",
+                                  timeout_s=300)
+        start = 0
+        for bucket in plan.buckets:
+            group.broadcast(pack_bucket([t for _, t in tensors[start:start + len(bucket.tensors)]],
+                                        torch.device("cpu")))
+            start += len(bucket.tensors)
+        group.close()
+    except Exception as exc:  # noqa: BLE001 - reported to the test thread
+        errors.append(exc)
+
+
+def test_sglang_joins_a_gloo_group_and_serves_the_broadcast_weights(engine, model_dir, tmp_path):  # noqa: F811
+    old_dir, v = engine.weights_path, engine.policy_version
+    g = torch.Generator().manual_seed(21)
+    tensors = [(k, t + 0.05 * torch.randn(t.shape, generator=g)) for k, t in load_checkpoint_tensors(old_dir).items()]
+    address = f"127.0.0.1:{free_port()}"
+    store = rendezvous_store(address, host_it=True, timeout_s=300)
+    plan = _plan(tensors, v + 1, address)
+    assert len(plan.buckets) > 1
+    request = pb.ReceiveWeightsRequest(plan=plan, rank=1)
+
+    # Refused before the server joins anything: adapters, a digest trailer it cannot take, an old version.
+    for field, value, reason in (("digest_trailer", True, "plan.digest_trailer"),
+                                 ("policy_version", v, "not newer than the loaded")):
+        bad = pb.ReceiveWeightsRequest()
+        bad.CopyFrom(request)
+        setattr(bad.plan, field, value)
+        with pytest.raises(ValueError, match=reason):
+            engine.receive_broadcast(bad, bucket_specs(bad.plan))
+    lora = pb.ReceiveWeightsRequest()
+    lora.CopyFrom(request)
+    lora.plan.lora.CopyFrom(pb.LoraAdapter(rank=4, alpha=8.0, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="plan.lora"):
+        engine.receive_broadcast(lora, bucket_specs(lora.plan))
+    assert engine.policy_version == v
+
+    errors: list = []
+    sender = threading.Thread(target=_broadcast, args=(store, plan, tensors, errors))
+    sender.start()
+    try:
+        checksum = engine.receive_broadcast(request, bucket_specs(plan))
+    finally:
+        sender.join(timeout=600)
+    assert not errors
+    assert engine.policy_version == v + 1 and len(checksum) == 64
+    assert engine._ready_client().weight_version() == str(v + 1)
+
+    written = write_weight_dir(tmp_path / "expected", tensors, v + 1, base_dir=model_dir)
+    req = make_request(n=4)
+    samples = engine.generate(req)
+    assert gaps(str(written.directory), req, samples, 0.7).mean().item() <= TOL
+    assert gaps(old_dir, req, samples, 0.7).mean().item() > 100 * TOL
+
+
+def test_broadcast_request_bodies_fit_sglangs_request_types():
+    python = default_python()
+    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
+    names, dtypes, shapes = ["model.embed_tokens.weight", "model.norm.weight"], ["float32"] * 2, [[128, 32], [32]]
+    bodies = [
+        ("InitWeightsUpdateGroupReqInput", init_weights_update_group_body("10.0.0.1", 29500, 2, 3, "g-7", "gloo")),
+        ("UpdateWeightsFromDistributedReqInput", update_weights_from_distributed_body(
+            names, dtypes, shapes, None, "g-7", flush_cache=False, load_format="flattened_bucket")),
+        ("UpdateWeightsFromDistributedReqInput", update_weights_from_distributed_body(
+            names, dtypes, shapes, "7", "g-7", load_format="flattened_bucket")),
+        ("DestroyWeightsUpdateGroupReqInput", {"group_name": "g-7"}),
+        ("BeginWeightUpdateReqInput", {}),
+        ("EndWeightUpdateReqInput", {}),
+        ("CheckWeightsReqInput", weights_checksum_body()),
+    ]
+    # Each body becomes the type SGLang's HTTP handler decodes it into: an unknown field is a TypeError.
+    script = (
+        "import json, sys\n"
+        "from sglang.srt.managers import io_struct\n"
+        "for name, body in json.loads(sys.stdin.read()):\n"
+        "    obj = getattr(io_struct, name)(**body)\n"
+        "    print(name, sorted(k for k in body if getattr(obj, k) != body[k]))\n"
+    )
+    proc = subprocess.run([python, "-c", script], input=json.dumps(bodies), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines() == [f"{name} []" for name, _ in bodies], proc.stdout
