@@ -5,10 +5,14 @@ at the trainer's configured rendezvous; the trainer broadcasts the policy in buc
 digest, each replica checks that digest against its own over what arrived before applying. Checked with
 real processes: a run completes with metrics bitwise those of the gRPC source, both replicas report the
 digests the gRPC stream carries for the same versions, and a replica refuses a rendezvous it was not
-configured to trust and a plan it cannot verify, without changing the weights it serves.
+configured to trust and a plan it cannot verify, without changing the weights it serves. A LoRA run's
+adapters go alone, as over the stream; a replica restarted mid-run is brought to the run's version in a
+group of its own (weights_caught_up) and rejoins the next syncs.
 """
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import grpc
@@ -90,3 +94,65 @@ def test_broadcast_source_matches_the_grpc_source_bitwise(tmp_path):
             assert rollout.Info(pb.InfoRequest(), timeout=10).policy_version == 3
         finally:
             channel.close()
+
+
+def test_a_lora_runs_adapters_go_over_the_broadcast_alone_as_over_the_stream(tmp_path):
+    model = build_model_dir(tmp_path / "model", seed=4)
+    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[model.parent]) as stack:
+        client = stack.client(timeout_s=60)
+        outcomes = {}
+        for source in ("grpc", "broadcast"):
+            spec = _spec(model, f"lora-{source}", source)
+            spec["trainer"] = {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0, "target_modules": "all-linear"}}
+            run = client.submit(spec)
+            done = client.wait(run["id"], timeout_s=600)
+            assert done["status"] == "completed", done
+            outcomes[source] = ([s["metrics"] for s in client.metrics(run["id"])["steps"]], _synced(client, run["id"]))
+        assert outcomes["broadcast"] == outcomes["grpc"] and len(outcomes["grpc"][0]) == 3
+        log = (stack.run_dir / "logs" / "rollout1.log").read_text().splitlines()
+        received = [json.loads(line) for line in log if '"ReceiveWeights"' in line and '"weights updated"' in line]
+        # 2 layers x 7 linear layers x (A, B): the adapters alone, marked as such, for versions 1 to 3.
+        assert [(u["policy_version"], u["lora"], u["tensors"]) for u in received] == [(v, True, 28) for v in (1, 2, 3)]
+        assert all(u["bytes"] == outcomes["grpc"][1][0][2] for u in received)
+
+
+def test_a_replica_restarted_mid_run_is_caught_up_in_a_group_of_its_own(tmp_path):
+    model = build_model_dir(tmp_path / "model", seed=3)
+    # A rank that died before joining is waited for this long (not the default 300 s) before the group fails.
+    env = {"LOCKSTEP_TRAINER_WEIGHT_BROADCAST_TIMEOUT_S": "20", "LOCKSTEP_ROLLOUT_WEIGHT_BROADCAST_TIMEOUT_S": "20"}
+    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[tmp_path], extra_env=env) as stack:
+        client = stack.client(timeout_s=120)
+        spec = _spec(model, "catch-up", "broadcast")
+        spec["steps"] = 10_000  # runs until the replica is back in the syncs, then is cancelled
+        run = client.submit(spec)
+        address = f"127.0.0.1:{stack.rollout_ports[1]}"
+
+        def events_until(done, what: str) -> list[dict]:
+            deadline = time.monotonic() + 600
+            while not done(events := client.run(run["id"])["events"]):
+                assert client.run(run["id"])["status"] == "running" and time.monotonic() < deadline, (what, events)
+                time.sleep(0.2)
+            return events
+
+        events_until(lambda ev: sum(e["event"] == "weights_synced" for e in ev) >= 2, "two syncs")
+        victim = stack.rollouts[1]
+        victim.kill()  # its model and weights are gone
+        time.sleep(3.0)
+        victim.start()  # same port, no model loaded
+        events = events_until(lambda ev: any(e["event"] == "weights_caught_up" for e in ev) and any(
+            e["event"] == "weights_synced" and address in e["replicas"]
+            and e["policy_version"] > max(c["policy_version"] for c in ev if c["event"] == "weights_caught_up")
+            for e in ev), "the replica caught up and synced again")
+        client.cancel(run["id"])
+
+        evicted = [e for e in events if e["event"] == "replica_evicted"]
+        caught_up = [e for e in events if e["event"] == "weights_caught_up"]
+        readmitted = [e for e in events if e["event"] == "replica_readmitted"]
+        assert [e["replica"] for e in evicted] == [address] and [e["replica"] for e in caught_up] == [address]
+        assert [e["replica"] for e in readmitted] == [address]
+        # It received the version the run was at, and verified the digest every replica reported for it.
+        sent = {e["policy_version"]: e["digest"] for e in events if e["event"] == "weights_synced"}
+        assert caught_up[0]["digest"] == sent[caught_up[0]["policy_version"]]
+        assert caught_up[0]["policy_version"] == readmitted[0]["policy_version"]
+        names = [e["event"] for e in events]
+        assert names.index("replica_evicted") < names.index("weights_caught_up") < names.index("replica_readmitted")
