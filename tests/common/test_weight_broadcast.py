@@ -166,3 +166,23 @@ def test_a_group_that_never_forms_fails_within_the_timeout():
     with pytest.raises(BroadcastReceiveFailed, match="rank 1 of 2"):
         receive_broadcast(request, checked_plan(request), torch.device("cpu"), 2)
     del store
+
+
+def test_a_trainer_refuses_broadcasts_it_is_not_configured_or_asked_for_properly():
+    import logging
+
+    from services.trainer.weight_broadcast import WeightBroadcaster
+    from services.trainer.wire import FailedPrecondition, InvalidRequest
+
+    log = logging.getLogger("test")
+    # The refusals come before the trainer's weights are touched: no run is needed to see them.
+    unconfigured = WeightBroadcaster(None, address="", bucket_bytes=1024, timeout_s=5, logger=log)
+    with pytest.raises(FailedPrecondition, match="no weight_broadcast_address configured"):
+        unconfigured.open(pb.OpenWeightBroadcastRequest(run_id="r", replicas=2))
+    configured = WeightBroadcaster(None, address="127.0.0.1:29500", bucket_bytes=1024, timeout_s=5, logger=log)
+    with pytest.raises(InvalidRequest, match="replicas: must be >= 1"):
+        configured.open(pb.OpenWeightBroadcastRequest(run_id="r", replicas=0))
+    with pytest.raises(InvalidRequest, match="bucket_bytes: must be >= 0"):
+        configured.open(pb.OpenWeightBroadcastRequest(run_id="r", replicas=1, bucket_bytes=-1))
+    with pytest.raises(FailedPrecondition, match="no open broadcast of run 'r'"):
+        configured.run(pb.RunWeightBroadcastRequest(run_id="r", group_name="lockstep-weights-unknown"))
