@@ -147,7 +147,9 @@ class WeightUpdateGroup:
             self._pg = dist.ProcessGroupGloo(keys, rank, world_size, timeout)
         else:
             options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
             options._timeout = timeout
+            options.group_name = group_name
             self._pg = dist.ProcessGroupNCCL(keys, rank, world_size, options)
         self.backend, self.rank, self.world_size = backend, rank, world_size
 

@@ -15,8 +15,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
-
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import RolloutClient, TrainerUnavailable, is_unavailable
@@ -26,13 +24,9 @@ from services.coordinator.replicas import ReplicaPool
 from services.coordinator.run_errors import RunFailed
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.tasks import Problem
-from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
+from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights, judge_round, rpc_details
 
 Encode = Callable[[Problem], list[int]]
-
-
-def _details(exc: BaseException) -> str:
-    return f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
 
 
 @dataclass
@@ -207,29 +201,24 @@ class RolloutFleet:
     async def _broadcast_to(self, clients: Sequence[RolloutClient], version: int) -> dict[str, pb.UpdateWeightsResponse]:
         """One group of every stale replica. Replicas that turn out unreachable are evicted; when that broke
         the broadcast, the others are synced again in a fresh group of their own (once, recorded as
-        weight_broadcast_regrouped). Any other failure fails the run."""
+        weight_broadcast_regrouped). Any other failure fails the run (judge_round decides)."""
         for attempt in range(2):
             done = await self.broadcast_weights.round(clients, version)
-            unreachable = [(c, r) for c, r in zip(clients, done.received) if is_unavailable(r)]
-            for c, r in unreachable:
-                await self.evict(c, step=version, reason=f"weight broadcast failed ({r.code()})")
-            rest = [c for c, r in zip(clients, done.received) if not is_unavailable(r)]
-            if not isinstance(done.sent, BaseException):
-                return {c.address: self._verified(c, r, done.sent, version)
-                        for c, r in zip(clients, done.received) if not is_unavailable(r)}
-            if isinstance(done.sent, TrainerUnavailable) or not rest:
-                if rest:
-                    raise done.sent
-                return {}
-            if not unreachable or attempt == 1:
-                raise RunFailed(f"step {version}: weight broadcast {done.plan.group_name} failed: "
-                                f"{_details(done.sent)}")
+            verdict = judge_round(done, may_regroup=attempt == 0)
+            for i in verdict.evict:
+                await self.evict(clients[i], step=version,
+                                 reason=f"weight broadcast failed ({done.received[i].code()})")
+            if verdict.failure is not None:
+                raise verdict.failure
+            if not verdict.regroup:
+                return {clients[i].address: self._verified(clients[i], done.received[i], done.sent, version)
+                        for i in verdict.accept}
             await self.events.record("weight_broadcast_regrouped", "weight broadcast retried without unreachable "
                                      "replicas", step=version, policy_version=version,
-                                     dropped=sorted(c.address for c, _ in unreachable),
-                                     replicas=sorted(c.address for c in rest))
-            clients = rest
-        raise AssertionError("unreachable")
+                                     dropped=sorted(clients[i].address for i in verdict.evict),
+                                     replicas=sorted(clients[i].address for i in verdict.regroup))
+            clients = [clients[i] for i in verdict.regroup]
+        raise AssertionError("judge_round regroups only on the first attempt")
 
     def _verified(self, client: RolloutClient, got: pb.UpdateWeightsResponse | BaseException,
                   sent: pb.UpdateWeightsResponse, version: int) -> pb.UpdateWeightsResponse:
@@ -253,7 +242,7 @@ class RolloutFleet:
             raise done.received[0]  # an unreachable replica is evicted by the caller
         if isinstance(done.sent, BaseException):
             raise done.sent if isinstance(done.sent, TrainerUnavailable) else RunFailed(
-                f"weight broadcast {done.plan.group_name} to {client.address} failed: {_details(done.sent)}")
+                f"weight broadcast {done.plan.group_name} to {client.address} failed: {rpc_details(done.sent)}")
         got = self._verified(client, done.received[0], done.sent, version)
         await self.events.record("weights_caught_up", "replica brought up to date in a group of its own",
                                  policy_version=version, replica=client.address,

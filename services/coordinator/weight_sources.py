@@ -22,8 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from proto import lockstep_pb2 as pb
-from services.coordinator.clients import RolloutClient, TrainerClient
+from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
+from services.coordinator.run_errors import RunFailed
 
 
 class SharedPathWeights:
@@ -62,6 +65,39 @@ class BroadcastRound:
     plan: pb.BroadcastPlan
     sent: pb.UpdateWeightsResponse | BaseException
     received: list[pb.UpdateWeightsResponse | BaseException]
+
+
+@dataclass(frozen=True)
+class RoundVerdict:
+    """What to do after a broadcast round, by replica index (rank - 1)."""
+
+    evict: list[int]         # unreachable: out of service, as with any source
+    accept: list[int]        # the broadcast went through: their answers are checked and kept
+    regroup: list[int]       # sync these again in a fresh group
+    failure: BaseException | None = None  # raised once the evictions are done
+
+
+def rpc_details(exc: BaseException) -> str:
+    return f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+
+
+def judge_round(done: BroadcastRound, *, may_regroup: bool) -> RoundVerdict:
+    """Pure. Unreachable replicas are evicted. A broadcast the trainer completed is accepted for the rest;
+    a lost trainer is TrainerUnavailable (the run waits for it); a broadcast that failed because replicas
+    were unreachable is retried once without them; any other failure fails the run."""
+    evict = [i for i, r in enumerate(done.received) if is_unavailable(r)]
+    rest = [i for i in range(len(done.received)) if i not in evict]
+    if not isinstance(done.sent, BaseException):
+        return RoundVerdict(evict, rest, [])
+    if not rest:
+        return RoundVerdict(evict, [], [])
+    if isinstance(done.sent, TrainerUnavailable):
+        return RoundVerdict(evict, [], [], done.sent)
+    if evict and may_regroup:
+        return RoundVerdict(evict, [], rest)
+    return RoundVerdict(evict, [], [], RunFailed(
+        f"version {done.plan.policy_version}: weight broadcast {done.plan.group_name} failed: "
+        f"{rpc_details(done.sent)}"))
 
 
 class BroadcastWeights:

@@ -110,11 +110,9 @@ def confined(value: str, roots: Sequence[str], field: str) -> str:
 
 class TrainerServicer(pb_grpc.TrainerServicer):
     def __init__(self, trainer: Trainer, collectors: dict[str, object], *, weight_chunk_bytes: int,
-                 model_roots: Sequence[str], checkpoint_roots: Sequence[str],
-                 broadcaster: WeightBroadcaster | None = None) -> None:
+                 model_roots: Sequence[str], checkpoint_roots: Sequence[str], broadcaster: WeightBroadcaster) -> None:
         self.trainer = trainer
-        self.broadcaster = broadcaster or WeightBroadcaster(trainer, address="", bucket_bytes=1, timeout_s=1,
-                                                            logger=log)
+        self.broadcaster = broadcaster
         self.metrics = collectors
         self.weight_chunk_bytes = weight_chunk_bytes
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)

@@ -87,6 +87,7 @@ def test_sglang_joins_a_gloo_group_and_serves_the_broadcast_weights(engine, mode
         engine.receive_broadcast(lora, bucket_specs(lora.plan))
     assert engine.policy_version == v
 
+    before = engine._ready_client().weights_checksum()
     errors: list = []
     sender = threading.Thread(target=_broadcast, args=(store, plan, tensors, errors))
     sender.start()
@@ -95,7 +96,7 @@ def test_sglang_joins_a_gloo_group_and_serves_the_broadcast_weights(engine, mode
     finally:
         sender.join(timeout=600)
     assert not errors
-    assert engine.policy_version == v + 1 and len(checksum) == 64
+    assert engine.policy_version == v + 1 and len(checksum) == 64 and checksum != before
     assert engine._ready_client().weight_version() == str(v + 1)
 
     written = write_weight_dir(tmp_path / "expected", tensors, v + 1, base_dir=model_dir)

@@ -2,8 +2,9 @@
 
 The real stack on loopback (coordinator + embedded Redis, trainer, one rollout
 service); the rollout service launches its SGLang server from the SGLang
-virtualenv. Two runs share the stack: a clean 3-step run, and a 3-step run
-whose SGLang server is SIGKILLed while a Generate is in flight.
+virtualenv. The runs share the stack: a clean 3-step run, one whose weights
+are broadcast over a gloo group into the SGLang server, and one whose SGLang
+server is SIGKILLed while a Generate is in flight.
 """
 from __future__ import annotations
 
@@ -87,6 +88,24 @@ def test_three_step_run_with_sglang_through_rest(client, model_dir, stack, tmp_p
     print("\niw_mean / logprob_abs_diff_max per step:",
           [(s["metrics"]["iw_mean"], s["metrics"]["logprob_abs_diff_max"]) for s in steps])
     assert steps[0]["metrics"]["logprob_abs_diff_max"] <= 1e-4, steps[0]
+
+
+def test_three_step_run_with_sglang_over_the_broadcast_source(client, model_dir, stack):
+    # The SGLang server joins a gloo group with the trainer every sync and loads the buckets it broadcasts.
+    body = spec(model_dir, "sglang-broadcast")
+    body["rollout"]["weight_sync"] = "broadcast"
+    run = client.submit(body)
+    done = client.wait(run["id"], timeout_s=900)
+    assert done["status"] == "completed", (done, stack.rollouts[0].tail())
+    steps = assert_every_trajectory_once(client, run["id"])
+    # Every step's samples are scored by SGLang as the trainer scores them with that version's weights.
+    assert all(s["metrics"]["logprob_abs_diff_max"] <= 1e-4 for s in steps), steps
+    synced = [e for e in client.run(run["id"])["events"] if e["event"] == "weights_synced"]
+    assert [e["policy_version"] for e in synced] == [1, 2, 3]
+    # No sha256 of the bytes on this path: the replica reports SGLang's checksum of what it serves.
+    assert all(e["digest"].startswith("engine:") and len(e["digest"]) == 7 + 64 for e in synced), synced
+    log = (stack.run_dir / "logs" / "rollout0.log").read_text()
+    assert log.count('"via": "ReceiveWeights"') >= 3
 
 
 def sglang_server_of(rollout_pid: int) -> tuple[int, int]:

@@ -1,0 +1,73 @@
+"""The broadcast weight source over real NCCL (gpu marker: run on a 2-GPU machine).
+
+NCCL refuses two ranks on one GPU, so the trainer's side (rank 0, cuda:0) and a replica's side
+(rank 1, cuda:1) run in two threads of this process: the plan, the bf16 buckets, the digest trailer and
+the staging on the replica's device are those of a real sync."""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+
+import pytest
+import torch
+
+from proto import lockstep_pb2 as pb
+from services.common.ports import free_port
+from services.common.weight_broadcast import (
+    WeightUpdateGroup,
+    hash_buffer,
+    pack_bucket,
+    plan_buckets,
+    plan_proto,
+    rendezvous_store,
+    tensor_spec,
+)
+from services.common.weight_stream import iter_weight_chunks
+from services.rollout.weight_broadcast import checked_plan, receive_broadcast, staging_device
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")]
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared hosts
+
+
+def test_bf16_buckets_cross_two_gpus_and_verify_against_the_trainers_digest():
+    g = torch.Generator().manual_seed(0)
+    cpu = [(f"layers.{i}.weight", torch.randn(256, 128, generator=g).to(torch.bfloat16)) for i in range(6)]
+    cpu.append(("norm.weight", torch.randn(128, generator=g)))
+    sender_side = [(n, t.to("cuda:0")) for n, t in cpu]
+    address = f"127.0.0.1:{free_port()}"
+    buckets = plan_buckets([tensor_spec(n, t) for n, t in sender_side], 3 * 256 * 128 * 2)
+    plan = plan_proto(buckets, run_id="r", policy_version=1, group_name="gpu", rendezvous=address, backend="nccl",
+                      world_size=2, digest_trailer=True)
+    assert [len(b.tensors) for b in plan.buckets] == [3, 3, 1]
+    errors: list = []
+
+    def send() -> None:
+        try:
+            torch.cuda.set_device(0)
+            store = rendezvous_store(address, host_it=True, timeout_s=120)
+            group = WeightUpdateGroup(store, group_name="gpu", rank=0, world_size=2, backend="nccl", timeout_s=120)
+            digest, start = hashlib.sha256(), 0
+            for bucket in plan.buckets:
+                buffer = pack_bucket([t for _, t in sender_side[start:start + len(bucket.tensors)]],
+                                     torch.device("cuda:0"))
+                start += len(bucket.tensors)
+                group.broadcast(buffer)
+                hash_buffer(digest, buffer)
+            group.broadcast(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8).to("cuda:0"))
+            group.close()
+        except Exception as exc:  # noqa: BLE001 - reported to the test thread
+            errors.append(exc)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        request = pb.ReceiveWeightsRequest(plan=plan, rank=1)
+        device = staging_device("nccl", torch.device("cuda:1"))
+        got = receive_broadcast(request, checked_plan(request), device, 120)
+    finally:
+        sender.join(timeout=180)
+    assert not errors
+    assert all(t.device == torch.device("cuda:1") for t in got.tensors.values())
+    assert all(torch.equal(got.tensors[n].cpu(), t) and got.tensors[n].dtype == t.dtype for n, t in cpu)
+    assert got.total_sha256 == list(iter_weight_chunks(cpu, run_id="r", policy_version=1))[-1].total_sha256

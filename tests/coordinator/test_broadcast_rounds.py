@@ -1,0 +1,47 @@
+"""What the coordinator does after a broadcast round (judge_round, pure): who is evicted, whose answers are
+kept, when the rest are regrouped, and when the run fails or waits for the trainer."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from proto import lockstep_pb2 as pb
+from services.coordinator.clients import TrainerUnavailable
+from services.coordinator.run_errors import RunFailed
+from services.coordinator.weight_sources import BroadcastRound, judge_round
+
+PLAN = pb.BroadcastPlan(policy_version=4, group_name="g-4")
+OK = pb.UpdateWeightsResponse(policy_version=4, total_sha256="d")
+
+
+def _error(code: grpc.StatusCode, details: str = "x") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _judge(sent, received, may_regroup=True):
+    return judge_round(BroadcastRound(PLAN, sent, received), may_regroup=may_regroup)
+
+
+def test_a_completed_broadcast_keeps_every_reachable_replica_and_evicts_the_rest():
+    v = _judge(OK, [OK, _error(grpc.StatusCode.UNAVAILABLE), OK])
+    assert (v.evict, v.accept, v.regroup, v.failure) == ([1], [0, 2], [], None)
+
+
+def test_a_broadcast_broken_by_an_unreachable_replica_regroups_the_others_once():
+    aborted = _error(grpc.StatusCode.ABORTED, "rank 2 never joined")
+    v = _judge(aborted, [_error(grpc.StatusCode.ABORTED), _error(grpc.StatusCode.DEADLINE_EXCEEDED)])
+    assert (v.evict, v.accept, v.regroup, v.failure) == ([1], [], [0], None)
+    again = _judge(aborted, [_error(grpc.StatusCode.ABORTED), _error(grpc.StatusCode.UNAVAILABLE)], may_regroup=False)
+    assert again.evict == [1] and again.regroup == []
+    with pytest.raises(RunFailed, match="version 4: weight broadcast g-4 failed: ABORTED: rank 2 never joined"):
+        raise again.failure
+
+
+def test_a_failure_with_every_replica_reachable_fails_the_run_and_a_lost_trainer_is_waited_for():
+    v = _judge(_error(grpc.StatusCode.ABORTED, "bucket 3 timed out"), [_error(grpc.StatusCode.ABORTED)] * 2)
+    assert v.evict == [] and v.regroup == [] and isinstance(v.failure, RunFailed)
+    lost = TrainerUnavailable("trainer gone")
+    assert _judge(lost, [_error(grpc.StatusCode.ABORTED)]).failure is lost
+    # Nobody left to sync: the unreachable are evicted and the fleet waits for a replica to come back.
+    v = _judge(_error(grpc.StatusCode.ABORTED), [_error(grpc.StatusCode.UNAVAILABLE)])
+    assert (v.evict, v.accept, v.regroup, v.failure) == ([0], [], [], None)
