@@ -4,9 +4,9 @@ Request bodies follow sglang 0.5.23 (sglang/srt/managers/io_struct.py:
 GenerateReqInput, UpdateWeightFromDiskReqInput, InitWeightsUpdateGroupReqInput,
 UpdateWeightsFromDistributedReqInput, DestroyWeightsUpdateGroupReqInput, BeginWeightUpdateReqInput,
 EndWeightUpdateReqInput, CheckWeightsReqInput, LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput,
-UpdateWeightVersionReqInput, PauseGenerationReqInput). They are built by plain functions so that the paths
-a CPU test server can't exercise (NCCL weight sync, LoRA) are at least checked
-field by field.
+UpdateWeightVersionReqInput, PauseGenerationReqInput). They are built by plain functions so that each
+is checked against those types, including the paths a CPU test server can't exercise (NCCL rather than
+gloo under the weight broadcast, LoRA).
 
 Log-probs and temperature (sglang/srt/layers/sampler.py): with a sampling
 temperature tau, SGLang reports log(softmax(logits / tau)) of the sampled token,

@@ -22,10 +22,17 @@
   lora_path, and the previous version's adapter is unloaded. A restarted server
   loads the current adapter again.
 
+- receive_broadcast (rollout.weight_sync broadcast): the server joins the
+  trainer's weight-update group (/init_weights_update_group) and loads each
+  bucket the trainer broadcasts (/update_weights_from_distributed,
+  "flattened_bucket"), gloo on CPU and NCCL/RCCL on GPUs; those weights are
+  not on disk, so a server lost afterwards cannot be restarted with them.
+
 There is no fallback to another engine: if SGLang cannot run, load fails.
-The NCCL weight path and the LoRA path need GPUs (SGLang's LoRA layers do not
-build on CPU: services/common/platform.py says why, and refuses it at load);
-they are unit-tested by request only.
+The LoRA path needs GPUs (SGLang's LoRA layers do not build on CPU:
+services/common/platform.py says why, and refuses it at load); it is
+unit-tested by request only. The broadcast path runs against the CPU server
+over gloo (tests/rollout/test_sglang_broadcast.py).
 """
 from __future__ import annotations
 

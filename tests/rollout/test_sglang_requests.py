@@ -1,11 +1,10 @@
 """SGLang engine pieces that need no server: request bodies, response checks, the command
 line, config validation and the synced checkpoint.
 
-The NCCL/RCCL weight path and LoRA adapters need GPUs: here only their request
-construction is checked, field by field against sglang 0.5.23's io_struct
-(UpdateWeightsFromDistributedReqInput, InitWeightsUpdateGroupReqInput,
-LoadLoRAAdapterReqInput). They are not exercised against a server anywhere in
-this suite.
+Here the weight-sync and LoRA request bodies are checked field by field; the broadcast bodies are
+also built into sglang's own io_struct types and run against the CPU server over gloo
+(tests/rollout/test_sglang_broadcast.py), the LoRA ones built into those types
+(tests/rollout/test_sglang_lora.py: SGLang's LoRA layers need a GPU).
 """
 from __future__ import annotations
 
