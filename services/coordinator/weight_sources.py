@@ -95,9 +95,12 @@ def judge_round(done: BroadcastRound, *, may_regroup: bool) -> RoundVerdict:
         return RoundVerdict(evict, [], [], done.sent)
     if evict and may_regroup:
         return RoundVerdict(evict, [], rest)
+    # A replica that refused the plan never joined and the trainer timed out waiting: its answer names the cause.
+    refused = "".join(f"; rank {i + 1}: {rpc_details(r)}" for i, r in enumerate(done.received)
+                      if isinstance(r, BaseException) and i not in evict)
     return RoundVerdict(evict, [], [], RunFailed(
         f"version {done.plan.policy_version}: weight broadcast {done.plan.group_name} failed: "
-        f"{rpc_details(done.sent)}"))
+        f"{rpc_details(done.sent)}{refused}"))
 
 
 class BroadcastWeights:

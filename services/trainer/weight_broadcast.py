@@ -29,8 +29,9 @@ from services.common.weight_broadcast import (
 from services.trainer.trainer import WeightSnapshot
 from services.trainer.wire import FailedPrecondition, InvalidRequest
 
-# Plans kept for RunWeightBroadcast: a coordinator runs one right after opening it.
-OPEN_PLANS_KEPT = 4
+# Plans kept for RunWeightBroadcast. A coordinator runs a plan right after opening it, and a plan holds
+# its snapshot (a compute-dtype copy of the policy) until then: a newer plan replaces an unrun one.
+OPEN_PLANS_KEPT = 1
 
 
 class BroadcastFailed(RuntimeError):

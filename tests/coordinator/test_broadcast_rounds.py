@@ -38,8 +38,12 @@ def test_a_broadcast_broken_by_an_unreachable_replica_regroups_the_others_once()
 
 
 def test_a_failure_with_every_replica_reachable_fails_the_run_and_a_lost_trainer_is_waited_for():
-    v = _judge(_error(grpc.StatusCode.ABORTED, "bucket 3 timed out"), [_error(grpc.StatusCode.ABORTED)] * 2)
+    refused = _error(grpc.StatusCode.PERMISSION_DENIED, "plan.rendezvous: not one of broadcast_sources")
+    v = _judge(_error(grpc.StatusCode.ABORTED, "rank 2 never joined"), [_error(grpc.StatusCode.ABORTED), refused])
     assert v.evict == [] and v.regroup == [] and isinstance(v.failure, RunFailed)
+    # The replica's refusal, the cause, is named beside the trainer's timeout.
+    assert str(v.failure).endswith("ABORTED: rank 2 never joined; rank 1: ABORTED: x; rank 2: PERMISSION_DENIED: "
+                                   "plan.rendezvous: not one of broadcast_sources")
     lost = TrainerUnavailable("trainer gone")
     assert _judge(lost, [_error(grpc.StatusCode.ABORTED)]).failure is lost
     # Nobody left to sync: the unreachable are evicted and the fleet waits for a replica to come back.
