@@ -131,7 +131,8 @@ def test_a_replica_restarted_mid_run_is_caught_up_in_a_group_of_its_own(tmp_path
         def events_until(done, what: str) -> list[dict]:
             deadline = time.monotonic() + 600
             while not done(events := client.run(run["id"])["events"]):
-                assert client.run(run["id"])["status"] == "running" and time.monotonic() < deadline, (what, events)
+                assert client.run(run["id"])["status"] in ("pending", "running") and time.monotonic() < deadline, \
+                    (what, events)
                 time.sleep(0.2)
             return events
 
