@@ -4,16 +4,16 @@ on a host that sees the same path reads it back.
 The directory is a complete model directory: the run's model's other files (config, tokenizer) copied
 beside `model.safetensors`, so an engine that loads model directories itself (SGLang's
 /update_weights_from_disk) loads it in place. The weight file's metadata records the policy version and the order the
-tensors stream in. Its digest is sha256 over the tensors' bytes in that order: exactly the total_sha256
-of the GetWeights stream of the same weights (a stream's digest covers its chunks' bytes in order, and a
-tensor's chunks are its bytes cut in order), so a replica reports one digest per version whichever source
-it read. The writer computes the digest over what it wrote, the reader over what it read; a reader whose
-digest, version or layout disagrees applies nothing.
+tensors stream in. Its digest is services.common.weight_digest's over the tensors in that order: exactly
+the total_sha256 of the GetWeights stream of the same weights (both are defined over each tensor's bytes
+in fixed blocks, however the stream is chunked), so a replica reports one digest per version whichever
+source it read. The writer computes the digest over what it wrote, the reader over what it read (the
+file is memory-mapped by safetensors' safe_open; each tensor is copied out once and hashed once, its
+blocks on several threads); a reader whose digest, version or layout disagrees applies nothing.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from services.common.weight_digest import tensors_digest
 
 WEIGHTS_FILE = "model.safetensors"
 # The base model's files that are weights (or their index) and are therefore not copied.
@@ -44,19 +46,6 @@ class WeightFiles:
     tensors: int
     nbytes: int
     total_sha256: str
-
-
-def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
-
-
-def _digest(ordered: list[tuple[str, torch.Tensor]]) -> tuple[str, int]:
-    total, nbytes = hashlib.sha256(), 0
-    for _, t in ordered:
-        view = _byte_view(t)
-        total.update(view)
-        nbytes += len(view)
-    return total.hexdigest(), nbytes
 
 
 @contextlib.contextmanager
@@ -92,7 +81,7 @@ def write_weight_dir(directory: str | Path, named_tensors: list[tuple[str, torch
     with staged_model_dir(final, base_dir) as staging:
         save_file(tensors, str(staging / WEIGHTS_FILE),
                   metadata={VERSION_KEY: str(int(policy_version)), ORDER_KEY: json.dumps(names)})
-    digest, nbytes = _digest([(n, tensors[n]) for n in names])
+    digest, nbytes = tensors_digest([(n, tensors[n]) for n in names])
     return WeightFiles(final, int(policy_version), len(names), nbytes, digest)
 
 
@@ -115,7 +104,7 @@ def read_weight_dir(directory: str | Path, *, policy_version: int,
         if not isinstance(order, list) or sorted(order) != sorted(f.keys()):
             raise WeightFilesError("directory: the recorded tensor order does not name the file's tensors")
         tensors = {name: f.get_tensor(name) for name in order}
-    digest, nbytes = _digest([(n, tensors[n]) for n in order])
+    digest, nbytes = tensors_digest([(n, tensors[n]) for n in order])
     if digest != expected_sha256:
         raise WeightFilesError(f"expected_sha256: the directory's tensors hash to {digest}, "
                                f"not {expected_sha256}")

@@ -1,10 +1,12 @@
 """Chunked, checksummed weight streams (trainer GetWeights -> rollout UpdateWeights).
 
 A sender cuts every tensor into chunks of at most `chunk_bytes`; each chunk
-carries the sha256 of its bytes, and the last chunk carries the sha256 of all
-chunk bytes in order plus the chunk count. The receiver verifies each chunk as
-it arrives and the whole at the end, and only then hands out tensors; a stream
-that fails any check yields nothing to apply.
+carries the sha256 of its bytes, and the last chunk carries the stream's digest
+(services.common.weight_digest: sha256 over the digests of every tensor's
+4 MiB blocks) plus the chunk count. At the default chunk size a chunk is one
+digest block, so each byte is hashed once per side. The receiver verifies each
+chunk as it arrives and the whole at the end, and only then hands out tensors;
+a stream that fails any check yields nothing to apply.
 
 A LoRA adapter stream carries the adapter's rank, alpha and target modules on
 every chunk (`WeightChunk.lora`); the assembler refuses a stream whose chunks
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,11 +26,15 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.tensors import dtype_from_name, dtype_name
+from services.common.weight_digest import DIGEST_BLOCK_BYTES, BlockDigests, tensor_byte_view
 
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
-# Chunks at least this large hash their own digest on a second thread while the stream digest is updated
-# (hashlib releases the GIL on large buffers): the two sha256 passes per byte then run in parallel.
-PARALLEL_HASH_MIN_BYTES = 1 << 20
+# One chunk per digest block: a chunk's digest is then its block's, and no byte is hashed twice.
+DEFAULT_CHUNK_BYTES = DIGEST_BLOCK_BYTES
+# The receiver hashes chunks at least this large on its helper thread (hashlib releases the GIL on large
+# buffers), overlapping the receiving of the next chunks; smaller ones cost less inline than a hand-off.
+PARALLEL_HASH_MIN_BYTES = 64 * 1024
+# Received chunks waiting for the helper thread at most: bounds what a fast sender can pile up in memory.
+MAX_UNHASHED_CHUNKS = 8
 
 
 class WeightStreamError(ValueError):
@@ -61,33 +68,6 @@ class LoraAdapterMeta:
         return LoraAdapterMeta(rank=int(msg.rank), alpha=float(msg.alpha), target_modules=tuple(msg.target_modules))
 
 
-def _tensor_byte_view(tensor: torch.Tensor) -> memoryview:
-    """The tensor's raw little-endian bytes as a flat view (one copy only if it is not contiguous on CPU)."""
-    flat = tensor.detach().contiguous().cpu().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
-
-
-class _ParallelSha256:
-    """sha256 of one buffer on a helper thread; `hexdigest()` joins it. Small buffers hash inline."""
-
-    def __init__(self, data: bytes | memoryview) -> None:
-        self._digest = ""
-        self._thread: threading.Thread | None = None
-        if len(data) >= PARALLEL_HASH_MIN_BYTES:
-            self._thread = threading.Thread(target=self._run, args=(data,), name="sha256-chunk", daemon=True)
-            self._thread.start()
-        else:
-            self._run(data)
-
-    def _run(self, data: bytes | memoryview) -> None:
-        self._digest = hashlib.sha256(data).hexdigest()
-
-    def hexdigest(self) -> str:
-        if self._thread is not None:
-            self._thread.join()
-        return self._digest
-
-
 def iter_weight_chunks(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
     *,
@@ -96,39 +76,75 @@ def iter_weight_chunks(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     lora: LoraAdapterMeta | None = None,
 ) -> Iterator[pb.WeightChunk]:
-    """`lora` marks the stream as that adapter's tensors (set on every chunk)."""
+    """`lora` marks the stream as that adapter's tensors (set on every chunk). `named_tensors` is consumed
+    lazily, and each tensor is let go once its last chunk is cut."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
-    total = hashlib.sha256()
+    blocks = BlockDigests()
     pending: pb.WeightChunk | None = None
     count = 0
     for name, tensor in named_tensors:
-        data = _tensor_byte_view(tensor)
+        data = tensor_byte_view(tensor)
+        dtype, shape = dtype_name(tensor.dtype), list(tensor.shape)
+        del tensor
         for offset in range(0, max(len(data), 1), chunk_bytes):
             piece = data[offset : offset + chunk_bytes]
-            chunk_digest = _ParallelSha256(piece)
-            total.update(piece)
+            digest = hashlib.sha256(piece).digest()
+            blocks.add(name, offset, piece, len(data), digest)
             if pending is not None:
                 yield pending
             pending = pb.WeightChunk(
                 run_id=run_id,
                 policy_version=policy_version,
                 name=name,
-                dtype=dtype_name(tensor.dtype),
-                shape=list(tensor.shape),
+                dtype=dtype,
+                shape=shape,
                 offset=offset,
                 tensor_nbytes=len(data),
                 data=piece.tobytes(),
-                chunk_sha256=chunk_digest.hexdigest(),
+                chunk_sha256=digest.hex(),
                 lora=lora.to_proto() if lora is not None else None,
             )
             count += 1
+        del data, piece
     if pending is None:
         raise ValueError("no tensors to send")
     pending.last = True
-    pending.total_sha256 = total.hexdigest()
+    pending.total_sha256 = blocks.hexdigest()
     pending.total_chunks = count
     yield pending
+
+
+class CachedWeightStream:
+    """One stream's chunks, cut once and kept for every reader of the same weights: `chunk(i)` cuts up to
+    chunk i on first use (a first reader pays the hashing as it streams, later ones read the kept chunks).
+    Not thread-safe: callers serialize (the trainer's lock)."""
+
+    def __init__(self, chunks: Iterator[pb.WeightChunk]) -> None:
+        self._source: Iterator[pb.WeightChunk] | None = chunks
+        self._chunks: list[pb.WeightChunk] = []
+        self._failed: BaseException | None = None
+
+    def chunk(self, index: int) -> pb.WeightChunk | None:
+        """Chunk `index`, or None past the last one. A source that failed fails every later call too, so
+        no reader takes the chunks cut before the failure for a whole stream."""
+        while index >= len(self._chunks) and self._source is not None:
+            if self._failed is not None:
+                raise WeightStreamError(f"the stream's source failed: {self._failed}")
+            try:
+                nxt = next(self._source, None)
+            except BaseException as exc:
+                self._failed = exc
+                raise
+            if nxt is None:
+                self._source = None
+            else:
+                self._chunks.append(nxt)
+        return self._chunks[index] if index < len(self._chunks) else None
+
+    @property
+    def complete(self) -> bool:
+        return self._source is None
 
 
 @dataclass
@@ -139,6 +155,9 @@ class _TensorBuffer:
     meta: tuple[str, tuple[int, ...], int]
     data: torch.Tensor
     received: int = 0
+
+    def __post_init__(self) -> None:
+        self.view = self.data.numpy()  # the same bytes: numpy's copy releases the GIL
 
 
 def _allocate(chunk: pb.WeightChunk, where: str) -> _TensorBuffer:
@@ -158,11 +177,15 @@ def _allocate(chunk: pb.WeightChunk, where: str) -> _TensorBuffer:
 class WeightStreamAssembler:
     """Consumes chunks in order; `finish()` returns the verified tensors.
 
+    Each chunk is hashed once, on a helper thread and in arrival order, while the chunks that follow are
+    received (at most MAX_UNHASHED_CHUNKS wait for it); its verified digest is also its digest block's
+    (services.common.weight_digest), from which the whole stream's digest is derived. A mismatch found
+    on the helper thread is raised by the next add() (the last chunk's add() waits for every hash).
     After any refused chunk the assembler is spent: every later call raises, so a caller that carries on
     past an error still cannot apply anything."""
 
     def __init__(self) -> None:
-        self._total = hashlib.sha256()
+        self._blocks = BlockDigests()
         self._tensors: dict[str, _TensorBuffer] = {}
         self._count = 0
         self._done = False
@@ -172,6 +195,8 @@ class WeightStreamAssembler:
         self.lora: LoraAdapterMeta | None = None
         self._lora_proto: bytes | None = None
         self._nbytes = 0
+        self._hasher: ThreadPoolExecutor | None = None
+        self._unhashed: deque[Future[str | None]] = deque()
 
     def add(self, chunk: pb.WeightChunk) -> None:
         if self._failed is not None:
@@ -180,6 +205,7 @@ class WeightStreamAssembler:
             self._add(chunk)
         except (WeightStreamError, ValueError) as exc:
             self._failed = str(exc)
+            self._stop_hasher()
             raise WeightStreamError(str(exc)) from None
 
     def _add(self, chunk: pb.WeightChunk) -> None:
@@ -203,25 +229,58 @@ class WeightStreamAssembler:
             tensor = self._tensors[chunk.name] = _allocate(chunk, where)
         elif tensor.meta != (chunk.dtype, tuple(chunk.shape), chunk.tensor_nbytes):
             raise WeightStreamError(f"{where}: dtype/shape changed between chunks of one tensor")
-        if chunk.offset != tensor.received:
-            raise WeightStreamError(f"{where}: offset {chunk.offset} but {tensor.received} bytes received")
-        end = tensor.received + len(chunk.data)
+        data = chunk.data  # each read of a bytes field copies it: read once
+        start, end = tensor.received, tensor.received + len(data)
+        if chunk.offset != start:
+            raise WeightStreamError(f"{where}: offset {chunk.offset} but {start} bytes received")
         if end > chunk.tensor_nbytes:
             raise WeightStreamError(f"{where}: more bytes than tensor_nbytes={chunk.tensor_nbytes}")
-        chunk_digest = _ParallelSha256(chunk.data)
-        self._total.update(chunk.data)
-        if chunk_digest.hexdigest() != chunk.chunk_sha256:
-            raise WeightStreamError(f"{where}: chunk_sha256 mismatch")
-        tensor.data.numpy()[tensor.received:end] = np.frombuffer(chunk.data, dtype=np.uint8)
         tensor.received = end
         self._count += 1
-        self._nbytes += len(chunk.data)
+        self._nbytes += len(data)
+        job = (where, chunk.name, data, chunk.chunk_sha256, tensor, start)
+        if len(data) >= PARALLEL_HASH_MIN_BYTES:
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-chunk")
+            self._unhashed.append(self._hasher.submit(self._verify_and_store, *job))
+            self._collect(wait_until=MAX_UNHASHED_CHUNKS)
+        else:
+            self._collect(wait_until=0)  # in order: what the helper holds goes first
+            self._raise_if(self._verify_and_store(*job))
         if chunk.last:
             self._done = True
+            self._collect(wait_until=0)
+            self._stop_hasher()
             if chunk.total_chunks != self._count:
                 raise WeightStreamError(f"stream held {self._count} chunks, last chunk says {chunk.total_chunks}")
-            if chunk.total_sha256 != self._total.hexdigest():
+            if chunk.total_sha256 != self._blocks.hexdigest():
                 raise WeightStreamError("total_sha256 mismatch over the whole stream")
+
+    def _verify_and_store(self, where: str, name: str, data: bytes, expected: str, tensor: _TensorBuffer,
+                          start: int) -> str | None:
+        """One chunk's hash and copy into its buffer (on the helper thread for large chunks); the error."""
+        digest = hashlib.sha256(data)
+        if digest.hexdigest() != expected:
+            return f"{where}: chunk_sha256 mismatch"
+        tensor.view[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+        self._blocks.add(name, start, data, tensor.meta[2], digest.digest())
+        return None
+
+    def _collect(self, *, wait_until: int) -> None:
+        """Raise the first mismatch the helper found; wait until at most `wait_until` chunks are unhashed."""
+        while self._unhashed and (self._unhashed[0].done() or len(self._unhashed) > wait_until):
+            self._raise_if(self._unhashed.popleft().result())
+
+    @staticmethod
+    def _raise_if(error: str | None) -> None:
+        if error is not None:
+            raise WeightStreamError(error)
+
+    def _stop_hasher(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=False, cancel_futures=True)
+            self._hasher = None
+        self._unhashed.clear()
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The tensors (views of the receive buffers, no copy), once the whole stream has verified."""
@@ -246,4 +305,4 @@ class WeightStreamAssembler:
         """The stream's digest, once its last chunk has verified against it."""
         if not self._done or self._failed is not None:
             raise WeightStreamError("stream ended before its last chunk")
-        return self._total.hexdigest()
+        return self._blocks.hexdigest()

@@ -35,15 +35,20 @@ def _peak_rss_bytes(pid: int) -> int:
 
 
 def _served_digest(stack: LocalStack, run_id: str) -> tuple[int, str, int]:
-    """(policy_version, sha256 over every chunk's bytes, bytes) of what the trainer serves now."""
+    """(policy_version, digest, bytes) of what the trainer serves now; the digest recomputed here from its
+    definition: sha256 over the sha256 of every tensor's 4 MiB blocks, in stream order."""
     channel = sync_channel(f"127.0.0.1:{stack.trainer_port}", stack.token)
     try:
-        total, nbytes, last = hashlib.sha256(), 0, None
+        tensors: dict[str, bytearray] = {}
+        nbytes, last = 0, None
         for chunk in pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=300):
-            total.update(chunk.data)
+            tensors.setdefault(chunk.name, bytearray()).extend(chunk.data)
             nbytes += len(chunk.data)
             last = chunk
-        assert last is not None and last.total_sha256 == total.hexdigest()
+        block = 4 * 1024 * 1024
+        blocks = b"".join(hashlib.sha256(data[o:o + block]).digest()
+                          for data in tensors.values() for o in range(0, max(len(data), 1), block))
+        assert last is not None and last.total_sha256 == hashlib.sha256(blocks).hexdigest()
         return last.policy_version, last.total_sha256, nbytes
     finally:
         channel.close()
