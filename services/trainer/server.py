@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import pickle
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -50,12 +53,12 @@ from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.common.structured_logging import log_event
 from services.common.weight_files import WeightFilesError, write_weight_dir
-from services.common.weight_stream import iter_weight_chunks
+from services.common.weight_stream import CachedWeightStream, iter_weight_chunks
 from services.trainer.checkpoint import ForeignDirectory
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
-from services.trainer.trainer import StepFailed, Trainer
+from services.trainer.trainer import StepFailed, Trainer, WeightSnapshot
 from services.trainer.weight_broadcast import BroadcastFailed, WeightBroadcaster
 from services.trainer.wire import FailedPrecondition, InvalidRequest, read_train_step, step_metrics_message
 from services.trainer.worker_group import GroupSpec, GroupTrainer
@@ -108,6 +111,16 @@ def confined(value: str, roots: Sequence[str], field: str) -> str:
         raise InvalidRequest(str(exc)) from None
 
 
+@dataclass
+class ServedWeights:
+    """One weights state's GetWeights stream: `snapshot` identifies the state (its tensors handed over to
+    `stream`), which keeps every chunk it cut for the replicas that read the same version."""
+
+    snapshot: WeightSnapshot
+    chunk_bytes: int
+    stream: CachedWeightStream
+
+
 class TrainerServicer(pb_grpc.TrainerServicer):
     def __init__(self, trainer: Trainer, collectors: dict[str, object], *, weight_chunk_bytes: int,
                  model_roots: Sequence[str], checkpoint_roots: Sequence[str], broadcaster: WeightBroadcaster) -> None:
@@ -117,6 +130,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self.weight_chunk_bytes = weight_chunk_bytes
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
         self.lock = threading.Lock()
+        self.served: ServedWeights | None = None  # the last GetWeights stream's chunks, kept for other replicas
 
     async def _locked(self, fn: Callable[..., T], *args: object) -> T:
         def run() -> T:
@@ -124,6 +138,15 @@ class TrainerServicer(pb_grpc.TrainerServicer):
                 return fn(*args)
 
         return await asyncio.to_thread(run)
+
+    async def _locked_changing_weights(self, fn: Callable[..., T], *args: object) -> T:
+        """_locked for a call that may change the weights: the kept GetWeights chunks of the old ones are
+        let go first, so no copy of the weights is held through a step."""
+        def run() -> T:
+            self.served = None
+            return fn(*args)
+
+        return await self._locked(run)
 
     def _service_info(self) -> pb.ServiceInfo:
         info = self.trainer.info()
@@ -137,7 +160,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             model_path = confined(request.model_path, self.model_roots, "model_path")
             resume = request.resume_checkpoint and confined(request.resume_checkpoint, self.checkpoint_roots,
                                                             "resume_checkpoint")
-            run = await self._locked(lambda: self.trainer.configure(
+            run = await self._locked_changing_weights(lambda: self.trainer.configure(
                 run_id=request.run_id, model_path=model_path, seed=request.seed,
                 config_json=request.trainer_config_json, resume_checkpoint=resume,
             ))
@@ -150,7 +173,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         t0 = time.monotonic()
         try:
             req = await read_train_step(request_iterator)
-            outcome = await self._locked(self.trainer.train_step, req)
+            outcome = await self._locked_changing_weights(self.trainer.train_step, req)
         except grpc.aio.AbortError:  # an undecodable message: refused with its own status
             steps.labels(SERVICE, "rejected").inc()
             raise
@@ -176,31 +199,59 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         verdict = await self._locked(self.trainer.check_parity, req)
         return parity_report(verdict)
 
+    def _served_weights(self, run_id: str, chunk_bytes: int) -> ServedWeights:
+        """The stream of the run's current weights (under the lock): the one kept from an earlier GetWeights
+        while the weights are unchanged, else a new one that cuts its chunks as they are first read."""
+        served = self.served
+        if served is not None and served.chunk_bytes == chunk_bytes and served.snapshot.run.run_id == run_id:
+            try:
+                self.trainer.check_weights_unchanged(served.snapshot)
+                return served
+            except FailedPrecondition:
+                pass
+        self.served = None  # the old version's chunks go before the new ones are cut
+        snapshot = self.trainer.weight_tensors(run_id)
+        tensors = deque(snapshot.tensors)
+
+        def handed_over() -> Iterator[tuple[str, object]]:
+            while tensors:  # each tensor is dropped once it is cut into chunks: one copy of the weights held
+                yield tensors.popleft()
+
+        self.served = ServedWeights(dataclasses.replace(snapshot, tensors=[]), chunk_bytes, CachedWeightStream(
+            iter_weight_chunks(handed_over(), run_id=run_id, policy_version=snapshot.policy_version,
+                               chunk_bytes=chunk_bytes, lora=snapshot.lora)))
+        return self.served
+
     async def GetWeights(self, request: pb.GetWeightsRequest, context) -> AsyncIterator[pb.WeightChunk]:
         if request.chunk_bytes < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes: must be >= 0, got {request.chunk_bytes}")
         chunk_bytes = request.chunk_bytes or self.weight_chunk_bytes
         try:
-            snapshot = await self._locked(self.trainer.weight_tensors, request.run_id)
+            served = await self._locked(self._served_weights, request.run_id, chunk_bytes)
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        chunks = iter_weight_chunks(
-            snapshot.tensors, run_id=request.run_id, policy_version=snapshot.policy_version, chunk_bytes=chunk_bytes,
-            lora=snapshot.lora,
-        )
 
-        # Each chunk is cut under the lock from the live tensors (no copy of the
-        # model); if the weights changed since the stream began, the stream
-        # fails instead of mixing two policies under one version.
-        def next_chunk() -> pb.WeightChunk | None:
-            self.trainer.check_weights_unchanged(snapshot)
-            return next(chunks, None)
+        # Each chunk is taken under the lock; if the weights changed since the stream began, the stream
+        # fails instead of mixing two policies under one version. The next chunk is cut (hashed) on a
+        # worker thread while this one is sent.
+        def chunk_at(index: int) -> pb.WeightChunk | None:
+            self.trainer.check_weights_unchanged(served.snapshot)
+            return served.stream.chunk(index)
 
+        index = 0
+        upcoming = asyncio.ensure_future(self._locked(chunk_at, index))
         try:
-            while (chunk := await self._locked(next_chunk)) is not None:
+            while (chunk := await upcoming) is not None:
+                index += 1
+                upcoming = asyncio.ensure_future(self._locked(chunk_at, index))
                 yield chunk
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        finally:
+            if not upcoming.done():
+                upcoming.cancel()
+            elif not upcoming.cancelled():
+                upcoming.exception()  # retrieved: a stream that ended early has no use for it
 
     @rpc_handler(ERRORS, "SaveCheckpoint")
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
@@ -230,7 +281,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
     async def LoadCheckpoint(self, request: pb.LoadCheckpointRequest, context) -> pb.LoadCheckpointResponse:
         with loading("directory"):
             directory = confined(request.directory, self.checkpoint_roots, "directory")
-            version = await self._locked(self.trainer.load_checkpoint, request.run_id, directory)
+            version = await self._locked_changing_weights(self.trainer.load_checkpoint, request.run_id, directory)
         self.metrics["lockstep_trainer_policy_version"].labels(SERVICE).set(version)
         return pb.LoadCheckpointResponse(policy_version=version)
 
