@@ -20,7 +20,9 @@ a sample's tokens do not depend on which other prompts share its batch.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 
 import torch
 
@@ -208,6 +210,10 @@ class TorchEngine(Engine):
         Re-sending the loaded version with identical weights is a no-op;
         different weights under the loaded version are refused.
         """
+        with one_intra_op_thread(self._device):
+            self._checked_update(tensors, policy_version)
+
+    def _checked_update(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
         model = self._require_model()
         targets = model.state_dict(keep_vars=True)
         problems: list[str] = []
@@ -219,7 +225,7 @@ class TorchEngine(Engine):
                 problems.append(f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}")
             elif t.dtype != dst.dtype:
                 problems.append(f"{name}: dtype {t.dtype} != model's {dst.dtype}")
-            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            elif t.is_floating_point() and not all_finite(t):
                 problems.append(f"{name}: non-finite values")
         # Group names by storage so tied aliases are one required tensor.
         groups: dict[int, list[str]] = {}
@@ -288,3 +294,36 @@ def _adapter_digest(meta: LoraAdapterMeta, tensors: dict[str, torch.Tensor]) -> 
         h.update(name.encode())
         h.update(tensors[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+# Floating dtypes checked by one min/max reduction: torch.aminmax propagates NaN to both outputs when any
+# value is NaN (documented), and an infinity is the max or the min itself. One pass and no intermediate
+# tensor: several times faster than torch.isfinite(t).all(), which materializes a bool tensor.
+_MINMAX_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a floating tensor is finite (no NaN, +inf or -inf)."""
+    if t.numel() == 0:
+        return True
+    if t.dtype in _MINMAX_CHECKED:
+        low, high = torch.aminmax(t)
+        return bool(torch.isfinite(low) & torch.isfinite(high))
+    return bool(torch.isfinite(t).all())
+
+
+@contextlib.contextmanager
+def one_intra_op_thread(device: torch.device | str) -> Iterator[None]:
+    """On CPU, torch ops in the block run on one intra-op thread. Checking and copying a model's tensors is
+    memory-bound: one thread moves them about as fast as several, while a fork-join per tensor across
+    threads waits on whichever thread the OS has not scheduled (on a host whose cores are shared, most of
+    the time: 0.5 GB/s against 3.5 GB/s for 2 MB copies on two busy cores)."""
+    if torch.device(device).type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,66 @@
+"""The torch engine's finite check of received weights (one min/max reduction per tensor) refuses every
+NaN, +inf and -inf wherever it sits, in every floating dtype, on one thread and on several; finite
+extremes and empty tensors pass."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.rollout.torch_engine import all_finite, one_intra_op_thread
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+# Sizes below, at and well above a vector register's and a parallel grain's width, with a ragged tail.
+SIZES = [1, 7, 64, 4099, 70_001]
+
+
+def _nan_patterns(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Quiet NaN, negative NaN and a NaN with a low payload bit (every exponent bit set, mantissa != 0)."""
+    finfo_bits = {torch.float16: (5, 10), torch.bfloat16: (8, 7), torch.float32: (8, 23), torch.float64: (11, 52)}
+    exp_bits, man_bits = finfo_bits[dtype]
+    exponent = ((1 << exp_bits) - 1) << man_bits
+    sign = 1 << (exp_bits + man_bits)
+    raw = [exponent | (1 << (man_bits - 1)), exponent | 1, sign | exponent | 1]
+    width = {torch.int16: 16, torch.int32: 32, torch.int64: 64}[BITS[dtype]]
+    signed = [r - (1 << width) if r >= 1 << (width - 1) else r for r in raw]
+    return [torch.tensor([v], dtype=BITS[dtype]).view(dtype) for v in signed]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_non_finite_value_is_found_anywhere(dtype, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for size in SIZES:
+            finite = torch.linspace(-3, 3, size, dtype=torch.float64).to(dtype)
+            assert all_finite(finite), (dtype, size)
+            bad_values = [torch.tensor([float("inf")], dtype=dtype), torch.tensor([float("-inf")], dtype=dtype),
+                          *_nan_patterns(dtype)]
+            for bad in bad_values:
+                assert not bool(torch.isfinite(bad).all())
+                for position in sorted({0, size // 2, size - 1}):
+                    t = finite.clone()
+                    t[position] = bad[0]
+                    assert not all_finite(t), (dtype, size, position, bad)
+                    assert not all_finite(t.reshape(1, -1).t()), (dtype, size, position, bad)  # a 2-d view
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_finite_extremes_and_empty_tensors_pass(dtype):
+    info = torch.finfo(dtype)
+    assert all_finite(torch.tensor([info.max, info.min, info.tiny, -info.tiny, 0.0, -0.0], dtype=dtype))
+    assert all_finite(torch.empty(0, 5, dtype=dtype))
+    assert not all_finite(torch.tensor([info.max], dtype=dtype) * 2)  # overflow to inf
+
+
+def test_one_intra_op_thread_restores_the_thread_count():
+    previous = torch.get_num_threads()
+    with one_intra_op_thread("cpu"):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == previous
+    with pytest.raises(RuntimeError), one_intra_op_thread("cpu"):
+        raise RuntimeError("a failed update")
+    assert torch.get_num_threads() == previous
