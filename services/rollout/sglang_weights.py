@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from services.common.weight_files import BASE_WEIGHT_INDEX, staged_model_dir
+from services.rollout.finite_check import all_finite
 
 SHARD_BYTES = 4 * 2**30  # per file; safetensors loads shards independently
 
@@ -87,7 +88,7 @@ def verify_tensors(
             raise ValueError(f"tensors[{name!r}]: shape {tuple(t.shape)} != checkpoint {shape}")
         if not t.dtype.is_floating_point:
             raise ValueError(f"tensors[{name!r}]: dtype {t.dtype} is not floating point")
-        if not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             raise ValueError(f"tensors[{name!r}]: contains NaN or Inf")
     return sent
 

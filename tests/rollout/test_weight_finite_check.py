@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.torch_engine import all_finite, one_intra_op_thread
+from services.rollout.finite_check import all_finite
+from services.rollout.torch_engine import one_intra_op_thread
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
