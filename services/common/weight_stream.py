@@ -116,16 +116,16 @@ def iter_weight_chunks(
 
 
 class CachedWeightStream:
-    """One stream's chunks, cut once and kept for every reader of the same weights: `chunk(i)` cuts up to
-    chunk i on first use (a first reader pays the hashing as it streams, later ones read the kept chunks).
-    Not thread-safe: callers serialize (the trainer's lock)."""
+    """One stream's serialized chunks, cut once and kept for every reader of the same weights: `chunk(i)`
+    cuts up to chunk i on first use (a first reader pays the hashing as it streams, later ones read the
+    kept chunks). Not thread-safe: callers serialize (the trainer's lock)."""
 
-    def __init__(self, chunks: Iterator[pb.WeightChunk]) -> None:
-        self._source: Iterator[pb.WeightChunk] | None = chunks
-        self._chunks: list[pb.WeightChunk] = []
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._source: Iterator[bytes] | None = chunks
+        self._chunks: list[bytes] = []
         self._failed: BaseException | None = None
 
-    def chunk(self, index: int) -> pb.WeightChunk | None:
+    def chunk(self, index: int) -> bytes | None:
         """Chunk `index`, or None past the last one. A source that failed fails every later call too, so
         no reader takes the chunks cut before the failure for a whole stream."""
         while index >= len(self._chunks) and self._source is not None:

@@ -217,12 +217,14 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             while tensors:  # each tensor is dropped once it is cut into chunks: one copy of the weights held
                 yield tensors.popleft()
 
+        chunks = iter_weight_chunks(handed_over(), run_id=run_id, policy_version=snapshot.policy_version,
+                                    chunk_bytes=chunk_bytes, lora=snapshot.lora)
         self.served = ServedWeights(dataclasses.replace(snapshot, tensors=[]), chunk_bytes, CachedWeightStream(
-            iter_weight_chunks(handed_over(), run_id=run_id, policy_version=snapshot.policy_version,
-                               chunk_bytes=chunk_bytes, lora=snapshot.lora)))
+            chunk.SerializeToString() for chunk in chunks))
         return self.served
 
-    async def GetWeights(self, request: pb.GetWeightsRequest, context) -> AsyncIterator[pb.WeightChunk]:
+    async def GetWeights(self, request: pb.GetWeightsRequest, context) -> AsyncIterator[bytes]:
+        """Yields serialized WeightChunks: registered without a response serializer (add_trainer_service)."""
         if request.chunk_bytes < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes: must be >= 0, got {request.chunk_bytes}")
         chunk_bytes = request.chunk_bytes or self.weight_chunk_bytes
@@ -234,7 +236,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         # Each chunk is taken under the lock; if the weights changed since the stream began, the stream
         # fails instead of mixing two policies under one version. The next chunk is cut (hashed) on a
         # worker thread while this one is sent.
-        def chunk_at(index: int) -> pb.WeightChunk | None:
+        def chunk_at(index: int) -> bytes | None:
             self.trainer.check_weights_unchanged(served.snapshot)
             return served.stream.chunk(index)
 
@@ -307,6 +309,31 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         return self._service_info()
 
 
+class _WeightChunksAsKept:
+    """The server as add_TrainerServicer_to_server sees it: GetWeights' handler is registered without a
+    response serializer (its chunks are serialized once, when cut, and sent as the kept bytes); every other
+    handler is registered unchanged. The generated code registers the same handlers twice, as a generic
+    handler and by method name; both are made here from the by-name ones (a trainer without them serves
+    nothing, which every test of it would show)."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass  # made from the by-name handlers below
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        get = handlers["GetWeights"]
+        handlers = {**handlers, "GetWeights": grpc.unary_stream_rpc_method_handler(
+            get.unary_stream, request_deserializer=get.request_deserializer)}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
+
+
+def add_trainer_service(servicer: "TrainerServicer", server: grpc.aio.Server) -> None:
+    pb_grpc.add_TrainerServicer_to_server(servicer, _WeightChunksAsKept(server))
+
+
 class TrainerServer:
     """Build -> serve -> close. Owns the trainer and its servicer; the process around them is a
     GrpcServiceHost."""
@@ -324,7 +351,7 @@ class TrainerServer:
                                         model_roots=config.model_roots, checkpoint_roots=config.checkpoint_roots,
                                         broadcaster=broadcaster)
         self.host = GrpcServiceHost(
-            SERVICE, lambda server: pb_grpc.add_TrainerServicer_to_server(self.servicer, server), token,
+            SERVICE, lambda server: add_trainer_service(self.servicer, server), token,
             host=config.host, grpc_port=config.grpc_port, metrics_port=config.metrics_port, registry=registry,
             shutdown_grace_s=config.shutdown_grace_s, logger=log)
 

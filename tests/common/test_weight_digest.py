@@ -12,6 +12,7 @@ import hashlib
 import pytest
 import torch
 
+from proto import lockstep_pb2 as pb
 from services.common.weight_digest import DIGEST_BLOCK_BYTES, BlockDigests, tensors_digest
 from services.common.weight_files import read_weight_dir, write_weight_dir
 from services.common.weight_stream import (
@@ -146,15 +147,16 @@ def test_a_kept_stream_cuts_each_chunk_once_and_a_failed_source_stays_failed():
     def source():
         for i in range(3):
             cut.append(i)
-            yield iter_weight_chunks([("w", torch.full((4,), float(i)))], run_id="r", policy_version=1).__next__()
+            yield next(iter_weight_chunks([("w", torch.full((4,), float(i)))], run_id="r", policy_version=1)
+                       ).SerializeToString()
 
     kept = CachedWeightStream(source())
     assert kept.chunk(1) is kept.chunk(1) and cut == [0, 1]
-    assert kept.chunk(0).data == torch.full((4,), 0.0).numpy().tobytes()
+    assert pb.WeightChunk.FromString(kept.chunk(0)).data == torch.full((4,), 0.0).numpy().tobytes()
     assert kept.chunk(3) is None and kept.complete and cut == [0, 1, 2]
 
     def failing():
-        yield iter_weight_chunks([("w", torch.ones(4))], run_id="r", policy_version=1).__next__()
+        yield next(iter_weight_chunks([("w", torch.ones(4))], run_id="r", policy_version=1)).SerializeToString()
         raise RuntimeError("weights changed")
 
     broken = CachedWeightStream(failing())
