@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from proto import lockstep_pb2 as pb
+from services.common import weight_stream
 from services.common.weight_digest import DIGEST_BLOCK_BYTES, BlockDigests, tensors_digest
 from services.common.weight_files import read_weight_dir, write_weight_dir
 from services.common.weight_stream import (
@@ -165,3 +166,18 @@ def test_a_kept_stream_cuts_each_chunk_once_and_a_failed_source_stays_failed():
         broken.chunk(1)
     with pytest.raises(WeightStreamError, match="source failed: weights changed"):
         broken.chunk(1)
+
+
+def test_a_corrupt_chunk_hashed_on_the_helper_thread_refuses_the_stream():
+    # Chunks above PARALLEL_HASH_MIN_BYTES are verified on the helper thread: the mismatch is raised by a
+    # later add() at the latest by the last chunk's, and the assembler is spent.
+    weights = [("w", torch.arange(6 * 65536, dtype=torch.int32))]
+    chunks = list(iter_weight_chunks(weights, run_id="r", policy_version=1, chunk_bytes=4 * 65536))
+    assert len(chunks) == 6 and all(len(c.data) >= weight_stream.PARALLEL_HASH_MIN_BYTES for c in chunks)
+    chunks[1].data = bytes(len(chunks[1].data))
+    asm = WeightStreamAssembler()
+    with pytest.raises(WeightStreamError, match=r"chunk 1 \('w'\): chunk_sha256 mismatch"):
+        for c in chunks:
+            asm.add(c)
+    with pytest.raises(WeightStreamError, match="already refused: chunk 1"):
+        asm.finish()
