@@ -3,20 +3,26 @@
 Prints one JSON object (and writes it to --out).
 
 For each model shape (Qwen3 dimensions of bench/train.py SHAPES, Qwen3 vocabulary, random init, bf16):
-- a real trainer service (`python -m services.trainer`) is configured on the model and a real rollout
-  service (`python -m services.rollout`, torch engine) loads it; both are separate processes on loopback;
-- sync: a caller process that holds only the coordinator's RolloutClient asks the replica to pull the
-  trainer's version (SyncWeights, the coordinator's own call) `--reps` times; the replica streams GetWeights
-  from the trainer, verifies every chunk and the whole, and applies it. Reported: median seconds, GB/s of
-  the weight bytes, and the caller's peak RSS (VmHWM) before and after the syncs;
-- shared_path: the caller asks the trainer to write the version as safetensors under the shared directory
-  (WriteWeights) and the replica to read, verify and apply it (LoadWeights); `write`, `load` and their sum;
-- stream: this process reads GetWeights from the trainer itself (the gRPC transfer with the trainer's
-  chunking and sender-side hashing, nothing kept), then `assemble`: the rollout's WeightStreamAssembler over
-  those chunks in memory (every receiver-side check, no network), i.e. the receive path's own cost;
+- a real trainer service (`python -m services.trainer`) and a real rollout service (`python -m
+  services.rollout`, torch engine) run as separate processes on loopback;
+- a caller process that holds only the coordinator's clients drives `--reps` reps. Each rep configures a
+  new run on the trainer, and before every timed call the replica is reloaded as a stale version, so every
+  timed call moves a version the replica does not hold and applies it in full (checks, finite check, copy),
+  as a step's sync does:
+  - sync: SyncWeights (the coordinator's own call): the replica streams GetWeights from the trainer, which
+    cuts and hashes the new version's chunks as it streams; every chunk and the whole verified, applied;
+  - sync_kept: the same version to a (reloaded) replica again: the trainer serves the chunks it kept;
+  - shared_path: WriteWeights (safetensors under the shared directory) then LoadWeights (mmap read,
+    digest recomputed, applied); `write`, `load` and their sum.
+  Reported: median seconds, GB/s of the weight bytes, the caller's peak RSS (VmHWM) before and after;
+- stream: this process reads GetWeights from the trainer (kept chunks; nothing kept here); receive: the
+  same into the rollout's WeightStreamAssembler (every receiver-side check, no apply);
 - limits measured in the same run over the same byte count: memcpy (torch copy_ of a byte tensor),
-  loopback TCP (one process, a sender thread, sendall / recv_into of preallocated buffers) and sha256 (each
-  byte is hashed twice on each side: per chunk and over the whole stream).
+  loopback TCP (one process, a sender thread, sendall / recv_into of preallocated buffers), loopback
+  gRPC (grpc.aio between two processes streaming pre-built 4 MiB messages: alone, and with the one sha256
+  pass per byte a replica must make on a helper thread) and one sha256 pass on one thread (each side hashes
+  each byte once: a chunk is one digest block);
+- the load average before and after each shape (the host may be shared).
 
 `--device cuda`: the trainer and the rollout engine run on the same GPU (separate processes); the weights
 still cross loopback gRPC through host memory, the memcpy limit is then a device-to-device copy.
@@ -107,6 +113,77 @@ def loopback_tcp_limit(nbytes: int, reps: int) -> dict:
     finally:
         for s in (sender, receiver, server):
             s.close()
+
+
+GRPC_LIMIT_PAYLOAD = 4 * 1024 * 1024
+
+
+def _grpc_limit_server(port_queue, nbytes: int) -> None:
+    """Streams `nbytes` as pre-built 4 MiB messages (no serializer: bytes as they are) to each call."""
+    import asyncio
+
+    import grpc
+
+    from services.common.grpc_options import grpc_options
+
+    async def serve() -> None:
+        payloads = [os.urandom(GRPC_LIMIT_PAYLOAD) for _ in range(4)]
+
+        async def stream(request, context):
+            for i in range(nbytes // GRPC_LIMIT_PAYLOAD):
+                yield payloads[i % 4]
+
+        server = grpc.aio.server(options=grpc_options())
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "bench.Limit", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}),))
+        port_queue.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def grpc_loopback_limit(nbytes: int, reps: int) -> dict:
+    """grpc.aio between two processes on loopback, nothing but the messages: a server streaming pre-built
+    4 MiB bytes messages, a client here receiving them; `with_sha256`: the client also hashes each message
+    once on a helper thread, as a replica must. The ceiling of a verified gRPC sync on this host."""
+    import asyncio
+    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from services.common.grpc_options import grpc_options
+
+    ctx = multiprocessing.get_context("spawn")
+    ports = ctx.Queue()
+    server = ctx.Process(target=_grpc_limit_server, args=(ports, nbytes), daemon=True)
+    server.start()
+    port = ports.get(timeout=120)
+
+    async def receive(hash_each: bool) -> int:
+        got, hashes = 0, []
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=grpc_options()) as channel:
+            loop = asyncio.get_running_loop()
+            with ThreadPoolExecutor(max_workers=1) as hasher:
+                async for message in channel.unary_stream("/bench.Limit/Stream")(b""):
+                    got += len(message)
+                    if hash_each:
+                        hashes.append(loop.run_in_executor(hasher, lambda m=message: hashlib.sha256(m).digest()))
+                        if len(hashes) > 8:
+                            await hashes.pop(0)
+                await asyncio.gather(*hashes)
+        return got
+
+    try:
+        out = {}
+        for name, hash_each in (("messages_only", False), ("with_sha256", True)):
+            sent = asyncio.run(receive(hash_each))
+            out[name] = rate(sent, timed_s(lambda h=hash_each: asyncio.run(receive(h)), reps))
+        return out
+    finally:
+        server.kill()
+        server.join()
 
 
 def sha256_limit(nbytes: int, reps: int) -> dict:
@@ -200,26 +277,8 @@ class Services:
             finally:
                 channel.close()
 
-    def load(self, run_id: str, model_dir: Path, device: str) -> None:
-        from proto import lockstep_pb2 as pb
-        from proto import lockstep_pb2_grpc as pb_grpc
-        from services.common.grpc_options import sync_channel
-
-        trainer = sync_channel(self.trainer_address, self.token)
-        rollout = sync_channel(self.rollout_address, self.token)
-        try:
-            pb_grpc.TrainerStub(trainer).ConfigureRun(pb.ConfigureRunRequest(
-                run_id=run_id, model_path=str(model_dir), seed=0,
-                trainer_config_json=json.dumps({"dtype": "bfloat16"})), timeout=1800)
-            pb_grpc.RolloutStub(rollout).LoadModel(pb.LoadModelRequest(
-                run_id=run_id, model_path=str(model_dir), policy_version=0,
-                engine_config_json=json.dumps({"engine": "torch", "dtype": "bfloat16", "device": device})),
-                timeout=1800)
-        finally:
-            trainer.close()
-            rollout.close()
-
-    def read_stream(self, run_id: str) -> tuple[list, float]:
+    def read_stream(self, run_id: str, take) -> float:
+        """Seconds to read the trainer's whole GetWeights stream here, handing each chunk to `take`."""
         from proto import lockstep_pb2 as pb
         from proto import lockstep_pb2_grpc as pb_grpc
         from services.common.grpc_options import sync_channel
@@ -227,14 +286,24 @@ class Services:
         channel = sync_channel(self.trainer_address, self.token)
         try:
             t0 = time.perf_counter()
-            chunks = list(pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=1800))
-            return chunks, time.perf_counter() - t0
+            for chunk in pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=1800):
+                take(chunk)
+            return time.perf_counter() - t0
         finally:
             channel.close()
 
 
+STALE_VERSION = 1_000_000  # what the replica is (re)loaded as before each timed sync: version 0 is then new to it
+
+
 def run_caller(args: argparse.Namespace) -> None:
-    """The coordinator's side of a sync, in a process that holds nothing else: SyncWeights `reps` times."""
+    """The coordinator's side of a sync, in a process that holds nothing else. Each rep re-sends the run's
+    ConfigureRun (the trainer keeps the run's state and lets go of the chunks it kept, as a step does) and,
+    before every timed call, reloads the replica as a stale version, so each timed call moves and applies a
+    version the replica does not hold (what a step's sync does): `sync` (SyncWeights; the trainer cuts and
+    hashes its chunks as it streams),
+    `sync_kept` (SyncWeights of the same version again: the trainer's kept chunks, as for a second replica)
+    and the shared path (WriteWeights, then LoadWeights)."""
     import asyncio
     import shutil
 
@@ -245,25 +314,41 @@ def run_caller(args: argparse.Namespace) -> None:
         token = read_token_file(args.token_file)
         client = RolloutClient(args.rollout, timeout_s=1800, token=token)
         trainer = TrainerClient(args.trainer, timeout_s=1800, token=token)
-        before = peak_rss_bytes()
-        seconds, got = [], None
-        for _ in range(args.reps):
+
+        async def stale_replica(run_id: str) -> None:
+            await client.load_model(run_id, args.model_path, STALE_VERSION, json.dumps(
+                {"engine": "torch", "dtype": "bfloat16", "device": args.device}))
+
+        async def timed_sync(run_id: str) -> tuple[float, object]:
+            await stale_replica(run_id)
             t0 = time.perf_counter()
-            got = await client.sync_weights(args.run_id, 0, args.trainer)
-            seconds.append(time.perf_counter() - t0)
+            got = await client.sync_weights(run_id, 0, args.trainer)
+            return time.perf_counter() - t0, got
+
+        before = peak_rss_bytes()
+        seconds, kept_seconds, write_s, load_s, got = [], [], [], [], None
+        run_id = args.run_id
+        for _ in range(args.reps):
+            await trainer.configure(run_id, args.model_path, 0, json.dumps({"dtype": "bfloat16"}))
+            took, got = await timed_sync(run_id)
+            seconds.append(took)
+            took, again = await timed_sync(run_id)
+            kept_seconds.append(took)
+            assert again.total_sha256 == got.total_sha256
         after_grpc = peak_rss_bytes()
-        write_s, load_s = [], []
         for rep in range(args.reps):
             directory = Path(args.weights_dir) / f"rep{rep}"
+            await stale_replica(run_id)
             t0 = time.perf_counter()
-            written = await trainer.write_weights(args.run_id, str(directory))
+            written = await trainer.write_weights(run_id, str(directory))
             t1 = time.perf_counter()
-            loaded = await client.load_weights(args.run_id, 0, written.directory, written.total_sha256)
+            loaded = await client.load_weights(run_id, 0, written.directory, written.total_sha256)
             write_s.append(t1 - t0)
             load_s.append(time.perf_counter() - t1)
             assert loaded.total_sha256 == written.total_sha256 == got.total_sha256
             shutil.rmtree(directory)
-        return {"seconds": seconds, "bytes": got.bytes, "tensors": got.tensors, "digest": got.total_sha256,
+        return {"seconds": seconds, "kept_seconds": kept_seconds, "bytes": got.bytes, "tensors": got.tensors,
+                "digest": got.total_sha256,
                 "peak_rss_before": before, "peak_rss_after_grpc": after_grpc, "peak_rss_after": peak_rss_bytes(),
                 "shared_path_write_s": write_s, "shared_path_load_s": load_s}
 
@@ -273,17 +358,18 @@ def run_caller(args: argparse.Namespace) -> None:
 def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
     from services.common.weight_stream import WeightStreamAssembler
 
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         workdir = Path(tmp)
         counts = write_model(shape, layers, workdir / "model", args.seed)
         with Services(workdir, args.device, args.num_threads) as services:
             services.wait_ready()
             run_id = f"bench-{shape}"
-            services.load(run_id, workdir / "model", args.device)
             caller = subprocess.run(
                 [sys.executable, __file__, "--caller", "--rollout", services.rollout_address, "--trainer",
                  services.trainer_address, "--run-id", run_id, "--token-file", str(workdir / "auth_token"),
-                 "--reps", str(args.reps), "--weights-dir", str(workdir / "weights")], capture_output=True, text=True,
+                 "--reps", str(args.reps), "--weights-dir", str(workdir / "weights"),
+                 "--model-path", str(workdir / "model"), "--device", args.device], capture_output=True, text=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
                     p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p)})
             if caller.returncode != 0:
@@ -291,21 +377,19 @@ def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
                 raise RuntimeError(f"the caller failed ({caller.returncode}):\n{caller.stderr[-4000:]}\n{logs}")
             sync = json.loads(caller.stdout.strip().splitlines()[-1])
             nbytes = sync["bytes"]
-            stream_seconds, assemble_seconds = [], []
+            stream_seconds, receive_seconds = [], []
             for _ in range(args.reps):
-                chunks, seconds = services.read_stream(run_id)
-                stream_seconds.append(seconds)
-                t0 = time.perf_counter()
+                nothing_kept = services.read_stream(run_id, lambda chunk: None)
+                stream_seconds.append(nothing_kept)
                 assembler = WeightStreamAssembler()
-                for chunk in chunks:
-                    assembler.add(chunk)
-                tensors = assembler.finish()
-                assemble_seconds.append(time.perf_counter() - t0)
+                receive_seconds.append(services.read_stream(run_id, assembler.add))
+                assembler.finish()
                 assert assembler.total_sha256 == sync["digest"]
-                del chunks, tensors, assembler
+                del assembler
     return {
         "shape": shape, **counts, "bytes": nbytes, "tensors": sync["tensors"], "digest": sync["digest"],
         "sync": rate(nbytes, sync["seconds"]),
+        "sync_kept": rate(nbytes, sync["kept_seconds"]),
         "caller_peak_rss_growth_bytes": sync["peak_rss_after_grpc"] - sync["peak_rss_before"],
         "shared_path": {**rate(nbytes, [w + r for w, r in zip(sync["shared_path_write_s"], sync["shared_path_load_s"])]),
                         "write": rate(nbytes, sync["shared_path_write_s"]),
@@ -313,10 +397,13 @@ def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
         "caller_peak_rss_growth_with_shared_path_bytes": sync["peak_rss_after"] - sync["peak_rss_before"],
         "caller_peak_rss_bytes": sync["peak_rss_after"],
         "stream": rate(nbytes, stream_seconds),
-        "assemble": rate(nbytes, assemble_seconds),
+        "receive": rate(nbytes, receive_seconds),
         "limits": {"memcpy": memcpy_limit(nbytes, args.device, args.reps),
                    "loopback_tcp": loopback_tcp_limit(nbytes, args.reps),
+                   "grpc_loopback": grpc_loopback_limit(nbytes, args.reps),
                    "sha256": sha256_limit(nbytes, args.reps)},
+        "load_average": {"before": [round(x, 2) for x in load_before],
+                         "after": [round(x, 2) for x in os.getloadavg()]},
     }
 
 
@@ -357,6 +444,7 @@ def main() -> None:
     ap.add_argument("--run-id", help=argparse.SUPPRESS)
     ap.add_argument("--token-file", help=argparse.SUPPRESS)
     ap.add_argument("--weights-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--model-path", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.caller:
         run_caller(args)
@@ -367,19 +455,20 @@ def main() -> None:
     unknown = sorted(set(layers) - set(SHAPES)) + sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         ap.error(f"unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
-    results = [measure_shape(shape, layers.get(shape, SHAPES[shape]["num_hidden_layers"]), args)
-               for shape in args.shapes.split(",")]
     report = {
         "benchmark": "weight_sync",
-        "sources": {"sync": "grpc loopback (SyncWeights: the replica pulls GetWeights)",
+        "sources": {"sync": "grpc loopback (SyncWeights: the replica pulls GetWeights), a version new to the replica",
+                    "sync_kept": "the same version to a replica again: the trainer's kept chunks",
                     "shared_path": "WriteWeights + LoadWeights through a directory both services see"},
         "device": args.device, "reps": args.reps, "statistic": "median wall seconds; gb_per_s = bytes / median / 1e9",
-        "versions": versions(args.device), "note": args.note, "results": results,
+        "versions": versions(args.device), "note": args.note, "results": [],
     }
-    text = json.dumps(report, indent=1)
+    for shape in args.shapes.split(","):
+        report["results"].append(measure_shape(shape, layers.get(shape, SHAPES[shape]["num_hidden_layers"]), args))
+        text = json.dumps(report, indent=1)
+        if args.out:  # after every shape: a later shape that fails leaves the earlier ones written
+            Path(args.out).write_text(text + "\n")
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
