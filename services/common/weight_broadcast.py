@@ -17,7 +17,6 @@ the process (the trainer's data-parallel one) alone.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import torch.distributed as dist
 from proto import lockstep_pb2 as pb
 from services.common.service_config import split_host_port
 from services.common.tensors import dtype_from_name, dtype_name
+from services.common.weight_digest import BlockDigests
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
@@ -118,9 +118,13 @@ def unpack_bucket(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[tup
     return out
 
 
-def hash_buffer(digest: "hashlib._Hash", buffer: torch.Tensor) -> None:
-    """Add a uint8 buffer's bytes to `digest` (copied to host first when it lives on a device)."""
-    digest.update(memoryview(buffer.detach().cpu().numpy()))
+def hash_buffer(digests: BlockDigests, buffer: torch.Tensor, tensors: Sequence[tuple[str, int]]) -> None:
+    """Add a bucket's tensors ((name, nbytes), packed in order) to the weights digest, so that it is the
+    GetWeights stream's digest of the same weights (copied to host first when the buffer lives on a device)."""
+    host, offset = memoryview(buffer.detach().cpu().numpy()), 0
+    for name, nbytes in tensors:
+        digests.add(name, 0, host[offset:offset + nbytes], nbytes)
+        offset += nbytes
 
 
 def rendezvous_store(address: str, *, host_it: bool, timeout_s: float) -> dist.TCPStore:

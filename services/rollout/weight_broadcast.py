@@ -9,7 +9,6 @@ arrive, or a digest that differs, raises BroadcastReceiveFailed and nothing is a
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +23,7 @@ from services.common.weight_broadcast import (
     rendezvous_store,
     unpack_bucket,
 )
+from services.common.weight_digest import BlockDigests
 from services.common.weight_stream import LoraAdapterMeta
 
 
@@ -69,7 +69,7 @@ def staging_device(backend: str, engine_device: torch.device) -> torch.device:
 def receive_broadcast(request: pb.ReceiveWeightsRequest, buckets: list[list[TensorSpec]], device: torch.device,
                       timeout_s: float) -> ReceivedWeights:
     plan = request.plan
-    digest = hashlib.sha256()
+    digest = BlockDigests()
     tensors: dict[str, torch.Tensor] = {}
     try:
         store = rendezvous_store(plan.rendezvous, host_it=False, timeout_s=timeout_s)
@@ -79,7 +79,7 @@ def receive_broadcast(request: pb.ReceiveWeightsRequest, buckets: list[list[Tens
             for bucket in buckets:
                 buffer = torch.empty(sum(s.nbytes for s in bucket), dtype=torch.uint8, device=device)
                 group.broadcast(buffer)
-                hash_buffer(digest, buffer)
+                hash_buffer(digest, buffer, [(spec.name, spec.nbytes) for spec in bucket])
                 tensors.update(unpack_bucket(buffer, bucket))
             sent = torch.empty(32, dtype=torch.uint8, device=device)
             group.broadcast(sent)
@@ -88,7 +88,7 @@ def receive_broadcast(request: pb.ReceiveWeightsRequest, buckets: list[list[Tens
     except RuntimeError as exc:  # torch.distributed's errors: a timeout, a peer that went away
         raise BroadcastReceiveFailed(f"broadcast {plan.group_name} from {plan.rendezvous} (rank {request.rank} of "
                                      f"{plan.world_size}): {exc}") from exc
-    if bytes(sent.cpu().numpy()) != digest.digest():
+    if bytes(sent.cpu().numpy()) != bytes.fromhex(digest.hexdigest()):
         raise BroadcastReceiveFailed(f"broadcast {plan.group_name}: received bytes hash to {digest.hexdigest()}, the "
                                      f"trainer sent {bytes(sent.cpu().numpy()).hex()}; nothing applied")
     lora = LoraAdapterMeta.from_proto(plan.lora) if plan.HasField("lora") else None

@@ -8,7 +8,6 @@ change between the plan and the last bucket; a plan whose weights did change is 
 """
 from __future__ import annotations
 
-import hashlib
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from services.common.weight_broadcast import (
     rendezvous_store,
     tensor_spec,
 )
+from services.common.weight_digest import BlockDigests
 from services.trainer.trainer import WeightSnapshot
 from services.trainer.wire import FailedPrecondition, InvalidRequest
 
@@ -90,7 +90,7 @@ class WeightBroadcaster:
         self.trainer.check_weights_unchanged(opened.snapshot)
         plan, tensors = opened.plan, opened.snapshot.tensors
         device = next(t.device for _, t in tensors) if plan.backend == "nccl" else torch.device("cpu")
-        digest = hashlib.sha256()
+        digest = BlockDigests()
         try:
             if self._store is None:
                 self._store = rendezvous_store(self.address, host_it=True, timeout_s=self.timeout_s)
@@ -100,9 +100,11 @@ class WeightBroadcaster:
                 for bucket in opened.buckets:
                     buffer = pack_bucket([tensors[i][1] for i in bucket], device)
                     group.broadcast(buffer)
-                    hash_buffer(digest, buffer)
+                    hash_buffer(digest, buffer, [(tensors[i][0], tensors[i][1].numel() * tensors[i][1].element_size())
+                                                 for i in bucket])
                 if plan.digest_trailer:
-                    group.broadcast(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8).to(device))
+                    trailer = bytearray(bytes.fromhex(digest.hexdigest()))
+                    group.broadcast(torch.frombuffer(trailer, dtype=torch.uint8).to(device))
             finally:
                 group.close()
         except RuntimeError as exc:  # torch.distributed's errors: a timeout, a peer that went away

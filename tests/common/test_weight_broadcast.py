@@ -13,6 +13,7 @@ from services.common.weight_broadcast import (
     TensorSpec,
     WeightUpdateGroup,
     bucket_specs,
+    hash_buffer,
     pack_bucket,
     plan_buckets,
     plan_proto,
@@ -20,6 +21,7 @@ from services.common.weight_broadcast import (
     tensor_spec,
     unpack_bucket,
 )
+from services.common.weight_digest import BlockDigests
 from services.common.weight_stream import iter_weight_chunks
 from services.rollout.weight_broadcast import BroadcastReceiveFailed, checked_plan, receive_broadcast, staging_device
 
@@ -52,17 +54,15 @@ def _model_tensors() -> list[tuple[str, torch.Tensor]]:
 
 
 def test_packed_buckets_unpack_to_the_tensors_and_hash_as_the_grpc_stream():
-    import hashlib
-
     tensors = _model_tensors()
     buckets = plan_buckets([tensor_spec(n, t) for n, t in tensors], 160)
     assert _names(buckets) == [["embed.weight", "norm.weight"], ["mask"], ["head.weight"]]
-    digest, out, start = hashlib.sha256(), {}, 0
+    digest, out, start = BlockDigests(), {}, 0
     for bucket in buckets:
         buffer = pack_bucket([t for _, t in tensors[start:start + len(bucket)]], torch.device("cpu"))
         start += len(bucket)
         assert buffer.dtype == torch.uint8 and buffer.numel() == sum(s.nbytes for s in bucket)
-        digest.update(buffer.numpy().tobytes())
+        hash_buffer(digest, buffer, [(spec.name, spec.nbytes) for spec in bucket])
         out.update(unpack_bucket(buffer, bucket))
     assert list(out) == [n for n, _ in tensors]
     assert all(torch.equal(out[n], t) and out[n].dtype == t.dtype for n, t in tensors)
@@ -114,20 +114,19 @@ def test_nccl_needs_a_cuda_engine_device_and_gloo_stages_in_host_memory():
 
 
 def _send(address: str, plan: pb.BroadcastPlan, tensors, trailer: bytes | None, errors: list) -> None:
-    """Rank 0 as the trainer runs it: every bucket, then the trailer (the sha256 of what was sent, or `trailer`)."""
-    import hashlib
-
+    """Rank 0 as the trainer runs it: every bucket, then the trailer (the digest of what was sent, or `trailer`)."""
     try:
         store = rendezvous_store(address, host_it=True, timeout_s=60)
         group = WeightUpdateGroup(store, group_name=plan.group_name, rank=0, world_size=2, backend="gloo",
                                   timeout_s=60)
-        digest, start = hashlib.sha256(), 0
+        digest, start = BlockDigests(), 0
         for bucket in plan.buckets:
-            buffer = pack_bucket([t for _, t in tensors[start:start + len(bucket.tensors)]], torch.device("cpu"))
+            sent = tensors[start:start + len(bucket.tensors)]
+            buffer = pack_bucket([t for _, t in sent], torch.device("cpu"))
             start += len(bucket.tensors)
             group.broadcast(buffer)
-            digest.update(buffer.numpy().tobytes())
-        group.broadcast(torch.frombuffer(bytearray(trailer or digest.digest()), dtype=torch.uint8))
+            hash_buffer(digest, buffer, [(n, t.numel() * t.element_size()) for n, t in sent])
+        group.broadcast(torch.frombuffer(bytearray(trailer or bytes.fromhex(digest.hexdigest())), dtype=torch.uint8))
         group.close()
     except Exception as exc:  # noqa: BLE001 - reported to the test thread
         errors.append(exc)

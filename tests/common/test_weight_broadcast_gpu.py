@@ -5,7 +5,6 @@ NCCL refuses two ranks on one GPU, so the trainer's side (rank 0, cuda:0) and a 
 the staging on the replica's device are those of a real sync."""
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 
@@ -23,6 +22,7 @@ from services.common.weight_broadcast import (
     rendezvous_store,
     tensor_spec,
 )
+from services.common.weight_digest import BlockDigests
 from services.common.weight_stream import iter_weight_chunks
 from services.rollout.weight_broadcast import checked_plan, receive_broadcast, staging_device
 
@@ -47,14 +47,15 @@ def test_bf16_buckets_cross_two_gpus_and_verify_against_the_trainers_digest():
             torch.cuda.set_device(0)
             store = rendezvous_store(address, host_it=True, timeout_s=120)
             group = WeightUpdateGroup(store, group_name="gpu", rank=0, world_size=2, backend="nccl", timeout_s=120)
-            digest, start = hashlib.sha256(), 0
+            digest, start = BlockDigests(), 0
             for bucket in plan.buckets:
-                buffer = pack_bucket([t for _, t in sender_side[start:start + len(bucket.tensors)]],
-                                     torch.device("cuda:0"))
+                sent = sender_side[start:start + len(bucket.tensors)]
+                buffer = pack_bucket([t for _, t in sent], torch.device("cuda:0"))
                 start += len(bucket.tensors)
                 group.broadcast(buffer)
-                hash_buffer(digest, buffer)
-            group.broadcast(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8).to("cuda:0"))
+                hash_buffer(digest, buffer, [(n, t.numel() * t.element_size()) for n, t in sent])
+            trailer = bytearray(bytes.fromhex(digest.hexdigest()))
+            group.broadcast(torch.frombuffer(trailer, dtype=torch.uint8).to("cuda:0"))
             group.close()
         except Exception as exc:  # noqa: BLE001 - reported to the test thread
             errors.append(exc)
