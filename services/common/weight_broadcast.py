@@ -5,8 +5,8 @@ for one sync. Tensors go in the order the trainer holds them (GetWeights' order)
 of consecutive tensors of one dtype, at most `bucket_bytes` together (a larger tensor is a bucket of its
 own). A bucket travels as one flat uint8 buffer, its tensors' bytes back to back -- SGLang's
 "flattened_bucket" layout (sglang/srt/weight_sync/tensor_bucket.py), so an SGLang server can be a rank.
-Names, dtypes and shapes travel beside it (pb.BroadcastPlan). sha256 over the buckets' bytes in order is
-therefore sha256 over every tensor's bytes in stream order: the GetWeights stream's total_sha256.
+Names, dtypes and shapes travel beside it (pb.BroadcastPlan). hash_buffer adds each packed tensor to the
+weights digest (services.common.weight_digest), so a broadcast's digest is the GetWeights stream's total_sha256.
 
 The group is built the way SGLang builds its weight-update group (sglang/srt/utils/common.py
 init_custom_process_group, over torch's _new_process_group_helper): a TCP store at the rendezvous, its

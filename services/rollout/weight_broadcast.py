@@ -2,7 +2,7 @@
 
 The replica joins the plan's group at the trainer's rendezvous as its rank, receives every bucket into a
 staging buffer of its own (the served model is untouched meanwhile), hashes what arrived, compares that
-with the sha256 the trainer broadcasts after the last bucket, and only then hands the tensors to the
+with the digest the trainer broadcasts after the last bucket, and only then hands the tensors to the
 engine's ordinary update path (update_weights / update_lora_adapter), which checks them against the
 model and applies them all or nothing. A group that does not form or a bucket that does not
 arrive, or a digest that differs, raises BroadcastReceiveFailed and nothing is applied.
@@ -35,7 +35,7 @@ class BroadcastReceiveFailed(RuntimeError):
 class ReceivedWeights:
     tensors: dict[str, torch.Tensor]
     nbytes: int
-    total_sha256: str  # sha256 over every received byte in plan order (the GetWeights stream's digest)
+    total_sha256: str  # the weights digest of the received tensors in plan order (the GetWeights stream's)
     lora: LoraAdapterMeta | None
 
 
