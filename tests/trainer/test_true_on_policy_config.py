@@ -57,10 +57,14 @@ def test_coordinator_run_spec_refuses_the_same_way(tmp_path):
     from services.common.tiny_model import build_model_dir
     from services.coordinator.run_spec import RunSpec
 
+    # The run's numerics sets the trainer's; the trainer's own refusals then surface at submit.
     spec = {"name": "t", "model_path": str(build_model_dir(tmp_path / "m", seed=0)), "steps": 1,
-            "task": {"name": "arithmetic"}, "trainer": {"numerics": "true_on_policy"}}
+            "task": {"name": "arithmetic"}, "numerics": "true_on_policy", "trainer": {}}
     assert RunSpec.model_validate(spec).trainer.numerics == "true_on_policy"
     spec["trainer"]["compile_layers"] = True
+    with pytest.raises(ValidationError, match="trainer: compile_layers: true is refused"):
+        RunSpec.model_validate(spec)
+    spec["trainer"] = {"numerics": "true_on_policy", "compile_layers": True}
     with pytest.raises(ValidationError, match="trainer\n.*compile_layers: true is refused"):
         RunSpec.model_validate(spec)
 
