@@ -37,7 +37,7 @@ from services.rollout.engine import (
     GenerationRequest,
     require_device,
 )
-from services.rollout.finite_check import all_finite
+from services.common.finite_check import all_finite
 from services.rollout.lora_adapter import merged_weight, module_adapters
 from services.rollout.sampling import truncate_logits
 

@@ -1,12 +1,14 @@
-"""The torch engine's finite check of received weights (one min/max reduction per tensor) refuses every
+"""The finite checks of received weights (one min/max reduction per tensor, and the integer check over raw
+bytes the stream receiver runs on its worker threads) refuse every
 NaN, +inf and -inf wherever it sits, in every floating dtype, on one thread and on several; finite
 extremes and empty tensors pass."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from services.rollout.finite_check import all_finite
+from services.common.finite_check import all_finite, bytes_all_finite, checks_bytes
 from services.rollout.torch_engine import one_intra_op_thread
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -65,3 +67,28 @@ def test_one_intra_op_thread_restores_the_thread_count():
     with pytest.raises(RuntimeError), one_intra_op_thread("cpu"):
         raise RuntimeError("a failed update")
     assert torch.get_num_threads() == previous
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_bytes_check_agrees_with_torch_on_every_value_class(dtype):
+    info = torch.finfo(dtype)
+    finite = [info.max, info.min, info.tiny, -info.tiny, info.tiny / 4, 0.0, -0.0, 1.5, -2.25]
+    bad = [torch.tensor([float("inf")], dtype=dtype), torch.tensor([float("-inf")], dtype=dtype),
+           *_nan_patterns(dtype)]
+    for size in SIZES:
+        base = torch.tensor(finite, dtype=dtype).repeat(size // len(finite) + 1)[:size].contiguous()
+        assert bytes_all_finite(base.view(torch.uint8).numpy(), dtype) and all_finite(base)
+        for value in bad:
+            for position in sorted({0, size // 2, size - 1}):
+                t = base.clone()
+                t[position] = value[0]
+                assert not bytes_all_finite(t.view(torch.uint8).numpy(), dtype), (dtype, size, position, value)
+    assert bytes_all_finite(np.empty(0, dtype=np.uint8), dtype)
+
+
+def test_the_bytes_check_refuses_a_partial_value_or_another_layout():
+    with pytest.raises(ValueError, match="whole torch.float32 values, got uint8 of 6 bytes"):
+        bytes_all_finite(np.zeros(6, dtype=np.uint8), torch.float32)
+    with pytest.raises(ValueError, match="need flat uint8"):
+        bytes_all_finite(np.zeros(4, dtype=np.float32), torch.float32)
+    assert checks_bytes(torch.bfloat16) and not checks_bytes(torch.int64)
