@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -25,16 +26,21 @@ import numpy as np
 import torch
 
 from proto import lockstep_pb2 as pb
+from services.common.chunk_frames import ChunkFrameError, split_chunk
+from services.common.finite_check import bytes_all_finite, checks_bytes
 from services.common.tensors import dtype_from_name, dtype_name
 from services.common.weight_digest import DIGEST_BLOCK_BYTES, BlockDigests, tensor_byte_view
 
 # One chunk per digest block: a chunk's digest is then its block's, and no byte is hashed twice.
 DEFAULT_CHUNK_BYTES = DIGEST_BLOCK_BYTES
-# The receiver hashes chunks at least this large on its helper thread (hashlib releases the GIL on large
+# The receiver hashes chunks at least this large on its worker threads (hashlib releases the GIL on large
 # buffers), overlapping the receiving of the next chunks; smaller ones cost less inline than a hand-off.
 PARALLEL_HASH_MIN_BYTES = 64 * 1024
-# Received chunks waiting for the helper thread at most: bounds what a fast sender can pile up in memory.
-MAX_UNHASHED_CHUNKS = 8
+# Receiver worker threads: one sha256 pass runs at about 1 GB/s per core, so a stream of several GB/s
+# needs several; more than 8 gain nothing on the hosts measured (bench/weight_sync.py).
+DEFAULT_RECEIVE_WORKERS = max(1, min(8, os.cpu_count() or 1))
+# The finite check of a stored tensor runs in pieces of about this many bytes, spread over the workers.
+FINITE_PIECE_BYTES = 4 * 1024 * 1024
 
 
 class WeightStreamError(ValueError):
@@ -154,13 +160,14 @@ class _TensorBuffer:
     dtype: torch.dtype
     meta: tuple[str, tuple[int, ...], int]
     data: torch.Tensor
-    received: int = 0
+    received: int = 0  # bytes announced by the chunks added so far
+    stored: int = 0    # bytes verified and copied in, in order
 
     def __post_init__(self) -> None:
         self.view = self.data.numpy()  # the same bytes: numpy's copy releases the GIL
 
 
-def _allocate(chunk: pb.WeightChunk, where: str) -> _TensorBuffer:
+def _allocate(chunk: pb.WeightChunk, where: str, allocate: Callable[[int], torch.Tensor]) -> _TensorBuffer:
     """A buffer for the tensor `chunk` starts, after checking that its dtype, shape and byte size agree."""
     dtype = dtype_from_name(chunk.dtype, field=f"{where}.dtype")
     shape = tuple(int(d) for d in chunk.shape)
@@ -170,21 +177,69 @@ def _allocate(chunk: pb.WeightChunk, where: str) -> _TensorBuffer:
     if chunk.tensor_nbytes != expected:
         raise WeightStreamError(f"{where}: tensor_nbytes={chunk.tensor_nbytes} but shape {list(shape)} of "
                                 f"{chunk.dtype} holds {expected} bytes")
-    return _TensorBuffer(dtype, (chunk.dtype, shape, chunk.tensor_nbytes),
-                         torch.empty(chunk.tensor_nbytes, dtype=torch.uint8))
+    data = allocate(chunk.tensor_nbytes)
+    if data.dtype != torch.uint8 or data.shape != (chunk.tensor_nbytes,) or data.device.type != "cpu":
+        raise RuntimeError(f"allocate({chunk.tensor_nbytes}) returned {data.dtype} {tuple(data.shape)} on "
+                           f"{data.device}, not that many uint8 bytes in host memory")
+    return _TensorBuffer(dtype, (chunk.dtype, shape, chunk.tensor_nbytes), data)
+
+
+def _new_host_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _verify_and_store(where: str, data: bytes | memoryview, expected: str, tensor: _TensorBuffer,
+                      start: int) -> bytes | str:
+    """One chunk's hash and, if it matches, its copy into the tensor's buffer: the digest, or the error."""
+    digest = hashlib.sha256(data)
+    if digest.hexdigest() != expected:
+        return f"{where}: chunk_sha256 mismatch"
+    tensor.view[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    return digest.digest()
+
+
+def finite_pieces(nbytes: int, itemsize: int) -> list[tuple[int, int]]:
+    """Byte spans of about FINITE_PIECE_BYTES covering [0, nbytes), each a whole number of values."""
+    step = max(itemsize, FINITE_PIECE_BYTES // itemsize * itemsize)
+    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+
+
+def _finite_piece(name: str, data: np.ndarray, dtype: torch.dtype) -> str | None:
+    return None if bytes_all_finite(data, dtype) else f"{name}: non-finite values"
+
+
+@dataclass
+class _ChunkJob:
+    """A received chunk waiting for its hash (and copy) on a worker: its outcome is its sha256 digest,
+    or the error that refuses the stream."""
+
+    name: str
+    start: int
+    data: bytes | memoryview
+    tensor: _TensorBuffer
+    outcome: Future
 
 
 class WeightStreamAssembler:
-    """Consumes chunks in order; `finish()` returns the verified tensors.
+    """Consumes chunks in order (`add` a parsed WeightChunk, `add_raw` its encoding); `finish()` returns the
+    verified tensors.
 
-    Each chunk is hashed once, on a helper thread and in arrival order, while the chunks that follow are
-    received (at most MAX_UNHASHED_CHUNKS wait for it); its verified digest is also its digest block's
-    (services.common.weight_digest), from which the whole stream's digest is derived. A mismatch found
-    on the helper thread is raised by the next add() (the last chunk's add() waits for every hash).
+    Each chunk is hashed and copied into its tensor's buffer on a pool of `workers` threads (hashlib and
+    numpy's copy release the GIL) while the chunks that follow are received; at most 2 x `workers` chunks
+    wait for it. Outcomes are taken in arrival order: each verified digest is also its digest block's
+    (services.common.weight_digest), from which the whole stream's digest is derived. With `check_finite`
+    every floating tensor, once stored, is checked for NaN and infinities on the pool too, in pieces;
+    `finite_checked` then tells the engine it need not check again. A mismatch found on the pool is
+    raised by the next add() (the last chunk's add() waits for everything). `allocate(nbytes)` gives each
+    tensor's receive buffer (host uint8; a StagingArena's lease keeps them between syncs).
     After any refused chunk the assembler is spent: every later call raises, so a caller that carries on
     past an error still cannot apply anything."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, workers: int = DEFAULT_RECEIVE_WORKERS, check_finite: bool = False,
+                 allocate: Callable[[int], torch.Tensor] = _new_host_bytes) -> None:
+        if workers < 1:
+            raise ValueError(f"workers: must be >= 1, got {workers}")
+        self._workers, self._check_finite, self._allocate_bytes = workers, check_finite, allocate
         self._blocks = BlockDigests()
         self._tensors: dict[str, _TensorBuffer] = {}
         self._count = 0
@@ -195,20 +250,41 @@ class WeightStreamAssembler:
         self.lora: LoraAdapterMeta | None = None
         self._lora_proto: bytes | None = None
         self._nbytes = 0
-        self._hasher: ThreadPoolExecutor | None = None
-        self._unhashed: deque[Future[str | None]] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._unstored: deque[_ChunkJob] = deque()
+        self._finite_checks: list[Future] = []
+
+    @property
+    def finite_checked(self) -> bool:
+        """Whether every floating tensor of the finished stream was checked finite here."""
+        return self._check_finite and self._done and self._failed is None
 
     def add(self, chunk: pb.WeightChunk) -> None:
+        self._guarded(self._add, chunk, chunk.data)  # each read of a bytes field copies it: read once
+
+    def add_raw(self, raw: bytes) -> None:
+        """One chunk as received (its serialized WeightChunk): the payload is hashed and copied from the
+        message itself, never copied out of it first."""
+        def split_and_add() -> None:
+            try:
+                header, data = split_chunk(raw)
+            except ChunkFrameError as exc:
+                raise WeightStreamError(f"chunk {self._count}: {exc}") from None
+            self._add(header, data)
+
+        self._guarded(split_and_add)
+
+    def _guarded(self, fn: Callable[..., None], *args: object) -> None:
         if self._failed is not None:
             raise WeightStreamError(f"stream already refused: {self._failed}")
         try:
-            self._add(chunk)
+            fn(*args)
         except (WeightStreamError, ValueError) as exc:
             self._failed = str(exc)
-            self._stop_hasher()
+            self._stop_pool()
             raise WeightStreamError(str(exc)) from None
 
-    def _add(self, chunk: pb.WeightChunk) -> None:
+    def _add(self, chunk: pb.WeightChunk, data: bytes | memoryview) -> None:
         if self._done:
             raise WeightStreamError("chunk received after the last chunk")
         where = f"chunk {self._count} ({chunk.name!r})"
@@ -226,10 +302,9 @@ class WeightStreamAssembler:
             raise WeightStreamError(f"{where}: name is empty")
         tensor = self._tensors.get(chunk.name)
         if tensor is None:
-            tensor = self._tensors[chunk.name] = _allocate(chunk, where)
+            tensor = self._tensors[chunk.name] = _allocate(chunk, where, self._allocate_bytes)
         elif tensor.meta != (chunk.dtype, tuple(chunk.shape), chunk.tensor_nbytes):
             raise WeightStreamError(f"{where}: dtype/shape changed between chunks of one tensor")
-        data = chunk.data  # each read of a bytes field copies it: read once
         start, end = tensor.received, tensor.received + len(data)
         if chunk.offset != start:
             raise WeightStreamError(f"{where}: offset {chunk.offset} but {start} bytes received")
@@ -238,49 +313,53 @@ class WeightStreamAssembler:
         tensor.received = end
         self._count += 1
         self._nbytes += len(data)
-        job = (where, chunk.name, data, chunk.chunk_sha256, tensor, start)
+        args = (where, data, chunk.chunk_sha256, tensor, start)
         if len(data) >= PARALLEL_HASH_MIN_BYTES:
-            if self._hasher is None:
-                self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-chunk")
-            self._unhashed.append(self._hasher.submit(self._verify_and_store, *job))
-            self._collect(wait_until=MAX_UNHASHED_CHUNKS)
-        else:
-            self._collect(wait_until=0)  # in order: what the helper holds goes first
-            self._raise_if(self._verify_and_store(*job))
+            outcome = self._pool_submit(_verify_and_store, *args)
+        else:  # cheaper inline than handed off
+            outcome = Future()
+            outcome.set_result(_verify_and_store(*args))
+        self._unstored.append(_ChunkJob(chunk.name, start, data, tensor, outcome))
+        self._collect(wait_until=2 * self._workers)
         if chunk.last:
             self._done = True
             self._collect(wait_until=0)
-            self._stop_hasher()
+            errors = [e for e in (f.result() for f in self._finite_checks) if e is not None]
+            self._stop_pool()
+            if errors:
+                more = f" (+{len(errors) - 8} more)" if len(errors) > 8 else ""
+                raise WeightStreamError("; ".join(errors[:8]) + more)
             if chunk.total_chunks != self._count:
                 raise WeightStreamError(f"stream held {self._count} chunks, last chunk says {chunk.total_chunks}")
             if chunk.total_sha256 != self._blocks.hexdigest():
                 raise WeightStreamError("total_sha256 mismatch over the whole stream")
 
-    def _verify_and_store(self, where: str, name: str, data: bytes, expected: str, tensor: _TensorBuffer,
-                          start: int) -> str | None:
-        """One chunk's hash and copy into its buffer (on the helper thread for large chunks); the error."""
-        digest = hashlib.sha256(data)
-        if digest.hexdigest() != expected:
-            return f"{where}: chunk_sha256 mismatch"
-        tensor.view[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        self._blocks.add(name, start, data, tensor.meta[2], digest.digest())
-        return None
+    def _pool_submit(self, fn: Callable[..., object], *args: object) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="weight-receive")
+        return self._pool.submit(fn, *args)
 
     def _collect(self, *, wait_until: int) -> None:
-        """Raise the first mismatch the helper found; wait until at most `wait_until` chunks are unhashed."""
-        while self._unhashed and (self._unhashed[0].done() or len(self._unhashed) > wait_until):
-            self._raise_if(self._unhashed.popleft().result())
+        """Take the outcomes in order: raise the first refusal; record each verified digest; start the
+        finite check of each tensor whose bytes are all stored. Waits until at most `wait_until` chunks
+        are outstanding."""
+        while self._unstored and (self._unstored[0].outcome.done() or len(self._unstored) > wait_until):
+            job = self._unstored.popleft()
+            outcome = job.outcome.result()
+            if isinstance(outcome, str):
+                raise WeightStreamError(outcome)
+            nbytes = job.tensor.meta[2]
+            self._blocks.add(job.name, job.start, job.data, nbytes, outcome)
+            job.tensor.stored += len(job.data)
+            if job.tensor.stored == nbytes and self._check_finite and checks_bytes(job.tensor.dtype):
+                self._finite_checks += [self._pool_submit(_finite_piece, job.name, job.tensor.view[a:b], job.tensor.dtype)
+                                        for a, b in finite_pieces(nbytes, job.tensor.dtype.itemsize)]
 
-    @staticmethod
-    def _raise_if(error: str | None) -> None:
-        if error is not None:
-            raise WeightStreamError(error)
-
-    def _stop_hasher(self) -> None:
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=False, cancel_futures=True)
-            self._hasher = None
-        self._unhashed.clear()
+    def _stop_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._unstored.clear()
 
     def finish(self) -> dict[str, torch.Tensor]:
         """The tensors (views of the receive buffers, no copy), once the whole stream has verified."""

@@ -80,3 +80,67 @@ def test_every_layout_round_trips_bit_for_bit(chunk_bytes, monkeypatch):
     assert set(out) == set(w)
     for name, t in w.items():
         assert out[name].dtype == t.dtype and out[name].shape == t.shape and torch.equal(out[name], t), name
+
+
+def _encoded(chunks) -> list[bytes]:
+    return [c.SerializeToString() for c in chunks]
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_raw_chunks_assemble_like_parsed_ones_on_any_number_of_workers(workers):
+    w = {"a": torch.randn(70_000).to(torch.bfloat16), "b": torch.arange(5000, dtype=torch.int64),
+         "c": torch.randn(3, 0), "d": torch.tensor(2.5)}
+    chunks = list(iter_weight_chunks(w.items(), run_id="r", policy_version=4, chunk_bytes=65_539))
+    parsed = _assemble(chunks)
+    raw = WeightStreamAssembler(workers=workers)
+    for c in _encoded(chunks):
+        raw.add_raw(c)
+    assert raw.total_sha256 == parsed.total_sha256 and raw.policy_version == 4
+    for name, t in raw.finish().items():
+        assert torch.equal(t, w[name]) and t.dtype == w[name].dtype
+
+
+@pytest.mark.parametrize("chunk_bytes", [7, 65_537, 1 << 22])
+def test_the_finite_check_finds_a_bad_value_wherever_chunks_cut_the_tensor(chunk_bytes):
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for dtype in (torch.bfloat16, torch.float32, torch.float16):
+            t = torch.randn(40_001).to(dtype)
+            t[40_000 if chunk_bytes == 7 else 20_000] = bad
+            chunks = _encoded(iter_weight_chunks([("ok", torch.ones(9)), ("w", t)], run_id="r", policy_version=1,
+                                                 chunk_bytes=chunk_bytes))
+            asm = WeightStreamAssembler(workers=2, check_finite=True)
+            with pytest.raises(WeightStreamError, match=r"^w: non-finite values$"):
+                for c in chunks:
+                    asm.add_raw(c)
+            assert not asm.finite_checked
+            with pytest.raises(WeightStreamError, match="already refused"):
+                asm.finish()
+            unchecked = WeightStreamAssembler(workers=2)  # the engine's own check still has to find it
+            for c in chunks:
+                unchecked.add_raw(c)
+            assert not unchecked.finite_checked and not bool(torch.isfinite(unchecked.finish()["w"]).all())
+
+
+def test_finite_streams_report_their_check_and_use_the_callers_memory():
+    w = {"a": torch.randn(100_000), "n": torch.arange(10)}
+    handed: list[torch.Tensor] = []
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        handed.append(torch.empty(nbytes, dtype=torch.uint8))
+        return handed[-1]
+
+    asm = WeightStreamAssembler(check_finite=True, allocate=allocate)
+    for c in _encoded(iter_weight_chunks(w.items(), run_id="r", policy_version=1)):
+        asm.add_raw(c)
+    got = asm.finish()
+    assert asm.finite_checked
+    assert [t.data_ptr() for t in got.values()] == [b.data_ptr() for b in handed]
+    assert all(torch.equal(got[n], w[n]) for n in w)
+
+
+def test_a_malformed_raw_chunk_is_refused_naming_it():
+    asm = WeightStreamAssembler()
+    with pytest.raises(WeightStreamError, match=r"chunk 0: truncated varint"):
+        asm.add_raw(b"\x80")
+    with pytest.raises(WeightStreamError, match="already refused"):
+        asm.add_raw(_encoded(iter_weight_chunks([("w", torch.ones(2))], run_id="r", policy_version=1))[0])
