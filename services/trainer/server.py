@@ -29,8 +29,8 @@ import logging
 import pickle
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -53,11 +53,11 @@ from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.common.structured_logging import log_event
 from services.common.weight_files import WeightFilesError, write_weight_dir
-from services.common.weight_stream import CachedWeightStream, iter_weight_chunks
 from services.trainer.checkpoint import ForeignDirectory
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
+from services.trainer.served_weights import DEFAULT_CUT_WORKERS, WeightVersion
 from services.trainer.trainer import StepFailed, Trainer, WeightSnapshot
 from services.trainer.weight_broadcast import BroadcastFailed, WeightBroadcaster
 from services.trainer.wire import FailedPrecondition, InvalidRequest, read_train_step, step_metrics_message
@@ -113,12 +113,12 @@ def confined(value: str, roots: Sequence[str], field: str) -> str:
 
 @dataclass
 class ServedWeights:
-    """One weights state's GetWeights stream: `snapshot` identifies the state (its tensors handed over to
-    `stream`), which keeps every chunk it cut for the replicas that read the same version."""
+    """One weights state's GetWeights stream: `snapshot` identifies the state, `version` holds its bytes and
+    chunk digests for every replica that reads it."""
 
     snapshot: WeightSnapshot
     chunk_bytes: int
-    stream: CachedWeightStream
+    version: WeightVersion
 
 
 class TrainerServicer(pb_grpc.TrainerServicer):
@@ -130,7 +130,16 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self.weight_chunk_bytes = weight_chunk_bytes
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
         self.lock = threading.Lock()
-        self.served: ServedWeights | None = None  # the last GetWeights stream's chunks, kept for other replicas
+        self.served: ServedWeights | None = None  # the last GetWeights stream's version, kept for other replicas
+        # The version a weight change retired: its host buffer is written over by the next cut.
+        self._retired: WeightVersion | None = None
+        self._hash_pool = ThreadPoolExecutor(DEFAULT_CUT_WORKERS, thread_name_prefix="weights-hash")
+        self._encode_pool = ThreadPoolExecutor(DEFAULT_CUT_WORKERS, thread_name_prefix="weights-encode")
+
+    def close(self) -> None:
+        self.served = self._retired = None
+        for pool in (self._hash_pool, self._encode_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def _locked(self, fn: Callable[..., T], *args: object) -> T:
         def run() -> T:
@@ -140,10 +149,12 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         return await asyncio.to_thread(run)
 
     async def _locked_changing_weights(self, fn: Callable[..., T], *args: object) -> T:
-        """_locked for a call that may change the weights: the kept GetWeights chunks of the old ones are
-        let go first, so no copy of the weights is held through a step."""
+        """_locked for a call that may change the weights: the kept version of the old ones is no longer
+        served; its host memory is kept for the next version's cut (one host copy of the weights, which
+        the trainer holds between syncs anyway)."""
         def run() -> T:
-            self.served = None
+            if self.served is not None:
+                self._retired, self.served = self.served.version, None
             return fn(*args)
 
         return await self._locked(run)
@@ -200,8 +211,9 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         return parity_report(verdict)
 
     def _served_weights(self, run_id: str, chunk_bytes: int) -> ServedWeights:
-        """The stream of the run's current weights (under the lock): the one kept from an earlier GetWeights
-        while the weights are unchanged, else a new one that cuts its chunks as they are first read."""
+        """The run's current weights as served (under the lock): the version kept from an earlier GetWeights
+        while the weights are unchanged, else a new one cut now (copied to host memory before the lock is
+        let go; hashed on the pool as the stream goes)."""
         served = self.served
         if served is not None and served.chunk_bytes == chunk_bytes and served.snapshot.run.run_id == run_id:
             try:
@@ -209,18 +221,14 @@ class TrainerServicer(pb_grpc.TrainerServicer):
                 return served
             except FailedPrecondition:
                 pass
-        self.served = None  # the old version's chunks go before the new ones are cut
+        retired = self.served.version if self.served is not None else self._retired
+        self.served = self._retired = None
         snapshot = self.trainer.weight_tensors(run_id)
-        tensors = deque(snapshot.tensors)
-
-        def handed_over() -> Iterator[tuple[str, object]]:
-            while tensors:  # each tensor is dropped once it is cut into chunks: one copy of the weights held
-                yield tensors.popleft()
-
-        chunks = iter_weight_chunks(handed_over(), run_id=run_id, policy_version=snapshot.policy_version,
-                                    chunk_bytes=chunk_bytes, lora=snapshot.lora)
-        self.served = ServedWeights(dataclasses.replace(snapshot, tensors=[]), chunk_bytes, CachedWeightStream(
-            chunk.SerializeToString() for chunk in chunks))
+        version = WeightVersion(snapshot.tensors, run_id=run_id, policy_version=snapshot.policy_version,
+                                chunk_bytes=chunk_bytes, lora=snapshot.lora, hash_pool=self._hash_pool,
+                                encode_pool=self._encode_pool, reuse=retired)
+        del snapshot.tensors[:]  # the compute-dtype casts (on a GPU, device memory) go now
+        self.served = ServedWeights(dataclasses.replace(snapshot, tensors=[]), chunk_bytes, version)
         return self.served
 
     async def GetWeights(self, request: pb.GetWeightsRequest, context) -> AsyncIterator[bytes]:
@@ -232,28 +240,18 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             served = await self._locked(self._served_weights, request.run_id, chunk_bytes)
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-
-        # Each chunk is taken under the lock; if the weights changed since the stream began, the stream
-        # fails instead of mixing two policies under one version. The next chunk is cut (hashed) on a
-        # worker thread while this one is sent.
-        def chunk_at(index: int) -> bytes | None:
-            self.trainer.check_weights_unchanged(served.snapshot)
-            return served.stream.chunk(index)
-
-        index = 0
-        upcoming = asyncio.ensure_future(self._locked(chunk_at, index))
+        # The version is a snapshot: a step that changes the live weights mid-stream cannot tear it, but
+        # the stream then fails rather than hand out a version the trainer has moved past.
+        reader = served.version.reader()
         try:
-            while (chunk := await upcoming) is not None:
-                index += 1
-                upcoming = asyncio.ensure_future(self._locked(chunk_at, index))
+            while (upcoming := reader.next_chunk()) is not None:
+                chunk = await asyncio.wrap_future(upcoming)
+                self.trainer.check_weights_unchanged(served.snapshot)
                 yield chunk
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:
-            if not upcoming.done():
-                upcoming.cancel()
-            elif not upcoming.cancelled():
-                upcoming.exception()  # retrieved: a stream that ended early has no use for it
+            reader.close()
 
     @rpc_handler(ERRORS, "SaveCheckpoint")
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
@@ -356,6 +354,7 @@ class TrainerServer:
             shutdown_grace_s=config.shutdown_grace_s, logger=log)
 
     async def close(self) -> None:
+        self.servicer.close()
         if isinstance(self.trainer, GroupTrainer):
             await asyncio.to_thread(self.trainer.close)
 

@@ -1,0 +1,152 @@
+"""The trainer's side of the GetWeights stream: one weights state cut once into host memory and served,
+chunk by chunk, to every replica that reads it.
+
+Cutting a version copies every tensor (the compute-dtype cast forward runs on) into one host buffer, in
+pinned memory when the tensors are on a GPU, so the device-to-host copies are one pass at the link's
+rate; the snapshot is then immutable, whatever later steps do to the live weights. The chunks' sha256
+digests (each a digest block of services.common.weight_digest) are computed on a pool of threads while
+the first reader streams; each reader's chunks are encoded (services.common.chunk_frames: the payload
+copied once, from the buffer) on a second pool, a few ahead of the one being sent. The digests are kept
+for the version, so a second replica costs one copy per byte and no hashing.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from proto import lockstep_pb2 as pb
+from services.common.chunk_frames import encode_chunk
+from services.common.tensors import dtype_name
+from services.common.weight_digest import BlockDigests
+from services.common.weight_stream import LoraAdapterMeta
+
+# Threads hashing and encoding chunks; sha256 runs at about 1 GB/s per core.
+DEFAULT_CUT_WORKERS = max(1, min(8, os.cpu_count() or 1))
+# Chunks a reader has encoded ahead of the one it sends: enough to keep every worker busy.
+ENCODE_AHEAD = 2 * DEFAULT_CUT_WORKERS
+# Each tensor starts at a multiple of this in the host buffer, so a slice views as any dtype.
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    tensor_nbytes: int
+    offset: int   # within the tensor
+    start: int    # within the host buffer
+    length: int
+
+
+class WeightVersion:
+    """One weights state in host memory, with its chunk table and the chunks' digests (being computed)."""
+
+    def __init__(self, named_tensors: Sequence[tuple[str, torch.Tensor]], *, run_id: str, policy_version: int,
+                 chunk_bytes: int, lora: LoraAdapterMeta | None, hash_pool: ThreadPoolExecutor,
+                 encode_pool: ThreadPoolExecutor, reuse: "WeightVersion | None" = None) -> None:
+        """`reuse`: the version this one replaces; its host buffer is written over when no reader holds it
+        and it is large enough and of the same kind (new memory costs a page fault per page on first
+        write, and pinning a buffer costs more than copying into it)."""
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes: must be positive, got {chunk_bytes}")
+        if not named_tensors:
+            raise ValueError("no tensors to send")
+        self.run_id, self.policy_version, self.lora = run_id, policy_version, lora
+        self.chunk_bytes, self._encode_pool = chunk_bytes, encode_pool
+        layout, total = [], 0
+        for name, t in named_tensors:
+            layout.append((name, t, total))
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        pin = any(t.device.type != "cpu" for _, t in named_tensors) and torch.cuda.is_available()
+        if reuse is not None and reuse.readers == 0 and reuse.buffer.numel() >= total and reuse.buffer.is_pinned() == pin:
+            self.buffer = reuse.buffer
+            reuse.buffer, reuse._view = torch.empty(0, dtype=torch.uint8), memoryview(b"")
+        else:
+            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        self.readers = 0  # open VersionReaders: while any is, the buffer is not reused
+        self._chunks: list[_Chunk] = []
+        for name, t, start in layout:
+            nbytes = t.numel() * t.element_size()
+            if nbytes:
+                self.buffer[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=True)
+            for offset in range(0, max(nbytes, 1), chunk_bytes):
+                self._chunks.append(_Chunk(name, dtype_name(t.dtype), tuple(t.shape), nbytes, offset,
+                                           start + offset, min(chunk_bytes, nbytes - offset)))
+        if pin:
+            torch.cuda.synchronize()  # the snapshot is whole before the caller lets the weights change
+        self._view = memoryview(self.buffer.numpy())
+        self.nbytes = sum(c.length for c in self._chunks)
+        # Hashed in chunk order on their own pool: a reader's encoding (on the other pool) of chunk i waits
+        # only for the digests up to i, not behind the whole version's hashing.
+        self._digests: list[Future[bytes]] = [hash_pool.submit(self._hash, c) for c in self._chunks]
+        self._total: str | None = None
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def _data(self, c: _Chunk) -> memoryview:
+        return self._view[c.start:c.start + c.length]
+
+    def _hash(self, c: _Chunk) -> bytes:
+        return hashlib.sha256(self._data(c)).digest()
+
+    def total_sha256(self) -> str:
+        """The weights' digest (waits for every chunk's)."""
+        if self._total is None:
+            blocks = BlockDigests()  # a chunk that is one digest block brings its digest; others are re-cut
+            for c, digest in zip(self._chunks, self._digests):
+                blocks.add(c.name, c.offset, self._data(c), c.tensor_nbytes, digest.result())
+            self._total = blocks.hexdigest()
+        return self._total
+
+    def encode(self, index: int) -> bytes:
+        """Chunk `index` as sent (a serialized WeightChunk)."""
+        c = self._chunks[index]
+        header = pb.WeightChunk(
+            run_id=self.run_id, policy_version=self.policy_version, name=c.name, dtype=c.dtype,
+            shape=list(c.shape), offset=c.offset, tensor_nbytes=c.tensor_nbytes,
+            chunk_sha256=self._digests[index].result().hex(),
+            lora=self.lora.to_proto() if self.lora is not None else None,
+        )
+        if index == len(self._chunks) - 1:
+            header.last, header.total_sha256, header.total_chunks = True, self.total_sha256(), len(self._chunks)
+        return encode_chunk(header, self._data(c))
+
+    def reader(self, ahead: int = ENCODE_AHEAD) -> "VersionReader":
+        return VersionReader(self, ahead)
+
+
+class VersionReader:
+    """One GetWeights stream over a version: `next_chunk()` gives the chunks in order, each encoded on the
+    pool while earlier ones are sent, at most `ahead` of them in flight."""
+
+    def __init__(self, version: WeightVersion, ahead: int) -> None:
+        self._version, self._ahead = version, max(1, ahead)
+        self._submitted = 0
+        self._pending: list[Future[bytes]] = []
+        self._open = True
+        version.readers += 1
+
+    def next_chunk(self) -> Future[bytes] | None:
+        """The future of the next chunk's bytes, or None after the last."""
+        while self._submitted < len(self._version) and len(self._pending) < self._ahead:
+            self._pending.append(self._version._encode_pool.submit(self._version.encode, self._submitted))
+            self._submitted += 1
+        return self._pending.pop(0) if self._pending else None
+
+    def close(self) -> None:
+        for f in self._pending:
+            f.cancel()
+        for f in self._pending:  # an encode already running still reads the buffer: let it finish
+            if not f.cancelled():
+                f.exception()
+        self._pending.clear()
+        if self._open:
+            self._open = False
+            self._version.readers -= 1
