@@ -110,8 +110,13 @@ class Engine(abc.ABC):
         """Samples in prompt order, then sample index order."""
 
     @abc.abstractmethod
-    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
-        """Replace weights atomically: all tensors verified against the model first, then applied."""
+    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int, *,
+                       finite_checked: bool = False) -> None:
+        """Replace weights atomically: all tensors verified against the model first, then applied.
+
+        `finite_checked`: the receiver has already found every floating tensor finite (the stream
+        assembler checks as chunks arrive), so the engine may skip that pass. The engine keeps no
+        reference to `tensors` once this returns: the caller reuses their memory."""
 
     def update_weights_from_dir(self, directory: str, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
         """Apply a weight directory the trainer wrote, whose digest has been verified over `tensors` (read from

@@ -40,6 +40,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -66,6 +67,7 @@ from services.common.weight_broadcast import bucket_specs
 from services.common.weight_files import read_weight_dir
 from services.common.weight_stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
+from services.rollout.staging_arena import StagingArena
 from services.rollout.convert import (
     check_sample_order,
     generation_request_from_proto,
@@ -84,6 +86,8 @@ from services.rollout.weight_broadcast import (
 log = logging.getLogger("lockstep.rollout")
 SERVICE = "rollout"
 T = TypeVar("T")
+# The trainer's GetWeights, called without a response deserializer (SyncWeights reads the raw chunks).
+GET_WEIGHTS_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Trainer'].full_name}/GetWeights"
 # What loading a model directory the request named raises when the directory is not a loadable model
 # (missing or corrupt config/weights); transformers and safetensors use these, and EnvironmentError.
 MODEL_LOAD_ERRORS = (OSError, ValueError, KeyError, SafetensorError)
@@ -114,6 +118,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         # One thread: engines are not thread-safe and torch's own intra-op
         # threads do the parallel work.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
+        self._staging: StagingArena | None = None
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -195,23 +200,39 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                              f"trainer_address: {request.trainer_address!r} is not one of this service's "
                              f"weight_sources {self.config.weight_sources}")
         self._check_run(request.run_id, "SyncWeights")  # before pulling gigabytes for nothing
-        assembler = WeightStreamAssembler()
-        channel = insecure_channel(request.trainer_address, self._token)
+        staging = self._staging_arena()
+        with staging.lease() as lease:
+            # Chunks are taken as the trainer encoded them (no deserializer): the assembler reads the
+            # payload out of each message without protobuf's copies (services.common.chunk_frames).
+            assembler = WeightStreamAssembler(check_finite=True, allocate=lease.allocate)
+            channel = insecure_channel(request.trainer_address, self._token)
+            try:
+                stream = channel.unary_stream(GET_WEIGHTS_METHOD,
+                                              request_serializer=pb.GetWeightsRequest.SerializeToString,
+                                              response_deserializer=None)(pb.GetWeightsRequest(run_id=request.run_id))
+                async for raw in stream:
+                    assembler.add_raw(raw)
+                    if assembler.policy_version != request.policy_version:
+                        stream.cancel()
+                        raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                                         f"policy_version: the trainer serves version {assembler.policy_version}, "
+                                         f"not {request.policy_version}")
+            except grpc.aio.AioRpcError as exc:
+                raise RpcFailure(grpc.StatusCode.ABORTED, f"trainer {request.trainer_address}: GetWeights failed "
+                                 f"with {exc.code().name}: {exc.details()}") from None
+            finally:
+                await channel.close()
+            return await self._apply(assembler, "SyncWeights")
+
+    def _staging_arena(self) -> StagingArena:
+        """The receive memory of SyncWeights, kept between syncs; pinned for an engine on a GPU."""
         try:
-            stream = pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=request.run_id))
-            async for chunk in stream:
-                if assembler.policy_version is None and chunk.policy_version != request.policy_version:
-                    stream.cancel()
-                    raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
-                                     f"policy_version: the trainer serves version {chunk.policy_version}, "
-                                     f"not {request.policy_version}")
-                assembler.add(chunk)
-        except grpc.aio.AioRpcError as exc:
-            raise RpcFailure(grpc.StatusCode.ABORTED, f"trainer {request.trainer_address}: GetWeights failed with "
-                             f"{exc.code().name}: {exc.details()}") from None
-        finally:
-            await channel.close()
-        return await self._apply(assembler, "SyncWeights")
+            pin = self._loaded().broadcast_device().type == "cuda"
+        except ValueError:  # an engine whose model is in another process (SGLang) copies from host memory
+            pin = False
+        if self._staging is None or self._staging.pin_memory != pin:
+            self._staging = StagingArena(pin_memory=pin)
+        return self._staging
 
     @rpc_handler(ERRORS, "LoadWeights", counter="lockstep_rollout_weight_updates_total")
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
@@ -282,7 +303,8 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             if assembler.lora is not None:
                 await self._in_worker(engine.update_lora_adapter, assembler.lora, tensors, version)
             else:
-                await self._in_worker(engine.update_weights, tensors, version)
+                await self._in_worker(partial(engine.update_weights, finite_checked=assembler.finite_checked),
+                                      tensors, version)
         return self._applied(what, version, len(tensors), assembler.nbytes, assembler.total_sha256,
                              lora=assembler.lora is not None)
 

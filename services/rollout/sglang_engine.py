@@ -283,8 +283,10 @@ class SGLangEngine(Engine):
 
     # ------------------------------------------------------- update weights --
 
-    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int, *,
+                       finite_checked: bool = False) -> None:
         """Verify, write the checkpoint, then load it into the server; on any error nothing changes.
+        The finite check runs whatever `finite_checked` says: beside writing a checkpoint it costs little.
 
         Re-sending the current version with identical weights is a no-op;
         different weights under the current version, or an older version, are refused.

@@ -202,7 +202,8 @@ class TorchEngine(Engine):
 
     # ------------------------------------------------------- update weights --
 
-    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int, *,
+                       finite_checked: bool = False) -> None:
         """Verify every tensor against the model, then copy all in; nothing is applied on any error.
 
         Every model tensor must be sent (a weight left out would silently keep
@@ -212,9 +213,9 @@ class TorchEngine(Engine):
         different weights under the loaded version are refused.
         """
         with one_intra_op_thread(self._device):
-            self._checked_update(tensors, policy_version)
+            self._checked_update(tensors, policy_version, check_finite=not finite_checked)
 
-    def _checked_update(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+    def _checked_update(self, tensors: dict[str, torch.Tensor], policy_version: int, *, check_finite: bool) -> None:
         model = self._require_model()
         targets = model.state_dict(keep_vars=True)
         problems: list[str] = []
@@ -226,7 +227,7 @@ class TorchEngine(Engine):
                 problems.append(f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}")
             elif t.dtype != dst.dtype:
                 problems.append(f"{name}: dtype {t.dtype} != model's {dst.dtype}")
-            elif t.is_floating_point() and not all_finite(t):
+            elif check_finite and t.is_floating_point() and not all_finite(t):
                 problems.append(f"{name}: non-finite values")
         # Group names by storage so tied aliases are one required tensor.
         groups: dict[int, list[str]] = {}
@@ -250,8 +251,10 @@ class TorchEngine(Engine):
                     f"policy_version: {policy_version} is already loaded with different weights; "
                     "a new policy needs a new version"
                 )
-            for name, t in tensors.items():
-                targets[name].detach().copy_(t.to(targets[name].device))
+            for name, t in tensors.items():  # from pinned host memory these copies overlap
+                targets[name].detach().copy_(t, non_blocking=True)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)  # done before the caller reuses the tensors' memory
         # A whole set of weights is a new base: no adapter is merged into it.
         self._pristine, self._adapter_digest = {}, None
         self._policy_version = int(policy_version)
