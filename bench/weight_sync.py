@@ -10,22 +10,29 @@ For each model shape (Qwen3 dimensions of bench/train.py SHAPES, Qwen3 vocabular
   timed call moves a version the replica does not hold and applies it in full (checks, finite check, copy),
   as a step's sync does:
   - sync: SyncWeights (the coordinator's own call): the replica streams GetWeights from the trainer, which
-    cuts and hashes the new version's chunks as it streams; every chunk and the whole verified, applied;
-  - sync_kept: the same version to a (reloaded) replica again: the trainer serves the chunks it kept;
-  - shared_path: WriteWeights (safetensors under the shared directory) then LoadWeights (mmap read,
-    digest recomputed, applied); `write`, `load` and their sum.
+    first cuts the new version into host memory (pinned on a GPU) and hashes its chunks on a thread pool
+    as it streams; the replica hashes, stages (its kept staging memory) and checks every chunk on its own
+    pool as they arrive, then applies the verified whole;
+  - sync_kept: the same version to a (reloaded) replica again: the trainer's kept version, no hashing;
+  - shared_path: WriteWeights (safetensors under the shared directory) then LoadWeights (read, digest
+    recomputed, applied); `write`, `load` and their sum.
   Reported: median seconds, GB/s of the weight bytes, the caller's peak RSS (VmHWM) before and after;
-- stream: this process reads GetWeights from the trainer (kept chunks; nothing kept here); receive: the
-  same into the rollout's WeightStreamAssembler (every receiver-side check, no apply);
-- limits measured in the same run over the same byte count: memcpy (torch copy_ of a byte tensor),
+- stream: this process reads GetWeights from the trainer (kept version; nothing done with the chunks);
+  receive: the same into a WeightStreamAssembler as SyncWeights uses it (raw chunks, every check, the
+  finite check included, no apply);
+- limits measured in the same run over the same byte count: memcpy_host (torch copy_ of a byte tensor
+  into memory already written; memcpy_device too with --device cuda), file_copy (the bytes written once
+  into a new file in the shared directory and read once back: the floor of any shared-path transfer),
   loopback TCP (one process, a sender thread, sendall / recv_into of preallocated buffers), loopback
   gRPC (grpc.aio between two processes streaming pre-built 4 MiB messages: alone, and with the one sha256
-  pass per byte a replica must make on a helper thread) and one sha256 pass on one thread (each side hashes
-  each byte once: a chunk is one digest block);
+  pass per byte a replica must make on a helper thread) and one sha256 pass, on one thread and on every
+  core (each side hashes each byte once: a chunk is one digest block);
+- against_limits and targets: sync over the gRPC ceiling, the shared path over the file copy and over
+  the host memcpy; whether sync reaches 1 GB/s and the shared path half of each copy rate;
 - the load average before and after each shape (the host may be shared).
 
 `--device cuda`: the trainer and the rollout engine run on the same GPU (separate processes); the weights
-still cross loopback gRPC through host memory, the memcpy limit is then a device-to-device copy.
+still cross loopback gRPC through host memory.
 A shape that does not fit the host is built with fewer decoder layers (`--layers qwen3-4b=6`; reported as
 `layers` next to `full_layers`): the embedding and every layer keep the shape's real dimensions.
 """
@@ -75,6 +82,7 @@ def rate(nbytes: int, seconds: list[float]) -> dict:
 # ------------------------------------------------------------------ limits --
 
 def memcpy_limit(nbytes: int, device: str, reps: int) -> dict:
+    """torch copy_ of a byte tensor into memory already written (no first-touch page faults): on `device`."""
     import torch
 
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
@@ -87,6 +95,38 @@ def memcpy_limit(nbytes: int, device: str, reps: int) -> dict:
 
     copy()
     return rate(nbytes, timed_s(copy, reps))
+
+
+FILE_PIECE = 64 * 1024 * 1024
+
+
+def file_copy_limit(nbytes: int, directory: Path, reps: int) -> dict:
+    """The floor of any shared-path transfer: the bytes written once into a new file in the shared
+    directory (plain writes of 64 MiB pieces, closed) and read once back (readinto a buffer already
+    written). `write`, `read` and their sum (the `gb_per_s` of the whole)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    src = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
+    dst = memoryview(bytearray(len(src)))
+    path = directory / "file_copy_limit.bin"
+    write_s, read_s = [], []
+    for rep in range(reps + 1):
+        path.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for i in range(0, len(src), FILE_PIECE):
+                f.write(src[i:i + FILE_PIECE])
+        t1 = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            got = 0
+            while got < len(dst):
+                got += f.readinto(dst[got:got + FILE_PIECE])
+        t2 = time.perf_counter()
+        if rep:  # the first is a warm-up
+            write_s.append(t1 - t0)
+            read_s.append(t2 - t1)
+    path.unlink(missing_ok=True)
+    return {**rate(len(src), [w + r for w, r in zip(write_s, read_s)]), "write": rate(len(src), write_s),
+            "read": rate(len(src), read_s)}
 
 
 def loopback_tcp_limit(nbytes: int, reps: int) -> dict:
@@ -186,9 +226,14 @@ def grpc_loopback_limit(nbytes: int, reps: int) -> dict:
         server.join()
 
 
-def sha256_limit(nbytes: int, reps: int) -> dict:
-    data = os.urandom(1 << 20) * (nbytes >> 20)
-    return rate(len(data), timed_s(lambda: hashlib.sha256(data).digest(), reps))
+def sha256_limit(nbytes: int, reps: int, threads: int = 1) -> dict:
+    """One sha256 pass over the bytes in 4 MiB blocks (a chunk is one digest block), on `threads` threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
+    blocks = [data[i:i + GRPC_LIMIT_PAYLOAD] for i in range(0, len(data), GRPC_LIMIT_PAYLOAD)]
+    with ThreadPoolExecutor(threads) as pool:
+        return rate(len(data), timed_s(lambda: list(pool.map(lambda b: hashlib.sha256(b).digest(), blocks)), reps))
 
 
 # ---------------------------------------------------------------- services --
@@ -278,16 +323,19 @@ class Services:
                 channel.close()
 
     def read_stream(self, run_id: str, take) -> float:
-        """Seconds to read the trainer's whole GetWeights stream here, handing each chunk to `take`."""
+        """Seconds to read the trainer's whole GetWeights stream here, handing each chunk (as encoded, the
+        way SyncWeights reads it) to `take`."""
         from proto import lockstep_pb2 as pb
-        from proto import lockstep_pb2_grpc as pb_grpc
         from services.common.grpc_options import sync_channel
+        from services.rollout.server import GET_WEIGHTS_METHOD
 
         channel = sync_channel(self.trainer_address, self.token)
         try:
+            call = channel.unary_stream(GET_WEIGHTS_METHOD, request_serializer=pb.GetWeightsRequest.SerializeToString,
+                                        response_deserializer=None)
             t0 = time.perf_counter()
-            for chunk in pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=1800):
-                take(chunk)
+            for raw in call(pb.GetWeightsRequest(run_id=run_id), timeout=1800):
+                take(raw)
             return time.perf_counter() - t0
         finally:
             channel.close()
@@ -357,6 +405,7 @@ def run_caller(args: argparse.Namespace) -> None:
 
 def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
     from services.common.weight_stream import WeightStreamAssembler
+    from services.rollout.staging_arena import StagingArena
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
@@ -378,30 +427,53 @@ def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
             sync = json.loads(caller.stdout.strip().splitlines()[-1])
             nbytes = sync["bytes"]
             stream_seconds, receive_seconds = [], []
-            for _ in range(args.reps):
+            staging = StagingArena(pin_memory=False)  # kept between reps, as SyncWeights keeps its own
+            for rep in range(args.reps + 2):
                 nothing_kept = services.read_stream(run_id, lambda chunk: None)
-                stream_seconds.append(nothing_kept)
-                assembler = WeightStreamAssembler()
-                receive_seconds.append(services.read_stream(run_id, assembler.add))
-                assembler.finish()
-                assert assembler.total_sha256 == sync["digest"]
-                del assembler
+                with staging.lease() as lease:
+                    assembler = WeightStreamAssembler(check_finite=True, allocate=lease.allocate)
+                    received = services.read_stream(run_id, assembler.add_raw)
+                    assembler.finish()
+                    assert assembler.total_sha256 == sync["digest"]
+                    del assembler
+                if rep >= 2:  # the first sized the staging memory, the second wrote its pages first
+                    stream_seconds.append(nothing_kept)
+                    receive_seconds.append(received)
+        # Measured after the services stopped, over the same byte count; the file copy in the directory
+        # the shared path wrote to.
+        threads = os.cpu_count() or 1
+        limits = {"memcpy_host": memcpy_limit(nbytes, "cpu", args.reps),
+                  "file_copy": file_copy_limit(nbytes, workdir / "weights", args.reps),
+                  "loopback_tcp": loopback_tcp_limit(nbytes, args.reps),
+                  "grpc_loopback": grpc_loopback_limit(nbytes, args.reps),
+                  "sha256": sha256_limit(nbytes, args.reps),
+                  f"sha256_{threads}_threads": sha256_limit(nbytes, args.reps, threads)}
+        if args.device != "cpu":
+            limits["memcpy_device"] = memcpy_limit(nbytes, args.device, args.reps)
+    sync_rate = rate(nbytes, sync["seconds"])
+    shared = rate(nbytes, [w + r for w, r in zip(sync["shared_path_write_s"], sync["shared_path_load_s"])])
     return {
         "shape": shape, **counts, "bytes": nbytes, "tensors": sync["tensors"], "digest": sync["digest"],
-        "sync": rate(nbytes, sync["seconds"]),
+        "sync": sync_rate,
         "sync_kept": rate(nbytes, sync["kept_seconds"]),
         "caller_peak_rss_growth_bytes": sync["peak_rss_after_grpc"] - sync["peak_rss_before"],
-        "shared_path": {**rate(nbytes, [w + r for w, r in zip(sync["shared_path_write_s"], sync["shared_path_load_s"])]),
+        "shared_path": {**shared,
                         "write": rate(nbytes, sync["shared_path_write_s"]),
                         "load": rate(nbytes, sync["shared_path_load_s"])},
         "caller_peak_rss_growth_with_shared_path_bytes": sync["peak_rss_after"] - sync["peak_rss_before"],
         "caller_peak_rss_bytes": sync["peak_rss_after"],
         "stream": rate(nbytes, stream_seconds),
         "receive": rate(nbytes, receive_seconds),
-        "limits": {"memcpy": memcpy_limit(nbytes, args.device, args.reps),
-                   "loopback_tcp": loopback_tcp_limit(nbytes, args.reps),
-                   "grpc_loopback": grpc_loopback_limit(nbytes, args.reps),
-                   "sha256": sha256_limit(nbytes, args.reps)},
+        "limits": limits,
+        "against_limits": {
+            "sync_over_grpc_messages_only": round(sync_rate["gb_per_s"] / limits["grpc_loopback"]["messages_only"]["gb_per_s"], 3),
+            "shared_path_over_file_copy": round(shared["gb_per_s"] / limits["file_copy"]["gb_per_s"], 3),
+            "shared_path_over_memcpy_host": round(shared["gb_per_s"] / limits["memcpy_host"]["gb_per_s"], 3),
+        },
+        "targets": {"sync_at_least_1_gb_per_s": sync_rate["gb_per_s"] >= 1.0,
+                    "shared_path_at_least_half_the_file_copy": shared["gb_per_s"] >= 0.5 * limits["file_copy"]["gb_per_s"],
+                    "shared_path_at_least_half_the_host_memcpy":
+                        shared["gb_per_s"] >= 0.5 * limits["memcpy_host"]["gb_per_s"]},
         "load_average": {"before": [round(x, 2) for x in load_before],
                          "after": [round(x, 2) for x in os.getloadavg()]},
     }
