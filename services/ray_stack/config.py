@@ -40,6 +40,14 @@ class RayStackConfig(BaseModel):
     coordinator_port: int = Field(8000, ge=1, le=65535, description="REST API port of the coordinator.")
     trainer_port: int = Field(50052, ge=1, le=65535, description="gRPC port of the trainer.")
     trainer_metrics_port: int = Field(9102, ge=0, le=65535, description="Trainer /metrics port (0 = none).")
+    trainer_broadcast_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port of the trainer's rendezvous for the broadcast weight source (rollout.weight_sync: "
+        "broadcast): the trainer serves a torch TCP store there, gets --weight-broadcast-address <its node's "
+        "address>:<port>, and every rollout replica gets that address as its --broadcast-sources. 0 = no "
+        "broadcast source (a broadcast run then fails at its first sync). The rendezvous and the collective "
+        "traffic are not authenticated: keep the port on the cluster network.",
+    )
     rollout_port_base: int = Field(
         50061, ge=1, le=65535,
         description="gRPC port of rollout replica i is rollout_port_base + i. Ports are fixed, not picked at "
@@ -100,6 +108,7 @@ class RayStackConfig(BaseModel):
     def _ports_distinct(self) -> RayStackConfig:
         ports = {"coordinator_port": [self.coordinator_port], "trainer_port": [self.trainer_port],
                  "trainer_metrics_port": [self.trainer_metrics_port] if self.trainer_metrics_port else [],
+                 "trainer_broadcast_port": [self.trainer_broadcast_port] if self.trainer_broadcast_port else [],
                  "rollout_port_base": [self.rollout_port_base + i for i in range(self.rollout_replicas)],
                  "rollout_metrics_port_base": [self.rollout_metrics_port_base + i for i in range(self.rollout_replicas)]
                  if self.rollout_metrics_port_base else []}
@@ -111,4 +120,16 @@ class RayStackConfig(BaseModel):
                 if p in seen:
                     raise ValueError(f"{name}: port {p} is also {seen[p]}'s (services may share a node)")
                 seen[p] = name
+        return self
+
+    @model_validator(mode="after")
+    def _broadcast_flags_are_the_launchers(self) -> RayStackConfig:
+        # With the port set the launcher passes these flags itself; a second value in the extra args would
+        # silently win or lose by its position on the command line.
+        if self.trainer_broadcast_port:
+            launchers = (("trainer_args", "--weight-broadcast-address"), ("rollout_args", "--broadcast-sources"))
+            for field, flag in launchers:
+                if any(a == flag or a.startswith(f"{flag}=") for a in getattr(self, field)):
+                    raise ValueError(f"{field}: {flag} is set by the launcher from trainer_broadcast_port "
+                                     f"({self.trainer_broadcast_port}); drop it from {field}")
         return self

@@ -5,7 +5,10 @@ strategy decides how they spread over nodes) and one named Ray actor in it; the
 actor runs the service's own entry point (`python -m services.trainer`, ...)
 under a ServiceSupervisor, bound to its node's address on a fixed port. The
 coordinator runs the same way on the node of the process that launched the
-stack, and dials the others by those addresses.
+stack, and dials the others by those addresses. The rollouts are started once
+the trainer is placed, allowed to pull weights from its address and, with
+trainer_broadcast_port set, to join the broadcast rendezvous the trainer then
+serves on its node's address.
 
 Two layers of restart, so a crash anywhere is survived without a new address:
 the supervisor restarts a service process that exits, and Ray restarts an
@@ -49,11 +52,21 @@ class ServicePlan:
 
     name: str          # Ray actor name in the stack's namespace
     module: str        # python -m <module>
-    args: tuple[str, ...]  # its flags, except --host (the node's address, known only there)
+    args: tuple[str, ...]  # its flags, except those naming the node's address (known only there)
     port: int          # the port other services dial
     num_cpus: float
     num_gpus: float
     bundle: int | None  # None: the launching node, outside the placement group
+    broadcast_port: int = 0  # the trainer's weight-broadcast rendezvous on its node (0: none)
+
+
+def node_argv(plan: ServicePlan, node_ip: str, python: str) -> list[str]:
+    """The service's command line on the node it was placed on: its flags plus those naming that node's
+    address (--host, and the trainer's --weight-broadcast-address). Pure: a test can pin it."""
+    argv = [python, "-m", plan.module, "--host", node_ip, *plan.args]
+    if plan.broadcast_port:
+        argv += ["--weight-broadcast-address", f"{node_ip}:{plan.broadcast_port}"]
+    return argv
 
 
 def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
@@ -65,7 +78,7 @@ def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
         "trainer", "services.trainer",
         ("--grpc-port", str(config.trainer_port), "--metrics-port", str(config.trainer_metrics_port),
          *threads, "--model-roots", roots, "--checkpoint-roots", data_dir, *config.trainer_args),
-        config.trainer_port, config.trainer_cpus, config.trainer_gpus, 0,
+        config.trainer_port, config.trainer_cpus, config.trainer_gpus, 0, config.trainer_broadcast_port,
     )]
     for i in range(config.rollout_replicas):
         metrics = config.rollout_metrics_port_base + i if config.rollout_metrics_port_base else 0
@@ -78,9 +91,14 @@ def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
     return plans
 
 
-def with_weight_source(rollouts: list[ServicePlan], trainer_address: str) -> list[ServicePlan]:
-    """The rollout plans, allowed to pull weights from the placed trainer (known only once it runs)."""
-    return [replace(p, args=(*p.args, "--weight-sources", trainer_address)) for p in rollouts]
+def with_weight_source(rollouts: list[ServicePlan], trainer_address: str,
+                       broadcast_address: str = "") -> list[ServicePlan]:
+    """The rollout plans, allowed to pull weights from the placed trainer and, when it serves one, to join
+    its weight-broadcast rendezvous (both addresses known only once it runs)."""
+    sources = ("--weight-sources", trainer_address)
+    if broadcast_address:
+        sources += ("--broadcast-sources", broadcast_address)
+    return [replace(p, args=(*p.args, *sources)) for p in rollouts]
 
 
 def plan_coordinator(config: RayStackConfig, trainer: str, rollouts: list[str]) -> ServicePlan:
@@ -125,7 +143,7 @@ class ServiceActor:
         self.ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.plan = plan
-        argv = [sys.executable, "-m", plan.module, "--host", self.ip, *plan.args]
+        argv = node_argv(plan, self.ip, sys.executable)
         # The token travels as the path of its file on shared storage, never as a value through Ray.
         self.supervisor = ServiceSupervisor(
             argv, env={**service_env(os.environ), TOKEN_FILE_ENV: token_file},
@@ -137,7 +155,10 @@ class ServiceActor:
     def describe(self) -> dict:
         status = asdict(self.supervisor.status())
         status["exit_codes"] = list(status["exit_codes"])  # the same as in the JSON line
-        return {"address": f"{self.ip}:{self.plan.port}", "node_id": self.node_id, "actor_pid": os.getpid(), **status}
+        placed = {"address": f"{self.ip}:{self.plan.port}", "node_id": self.node_id, "actor_pid": os.getpid()}
+        if self.plan.broadcast_port:
+            placed["weight_broadcast_address"] = f"{self.ip}:{self.plan.broadcast_port}"
+        return {**placed, **status}
 
     def stop(self, grace_s: float = 20.0) -> int | None:
         return self.supervisor.stop(grace_s)
@@ -186,7 +207,8 @@ class RayStack:
         self.actors[trainer.name] = self._spawn(remote, trainer, log_dir, PlacementGroupSchedulingStrategy(
             self.placement_group, placement_group_bundle_index=trainer.bundle))
         placed = {trainer.name: ray.get(self.actors[trainer.name].describe.remote(), timeout=cfg.ready_timeout_s)}
-        for plan in with_weight_source(rollouts, placed[trainer.name]["address"]):
+        broadcast_address = placed[trainer.name].get("weight_broadcast_address", "")
+        for plan in with_weight_source(rollouts, placed[trainer.name]["address"], broadcast_address):
             self.actors[plan.name] = self._spawn(remote, plan, log_dir, PlacementGroupSchedulingStrategy(
                 self.placement_group, placement_group_bundle_index=plan.bundle))
         placed.update({p.name: ray.get(self.actors[p.name].describe.remote(), timeout=cfg.ready_timeout_s)
@@ -199,8 +221,11 @@ class RayStack:
         placed["coordinator"] = ray.get(self.actors["coordinator"].describe.remote(), timeout=cfg.ready_timeout_s)
         self.api_url = f"http://{placed['coordinator']['address']}"
         self._wait_ready()
-        return {"api_url": self.api_url, "token_file": str(self.token_file), "trainer": placed["trainer"]["address"],
-                "rollouts": [placed[p.name]["address"] for p in workers[1:]], "services": self.describe()}
+        ready = {"api_url": self.api_url, "token_file": str(self.token_file), "trainer": placed["trainer"]["address"],
+                 "rollouts": [placed[p.name]["address"] for p in workers[1:]], "services": self.describe()}
+        if broadcast_address:
+            ready["weight_broadcast_address"] = broadcast_address
+        return ready
 
     def _spawn(self, remote, plan: ServicePlan, log_dir: str, strategy):
         cfg = self.config

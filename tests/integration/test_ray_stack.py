@@ -1,6 +1,7 @@
 """The stack on a real two-node Ray cluster (two raylets on this machine): placed, serving a run through
-REST, surviving a killed trainer process, and gone after SIGTERM. `python -m services.ray_stack` as a
-real process, the services as real processes in Ray actors."""
+REST, surviving a killed trainer process, serving a run whose weights the trainer broadcasts (gloo on
+CPU) at the rendezvous on its node, and gone after SIGTERM. `python -m services.ray_stack` as a real
+process, the services as real processes in Ray actors."""
 from __future__ import annotations
 
 import json
@@ -13,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from proto import lockstep_pb2 as pb
+from proto import lockstep_pb2_grpc as pb_grpc
 from services.cli.client import CoordinatorClient
 from services.common.auth import read_token_file
+from services.common.grpc_options import sync_channel
 from services.common.ports import free_port_run
 from services.common.tiny_model import build_model_dir
 from tests.conftest import require
+from tests.integration.test_broadcast_weights import _spec as broadcast_spec
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -46,15 +51,26 @@ def cluster():
     c.shutdown()
 
 
+def _served_weights(trainer_address: str, token, run_id: str) -> tuple[int, str]:
+    """(policy_version, digest) of what the trainer serves now, as its gRPC stream carries them."""
+    channel = sync_channel(trainer_address, token)
+    try:
+        *_, last = pb_grpc.TrainerStub(channel).GetWeights(pb.GetWeightsRequest(run_id=run_id), timeout=120)
+        return last.policy_version, last.total_sha256
+    finally:
+        channel.close()
+
+
 def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops_cleanly(cluster, tmp_path):
     model = build_model_dir(tmp_path / "model", seed=3)
-    ports = free_port_run(7, "")  # every interface: the services bind the node address
+    ports = free_port_run(8, "")  # every interface: the services bind the node address
     cmd = [sys.executable, "-m", "services.ray_stack", "--ray-address", cluster.address,
            "--rollout-replicas", "2", "--placement-strategy", "SPREAD", "--data-dir", str(tmp_path / "data"),
            "--path-roots", str(model),
            "--coordinator-port", str(ports), "--trainer-port", str(ports + 1),
            "--trainer-metrics-port", str(ports + 2), "--rollout-port-base", str(ports + 3),
-           "--rollout-metrics-port-base", str(ports + 5), "--restart-delay-s", "0.5", "--ready-timeout-s", "240"]
+           "--rollout-metrics-port-base", str(ports + 5), "--trainer-broadcast-port", str(ports + 7),
+           "--restart-delay-s", "0.5", "--ready-timeout-s", "240"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=open(tmp_path / "launcher.log", "wb"),
                                 text=True)
     try:
@@ -67,9 +83,14 @@ def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops
         assert len({services[n]["node_id"] for n in ("trainer", "rollout-0", "rollout-1")}) == 2, services
         assert ready["rollouts"] == [services["rollout-0"]["address"], services["rollout-1"]["address"]]
         assert all(s["alive"] and s["restarts"] == 0 for s in services.values()), services
+        # The rendezvous is on the trainer's node, at the configured port.
+        trainer_host = services["trainer"]["address"].rsplit(":", 1)[0]
+        assert ready["weight_broadcast_address"] == services["trainer"]["weight_broadcast_address"] \
+            == f"{trainer_host}:{ports + 7}"
 
         assert ready["token_file"] == str(tmp_path / "data" / "auth_token")
-        client = CoordinatorClient(ready["api_url"], token=read_token_file(ready["token_file"]))
+        token = read_token_file(ready["token_file"])
+        client = CoordinatorClient(ready["api_url"], token=token)
         try:
             run = client.submit({
                 "name": "on-ray", "model_path": str(model), "seed": 5, "steps": 6,
@@ -88,6 +109,21 @@ def test_stack_on_two_ray_nodes_serves_a_run_survives_a_killed_trainer_and_stops
             events = [e["event"] for e in client.run(run["id"])["events"]]
             assert "trainer_lost" in events and "trainer_recovered" in events, events
             assert [s["step"] for s in client.metrics(run["id"])["steps"]] == list(range(1, 7))
+
+            # The broadcast source: every sync one gloo group of the trainer (rank 0) and both replicas,
+            # formed at the trainer's rendezvous, which each replica was placed trusting.
+            run = client.submit(broadcast_spec(model, "on-ray-broadcast", "broadcast"))
+            done = client.wait(run["id"], timeout_s=300)
+            assert done["status"] == "completed", done
+            assert [s["step"] for s in client.metrics(run["id"])["steps"]] == [1, 2, 3]
+            synced = [e for e in client.run(run["id"])["events"] if e["event"] == "weights_synced"]
+            assert [e["policy_version"] for e in synced] == [1, 2, 3], synced
+            assert all(e["replicas"] == sorted(ready["rollouts"]) for e in synced), synced
+            # The digest both replicas reported for the last version is the one the trainer's own stream
+            # carries for the weights it holds.
+            assert _served_weights(ready["trainer"], token, run["id"]) == (3, synced[-1]["digest"])
+            trainer_log = (tmp_path / "data" / "logs" / "trainer.log").read_text()
+            assert trainer_log.count('"weights broadcast"') == 3 and '"world_size": 3' in trainer_log
         finally:
             client.close()
 

@@ -7,7 +7,14 @@ import pytest
 from pydantic import ValidationError
 
 from services.ray_stack.config import RayStackConfig
-from services.ray_stack.launcher import bundles, ensure_token_file, plan_coordinator, plan_workers
+from services.ray_stack.launcher import (
+    bundles,
+    ensure_token_file,
+    node_argv,
+    plan_coordinator,
+    plan_workers,
+    with_weight_source,
+)
 
 
 def test_plan_gives_each_service_its_fixed_ports_and_bundle():
@@ -24,6 +31,33 @@ def test_plan_gives_each_service_its_fixed_ports_and_bundle():
     assert bundles(plans) == [{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 0.5}, {"CPU": 1, "GPU": 0.5},
                               {"CPU": 1, "GPU": 0.5}]
     assert bundles(plan_workers(RayStackConfig())) == [{"CPU": 1}, {"CPU": 1}]  # no GPU key when none asked
+
+
+def test_without_a_broadcast_port_the_services_get_no_broadcast_settings():
+    trainer, *rollouts = plan_workers(RayStackConfig(rollout_replicas=2))
+    assert trainer.broadcast_port == 0
+    assert node_argv(trainer, "10.0.0.1", "py")[:5] == ["py", "-m", "services.trainer", "--host", "10.0.0.1"]
+    assert node_argv(trainer, "10.0.0.1", "py")[5:] == list(trainer.args)
+    assert not any("broadcast" in a for a in node_argv(trainer, "10.0.0.1", "py"))
+    for plan in with_weight_source(rollouts, "10.0.0.1:50052"):
+        assert plan.args[-2:] == ("--weight-sources", "10.0.0.1:50052")
+        assert not any("broadcast" in a for a in plan.args)
+
+
+def test_a_broadcast_port_puts_the_rendezvous_on_the_trainers_node_and_in_every_rollouts_sources():
+    cfg = RayStackConfig(rollout_replicas=2, trainer_broadcast_port=29500, trainer_args="--device cpu")
+    trainer, *rollouts = plan_workers(cfg)
+    assert trainer.broadcast_port == 29500 and all(p.broadcast_port == 0 for p in rollouts)
+    # The address is the node's, known only where the actor runs: it joins --host there.
+    argv = node_argv(trainer, "10.0.0.7", "/venv/bin/python")
+    assert argv == ["/venv/bin/python", "-m", "services.trainer", "--host", "10.0.0.7", *trainer.args,
+                    "--weight-broadcast-address", "10.0.0.7:29500"]
+    assert trainer.args[-2:] == ("--device", "cpu")  # the operator's flags stay as given
+    placed = with_weight_source(rollouts, "10.0.0.7:50052", "10.0.0.7:29500")
+    assert [p.args[len(r.args):] for p, r in zip(placed, rollouts)] == [
+        ("--weight-sources", "10.0.0.7:50052", "--broadcast-sources", "10.0.0.7:29500")] * 2
+    assert node_argv(placed[1], "10.0.0.8", "py") == ["py", "-m", "services.rollout", "--host", "10.0.0.8",
+                                                      *placed[1].args]
 
 
 def test_coordinator_plan_dials_the_placed_addresses(tmp_path):
@@ -46,6 +80,19 @@ def test_coordinator_plan_dials_the_placed_addresses(tmp_path):
     ({"trainer_port": 8000}, "trainer_port", "port 8000 is also coordinator_port's"),
     ({"rollout_replicas": 3, "rollout_port_base": 50050}, "rollout_port_base", "port 50052 is also trainer_port's"),
     ({"rollout_replicas": 2, "rollout_port_base": 65535}, "rollout_port_base", "above 65535"),
+    ({"trainer_broadcast_port": 65536}, "trainer_broadcast_port", "less than or equal to 65535"),
+    ({"trainer_broadcast_port": -1}, "trainer_broadcast_port", "greater than or equal to 0"),
+    ({"trainer_broadcast_port": 50052}, "trainer_broadcast_port", "port 50052 is also trainer_port's"),
+    ({"trainer_broadcast_port": 9102}, "trainer_broadcast_port", "port 9102 is also trainer_metrics_port's"),
+    ({"trainer_broadcast_port": 8000}, "trainer_broadcast_port", "port 8000 is also coordinator_port's"),
+    ({"trainer_broadcast_port": 29500, "rollout_replicas": 2, "rollout_port_base": 29499}, "rollout_port_base",
+     "port 29500 is also trainer_broadcast_port's"),
+    ({"trainer_broadcast_port": 29500, "rollout_metrics_port_base": 29500}, "rollout_metrics_port_base",
+     "port 29500 is also trainer_broadcast_port's"),
+    ({"trainer_broadcast_port": 29500, "trainer_args": "--weight-broadcast-address=10.0.0.1:29501"}, "trainer_args",
+     "--weight-broadcast-address is set by the launcher from trainer_broadcast_port"),
+    ({"trainer_broadcast_port": 29500, "rollout_args": ["--broadcast-sources", "10.0.0.1:29501"]}, "rollout_args",
+     "--broadcast-sources is set by the launcher from trainer_broadcast_port"),
     ({"placement_strategy": "RANDOM"}, "placement_strategy", "PACK"),
     ({"rollout_replicas": 0}, "rollout_replicas", "greater than or equal to 1"),
 ])
