@@ -1,9 +1,10 @@
 """The trainer's served version (services/trainer/served_weights.py) sends what the reference chunker
 sends: for every chunk size, every dtype and layout, its chunks parse as iter_weight_chunks' chunks (same
-fields, same bytes, same digests), a second reader gets the same bytes, and the snapshot does not move
-when the live tensors do."""
+fields, same bytes, same digests), a second reader gets the same bytes, the snapshot does not move when
+the live tensors do, and each byte is hashed once however many replicas read the version."""
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -88,3 +89,20 @@ def test_gpu_tensors_are_cut_through_pinned_memory(pools):
     sent = [pb.WeightChunk.FromString(raw) for raw in _read(version)]
     cpu = [(n, t.cpu()) for n, t in tensors]
     assert sent == list(iter_weight_chunks(cpu, run_id="run", policy_version=3, chunk_bytes=1 << 16))
+
+
+def test_at_the_default_chunk_size_each_byte_is_hashed_once_however_many_read(pools, monkeypatch):
+    fed = []
+    real = hashlib.sha256
+
+    def counting(data=b""):
+        fed.append(memoryview(data).nbytes)
+        return real(data)
+
+    monkeypatch.setattr(hashlib, "sha256", counting)
+    tensors = [("big", torch.randn(3 << 20)), ("small", torch.randn(10))]
+    version = _version(tensors, pools)
+    for _ in range(2):
+        _read(version)
+    blocks = len(version)
+    assert sum(fed) == version.nbytes + 32 * blocks  # every byte once, then the digest over block digests
