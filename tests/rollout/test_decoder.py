@@ -6,12 +6,10 @@ log-probs by far more than the tolerances here.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 
-from services.common.tiny_model import build_model_dir
 from services.rollout.decoder import Decoder, DecoderOptions, DecoderUnsupported
 from services.rollout.engine import GenerationRequest, PromptSpec
 from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
@@ -26,51 +24,42 @@ from tests.rollout.decoder_support import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("tiny"), TINY, seed=3)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fast_decode_matches_hf_dynamic_cache_generation(model_dir, dtype):
-    decoder = Decoder(loaded(model_dir, dtype), DecoderOptions(max_batch_size=8))
+def test_fast_decode_matches_hf_dynamic_cache_generation(decoder_model_dir, dtype):
+    decoder = Decoder(loaded(decoder_model_dir, dtype), DecoderOptions(max_batch_size=8))
     cfg = sampling(temperature=1.1, top_k=12)
     rows = decoder.decode(PROMPTS, SEEDS, cfg)
     assert [len(r.token_ids) for r in rows] == [12] * len(PROMPTS)
-    reference = dynamic_cache_logprobs(loaded(model_dir, dtype), PROMPTS, [r.token_ids for r in rows], 1.1)
+    reference = dynamic_cache_logprobs(loaded(decoder_model_dir, dtype), PROMPTS, [r.token_ids for r in rows], 1.1)
     gaps = [(ref - torch.tensor(r.logprobs)).abs().max().item() for ref, r in zip(reference, rows)]
     print(f"{dtype}: decoder vs HF DynamicCache max |dlogp| = {max(gaps):.3e}")
     assert max(gaps) <= TOLERANCE[dtype]
     # Control: the same comparison against responses shifted by one token fails by far.
-    shifted = dynamic_cache_logprobs(loaded(model_dir, dtype), PROMPTS, [r.token_ids[1:] for r in rows], 1.1)
+    shifted = dynamic_cache_logprobs(loaded(decoder_model_dir, dtype), PROMPTS, [r.token_ids[1:] for r in rows], 1.1)
     assert max((s - torch.tensor(r.logprobs[:-1])).abs().max().item() for s, r in zip(shifted, rows)) > 0.2
 
 
-def test_a_samples_tokens_do_not_depend_on_its_batch(model_dir):
+def test_a_samples_tokens_do_not_depend_on_its_batch(decoder_model_dir):
     """The same (prompt, seed) alone, in a mixed batch, reordered or in micro-batches of 2: same tokens (fast
     numerics promise tokens, not log-prob bits: GEMM shapes change with the batch)."""
     cfg = sampling(top_p=0.9)
-    full = Decoder(loaded(model_dir, "bfloat16"), DecoderOptions(max_batch_size=8))
+    full = Decoder(loaded(decoder_model_dir, "bfloat16"), DecoderOptions(max_batch_size=8))
     mixed = full.decode(PROMPTS, SEEDS, cfg)
     alone = [full.decode([p], [s], cfg)[0] for p, s in zip(PROMPTS, SEEDS)]
     reordered = full.decode(PROMPTS[::-1], SEEDS[::-1], cfg)[::-1]
-    chunked = Decoder(loaded(model_dir, "bfloat16"), DecoderOptions(max_batch_size=2)).decode(PROMPTS, SEEDS, cfg)
+    chunked = Decoder(loaded(decoder_model_dir, "bfloat16"), DecoderOptions(max_batch_size=2)).decode(PROMPTS, SEEDS, cfg)
     for other in (alone, reordered, chunked):
         assert [r.token_ids for r in other] == [r.token_ids for r in mixed]
     # The seed is what matters: another seed for one prompt changes its tokens.
     assert full.decode([PROMPTS[1]], [SEEDS[1] + 1], cfg)[0].token_ids != mixed[1].token_ids
 
 
-def test_stop_tokens_end_rows_and_finished_rows_do_not_disturb_others(model_dir):
-    model = loaded(model_dir, "float32")
+def test_stop_tokens_end_rows_and_finished_rows_do_not_disturb_others(decoder_model_dir):
+    model = loaded(decoder_model_dir, "float32")
     decoder = Decoder(model, DecoderOptions(max_batch_size=8, stop_check_interval=3))
     stops = (4, 5, 6)
     cfg = sampling(temperature=1.0, max_new_tokens=16, stop_token_ids=stops)
@@ -90,8 +79,8 @@ def test_stop_tokens_end_rows_and_finished_rows_do_not_disturb_others(model_dir)
         assert max(abs(a - b) for a, b in zip(r.logprobs, f.logprobs)) <= 1e-5
 
 
-def test_decoding_ends_once_every_row_has_stopped(model_dir):
-    decoder = Decoder(loaded(model_dir, "float32"), DecoderOptions(max_batch_size=8, stop_check_interval=2))
+def test_decoding_ends_once_every_row_has_stopped(decoder_model_dir):
+    decoder = Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions(max_batch_size=8, stop_check_interval=2))
     steps = []
     forward = decoder._decode_logits
     decoder._decode_logits = lambda *a: steps.append(1) or forward(*a)
@@ -101,7 +90,7 @@ def test_decoding_ends_once_every_row_has_stopped(model_dir):
     assert len(steps) == 1  # step 0 from the prefill, one decode step, then the check at step 2 ends it
 
 
-def test_refused_options_and_models(model_dir, tmp_path):
+def test_refused_options_and_models(decoder_model_dir, tmp_path):
     with pytest.raises(ValueError, match="engine_config.cuda_graphs: .*CUDA device"):
         TorchEngineConfig.from_json('{"cuda_graphs": true}')
     with pytest.raises(ValueError, match="engine_config.numerics: .*float16"):
@@ -109,26 +98,26 @@ def test_refused_options_and_models(model_dir, tmp_path):
     with pytest.raises(ValueError, match="engine_config.numerics"):
         TorchEngineConfig.from_json('{"numerics": "exact"}')
     with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs need a CUDA device"):
-        Decoder(loaded(model_dir, "float32"), DecoderOptions(cuda_graphs=True))
-    sliding = loaded(model_dir, "float32")
+        Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions(cuda_graphs=True))
+    sliding = loaded(decoder_model_dir, "float32")
     sliding.config.layer_types = ["sliding_attention"] * TINY.num_hidden_layers
     with pytest.raises(DecoderUnsupported, match="sliding-window"):
         Decoder(sliding, DecoderOptions())
     engine = TorchEngine(TorchEngineConfig(max_context_tokens=16))
-    engine.load(str(model_dir), 0)
+    engine.load(str(decoder_model_dir), 0)
     req = GenerationRequest(prompts=(PromptSpec("g", PROMPTS[1], 0),), sampling=sampling(max_new_tokens=6))
     with pytest.raises(ValueError, match="sampling.max_new_tokens: .*max_context_tokens=16"):
         engine.generate(req)
 
 
-def test_engine_reports_decoder_rows_and_keeps_the_model_stock(model_dir):
+def test_engine_reports_decoder_rows_and_keeps_the_model_stock(decoder_model_dir):
     """Through the engine: order, seeds (prompt.seed + i) and a plain HF forward still working after a decode."""
     engine = TorchEngine(TorchEngineConfig(dtype="float32", max_batch_size=4))
-    engine.load(str(model_dir), 0)
+    engine.load(str(decoder_model_dir), 0)
     prompts = tuple(PromptSpec(f"g{i}", p, s) for i, (p, s) in enumerate(zip(PROMPTS, SEEDS)))
     samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sampling(), samples_per_prompt=2))
     assert [(s.group_id, s.index) for s in samples] == [(p.group_id, i) for p in prompts for i in range(2)]
-    direct = Decoder(loaded(model_dir, "float32"), DecoderOptions(max_batch_size=4)).decode(
+    direct = Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions(max_batch_size=4)).decode(
         [p.token_ids for p in prompts for _ in range(2)], [p.seed + i for p in prompts for i in range(2)],
         sampling())
     assert [s.token_ids for s in samples] == [d.token_ids for d in direct]
@@ -140,32 +129,32 @@ def test_engine_reports_decoder_rows_and_keeps_the_model_stock(model_dir):
         "fast", "false", "reference", "sdpa")
 
 
-def test_fast_prefill_takes_the_registry_backend_or_the_batch_invariant_kernel(model_dir):
+def test_fast_prefill_takes_the_registry_backend_or_the_batch_invariant_kernel(decoder_model_dir):
     """Fast prefill runs the registry's choice; where auto-selection finds none it runs the batch-invariant
     packed kernel, and a backend forced by policy that cannot serve is an error, never replaced."""
     from contract.trainer_settings import AttentionPolicy
     from kernels.attention import REGISTRY, AttentionBackendError
 
-    assert Decoder(loaded(model_dir, "float32"), DecoderOptions()).prefill_attention == "reference"
+    assert Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions()).prefill_attention == "reference"
     reference = REGISTRY.get("reference")
     REGISTRY.unregister("reference")  # the only CPU backend: auto-selection now finds none
     try:
-        decoder = Decoder(loaded(model_dir, "float32"), DecoderOptions())
+        decoder = Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions())
         assert decoder.prefill_attention == "batch_invariant"
         rows = decoder.decode(PROMPTS, SEEDS, sampling())
     finally:
         REGISTRY.register(reference)
     assert [r.token_ids for r in rows] == [r.token_ids for r in
-                                           Decoder(loaded(model_dir, "float32"), DecoderOptions()).decode(
+                                           Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions()).decode(
                                                PROMPTS, SEEDS, sampling())]
     with REGISTRY.use_policy(AttentionPolicy(backend="flash_attn")), pytest.raises(AttentionBackendError):
-        Decoder(loaded(model_dir, "float32"), DecoderOptions())
+        Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions())
 
 
-def test_decode_under_deterministic_algorithms_as_the_service_runs(model_dir):
+def test_decode_under_deterministic_algorithms_as_the_service_runs(decoder_model_dir):
     """The rollout service enables torch's deterministic mode: decoding works under it, gives the same rows,
     and leaves the mode on (the cache writes switch it off only around their unique-index copies)."""
-    decoder = Decoder(loaded(model_dir, "float32"), DecoderOptions(max_batch_size=8))
+    decoder = Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions(max_batch_size=8))
     free = decoder.decode(PROMPTS, SEEDS, sampling())
     torch.use_deterministic_algorithms(True)
     try:
@@ -177,11 +166,11 @@ def test_decode_under_deterministic_algorithms_as_the_service_runs(model_dir):
     assert [r.logprobs for r in strict] == [r.logprobs for r in free]
 
 
-def test_the_decoder_attention_refuses_calls_outside_a_decode(model_dir):
+def test_the_decoder_attention_refuses_calls_outside_a_decode(decoder_model_dir):
     """The attention function fails closed: without the static cache kwarg, or given a mask, it raises."""
     from services.rollout.kv_cache import KVStep, StaticKVCache, decoder_attention_forward
 
-    layer = loaded(model_dir, "float32").model.layers[0].self_attn
+    layer = loaded(decoder_model_dir, "float32").model.layers[0].self_attn
     q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="without the lockstep_kv forward kwarg"):
         decoder_attention_forward(layer, q, kv, kv, None)

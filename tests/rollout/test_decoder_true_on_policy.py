@@ -12,11 +12,9 @@ import torch
 from services.rollout.decoder import Decoder, DecoderOptions
 from services.rollout.engine import GenerationRequest, PromptSpec
 from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
-from services.common.tiny_model import build_model_dir
 from tests.rollout.decoder_support import (
     PROMPTS,
     SEEDS,
-    TINY,
     batch_invariant_scorer,
     dynamic_cache_logprobs,
     loaded,
@@ -25,54 +23,45 @@ from tests.rollout.decoder_support import (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_model_dir(tmp_path_factory.mktemp("tiny"), TINY, seed=3)
 
-
-def test_a_samples_bits_do_not_depend_on_its_batch(model_dir):
+def test_a_samples_bits_do_not_depend_on_its_batch(decoder_model_dir):
     """The same (prompt, seed) alone, reordered, or in micro-batches of 2: same tokens and log-prob bits."""
     cfg = sampling(top_p=0.9)
-    full = Decoder(loaded(model_dir, "bfloat16"), DecoderOptions(numerics="true_on_policy", max_batch_size=8))
+    full = Decoder(loaded(decoder_model_dir, "bfloat16"), DecoderOptions(numerics="true_on_policy", max_batch_size=8))
     mixed = full.decode(PROMPTS, SEEDS, cfg)
     alone = [full.decode([p], [s], cfg)[0] for p, s in zip(PROMPTS, SEEDS)]
     reordered = full.decode(PROMPTS[::-1], SEEDS[::-1], cfg)[::-1]
-    pairs = Decoder(loaded(model_dir, "bfloat16"), DecoderOptions(numerics="true_on_policy", max_batch_size=2))
+    pairs = Decoder(loaded(decoder_model_dir, "bfloat16"), DecoderOptions(numerics="true_on_policy", max_batch_size=2))
     for other in (alone, reordered, pairs.decode(PROMPTS, SEEDS, cfg)):
         assert [r.token_ids for r in other] == [r.token_ids for r in mixed]
         assert [r.logprobs for r in other] == [r.logprobs for r in mixed]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logprobs_equal_a_packed_recompute_bitwise(model_dir, dtype):
-    decoder = Decoder(loaded(model_dir, dtype), DecoderOptions(numerics="true_on_policy", max_batch_size=8))
+def test_logprobs_equal_a_packed_recompute_bitwise(decoder_model_dir, dtype):
+    decoder = Decoder(loaded(decoder_model_dir, dtype), DecoderOptions(numerics="true_on_policy", max_batch_size=8))
     cfg = sampling(temperature=0.9, max_new_tokens=20)
     rows = decoder.decode(PROMPTS, SEEDS, cfg)
     responses = [r.token_ids for r in rows]
-    recomputed = packed_recompute(batch_invariant_scorer(loaded(model_dir, dtype)), PROMPTS, responses, 0.9)
+    recomputed = packed_recompute(batch_invariant_scorer(loaded(decoder_model_dir, dtype)), PROMPTS, responses, 0.9)
     assert [r.logprobs for r in rows] == recomputed
     # Control: HF's own cached decode of the same tokens does not reproduce those bits.
-    teacher = dynamic_cache_logprobs(loaded(model_dir, dtype), PROMPTS, responses, 0.9)
+    teacher = dynamic_cache_logprobs(loaded(decoder_model_dir, dtype), PROMPTS, responses, 0.9)
     assert [t.float().tolist() for t in teacher] != recomputed
 
 
-def test_engine_in_true_on_policy_reports_the_recompute_bits(model_dir):
+def test_engine_in_true_on_policy_reports_the_recompute_bits(decoder_model_dir):
     engine = TorchEngine(TorchEngineConfig(dtype="bfloat16", numerics="true_on_policy", max_batch_size=3))
-    engine.load(str(model_dir), 0)
+    engine.load(str(decoder_model_dir), 0)
     info = engine.info()
     assert (info["numerics"], info["prefill_attention"], info["decode_attention"]) == (
         "true_on_policy", "batch_invariant", "batch_invariant")
     prompts = tuple(PromptSpec(f"g{i}", p, s) for i, (p, s) in enumerate(zip(PROMPTS, SEEDS)))
     samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sampling(), samples_per_prompt=2))
-    scorer = batch_invariant_scorer(loaded(model_dir, "bfloat16"))
+    scorer = batch_invariant_scorer(loaded(decoder_model_dir, "bfloat16"))
     recomputed = packed_recompute(scorer, [p.token_ids for p in prompts for _ in range(2)],
                                   [s.token_ids for s in samples], sampling().temperature)
     assert [s.logprobs for s in samples] == recomputed
@@ -80,12 +69,12 @@ def test_engine_in_true_on_policy_reports_the_recompute_bits(model_dir):
         engine._require_model()(input_ids=torch.tensor([PROMPTS[0]]))
 
 
-def test_a_model_outside_the_mode_is_refused_at_load(model_dir, tmp_path):
+def test_a_model_outside_the_mode_is_refused_at_load(decoder_model_dir, tmp_path):
     """A GELU MLP has no batch-invariant cover: LoadModel fails naming the option, nothing half-patched runs."""
     import json
     import shutil
 
-    gelu = shutil.copytree(model_dir, tmp_path / "gelu")
+    gelu = shutil.copytree(decoder_model_dir, tmp_path / "gelu")
     cfg = json.loads((gelu / "config.json").read_text())
     (gelu / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu"}))
     engine = TorchEngine(TorchEngineConfig(numerics="true_on_policy"))
