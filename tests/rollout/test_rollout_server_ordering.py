@@ -45,7 +45,8 @@ class RecordingEngine(Engine):
         return [GeneratedSample(p.group_id, i, [1], [-0.5], "length")
                 for p in request.prompts for i in range(request.samples_per_prompt)]
 
-    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+    def update_weights(self, tensors: dict[str, torch.Tensor], policy_version: int, *,
+                       finite_checked: bool = False) -> None:
         self.events.append(f"update v{policy_version}")
         self._version = policy_version
 
