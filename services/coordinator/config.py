@@ -1,7 +1,7 @@
 """Coordinator service configuration (flags and LOCKSTEP_COORDINATOR_* environment)."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
 from services.common.service_config import AuthSetting

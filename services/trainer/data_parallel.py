@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
 import torch.distributed as dist
 
 T = TypeVar("T")
