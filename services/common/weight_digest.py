@@ -20,6 +20,17 @@ DIGEST_BLOCK_BYTES = 4 * 1024 * 1024
 DEFAULT_HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
+def block_pool_threads() -> int:
+    """Threads for per-block work (read, hash, check) over a whole set of tensors: one per CPU. Each block's
+    work runs outside the GIL (file reads, hashlib on large buffers, numpy reductions)."""
+    return max(1, os.cpu_count() or 1)
+
+
+def block_sha256(data: bytes | memoryview) -> bytes:
+    """One digest block's 32-byte sha256."""
+    return hashlib.sha256(data).digest()
+
+
 def tensor_byte_view(tensor: torch.Tensor) -> memoryview:
     """The tensor's raw little-endian bytes as a flat view (one copy only if it is not contiguous on CPU)."""
     flat = tensor.detach().contiguous().cpu().reshape(-1)

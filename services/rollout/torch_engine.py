@@ -28,6 +28,7 @@ import torch
 
 from contract.engine_options import TorchEngineConfig
 from services.common.models import load_causal_lm
+from services.common.weight_files import FiniteTensors
 from services.common.weight_stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.decoder import Decoder, DecoderOptions
@@ -214,6 +215,11 @@ class TorchEngine(Engine):
         """
         with one_intra_op_thread(self._device):
             self._checked_update(tensors, policy_version, check_finite=not finite_checked)
+
+    def update_weights_from_dir(self, directory: str, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
+        """As update_weights. Tensors read_weight_dir returned as FiniteTensors had every floating value found
+        finite as they were read, so that pass is not repeated; any other mapping is checked here."""
+        self.update_weights(tensors, policy_version, finite_checked=isinstance(tensors, FiniteTensors))
 
     def _checked_update(self, tensors: dict[str, torch.Tensor], policy_version: int, *, check_finite: bool) -> None:
         model = self._require_model()
