@@ -243,12 +243,14 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         self._check_run(request.run_id, "LoadWeights")
         if not request.expected_sha256:
             raise ValueError("expected_sha256: required (the digest the trainer reported for the directory)")
-        tensors, files = await asyncio.to_thread(read_weight_dir, directory, policy_version=request.policy_version,
-                                                 expected_sha256=request.expected_sha256)
-        async with self._lock:
-            engine = self._loaded()
-            self._check_run(request.run_id, "LoadWeights")
-            await self._in_worker(engine.update_weights_from_dir, str(directory), tensors, files.policy_version)
+        with self._staging_arena().lease() as lease:  # read into the kept staging memory, as SyncWeights
+            tensors, files = await asyncio.to_thread(partial(
+                read_weight_dir, directory, policy_version=request.policy_version,
+                expected_sha256=request.expected_sha256, allocate=lease.allocate))
+            async with self._lock:
+                engine = self._loaded()
+                self._check_run(request.run_id, "LoadWeights")
+                await self._in_worker(engine.update_weights_from_dir, str(directory), tensors, files.policy_version)
         return self._applied("LoadWeights", files.policy_version, len(tensors), files.nbytes, files.total_sha256,
                              lora=False)
 
