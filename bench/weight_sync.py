@@ -5,7 +5,9 @@ Prints one JSON object (and writes it to --out).
 For each model shape (Qwen3 dimensions of bench/train.py SHAPES, Qwen3 vocabulary, random init, bf16):
 - a real trainer service (`python -m services.trainer`) and a real rollout service (`python -m
   services.rollout`, torch engine) run as separate processes on loopback;
-- a caller process that holds only the coordinator's clients drives `--reps` reps. Each rep configures a
+- a caller process that holds only the coordinator's clients drives `--warmup` rounds (reported apart as
+  first_rounds_s: they allocate the pinned and staging memory later rounds reuse, as a run's first sync
+  does) and then `--reps` reps. Each rep configures a
   new run on the trainer, and before every timed call the replica is reloaded as a stale version, so every
   timed call moves a version the replica does not hold and applies it in full (checks, finite check, copy),
   as a step's sync does:
@@ -376,7 +378,7 @@ def run_caller(args: argparse.Namespace) -> None:
         before = peak_rss_bytes()
         seconds, kept_seconds, write_s, load_s, got = [], [], [], [], None
         run_id = args.run_id
-        for _ in range(args.reps):
+        for _ in range(args.warmup + args.reps):
             await trainer.configure(run_id, args.model_path, 0, json.dumps({"dtype": "bfloat16"}))
             took, got = await timed_sync(run_id)
             seconds.append(took)
@@ -384,7 +386,7 @@ def run_caller(args: argparse.Namespace) -> None:
             kept_seconds.append(took)
             assert again.total_sha256 == got.total_sha256
         after_grpc = peak_rss_bytes()
-        for rep in range(args.reps):
+        for rep in range(args.warmup + args.reps):
             directory = Path(args.weights_dir) / f"rep{rep}"
             await stale_replica(run_id)
             t0 = time.perf_counter()
@@ -417,7 +419,7 @@ def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
             caller = subprocess.run(
                 [sys.executable, __file__, "--caller", "--rollout", services.rollout_address, "--trainer",
                  services.trainer_address, "--run-id", run_id, "--token-file", str(workdir / "auth_token"),
-                 "--reps", str(args.reps), "--weights-dir", str(workdir / "weights"),
+                 "--reps", str(args.reps), "--warmup", str(args.warmup), "--weights-dir", str(workdir / "weights"),
                  "--model-path", str(workdir / "model"), "--device", args.device], capture_output=True, text=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(
                     p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p)})
@@ -426,6 +428,12 @@ def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
                 raise RuntimeError(f"the caller failed ({caller.returncode}):\n{caller.stderr[-4000:]}\n{logs}")
             sync = json.loads(caller.stdout.strip().splitlines()[-1])
             nbytes = sync["bytes"]
+            # The first rounds allocate what later ones reuse (pinned host buffers on both sides, the
+            # replica's staging memory): reported apart, left out of the medians.
+            first = {k: [round(x, 4) for x in sync[k][:args.warmup]]
+                     for k in ("seconds", "kept_seconds", "shared_path_write_s", "shared_path_load_s")}
+            for k in first:
+                sync[k] = sync[k][args.warmup:]
             stream_seconds, receive_seconds = [], []
             staging = StagingArena(pin_memory=False)  # kept between reps, as SyncWeights keeps its own
             for rep in range(args.reps + 2):
@@ -456,6 +464,9 @@ def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
         "shape": shape, **counts, "bytes": nbytes, "tensors": sync["tensors"], "digest": sync["digest"],
         "sync": sync_rate,
         "sync_kept": rate(nbytes, sync["kept_seconds"]),
+        "first_rounds_s": {"sync": first["seconds"], "sync_kept": first["kept_seconds"],
+                           "shared_path_write": first["shared_path_write_s"],
+                           "shared_path_load": first["shared_path_load_s"]},
         "caller_peak_rss_growth_bytes": sync["peak_rss_after_grpc"] - sync["peak_rss_before"],
         "shared_path": {**shared,
                         "write": rate(nbytes, sync["shared_path_write_s"]),
@@ -505,6 +516,9 @@ def main() -> None:
                     "fit the host); other shapes are full")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (trainer and rollout engine on the same GPU)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="leading rounds of each source reported as first_rounds_s and left out of the medians "
+                    "(they allocate the pinned and staging memory later rounds reuse)")
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads per service (0 = torch's default)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", default=None, help="directory for the model files (default: the system's)")
