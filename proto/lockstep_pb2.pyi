@@ -470,3 +470,19 @@ class RunWeightBroadcastRequest(_message.Message):
     run_id: str
     group_name: str
     def __init__(self, run_id: _Optional[str] = ..., group_name: _Optional[str] = ...) -> None: ...
+
+class AbortWeightBroadcastRequest(_message.Message):
+    __slots__ = ("run_id", "group_name", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    group_name: str
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., group_name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class AbortWeightBroadcastResponse(_message.Message):
+    __slots__ = ("aborted",)
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    aborted: bool
+    def __init__(self, aborted: _Optional[bool] = ...) -> None: ...

@@ -458,6 +458,11 @@ class TrainerStub:
                 request_serializer=proto_dot_lockstep__pb2.RunWeightBroadcastRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.AbortWeightBroadcast = channel.unary_unary(
+                '/lockstep.v1.Trainer/AbortWeightBroadcast',
+                request_serializer=proto_dot_lockstep__pb2.AbortWeightBroadcastRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.AbortWeightBroadcastResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Trainer/Health',
                 request_serializer=proto_dot_lockstep__pb2.HealthRequest.SerializeToString,
@@ -531,6 +536,14 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortWeightBroadcast(self, request, context):
+        """Tells a group that has not formed to give up (a replica will not join): RunWeightBroadcast fails at
+        once, naming the ranks that never joined and the reason, and the ranks that did join are released.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -590,6 +603,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.RunWeightBroadcast,
                     request_deserializer=proto_dot_lockstep__pb2.RunWeightBroadcastRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'AbortWeightBroadcast': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWeightBroadcast,
+                    request_deserializer=proto_dot_lockstep__pb2.AbortWeightBroadcastRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.AbortWeightBroadcastResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -845,6 +863,33 @@ class Trainer:
             '/lockstep.v1.Trainer/RunWeightBroadcast',
             proto_dot_lockstep__pb2.RunWeightBroadcastRequest.SerializeToString,
             proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWeightBroadcast(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/AbortWeightBroadcast',
+            proto_dot_lockstep__pb2.AbortWeightBroadcastRequest.SerializeToString,
+            proto_dot_lockstep__pb2.AbortWeightBroadcastResponse.FromString,
             options,
             channel_credentials,
             insecure,

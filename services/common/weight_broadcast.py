@@ -14,11 +14,18 @@ keys under `<group_name>`, then `<group_name>/`, then `<device>/`, and a Process
 ProcessGroupNCCL (CUDA; RCCL on ROCm) on it. Built from those public classes rather than through
 torch.distributed's group registry, so it needs no default process group and leaves any other group of
 the process (the trainer's data-parallel one) alone.
+
+The group's constructor blocks until every rank joins or the timeout passes, and nothing can stop it
+meanwhile. So no rank enters it while another may never come: each rank > 0 first sets
+`<group_name>/joined/<rank>` in the store and waits for rank 0 to set `<group_name>/formed` (every rank
+announced) or `<group_name>/abandoned` (its reason: rank 0 was told to give up, or timed out). Those keys
+lie outside the `<group_name><group_name>/` prefix the process group's own keys get here and in SGLang.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,6 +39,8 @@ from services.common.weight_digest import BlockDigests
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+# How often a rank waiting at the join barrier looks at the store (a check is one round trip on loopback).
+JOIN_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -135,15 +144,81 @@ def rendezvous_store(address: str, *, host_it: bool, timeout_s: float) -> dist.T
                          wait_for_workers=False, multi_tenant=True)
 
 
+class GroupNotFormed(RuntimeError):
+    """The join barrier ended without every rank: nobody entered the process group's constructor."""
+
+
+def joined_key(group_name: str, rank: int) -> str:
+    return f"{group_name}/joined/{rank}"
+
+
+def formed_key(group_name: str) -> str:
+    return f"{group_name}/formed"
+
+
+def abandoned_key(group_name: str) -> str:
+    return f"{group_name}/abandoned"
+
+
+def abandon_group(store: dist.Store, group_name: str, reason: str) -> None:
+    """Rank 0 gives up on the group: every rank waiting at the barrier fails with `reason`."""
+    store.set(abandoned_key(group_name), reason)
+
+
+def await_ranks(store: dist.Store, group_name: str, world_size: int, *, timeout_s: float,
+                abort_reason: Callable[[], str | None], poll_s: float = JOIN_POLL_S) -> None:
+    """Rank 0's barrier: returns once ranks 1..world_size-1 announced themselves (and marks the group
+    formed). When `abort_reason()` returns a reason, or `timeout_s` passes first, the group is marked
+    abandoned and GroupNotFormed names the ranks that never joined and why."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(1, world_size) if not store.check([joined_key(group_name, r)])]
+        if not missing:
+            store.set(formed_key(group_name), "1")
+            return
+        reason = abort_reason()
+        if reason is None and time.monotonic() >= deadline:
+            reason = f"not within {timeout_s:g} s"
+        if reason is not None:
+            abandon_group(store, group_name, reason)
+            raise GroupNotFormed(f"group {group_name}: rank{'s' if len(missing) > 1 else ''} "
+                                 f"{', '.join(map(str, missing))} of {world_size} never joined: {reason}")
+        time.sleep(poll_s)
+
+
+def join_when_formed(store: dist.Store, group_name: str, rank: int, *, timeout_s: float,
+                     poll_s: float = JOIN_POLL_S) -> None:
+    """A rank > 0 announces itself and returns once rank 0 saw every rank; GroupNotFormed when rank 0
+    abandoned the group (its reason) or did not form it within `timeout_s`."""
+    store.set(joined_key(group_name, rank), "1")
+    deadline = time.monotonic() + timeout_s
+    while not store.check([formed_key(group_name)]):
+        if store.check([abandoned_key(group_name)]):
+            reason = store.get(abandoned_key(group_name)).decode(errors="replace")
+            raise GroupNotFormed(f"group {group_name}: rank 0 abandoned it: {reason}")
+        if time.monotonic() >= deadline:
+            raise GroupNotFormed(f"group {group_name}: rank 0 did not form it within {timeout_s:g} s")
+        time.sleep(poll_s)
+
+
+def never_aborted() -> str | None:
+    return None
+
+
 class WeightUpdateGroup:
-    """One sync's process group: rank 0 broadcasts, every other rank receives."""
+    """One sync's process group: rank 0 broadcasts, every other rank receives. Every rank passes the join
+    barrier first (rank 0: `abort_reason` may end its wait early)."""
 
     def __init__(self, store: dist.Store, *, group_name: str, rank: int, world_size: int, backend: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, abort_reason: Callable[[], str | None] = never_aborted) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend: {backend!r} is not one of {list(BACKENDS)}")
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"rank/world_size: need 0 <= rank < world_size >= 2, got {rank}/{world_size}")
+        if rank == 0:
+            await_ranks(store, group_name, world_size, timeout_s=timeout_s, abort_reason=abort_reason)
+        else:
+            join_when_formed(store, group_name, rank, timeout_s=timeout_s)
         device = "cuda" if backend == "nccl" else "cpu"
         keys = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
         timeout = timedelta(seconds=timeout_s)

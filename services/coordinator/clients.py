@@ -154,6 +154,13 @@ class TrainerClient:
         return await self._stub.RunWeightBroadcast(pb.RunWeightBroadcastRequest(run_id=run_id, group_name=group_name),
                                                    timeout=self._timeout)
 
+    @_trainer_rpc
+    async def abort_weight_broadcast(self, run_id: str, group_name: str,
+                                     reason: str) -> pb.AbortWeightBroadcastResponse:
+        """The group stops waiting for ranks that will not come; its RunWeightBroadcast fails naming `reason`."""
+        return await self._stub.AbortWeightBroadcast(pb.AbortWeightBroadcastRequest(
+            run_id=run_id, group_name=group_name, reason=reason), timeout=self._timeout)
+
     async def close(self) -> None:
         await self._channel.close()
 

@@ -10,8 +10,10 @@ Broadcast: the trainer plans the version into buckets (OpenWeightBroadcast: name
 group name and the rendezvous of its own configuration), then hosts that group as rank 0 and broadcasts
 every bucket (RunWeightBroadcast) while each replica being synced joins as rank 1..N and receives
 (ReceiveWeights). One group per sync, of exactly the replicas that sync: a replica that missed versions
-joins the next sync's group and gets the whole policy. Whichever the source, the weights' bytes never
-pass through the coordinator.
+joins the next sync's group and gets the whole policy. The trainer waits for every rank, so as soon as a
+replica's ReceiveWeights fails before the trainer answered, the coordinator tells the trainer to give up
+on the group (AbortWeightBroadcast) rather than let it, and the replicas that did join, wait out the
+broadcast timeout. Whichever the source, the weights' bytes never pass through the coordinator.
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ import grpc
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
 from services.coordinator.run_errors import RunFailed
+
+# An abort's reason names every failed replica's error, each cut to this many characters, and the whole to
+# ABORT_REASON_CHARS (the trainer refuses a longer one).
+ABORT_DETAIL_CHARS = 500
+ABORT_REASON_CHARS = 8192
 
 
 class SharedPathWeights:
@@ -81,6 +88,26 @@ def rpc_details(exc: BaseException) -> str:
     return f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
 
 
+def abort_reason(received: Sequence[pb.UpdateWeightsResponse | BaseException | None],
+                 addresses: Sequence[str]) -> str | None:
+    """Pure. Why the trainer should give up on a round it has not answered yet, or None: `received` holds each
+    replica's answer so far (None: still running), and any that failed is a reason. The trainer waits for
+    every rank, so a replica that failed before joining (refused the plan, unreachable) keeps the group
+    from ever forming, and the replicas that did join wait with it; one that failed after the group formed
+    broke it anyway (an abort then changes nothing)."""
+    failed = [f"rank {i + 1} ({addresses[i]}): {rpc_details(r)[:ABORT_DETAIL_CHARS]}"
+              for i, r in enumerate(received) if isinstance(r, BaseException)]
+    if not failed:
+        return None
+    return ("ReceiveWeights failed: " + "; ".join(failed))[:ABORT_REASON_CHARS]
+
+
+def _outcome(task: asyncio.Future) -> object:
+    if not task.done():
+        return None
+    return task.exception() or task.result()
+
+
 def judge_round(done: BroadcastRound, *, may_regroup: bool) -> RoundVerdict:
     """Pure. Unreachable replicas are evicted. A broadcast the trainer completed is accepted for the rest;
     a lost trainer is TrainerUnavailable (the run waits for it); a broadcast that failed because replicas
@@ -95,7 +122,7 @@ def judge_round(done: BroadcastRound, *, may_regroup: bool) -> RoundVerdict:
         return RoundVerdict(evict, [], [], done.sent)
     if evict and may_regroup:
         return RoundVerdict(evict, [], rest)
-    # A replica that refused the plan never joined and the trainer timed out waiting: its answer names the cause.
+    # A replica that refused the plan never joined and the trainer gave up waiting: its answer names the cause.
     refused = "".join(f"; rank {i + 1}: {rpc_details(r)}" for i, r in enumerate(done.received)
                       if isinstance(r, BaseException) and i not in evict)
     return RoundVerdict(evict, [], [], RunFailed(
@@ -114,8 +141,29 @@ class BroadcastWeights:
         plan = await self.trainer.open_weight_broadcast(self.run_id, len(clients), digest_trailer=self.digest_trailer)
         if plan.policy_version != version:
             raise RuntimeError(f"trainer plans a broadcast of version {plan.policy_version}, expected {version}")
-        sent, *received = await asyncio.gather(
-            self.trainer.run_weight_broadcast(self.run_id, plan.group_name),
-            *(client.receive_weights(plan, rank) for rank, client in enumerate(clients, start=1)),
-            return_exceptions=True)
+        sending = asyncio.ensure_future(self.trainer.run_weight_broadcast(self.run_id, plan.group_name))
+        receiving = [asyncio.ensure_future(client.receive_weights(plan, rank))
+                     for rank, client in enumerate(clients, start=1)]
+        try:
+            await self._abort_once_a_replica_fails(plan, sending, receiving, [c.address for c in clients])
+            sent, *received = await asyncio.gather(sending, *receiving, return_exceptions=True)
+        finally:
+            for task in (sending, *receiving):
+                task.cancel()  # only those still running: a round that was itself cancelled
         return BroadcastRound(plan, sent, list(received))
+
+    async def _abort_once_a_replica_fails(self, plan: pb.BroadcastPlan, sending: asyncio.Future,
+                                          receiving: Sequence[asyncio.Future], addresses: Sequence[str]) -> None:
+        """Waits until the trainer answered or every replica did; the first failed replica before the
+        trainer's answer makes the trainer give up on the group (abort_reason), so its answer comes now."""
+        waiting = set(receiving)
+        while waiting and not sending.done():
+            _, waiting = await asyncio.wait({sending, *waiting}, return_when=asyncio.FIRST_COMPLETED)
+            waiting.discard(sending)
+            reason = abort_reason([_outcome(t) for t in receiving], addresses)
+            if reason is not None and not sending.done():
+                try:
+                    await self.trainer.abort_weight_broadcast(self.run_id, plan.group_name, reason)
+                except TrainerUnavailable:
+                    pass  # then its RunWeightBroadcast fails the same way, and judge_round waits for it
+                return

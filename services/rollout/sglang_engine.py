@@ -22,8 +22,10 @@
   lora_path, and the previous version's adapter is unloaded. A restarted server
   loads the current adapter again.
 
-- receive_broadcast (rollout.weight_sync broadcast): the server joins the
-  trainer's weight-update group (/init_weights_update_group) and loads each
+- receive_broadcast (rollout.weight_sync broadcast): this process announces
+  the server's rank at the group's join barrier (the trainer's store) and,
+  once every rank has, the server joins the trainer's weight-update group
+  (/init_weights_update_group) and loads each
   bucket the trainer broadcasts (/update_weights_from_distributed,
   "flattened_bucket"), gloo on CPU and NCCL/RCCL on GPUs; those weights are
   not on disk, so a server lost afterwards cannot be restarted with them.
@@ -76,6 +78,7 @@ from services.rollout.sglang_weights import (
     verify_tensors,
     write_checkpoint,
 )
+from services.rollout.weight_broadcast import await_group_formed
 
 log = logging.getLogger("lockstep.rollout.sglang")
 
@@ -440,6 +443,9 @@ class SGLangEngine(Engine):
         client = self._ready_client()
         timeout = self.config.weight_update_timeout_s
         version = str(plan.policy_version)
+        # This process announces the server's rank: a group the trainer gives up on (another replica will
+        # not join) fails here, before generation pauses and before the server sits in a constructor.
+        await_group_formed(request, timeout)
         try:
             client.pause_generation("abort")
             try:

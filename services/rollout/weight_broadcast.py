@@ -1,6 +1,7 @@
 """A replica's side of the broadcast weight source, for engines that hold their model in this process.
 
-The replica joins the plan's group at the trainer's rendezvous as its rank, receives every bucket into a
+The replica joins the plan's group at the trainer's rendezvous as its rank (announcing itself at the
+join barrier first, so a group the trainer gives up on releases it at once), receives every bucket into a
 staging buffer of its own (the served model is untouched meanwhile), hashes what arrived, compares that
 with the digest the trainer broadcasts after the last bucket, and only then hands the tensors to the
 engine's ordinary update path (update_weights / update_lora_adapter), which checks them against the
@@ -20,6 +21,7 @@ from services.common.weight_broadcast import (
     WeightUpdateGroup,
     bucket_specs,
     hash_buffer,
+    join_when_formed,
     rendezvous_store,
     unpack_bucket,
 )
@@ -64,6 +66,19 @@ def staging_device(backend: str, engine_device: torch.device) -> torch.device:
                              f"{engine_device}")
         return engine_device
     return torch.device("cpu")
+
+
+def await_group_formed(request: pb.ReceiveWeightsRequest, timeout_s: float) -> None:
+    """For a rank that another process holds (an SGLang server): announce the request's rank at the plan's
+    join barrier, as a client of the rendezvous, and return once the trainer saw every rank, so the server
+    is only asked to join a group that will form. BroadcastReceiveFailed when the trainer gave up on it."""
+    plan = request.plan
+    try:
+        store = rendezvous_store(plan.rendezvous, host_it=False, timeout_s=timeout_s)
+        join_when_formed(store, plan.group_name, request.rank, timeout_s=timeout_s)
+    except RuntimeError as exc:  # GroupNotFormed; torch.distributed's: the rendezvous unreachable
+        raise BroadcastReceiveFailed(f"broadcast {plan.group_name} from {plan.rendezvous} (rank {request.rank} of "
+                                     f"{plan.world_size}): {exc}") from exc
 
 
 def receive_broadcast(request: pb.ReceiveWeightsRequest, buckets: list[list[TensorSpec]], device: torch.device,

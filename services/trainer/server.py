@@ -294,6 +294,12 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         # Under the lock for the whole broadcast: no step changes the weights between two buckets.
         return await self._locked(self.broadcaster.run, request)
 
+    @rpc_handler(ERRORS, "AbortWeightBroadcast")
+    async def AbortWeightBroadcast(self, request: pb.AbortWeightBroadcastRequest, context
+                                   ) -> pb.AbortWeightBroadcastResponse:
+        # Never under the lock: the broadcast it stops holds it. The broadcaster guards its own plans.
+        return self.broadcaster.abort(request)
+
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         if self.lock.locked():
             status = "busy"

@@ -5,9 +5,14 @@ names a fresh group; nothing moves. RunWeightBroadcast then hosts that group on 
 trainer's own configuration (never one a request names), waits for every rank, broadcasts each bucket
 and answers the digest of what it sent. Both run under the servicer's lock, so the weights cannot
 change between the plan and the last bucket; a plan whose weights did change is refused.
+
+AbortWeightBroadcast (beside a running broadcast, so never under that lock) tells a group that has not
+formed yet to give up: the coordinator sends it once a replica's ReceiveWeights failed, since a rank that
+will never join would otherwise keep the trainer (and the ranks that did join) waiting the whole timeout.
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -18,6 +23,7 @@ from proto import lockstep_pb2 as pb
 from services.common.structured_logging import log_event
 from services.common.weight_broadcast import (
     WeightUpdateGroup,
+    abandon_group,
     hash_buffer,
     pack_bucket,
     plan_buckets,
@@ -32,6 +38,8 @@ from services.trainer.wire import FailedPrecondition, InvalidRequest
 # Plans kept for RunWeightBroadcast. A coordinator runs a plan right after opening it, and a plan holds
 # its snapshot (a compute-dtype copy of the policy) until then: a newer plan replaces an unrun one.
 OPEN_PLANS_KEPT = 1
+# An abort's reason is logged and carried into the broadcast's error: long enough for every replica's error.
+MAX_ABORT_REASON_CHARS = 16_384
 
 
 class BroadcastFailed(RuntimeError):
@@ -44,6 +52,7 @@ class _OpenPlan:
     snapshot: WeightSnapshot
     plan: pb.BroadcastPlan
     buckets: list[list[int]]  # indices into snapshot.tensors, per bucket
+    abort_reason: str | None = None  # set by AbortWeightBroadcast before the group formed
 
 
 class WeightBroadcaster:
@@ -55,7 +64,10 @@ class WeightBroadcaster:
         self.address, self.bucket_bytes, self.timeout_s = address, bucket_bytes, timeout_s
         self.log = logger
         self._store = None
+        # Guards _open and _forming, which AbortWeightBroadcast reads beside a running broadcast.
+        self._plans_lock = threading.Lock()
         self._open: OrderedDict[str, _OpenPlan] = OrderedDict()
+        self._forming: dict[str, _OpenPlan] = {}  # running, not past the join barrier yet
 
     def open(self, request: pb.OpenWeightBroadcastRequest) -> pb.BroadcastPlan:
         if not self.address:
@@ -77,25 +89,73 @@ class WeightBroadcaster:
         for bucket in buckets:
             indices.append(list(range(start, start + len(bucket))))
             start += len(bucket)
-        self._open[group_name] = _OpenPlan(snapshot, plan, indices)
-        while len(self._open) > OPEN_PLANS_KEPT:
-            self._open.popitem(last=False)
+        with self._plans_lock:
+            self._open[group_name] = _OpenPlan(snapshot, plan, indices)
+            while len(self._open) > OPEN_PLANS_KEPT:
+                self._open.popitem(last=False)
         return plan
 
+    def abort(self, request: pb.AbortWeightBroadcastRequest) -> pb.AbortWeightBroadcastResponse:
+        """Tell the run's group, open or waiting for its ranks, to give up: RunWeightBroadcast then fails
+        (BroadcastFailed naming the ranks that never joined and `reason`) instead of waiting out its
+        timeout; one whose ranks all joined meanwhile forms regardless. A group that is unknown, of another
+        run, finished or already broadcasting is left as it is (aborted false): the broadcast of a formed
+        group ends by itself, whole or failed."""
+        if not request.reason:
+            raise InvalidRequest("reason: required (why the group is given up; the broadcast's error names it)")
+        if len(request.reason) > MAX_ABORT_REASON_CHARS:
+            raise InvalidRequest(f"reason: {len(request.reason)} characters, at most {MAX_ABORT_REASON_CHARS}")
+        with self._plans_lock:
+            target = self._open.get(request.group_name) or self._forming.get(request.group_name)
+            if target is None or target.plan.run_id != request.run_id:
+                return pb.AbortWeightBroadcastResponse(aborted=False)
+            target.abort_reason = f"aborted: {request.reason}"
+        log_event(self.log, "weight broadcast aborted", run_id=request.run_id, group_name=request.group_name,
+                  reason=request.reason)
+        return pb.AbortWeightBroadcastResponse(aborted=True)
+
+    def _started_store(self, plan: pb.BroadcastPlan):
+        if self._store is None:
+            try:
+                self._store = rendezvous_store(self.address, host_it=True, timeout_s=self.timeout_s)
+            except RuntimeError as exc:  # the port is taken, the address is not this host's
+                raise BroadcastFailed(f"broadcast {plan.group_name}: cannot host the rendezvous {self.address}: "
+                                      f"{exc}") from exc
+        return self._store
+
+    def _abort_reason(self, opened: _OpenPlan) -> str | None:
+        with self._plans_lock:
+            return opened.abort_reason
+
     def run(self, request: pb.RunWeightBroadcastRequest) -> pb.UpdateWeightsResponse:
-        opened = self._open.pop(request.group_name, None)
-        if opened is None or opened.plan.run_id != request.run_id:
-            raise FailedPrecondition(f"group_name: {request.group_name!r} is no open broadcast of run "
-                                     f"{request.run_id!r} (OpenWeightBroadcast first)")
-        self.trainer.check_weights_unchanged(opened.snapshot)
+        with self._plans_lock:
+            opened = self._open.pop(request.group_name, None)
+            if opened is None or opened.plan.run_id != request.run_id:
+                raise FailedPrecondition(f"group_name: {request.group_name!r} is no open broadcast of run "
+                                         f"{request.run_id!r} (OpenWeightBroadcast first)")
+            self._forming[request.group_name] = opened
+        try:
+            return self._run(opened)
+        finally:
+            with self._plans_lock:
+                self._forming.pop(request.group_name, None)
+
+    def _run(self, opened: _OpenPlan) -> pb.UpdateWeightsResponse:
         plan, tensors = opened.plan, opened.snapshot.tensors
         device = next(t.device for _, t in tensors) if plan.backend == "nccl" else torch.device("cpu")
         digest = BlockDigests()
+        store = self._started_store(plan)
         try:
-            if self._store is None:
-                self._store = rendezvous_store(self.address, host_it=True, timeout_s=self.timeout_s)
-            group = WeightUpdateGroup(self._store, group_name=plan.group_name, rank=0,
-                                      world_size=plan.world_size, backend=plan.backend, timeout_s=self.timeout_s)
+            self.trainer.check_weights_unchanged(opened.snapshot)
+        except FailedPrecondition as exc:
+            abandon_group(store, plan.group_name, str(exc))  # the replicas waiting for the group stop now
+            raise
+        try:
+            group = WeightUpdateGroup(store, group_name=plan.group_name, rank=0, world_size=plan.world_size,
+                                      backend=plan.backend, timeout_s=self.timeout_s,
+                                      abort_reason=lambda: self._abort_reason(opened))
+            with self._plans_lock:
+                self._forming.pop(plan.group_name, None)  # formed: an abort no longer applies
             try:
                 for bucket in opened.buckets:
                     buffer = pack_bucket([tensors[i][1] for i in bucket], device)

@@ -8,7 +8,9 @@ digests the gRPC stream carries for the same versions, and a replica refuses a r
 configured to trust and a plan it cannot verify, without changing the weights it serves. A LoRA run's
 adapters go alone, as over the stream; a replica restarted mid-run is brought to the run's version in a
 group of its own (weights_caught_up) and rejoins the next syncs; a 1.1 GB policy reaches two replicas
-with the coordinator's peak RSS flat.
+with the coordinator's peak RSS flat. A round that cannot complete ends at once rather than after the
+broadcast timeout (600 s in those tests): replicas that refuse the trainer's rendezvous fail the run naming
+their refusal, and a replica lost during a sync is evicted and the others synced again without it.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import pytest
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import sync_channel
+from services.common.ports import free_port
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
@@ -158,6 +161,58 @@ def test_a_replica_restarted_mid_run_is_caught_up_in_a_group_of_its_own(tmp_path
         assert caught_up[0]["policy_version"] == readmitted[0]["policy_version"]
         names = [e["event"] for e in events]
         assert names.index("replica_evicted") < names.index("weights_caught_up") < names.index("replica_readmitted")
+
+
+# Both sides wait this long for a group's ranks: far beyond how long any test below may take.
+LONG_TIMEOUTS = {"LOCKSTEP_TRAINER_WEIGHT_BROADCAST_TIMEOUT_S": "600",
+                 "LOCKSTEP_ROLLOUT_WEIGHT_BROADCAST_TIMEOUT_S": "600"}
+# A round the coordinator aborts is over within this long (on a loaded machine); waiting out the
+# timeouts above would take 600 s.
+PROMPT_S = 120
+
+
+def test_replicas_that_refuse_the_trainers_rendezvous_fail_the_run_at_once(tmp_path):
+    model = build_model_dir(tmp_path / "model", seed=2)
+    stack = LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[model.parent], extra_env=LONG_TIMEOUTS)
+    for rollout in stack.rollouts:  # trusting some other rendezvous, not this trainer's
+        rollout.args[rollout.args.index("--broadcast-sources") + 1] = f"127.0.0.1:{free_port()}"
+    with stack:
+        client = stack.client(timeout_s=60)
+        run = client.submit(_spec(model, "refused", "broadcast"))
+        done = client.wait(run["id"], timeout_s=900)
+        assert done["status"] == "failed", done
+        configured = _events(client, run["id"], "services_configured")[0]["ts"]
+        assert done["updated_at"] - configured < PROMPT_S, done
+        # The trainer gave up on version 1's group naming the ranks and why; the run's error carries the
+        # replicas' refusals.
+        assert "weight broadcast" in done["error"] and "never joined: aborted: ReceiveWeights failed" in done["error"]
+        assert done["error"].count("PERMISSION_DENIED: plan.rendezvous") >= 2, done["error"]
+        assert not _events(client, run["id"], "weights_synced") and not _events(client, run["id"], "replica_evicted")
+
+
+def test_a_replica_lost_during_a_sync_is_evicted_and_the_rest_regrouped_at_once(tmp_path):
+    model = build_model_dir(tmp_path / "model", seed=3)
+    stack = LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[model.parent], extra_env=LONG_TIMEOUTS)
+    victim = stack.rollouts[1]
+    # It answers Info before the sync of version 2, then its process dies as its ReceiveWeights begins.
+    victim.args = [victim.args[0], "-m", "tests.support.crashing_rollout", "--crash-on-receive-weights", "2",
+                   *victim.args[3:]]
+    with stack:
+        client = stack.client(timeout_s=60)
+        run = client.submit(_spec(model, "lost", "broadcast"))
+        done = client.wait(run["id"], timeout_s=900)
+        assert done["status"] == "completed", done
+        assert victim.proc.wait(timeout=30) == 137
+        lost, kept = (f"127.0.0.1:{p}" for p in (stack.rollout_ports[1], stack.rollout_ports[0]))
+        evicted = _events(client, run["id"], "replica_evicted")
+        assert [(e["replica"], e["reason"]) for e in evicted] == [(lost, "weight broadcast failed "
+                                                                         "(StatusCode.UNAVAILABLE)")]
+        regrouped = _events(client, run["id"], "weight_broadcast_regrouped")
+        assert [(e["policy_version"], e["dropped"], e["replicas"]) for e in regrouped] == [(2, [lost], [kept])]
+        assert [(s[0], s[3]) for s in _synced(client, run["id"])] == [(1, sorted([lost, kept])), (2, [kept]),
+                                                                       (3, [kept])]
+        sync_seconds = [s["timings"]["weight_sync"] for s in client.metrics(run["id"])["steps"]]
+        assert sync_seconds[1] < PROMPT_S, sync_seconds
 
 
 def test_a_gigabyte_policy_is_broadcast_to_two_replicas_without_passing_the_coordinator(tmp_path):

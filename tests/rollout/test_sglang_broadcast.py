@@ -4,7 +4,8 @@ This process plays the trainer: it hosts the rendezvous and broadcasts the bucke
 services/trainer/weight_broadcast.py does, while the engine has the server join the group
 (/init_weights_update_group) and load each bucket (/update_weights_from_distributed, "flattened_bucket").
 Generation then follows the new weights, the server's weight_version is the new version, and the engine
-reports SGLang's checksum of what it serves. Every request body of the path is also built into SGLang's
+reports SGLang's checksum of what it serves. A group the trainer abandons (another rank will not join)
+releases the engine before the server is asked to join anything. Every request body of the path is also built into SGLang's
 own request types (sglang/srt/managers/io_struct.py), so a renamed or removed field fails.
 """
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.ports import free_port
 from services.common.weight_broadcast import (
+    GroupNotFormed,
     WeightUpdateGroup,
     bucket_specs,
+    joined_key,
     pack_bucket,
     plan_buckets,
     plan_proto,
@@ -36,6 +39,7 @@ from services.rollout.sglang_client import (
 )
 from services.rollout.sglang_config import default_python
 from services.rollout.sglang_weights import load_checkpoint_tensors
+from services.rollout.weight_broadcast import BroadcastReceiveFailed
 from tests.conftest import require
 from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
 
@@ -104,6 +108,39 @@ def test_sglang_joins_a_gloo_group_and_serves_the_broadcast_weights(engine, mode
     samples = engine.generate(req)
     assert gaps(str(written.directory), req, samples, 0.7).mean().item() <= TOL
     assert gaps(old_dir, req, samples, 0.7).mean().item() > 100 * TOL
+
+
+def test_a_group_the_trainer_abandons_releases_the_engine_before_the_server_joins(engine, model_dir):  # noqa: F811
+    v = engine.policy_version
+    tensors = list(load_checkpoint_tensors(str(model_dir)).items())
+    address = f"127.0.0.1:{free_port()}"
+    store = rendezvous_store(address, host_it=True, timeout_s=300)
+    plan = _plan(tensors, v + 1, address)
+    plan.world_size = 3  # rank 2 never joins
+    errors: list = []
+
+    def trainer() -> None:
+        # As the trainer does once the coordinator aborts: here as soon as rank 1 has announced itself.
+        aborted = lambda: "aborted: rank 2: PERMISSION_DENIED" if store.check([joined_key(plan.group_name, 1)]) \
+            else None  # noqa: E731
+        try:
+            WeightUpdateGroup(store, group_name=plan.group_name, rank=0, world_size=3, backend="gloo",
+                              timeout_s=300, abort_reason=aborted)
+        except GroupNotFormed as exc:
+            errors.append(exc)
+
+    sender = threading.Thread(target=trainer)
+    sender.start()
+    try:
+        with pytest.raises(BroadcastReceiveFailed, match="rank 0 abandoned it: aborted: rank 2: PERMISSION_DENIED"):
+            engine.receive_broadcast(pb.ReceiveWeightsRequest(plan=plan, rank=1), bucket_specs(plan))
+    finally:
+        sender.join(timeout=300)
+    assert [str(e) for e in errors] == [f"group {plan.group_name}: rank 2 of 3 never joined: aborted: rank 2: "
+                                        "PERMISSION_DENIED"]
+    # Nothing changed and the server still serves (it never paused, never sat in a group's constructor).
+    assert engine.policy_version == v and engine._ready_client().weight_version() == str(v)
+    assert len(engine.generate(make_request(n=1, max_new_tokens=2))) == len(make_request(n=1).prompts)
 
 
 def test_broadcast_request_bodies_fit_sglangs_request_types():

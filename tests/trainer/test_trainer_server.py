@@ -51,12 +51,12 @@ def parity_server(tmp_path_factory):
     yield from trainer_process(tmp_path_factory.getbasetemp())
 
 
-def trainer_process(roots: Path):
+def trainer_process(roots: Path, extra_env: dict[str, str] | None = None):
     """A trainer reading models and writing checkpoints under `roots` only; every call carries TOKEN."""
     grpc_port, metrics_port = free_port(), free_port()
     env = dict(os.environ, LOCKSTEP_TRAINER_METRICS_PORT=str(metrics_port), PYTHONPATH=str(REPO),
                LOCKSTEP_TRAINER_MODEL_ROOTS=str(roots), LOCKSTEP_TRAINER_CHECKPOINT_ROOTS=str(roots),
-               **{TOKEN_ENV: TOKEN.secret})
+               **{TOKEN_ENV: TOKEN.secret}, **(extra_env or {}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.trainer", "--grpc-port", str(grpc_port), "--num-threads", "1"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
