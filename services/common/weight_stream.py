@@ -6,7 +6,8 @@ carries the sha256 of its bytes, and the last chunk carries the stream's digest
 4 MiB blocks) plus the chunk count. At the default chunk size a chunk is one
 digest block, so each byte is hashed once per side. The receiver verifies each
 chunk as it arrives and the whole at the end, and only then hands out tensors;
-a stream that fails any check yields nothing to apply.
+a stream that fails any check yields nothing to apply. On the wire a chunk's
+payload is written and read in place (services.common.chunk_frames).
 
 A LoRA adapter stream carries the adapter's rank, alpha and target modules on
 every chunk (`WeightChunk.lora`); the assembler refuses a stream whose chunks
@@ -82,8 +83,10 @@ def iter_weight_chunks(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     lora: LoraAdapterMeta | None = None,
 ) -> Iterator[pb.WeightChunk]:
-    """`lora` marks the stream as that adapter's tensors (set on every chunk). `named_tensors` is consumed
-    lazily, and each tensor is let go once its last chunk is cut."""
+    """The stream's definition, chunk by chunk, as parsed messages: what a client pushing UpdateWeights
+    sends, and the reference the trainer's served versions (services/trainer/served_weights.py) are
+    tested against. `lora` marks the stream as that adapter's tensors (set on every chunk).
+    `named_tensors` is consumed lazily, and each tensor is let go once its last chunk is cut."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     blocks = BlockDigests()
@@ -119,38 +122,6 @@ def iter_weight_chunks(
     pending.total_sha256 = blocks.hexdigest()
     pending.total_chunks = count
     yield pending
-
-
-class CachedWeightStream:
-    """One stream's serialized chunks, cut once and kept for every reader of the same weights: `chunk(i)`
-    cuts up to chunk i on first use (a first reader pays the hashing as it streams, later ones read the
-    kept chunks). Not thread-safe: callers serialize (the trainer's lock)."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._source: Iterator[bytes] | None = chunks
-        self._chunks: list[bytes] = []
-        self._failed: BaseException | None = None
-
-    def chunk(self, index: int) -> bytes | None:
-        """Chunk `index`, or None past the last one. A source that failed fails every later call too, so
-        no reader takes the chunks cut before the failure for a whole stream."""
-        while index >= len(self._chunks) and self._source is not None:
-            if self._failed is not None:
-                raise WeightStreamError(f"the stream's source failed: {self._failed}")
-            try:
-                nxt = next(self._source, None)
-            except BaseException as exc:
-                self._failed = exc
-                raise
-            if nxt is None:
-                self._source = None
-            else:
-                self._chunks.append(nxt)
-        return self._chunks[index] if index < len(self._chunks) else None
-
-    @property
-    def complete(self) -> bool:
-        return self._source is None
 
 
 @dataclass

@@ -18,7 +18,6 @@ from services.common.weight_digest import DIGEST_BLOCK_BYTES, BlockDigests, tens
 from services.common.weight_files import read_weight_dir, write_weight_dir
 from services.common.weight_stream import (
     DEFAULT_CHUNK_BYTES,
-    CachedWeightStream,
     WeightStreamAssembler,
     WeightStreamError,
     iter_weight_chunks,
@@ -140,32 +139,6 @@ def test_at_the_default_chunk_size_each_side_hashes_each_byte_once(side, monkeyp
         _receive(chunks).finish()
     # Every byte once, plus the final digest over the 32-byte block digests.
     assert _CountingSha256.fed == nbytes + 32 * blocks
-
-
-def test_a_kept_stream_cuts_each_chunk_once_and_a_failed_source_stays_failed():
-    cut = []
-
-    def source():
-        for i in range(3):
-            cut.append(i)
-            yield next(iter_weight_chunks([("w", torch.full((4,), float(i)))], run_id="r", policy_version=1)
-                       ).SerializeToString()
-
-    kept = CachedWeightStream(source())
-    assert kept.chunk(1) is kept.chunk(1) and cut == [0, 1]
-    assert pb.WeightChunk.FromString(kept.chunk(0)).data == torch.full((4,), 0.0).numpy().tobytes()
-    assert kept.chunk(3) is None and kept.complete and cut == [0, 1, 2]
-
-    def failing():
-        yield next(iter_weight_chunks([("w", torch.ones(4))], run_id="r", policy_version=1)).SerializeToString()
-        raise RuntimeError("weights changed")
-
-    broken = CachedWeightStream(failing())
-    assert broken.chunk(0) is not None
-    with pytest.raises(RuntimeError, match="weights changed"):
-        broken.chunk(1)
-    with pytest.raises(WeightStreamError, match="source failed: weights changed"):
-        broken.chunk(1)
 
 
 def test_a_corrupt_chunk_hashed_on_the_helper_thread_refuses_the_stream():
