@@ -187,7 +187,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         # Receive and verify the whole stream before taking the lock, so
         # generation continues during the transfer; WeightStreamError is a
         # ValueError -> INVALID_ARGUMENT and nothing is applied.
-        assembler = WeightStreamAssembler()
+        assembler = WeightStreamAssembler(check_finite=True)
         async for chunk in request_iterator:
             assembler.add(chunk)
         return await self._apply(assembler, "UpdateWeights")

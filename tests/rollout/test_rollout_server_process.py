@@ -270,6 +270,13 @@ def test_update_weights_stream(loaded, model_dir):
     renamed = list(iter_weight_chunks([("model.bogus.weight", torch.ones(3))], run_id=RUN, policy_version=1))
     code, msg = code_of(lambda: stub.UpdateWeights(iter(renamed), timeout=60))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "model.bogus.weight" in msg
+    # A NaN (checksums fine): refused as the chunks arrive, naming the tensor.
+    poisoned = {k: v.clone() for k, v in model.state_dict().items()}
+    name = "model.layers.1.mlp.up_proj.weight"
+    poisoned[name].view(-1)[7] = float("nan")
+    nan_chunks = list(iter_weight_chunks(poisoned.items(), run_id=RUN, policy_version=1, chunk_bytes=2048))
+    code, msg = code_of(lambda: stub.UpdateWeights(iter(nan_chunks), timeout=60))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and f"{name}: non-finite values" in msg
     assert stub.Info(pb.InfoRequest(), timeout=5).policy_version == 0
     unchanged = stub.Generate(generate_request(0), timeout=60)
     assert unchanged.SerializeToString() == baseline.SerializeToString()
