@@ -7,12 +7,9 @@ sender and the receiver each feed every byte to sha256 once (counted through a w
 """
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 
-from proto import lockstep_pb2 as pb
 from services.common import weight_stream
 from services.common.weight_digest import DIGEST_BLOCK_BYTES, BlockDigests, tensors_digest
 from services.common.weight_files import read_weight_dir, write_weight_dir
@@ -22,8 +19,8 @@ from services.common.weight_stream import (
     WeightStreamError,
     iter_weight_chunks,
 )
+from tests.support.digest_reference import BLOCK, Sha256Counter, digest_by_definition
 
-BLOCK = 4 * 1024 * 1024
 
 
 def _weights() -> list[tuple[str, torch.Tensor]]:
@@ -35,14 +32,6 @@ def _weights() -> list[tuple[str, torch.Tensor]]:
         ("small", torch.randn(37, generator=g)),
         ("exact", torch.randint(0, 255, (BLOCK,), generator=g, dtype=torch.uint8)),  # exactly one block
     ]
-
-
-def _by_definition(weights: list[tuple[str, torch.Tensor]]) -> str:
-    digests = b""
-    for _, t in weights:
-        data = t.contiguous().view(torch.uint8).numpy().tobytes()
-        digests += b"".join(hashlib.sha256(data[o:o + BLOCK]).digest() for o in range(0, max(len(data), 1), BLOCK))
-    return hashlib.sha256(digests).hexdigest()
 
 
 def _receive(chunks) -> WeightStreamAssembler:
@@ -59,7 +48,7 @@ def test_the_block_size_is_the_documented_one_and_the_default_chunk():
 @pytest.mark.parametrize("chunk_bytes", [1000, BLOCK - 1, BLOCK, BLOCK + 5, 3 * BLOCK])
 def test_stream_sender_receiver_and_shared_path_agree_with_the_definition(chunk_bytes, tmp_path):
     weights = _weights()
-    expected = _by_definition(weights)
+    expected = digest_by_definition(weights)
     chunks = list(iter_weight_chunks(weights, run_id="r", policy_version=1, chunk_bytes=chunk_bytes))
     assert chunks[-1].total_sha256 == expected
     asm = _receive(chunks)
@@ -103,27 +92,6 @@ def test_pieces_cut_anyhow_give_the_block_digests_of_whole_blocks():
         unfinished.hexdigest()
 
 
-class _CountingSha256:
-    """hashlib.sha256 that adds every byte it is fed to `fed`."""
-
-    fed = 0
-    real = staticmethod(hashlib.sha256)
-
-    def __init__(self, data=b""):
-        self._h = _CountingSha256.real()
-        self.update(data)
-
-    def update(self, data) -> None:
-        _CountingSha256.fed += memoryview(data).nbytes
-        self._h.update(data)
-
-    def digest(self) -> bytes:
-        return self._h.digest()
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 def test_at_the_default_chunk_size_each_side_hashes_each_byte_once(side, monkeypatch):
     weights = _weights()
@@ -131,14 +99,13 @@ def test_at_the_default_chunk_size_each_side_hashes_each_byte_once(side, monkeyp
     blocks = sum(len(range(0, max(t.numel() * t.element_size(), 1), BLOCK)) for _, t in weights)
     if side == "receiver":
         chunks = list(iter_weight_chunks(weights, run_id="r", policy_version=1))
-    monkeypatch.setattr(hashlib, "sha256", _CountingSha256)
-    _CountingSha256.fed = 0
+    counted = Sha256Counter(monkeypatch)
     if side == "sender":
         chunks = list(iter_weight_chunks(weights, run_id="r", policy_version=1))
     else:
         _receive(chunks).finish()
     # Every byte once, plus the final digest over the 32-byte block digests.
-    assert _CountingSha256.fed == nbytes + 32 * blocks
+    assert counted.fed == nbytes + 32 * blocks
 
 
 def test_a_corrupt_chunk_hashed_on_the_helper_thread_refuses_the_stream():

@@ -28,20 +28,8 @@ from services.common.weight_files import (
     write_tensor_data,
     write_weight_dir,
 )
+from tests.support.digest_reference import BLOCK, Sha256Counter, digest_by_definition, raw_bytes
 
-BLOCK = 4 * 1024 * 1024
-
-
-def _raw(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def _by_definition(weights: list[tuple[str, torch.Tensor]]) -> str:
-    digests = b""
-    for _, t in weights:
-        data = _raw(t)
-        digests += b"".join(hashlib.sha256(data[o:o + BLOCK]).digest() for o in range(0, max(len(data), 1), BLOCK))
-    return hashlib.sha256(digests).hexdigest()
 
 
 def _weights() -> list[tuple[str, torch.Tensor]]:
@@ -69,14 +57,14 @@ def base(tmp_path) -> Path:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and _raw(a) == _raw(b)
+    return a.dtype == b.dtype and a.shape == b.shape and raw_bytes(a) == raw_bytes(b)
 
 
 def test_round_trip_is_bit_exact_for_safe_open_and_the_reader(tmp_path, base):
     weights = _weights()
     written = write_weight_dir(tmp_path / "v3", weights, 3, base_dir=base)
-    assert written.total_sha256 == _by_definition(weights)
-    assert written.nbytes == sum(len(_raw(t)) for _, t in weights) and written.tensors == len(weights)
+    assert written.total_sha256 == digest_by_definition(weights)
+    assert written.nbytes == sum(len(raw_bytes(t)) for _, t in weights) and written.tensors == len(weights)
     assert sorted(p.name for p in written.directory.iterdir()) == ["config.json", WEIGHTS_FILE]
     with safe_open(str(written.directory / WEIGHTS_FILE), framework="pt") as f:
         assert f.metadata() == {VERSION_KEY: "3", ORDER_KEY: json.dumps([n for n, _ in weights])}
@@ -98,7 +86,7 @@ def test_the_data_lies_in_stream_order_and_the_header_is_padded(tmp_path, base):
     header = json.loads(data[8:8 + length])
     starts = [header[n]["data_offsets"][0] for n, _ in weights]
     assert starts == sorted(starts)
-    assert data[8 + length:] == b"".join(_raw(t) for _, t in weights)
+    assert data[8 + length:] == b"".join(raw_bytes(t) for _, t in weights)
 
 
 def test_aliased_and_non_contiguous_tensors_are_written_as_their_values(tmp_path, base):
@@ -106,7 +94,7 @@ def test_aliased_and_non_contiguous_tensors_are_written_as_their_values(tmp_path
     weights = [("model.embed_tokens.weight", embed), ("lm_head.weight", embed), ("transposed", embed.t()),
                ("row", embed[2])]
     written = write_weight_dir(tmp_path / "v1", weights, 1, base_dir=base)
-    assert written.total_sha256 == _by_definition(weights)
+    assert written.total_sha256 == digest_by_definition(weights)
     tensors, _ = read_weight_dir(written.directory, policy_version=1, expected_sha256=written.total_sha256)
     assert all(_same(tensors[n], t) for n, t in weights)
     assert tensors["lm_head.weight"].data_ptr() != tensors["model.embed_tokens.weight"].data_ptr()
@@ -140,39 +128,20 @@ def test_the_staged_writer_writes_and_hashes_what_the_direct_one_does(tmp_path):
                 digests = write_tensor_data(f, tensors, pool, staged=staged, staging_bytes=BLOCK)
             outputs[staged] = (path.read_bytes(), [d.result() for d in digests])
     assert outputs[True] == outputs[False]
-    assert outputs[True][0] == b"".join(_raw(t) for t in tensors)
-    assert hashlib.sha256(b"".join(outputs[True][1])).hexdigest() == _by_definition(weights)
-
-
-class _CountingSha256:
-    fed = 0
-    real = staticmethod(hashlib.sha256)
-
-    def __init__(self, data=b""):
-        self._h = _CountingSha256.real()
-        self.update(data)
-
-    def update(self, data) -> None:
-        _CountingSha256.fed += memoryview(data).nbytes
-        self._h.update(data)
-
-    def digest(self) -> bytes:
-        return self._h.digest()
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
+    assert outputs[True][0] == b"".join(raw_bytes(t) for t in tensors)
+    assert hashlib.sha256(b"".join(outputs[True][1])).hexdigest() == digest_by_definition(weights)
 
 
 def test_each_side_hashes_each_byte_once(tmp_path, base, monkeypatch):
     weights = _weights()
-    nbytes = sum(len(_raw(t)) for _, t in weights)
-    blocks = sum(len(range(0, max(len(_raw(t)), 1), BLOCK)) for _, t in weights)
-    monkeypatch.setattr(hashlib, "sha256", _CountingSha256)
+    nbytes = sum(len(raw_bytes(t)) for _, t in weights)
+    blocks = sum(len(range(0, max(len(raw_bytes(t)), 1), BLOCK)) for _, t in weights)
+    counted = Sha256Counter(monkeypatch)
     written = write_weight_dir(tmp_path / "v1", weights, 1, base_dir=base)
-    assert _CountingSha256.fed == nbytes + 32 * blocks
-    _CountingSha256.fed = 0
+    assert counted.fed == nbytes + 32 * blocks
+    counted.fed = 0
     read_weight_dir(written.directory, policy_version=1, expected_sha256=written.total_sha256)
-    assert _CountingSha256.fed == nbytes + 32 * blocks
+    assert counted.fed == nbytes + 32 * blocks
 
 
 # ----------------------------------------------------------- the writer refuses --

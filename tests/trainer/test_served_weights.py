@@ -4,7 +4,6 @@ fields, same bytes, same digests), a second reader gets the same bytes, the snap
 the live tensors do, and each byte is hashed once however many replicas read the version."""
 from __future__ import annotations
 
-import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.weight_stream import LoraAdapterMeta, WeightStreamAssembler, iter_weight_chunks
 from services.trainer.served_weights import WeightVersion
+from tests.support.digest_reference import Sha256Counter
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +92,10 @@ def test_gpu_tensors_are_cut_through_pinned_memory(pools):
 
 
 def test_at_the_default_chunk_size_each_byte_is_hashed_once_however_many_read(pools, monkeypatch):
-    fed = []
-    real = hashlib.sha256
-
-    def counting(data=b""):
-        fed.append(memoryview(data).nbytes)
-        return real(data)
-
-    monkeypatch.setattr(hashlib, "sha256", counting)
+    counted = Sha256Counter(monkeypatch)
     tensors = [("big", torch.randn(3 << 20)), ("small", torch.randn(10))]
     version = _version(tensors, pools)
     for _ in range(2):
         _read(version)
     blocks = len(version)
-    assert sum(fed) == version.nbytes + 32 * blocks  # every byte once, then the digest over block digests
+    assert counted.fed == version.nbytes + 32 * blocks  # every byte once, then the digest over block digests
