@@ -4,8 +4,11 @@ The rollout service validates LoadModel's `engine_config_json` with these
 models, and the coordinator validates a run spec's engine_options with the
 same ones at submit time, so both refuse a bad option with the same message.
 What the rollout host's operator decides (the SGLang interpreter, weight and
-log directories, server URL, extra flags) is not here: it is the rollout
-service's configuration (services/rollout/config.py, sglang_config.py).
+log directories, server URL, where the server listens, extra flags) is not
+here: it is the rollout service's configuration (services/rollout/config.py,
+sglang_config.py). Options that reach the SGLang server's command line declare
+their flag and keep a grammar none of whose values reads as an option
+(contract/command_line.py).
 """
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import re
 from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from contract.command_line import server_flag
 from contract.platforms import SGLangPlatformConfig
 
 LOGPROB_BACKEND_NAMES: tuple[str, ...] = ("reference", "triton", "native")
@@ -42,11 +47,20 @@ def torch_device_type(name: str) -> str:
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
 
+class EngineConfigError(ValueError):
+    """Refused engine options; `fields` is [(option, reason)], the option dotted within the options
+    (`server.dtype`; '' for the options as a whole). The message names each as `engine_config.<option>`."""
+
+    def __init__(self, fields: list[tuple[str, str]]) -> None:
+        self.fields = fields
+        super().__init__("; ".join(f"engine_config{'.' + f if f else ''}: {reason}" for f, reason in fields))
+
+
 def parse_engine_config(model: type[ConfigT], text: str) -> ConfigT:
     """Parse LoadModelRequest.engine_config_json into an engine's own config.
 
-    Errors are ValueError naming the field (`engine_config.dtype: ...`), which
-    the server answers with INVALID_ARGUMENT.
+    Errors are EngineConfigError (a ValueError) naming the field
+    (`engine_config.dtype: ...`), which the server answers with INVALID_ARGUMENT.
     """
     try:
         raw = json.loads(text) if text.strip() else {}
@@ -57,11 +71,13 @@ def parse_engine_config(model: type[ConfigT], text: str) -> ConfigT:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        parts = []
+        fields = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"]) or "engine_config"
-            parts.append(f"engine_config.{loc}: {err['msg']}")
-        raise ValueError("; ".join(parts)) from None
+            if err["type"] == SERVICE_OWNED_ERROR:  # raised above the option it names
+                fields.append((err["ctx"]["option"], err["ctx"]["reason"]))
+                continue
+            fields.append((".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")))
+        raise EngineConfigError(fields) from None
 
 
 class TorchEngineConfig(BaseModel):
@@ -172,14 +188,20 @@ SERVICE_OWNED_OPTIONS: dict[str, str] = {
     "log_dir": "sglang_weights_dir",
     "url": "sglang_url",
     "extra_args": "sglang_extra_args",
+    "host": "sglang_host",
+    "port": "sglang_port",
 }
-"""Options a run may not set (they choose an executable, a server to talk to, or where files are written),
-with the rollout service setting that decides each instead."""
+"""Options a run may not set (they choose an executable, a server to talk to, where files are written or
+where a server listens), with the rollout service setting that decides each instead."""
+LISTEN_OPTIONS = frozenset({"host", "port"})
+SERVICE_OWNED_ERROR = "service_owned_option"
 
 
 def service_owned_reason(option: str) -> str:
-    return (f"{option}: set by the rollout service's configuration ({SERVICE_OWNED_OPTIONS[option]}), "
-            "not by a run: it chooses what runs on the host or where files are written")
+    """Why a run may not set `option` (one of SERVICE_OWNED_OPTIONS), without the option's name."""
+    what = ("where a server listens is the operator's choice" if option in LISTEN_OPTIONS
+            else "it chooses what runs on the host or where files are written")
+    return f"set by the rollout service's configuration ({SERVICE_OWNED_OPTIONS[option]}), not by a run: {what}"
 
 
 class SGLangEngineConfig(BaseModel):
@@ -187,8 +209,6 @@ class SGLangEngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = Field("127.0.0.1", min_length=1, description="Address the launched server binds to.")
-    port: int = Field(0, ge=0, le=65535, description="Port of the launched server (0 = a free port picked at launch).")
     platform: str = Field(
         "auto",
         description="'auto' (detect: services.common.platform.probe_platform), 'cpu', 'cuda' or 'rocm'.",
@@ -197,7 +217,8 @@ class SGLangEngineConfig(BaseModel):
         default_factory=SGLangPlatformConfig,
         description="Platform-dependent server options (attention backend on CUDA, deterministic mode, dtype, ...).",
     )
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel degree of the server (--tp-size).")
+    tp_size: int = Field(1, ge=1, le=1024, json_schema_extra=server_flag("--tp-size"),
+                         description="Tensor-parallel degree of the server (--tp-size).")
     keep_versions: int = Field(
         2, ge=1, description="Synced checkpoints kept on disk (the current one always among them)."
     )
@@ -217,7 +238,8 @@ class SGLangEngineConfig(BaseModel):
     def _no_service_options(cls, data: object) -> object:
         if isinstance(data, dict):
             for key in sorted(set(data) & set(SERVICE_OWNED_OPTIONS)):
-                raise ValueError(service_owned_reason(key))
+                raise PydanticCustomError(SERVICE_OWNED_ERROR, "{option}: {reason}",
+                                          {"option": key, "reason": service_owned_reason(key)})
         return data
 
     @field_validator("platform")
@@ -253,5 +275,6 @@ def engine_config_class(name: str) -> type[BaseModel]:
 
 
 def check_engine_options(name: str, options_json: str) -> BaseModel:
-    """Validate engine options as LoadModel will; ValueError naming each bad field (`engine_config.dtype: ...`)."""
+    """Validate engine options as LoadModel will; EngineConfigError naming each bad field
+    (`engine_config.dtype: ...`), ValueError for an unknown engine."""
     return parse_engine_config(engine_config_class(name), options_json)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from contract.engine_options import SGLangEngineConfig
 from services.common.platform import Platform, sglang_launch_plan
-from services.rollout.sglang_server import BOOTSTRAP, server_command, server_env
+from services.rollout.sglang_server import BOOTSTRAP, engine_run_options, server_command, server_env
 
 COMPOSE_FILES: dict[Platform, tuple[str, ...]] = {
     Platform.ROCM: ("deploy/docker-compose.yml",),
@@ -28,7 +28,8 @@ COMPOSE_MODELS_MOUNT = "/models"
 SGLANG_PYTHON = "<sglang_python setting>"
 BOOTSTRAP_SHOWN = "<bootstrap: runpy sglang.launch_server, stops with the rollout>"
 PARENT_PID_SHOWN = "<rollout pid>"
-FREE_PORT_SHOWN = "<free port>"
+HOST_SHOWN = "<sglang_host setting>"
+PORT_SHOWN = "<sglang_port setting, 0: a free port>"
 API_KEY_SHOWN = "<generated per engine>"
 
 
@@ -74,13 +75,12 @@ def sglang_launch(spec: dict, platform: Platform, rollout_gpus: str) -> SGLangLa
     base = device_env(chosen, rollout_gpus)
     plan = sglang_launch_plan(chosen, config.server, base)
     argv = server_command(
-        SGLANG_PYTHON, plan, model_path=str(spec.get("model_path", "")), host=config.host, port=config.port,
-        weight_version="0", tp_size=config.tp_size, parent_pid=0,
+        SGLANG_PYTHON, plan, model_path=str(spec.get("model_path", "")), host=HOST_SHOWN, port=0,
+        weight_version="0", run_options=engine_run_options(config), parent_pid=0,
     )
     at = argv.index(BOOTSTRAP)
     argv[at], argv[at + 1] = BOOTSTRAP_SHOWN, PARENT_PID_SHOWN
-    if config.port == 0:
-        argv[argv.index("--port") + 1] = FREE_PORT_SHOWN
+    argv[argv.index("--port=0")] = f"--port={PORT_SHOWN}"
     env = server_env(plan, base, api_key=API_KEY_SHOWN)
     added = {k: v for k, v in env.items() if base.get(k) != v}
     return SGLangLaunch(platform=chosen, argv=argv, env_added=added)

@@ -39,9 +39,11 @@ exact agreement needed every one of these):
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from contract.command_line import SpecOption, spec_option
 from contract.platforms import Platform, SGLangPlatformConfig
 
 PLATFORM_ENV = "LOCKSTEP_PLATFORM"
@@ -56,8 +58,12 @@ SGLANG_CPU_PLUGIN_ENV = "LOCKSTEP_SGLANG_CPU_PLATFORM"
 # Set for every SGLang server on ROCm (why: module docstring).
 ROCM_LOGPROB_PARITY_ENV: dict[str, str] = {"SGLANG_ROPE_CACHE_FP32": "1"}
 # Added on ROCm in deterministic mode.
-ROCM_DETERMINISTIC_FLAGS: tuple[str, ...] = ("--rl-on-policy-target", "fsdp")
+ROCM_DETERMINISTIC_FLAGS: tuple[str, ...] = ("--rl-on-policy-target=fsdp",)
 ROCM_DETERMINISTIC_ENV: dict[str, str] = {"NCCL_ALGO": "allreduce:tree"}
+CONSTANT_FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*(=[^-\s\x00][^\s\x00]*)?")
+"""One element of a launch plan's own flags: '--switch' or '--flag=value', the value not readable as a flag."""
+SERVER_FIELD_PREFIX = "engine_config.server."
+"""Where SGLangPlatformConfig sits in the engine options (for the names in errors)."""
 
 
 def detect_platform(env: Mapping[str, str], *, torch_hip: str | None, cuda_available: bool) -> Platform:
@@ -92,11 +98,22 @@ def probe_platform(env: Mapping[str, str]) -> Platform:
 
 @dataclass(frozen=True)
 class SGLangLaunchPlan:
-    """What the platform decides about an SGLang server: flags and environment changes."""
+    """What the platform decides about an SGLang server: flags, the run's options, environment changes.
+
+    `flags` are this module's constants, each one element (`--switch` or `--flag=constant`); every value
+    taken from the run's config is in `options`, which only the command builder renders
+    (contract.command_line.render_spec_options), checking each against its grammar.
+    """
 
     platform: Platform
     flags: tuple[str, ...]
+    options: tuple[SpecOption, ...] = ()
     env_updates: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for flag in self.flags:  # no element on its own that a value could occupy
+            if not CONSTANT_FLAG.fullmatch(flag):
+                raise ValueError(f"launch plan flag {flag!r}: not one '--flag' or '--flag=value' element")
 
     def child_env(self, base: Mapping[str, str]) -> dict[str, str]:
         """The child process's environment: `base` with this plan's updates applied."""
@@ -104,12 +121,17 @@ class SGLangLaunchPlan:
 
 
 def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Mapping[str, str]) -> SGLangLaunchPlan:
-    """Flags and environment for an SGLang server on `platform`. Pure; tested exactly per platform.
+    """Flags, run options and environment for an SGLang server on `platform`. Pure; tested exactly per platform.
 
     --enable-metrics everywhere: SGLang's own Prometheus metrics are scraped
     beside Lockstep's.
     """
     env_updates: dict[str, str] = {}
+    options: list[SpecOption] = []
+
+    def option(name: str) -> None:  # a config value: rendered by the command builder only
+        options.append(spec_option(config, name, SERVER_FIELD_PREFIX))
+
     if platform is Platform.CPU:
         if config.max_lora_rank is not None:
             raise ValueError(
@@ -125,15 +147,15 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
         if config.dtype not in ("auto", "float32"):
             raise ValueError(f"dtype: SGLang on CPU runs float32 only, got {config.dtype!r}")
         flags = [
-            "--device", "cpu",
+            "--device=cpu",
             # Plain SDPA over the paged KV cache: no Triton, flashinfer or sgl-kernel on a CPU.
-            "--attention-backend", "torch_native",
+            "--attention-backend=torch_native",
             "--disable-cuda-graph",
-            "--dtype", "float32",
-            "--max-total-tokens", str(config.cpu_max_total_tokens),
+            "--dtype=float32",
             # Warm-up sends a text request; with input ids only (no tokenizer) it is pure start-up cost.
             "--skip-server-warmup",
         ]
+        option("cpu_max_total_tokens")
         env_updates[SGLANG_CPU_PLUGIN_ENV] = "1"
         # Select the plugin by name: SGLang then fails at start-up, naming it,
         # when it is not installed, instead of falling back to another platform.
@@ -141,7 +163,8 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
     elif platform is Platform.ROCM:
         if config.lora_backend not in (None, "triton"):
             raise ValueError(f"lora_backend: {config.lora_backend!r} is CUDA-only; on ROCm SGLang's LoRA runs on triton")
-        flags = ["--attention-backend", "triton", "--lora-backend", "triton", "--dtype", config.dtype]
+        flags = ["--attention-backend=triton", "--lora-backend=triton"]
+        option("dtype")
         hip = env.get("HIP_VISIBLE_DEVICES")
         if hip is not None:
             env_updates["CUDA_VISIBLE_DEVICES"] = hip
@@ -153,19 +176,22 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
             flags += ROCM_DETERMINISTIC_FLAGS
             env_updates.update(ROCM_DETERMINISTIC_ENV)
     elif platform is Platform.CUDA:
-        flags = ["--attention-backend", config.cuda_attention_backend, "--dtype", config.dtype]
+        flags = []
+        option("cuda_attention_backend")
+        option("dtype")
         if config.lora_backend is not None:
-            flags += ["--lora-backend", config.lora_backend]
+            option("lora_backend")
     else:  # pragma: no cover - exhaustive over the enum
         raise ValueError(f"platform: unsupported {platform!r}")
     if platform is not Platform.CPU and config.mem_fraction_static is not None:
-        flags += ["--mem-fraction-static", str(config.mem_fraction_static)]
+        option("mem_fraction_static")
     if config.chunked_prefill_size is not None:
-        flags += ["--chunked-prefill-size", str(config.chunked_prefill_size)]
+        option("chunked_prefill_size")
     if config.max_lora_rank is not None:
-        flags += ["--enable-lora", "--max-lora-rank", str(config.max_lora_rank),
-                  "--lora-target-modules", *config.lora_target_modules]
+        flags.append("--enable-lora")
+        option("max_lora_rank")
+        option("lora_target_modules")
     if config.deterministic:
         flags.append("--enable-deterministic-inference")
     flags.append("--enable-metrics")
-    return SGLangLaunchPlan(platform=platform, flags=tuple(flags), env_updates=env_updates)
+    return SGLangLaunchPlan(platform=platform, flags=tuple(flags), options=tuple(options), env_updates=env_updates)

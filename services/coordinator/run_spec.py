@@ -16,7 +16,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from contract.engine_options import SERVICE_OWNED_OPTIONS, check_engine_options, service_owned_reason
+from contract.command_line import check_arg_value
+from contract.engine_options import (
+    SERVICE_OWNED_OPTIONS,
+    EngineConfigError,
+    check_engine_options,
+    service_owned_reason,
+)
 from contract.trainer_run import TrainerRunConfig
 from contract.trainer_settings import Numerics
 from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_bounded
@@ -57,9 +63,10 @@ class RolloutSpec(_Strict):
     engine_options: dict = Field(
         default_factory=dict,
         description="Engine-specific options, validated at submit time against the engine's own options model "
-        "(the one LoadModel applies); an unknown key is refused. What runs on the rollout host and where it "
-        "writes (the SGLang interpreter, weight and log directories, server URL, extra flags) is the rollout "
-        "service's configuration and cannot be set here.")
+        "(the one LoadModel applies); an unknown key is refused. What runs on the rollout host, where it "
+        "writes and where it listens (the SGLang interpreter, weight and log directories, server URL, host and "
+        "port, extra flags) is the rollout service's configuration and cannot be set here. Options that become "
+        "SGLang server flags take enumerations and numbers only, so no value reads as a flag.")
     prompts_per_step: int = Field(16, ge=1, le=65536, description="Prompts (GRPO groups) sampled per step.")
     samples_per_prompt: int = Field(8, ge=2, le=1024, description="Group size; GRPO needs at least 2.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
@@ -79,11 +86,16 @@ class RolloutSpec(_Strict):
     def _engine_accepts_options(cls, v: dict, info: ValidationInfo) -> dict:
         _bounded_free_form(v)
         engine = info.data.get("engine")
+        where = "rollout.engine_options"
         if engine == "sglang":
             for key in sorted(set(v) & set(SERVICE_OWNED_OPTIONS)):
-                raise ValueError(service_owned_reason(key))
+                raise field_error(f"{where}.{key}", service_owned_reason(key))
         if engine is not None:  # a bad engine name is reported on its own field
-            check_engine_options(engine, json.dumps(v))  # ValueError naming each bad option
+            try:
+                check_engine_options(engine, json.dumps(v))
+            except EngineConfigError as exc:  # each bad option under its own name
+                raise fields_error([(f"{where}.{option}" if option else where, reason)
+                                    for option, reason in exc.fields]) from None
         return v
 
 
@@ -180,6 +192,12 @@ def field_error(field: str, reason: str) -> PydanticCustomError:
     return PydanticCustomError("refused_field", "{field}: {reason}", {"field": field, "reason": reason})
 
 
+def fields_error(fields: list[tuple[str, str]]) -> PydanticCustomError:
+    """field_error for several fields at once: validation_fields reports each under its own name."""
+    message = "; ".join(f"{field}: {reason}" for field, reason in fields)
+    return PydanticCustomError("refused_fields", "{message}", {"message": message, "fields": fields})
+
+
 class CheckpointSpec(_Strict):
     every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and after the last step); 0 = only after the last step.")
 
@@ -243,6 +261,17 @@ class RunSpec(_Strict):
             raise field_error("eval.k", f"{v.k} samples of each of up to {total} problems exceed "
                               f"{MAX_EVAL_SAMPLES} samples per evaluation")
         return v
+
+    @model_validator(mode="after")
+    def _sglang_model_path_fits_a_command_line(self) -> "RunSpec":
+        # The SGLang server is launched with --model-path=<this directory>: the path keeps the grammar of
+        # every run-chosen command-line value (contract/command_line.py), as the rollout checks again at launch.
+        if self.rollout.engine == "sglang":
+            try:
+                check_arg_value(self.model_path, "model_path")
+            except ValueError as exc:
+                raise field_error("model_path", str(exc).removeprefix("model_path: ")) from None
+        return self
 
     @model_validator(mode="after")
     def _sglang_serves_the_adapters(self) -> "RunSpec":
@@ -388,6 +417,9 @@ def validation_fields(errors: list[dict]) -> list[dict[str, str]]:
     for err in errors:
         if err.get("type") == "refused_field":  # raised above the field it concerns (field_error)
             out.append({"field": err["ctx"]["field"], "reason": err["ctx"]["reason"]})
+            continue
+        if err.get("type") == "refused_fields":  # fields_error
+            out += [{"field": field, "reason": reason} for field, reason in err["ctx"]["fields"]]
             continue
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         out.append({"field": ".".join(loc) or "(body)", "reason": err.get("msg", "invalid").removeprefix("Value error, ")})

@@ -116,6 +116,17 @@ class RolloutServiceConfig(AuthSetting):
         description="File holding the --api-key of the server at sglang_url. Servers the engine launches get a "
         "generated key instead.",
     )
+    sglang_host: str = Field(
+        "127.0.0.1",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9.:-]*$",
+        description="Address the SGLang servers the engine launches bind to (loopback by default; 0.0.0.0 in a "
+        "container whose Prometheus scrapes them). A run cannot choose it.",
+    )
+    sglang_port: int = Field(
+        0, ge=0, le=65535,
+        description="Port of the SGLang server the engine launches (0 = a free port picked at each launch; "
+        "compose: 30000, Prometheus' target). A run cannot choose it.",
+    )
     sglang_extra_args: list[str] = Field(
         default_factory=list,
         description="More SGLang server flags, appended last (space-separated). For what the typed engine "

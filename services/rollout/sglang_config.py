@@ -33,6 +33,9 @@ class SGLangHostConfig(BaseModel):
     )
     url: str = Field("", description="Base URL of an already running server to attach to; empty: launch one.")
     api_key: SecretStr | None = Field(None, description="The --api-key of the server at url (launched servers get a generated one).")
+    server_host: str = Field("127.0.0.1", min_length=1, description="Address launched servers bind to.")
+    server_port: int = Field(0, ge=0, le=65535,
+                             description="Port of launched servers (0 = a free port at each launch).")
     extra_args: tuple[str, ...] = Field((), description="More server flags, appended last.")
 
     @classmethod
@@ -44,4 +47,5 @@ class SGLangHostConfig(BaseModel):
             except OSError as exc:
                 raise ValueError(f"sglang_api_key_file: cannot read it: {exc.strerror or exc}") from None
         return cls(python=config.sglang_python, weights_dir=config.sglang_weights_dir, url=config.sglang_url,
-                   api_key=api_key, extra_args=tuple(config.sglang_extra_args))
+                   api_key=api_key, server_host=config.sglang_host, server_port=config.sglang_port,
+                   extra_args=tuple(config.sglang_extra_args))

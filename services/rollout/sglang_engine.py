@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from contract.command_line import check_arg_value, render_spec_options
 from contract.engine_options import SGLangEngineConfig
 from proto import lockstep_pb2 as pb
 from services.common.model_files import check_model_dir
@@ -68,7 +69,7 @@ from services.rollout.sglang_client import (
 )
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.sglang_config import SGLangHostConfig
-from services.rollout.sglang_server import SGLangServer, SGLangStartError
+from services.rollout.sglang_server import SGLangServer, SGLangStartError, engine_run_options
 from services.rollout.sglang_weights import (
     checkpoint_specs,
     eos_token_ids,
@@ -108,6 +109,10 @@ class SGLangEngine(Engine):
         # Decided once, here, so that a bad combination (e.g. deterministic on
         # CPU) fails at construction, before anything is launched.
         self.plan = sglang_launch_plan(platform, self.config.server, os.environ)
+        # The run's own values on the server's command line besides the platform's (the builder checks them
+        # all again at every launch). Checked here too, so that a bad one fails LoadModel before anything runs.
+        self._run_options = engine_run_options(self.config)
+        render_spec_options((*self.plan.options, *self._run_options))
         self._state = threading.Lock()  # guards the fields below against the restart thread
         self._server: SGLangServer | None = None
         self._client: SGLangClient | None = None
@@ -124,6 +129,8 @@ class SGLangEngine(Engine):
         self._vocab = 0
         self._max_len: int | None = None
         self._dir = Path(self.host.weights_dir) / f"engine-{uuid.uuid4().hex[:12]}"
+        # A restarted server loads a synced version from under this directory with --model-path=<it>.
+        check_arg_value(str(self._dir), "sglang_weights_dir")
 
     @classmethod
     def from_config_json(cls, text: str, service: RolloutServiceConfig | None = None) -> "SGLangEngine":
@@ -154,12 +161,15 @@ class SGLangEngine(Engine):
             client.update_weights_from_disk(str(path), version, self.config.weight_update_timeout_s)
             self._client = client
         else:
-            if self.config.port:
-                holder = _PORT_HOLDERS.get((self.config.host, self.config.port))
+            # The server gets it as --model-path=<path>: refused here, before a previous engine gives up its port.
+            check_arg_value(str(path), "model_path")
+            bind = (self.host.server_host, self.host.server_port)
+            if bind[1]:
+                holder = _PORT_HOLDERS.get(bind)
                 if holder is not None and holder is not self:
-                    log.warning("sglang: port %d is held by a previous engine; closing it", self.config.port)
+                    log.warning("sglang: port %d is held by a previous engine; closing it", bind[1])
                     holder.close()
-                    holder._unavailable = f"sglang: replaced by a newer engine on port {self.config.port}"
+                    holder._unavailable = f"sglang: replaced by a newer engine on port {bind[1]}"
             server = self._new_server()
             try:
                 server.start(str(path), version, self.config.startup_timeout_s)
@@ -167,18 +177,18 @@ class SGLangEngine(Engine):
                 raise RuntimeError(f"sglang engine: {exc}") from None
             self._server = server
             self._client = self._client_for(server.url)
-            if self.config.port:
-                _PORT_HOLDERS[(self.config.host, self.config.port)] = self
+            if bind[1]:
+                _PORT_HOLDERS[bind] = self
         self._model_path = self._weights_path = str(path)
         self._version = policy_version
         self._check_version(self._client)
         log.info("sglang engine loaded %s at version %d (%s)", path, policy_version, self.url)
 
     def _new_server(self) -> SGLangServer:
-        cfg = self.config
+        host = self.host
         return SGLangServer(
-            self.host.python, self.plan, host=cfg.host, port=cfg.port, tp_size=cfg.tp_size,
-            extra_args=self.host.extra_args, log_dir=self._dir / "logs", api_key=self._api_key,
+            host.python, self.plan, host=host.server_host, port=host.server_port, run_options=self._run_options,
+            extra_args=host.extra_args, log_dir=self._dir / "logs", api_key=self._api_key,
         )
 
     def close(self) -> None:
@@ -224,7 +234,8 @@ class SGLangEngine(Engine):
         return {
             "engine": self.name,
             "platform": self.plan.platform.value,
-            "server_flags": " ".join(self.plan.flags),
+            "server_flags": " ".join((*self.plan.flags,
+                                      *render_spec_options((*self.plan.options, *self._run_options)))),
             "url": self.url,
             "server_pid": str(self.server_pid or ""),
             "attached": str(bool(self.host.url)).lower(),

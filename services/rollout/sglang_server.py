@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from contract.command_line import SpecOption, command_line_fields, render_spec_options, spec_option
+from contract.engine_options import SGLangEngineConfig
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from services.common.platform import SGLangLaunchPlan
 from services.common.ports import free_port
@@ -66,6 +68,11 @@ BOOTSTRAP = (
 )
 
 
+def engine_run_options(config: SGLangEngineConfig) -> tuple[SpecOption, ...]:
+    """The run's engine options outside `server` that become server flags: every field that declares one."""
+    return tuple(spec_option(config, name, "engine_config.") for name in command_line_fields(type(config)))
+
+
 def server_command(
     python: str,
     plan: SGLangLaunchPlan,
@@ -74,25 +81,33 @@ def server_command(
     host: str,
     port: int,
     weight_version: str,
-    tp_size: int = 1,
+    run_options: Sequence[SpecOption] = (),
     extra_args: Sequence[str] = (),
     parent_pid: int,
 ) -> list[str]:
     """The full command line. Pure, so a test can pin it.
 
+    The one place the server's command line is built. What the operator and
+    this code decide (`host`, `port`, `weight_version`, `plan.flags`,
+    `extra_args`) is taken as is; what a run chose (`model_path`,
+    `plan.options`, `run_options`) goes through render_spec_options, which
+    refuses, naming the field, any value that could read as an option
+    (contract/command_line.py): a new option cannot reach the command line
+    without that check.
+
     --skip-tokenizer-init: the engine speaks token ids only (prompts arrive
     tokenized, samples leave as ids), so the server needs no tokenizer and
     does no detokenization work.
     """
+    chosen = render_spec_options([SpecOption("model_path", "--model-path", model_path), *plan.options, *run_options])
     return [
         python, "-c", BOOTSTRAP, str(parent_pid),
-        "--model-path", model_path,
-        "--host", host,
-        "--port", str(port),
-        "--weight-version", weight_version,
-        "--tp-size", str(tp_size),
+        f"--host={host}",
+        f"--port={port}",
+        f"--weight-version={weight_version}",
         "--skip-tokenizer-init",
         *plan.flags,
+        *chosen,
         *extra_args,
     ]
 
@@ -116,8 +131,8 @@ def _stop_all() -> None:  # a rollout service that exits takes its servers with 
 class SGLangServer:
     """One child server. start() blocks until /health answers; stop() is idempotent."""
 
-    def __init__(self, python: str, plan: SGLangLaunchPlan, *, host: str, port: int, tp_size: int,
-                 extra_args: Sequence[str], log_dir: Path, api_key: str):
+    def __init__(self, python: str, plan: SGLangLaunchPlan, *, host: str, port: int,
+                 run_options: Sequence[SpecOption], extra_args: Sequence[str], log_dir: Path, api_key: str):
         if not Path(python).is_file():
             raise FileNotFoundError(
                 f"python: SGLang interpreter {python} does not exist; build the virtualenv with "
@@ -126,7 +141,7 @@ class SGLangServer:
         if not api_key:
             raise ValueError("api_key: an SGLang server is never started without one")
         self.python, self.plan, self.host = python, plan, host
-        self.requested_port, self.tp_size, self.extra_args = port, tp_size, list(extra_args)
+        self.requested_port, self.run_options, self.extra_args = port, tuple(run_options), list(extra_args)
         self.log_dir = log_dir
         self._api_key = api_key
         self.proc: subprocess.Popen[bytes] | None = None
@@ -162,7 +177,7 @@ class SGLangServer:
         self.port = self.requested_port or free_port(self.host)
         cmd = server_command(
             self.python, self.plan, model_path=model_path, host=self.host, port=self.port,
-            weight_version=weight_version, tp_size=self.tp_size, extra_args=self.extra_args,
+            weight_version=weight_version, run_options=self.run_options, extra_args=self.extra_args,
             parent_pid=os.getpid(),
         )
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,7 @@ import importlib.util
 
 import pytest
 
+from contract.command_line import render_spec_options
 from services.common.platform import (
     SGLANG_CPU_PLUGIN_ENV,
     SGLANG_CPU_PLUGIN_NAME,
@@ -21,11 +22,14 @@ from services.common.platform import (
 ROCM_ENV = {"HIP_VISIBLE_DEVICES": "2,3", "CUDA_VISIBLE_DEVICES": "0", "PATH": "/usr/bin"}
 
 
+def argv(plan) -> tuple[str, ...]:
+    """The plan's part of the server's command line: its own flags, then the run's options as rendered."""
+    return (*plan.flags, *render_spec_options(plan.options))
+
+
 def test_rocm_flags_and_environment_exactly():
     plan = sglang_launch_plan(Platform.ROCM, SGLangPlatformConfig(), ROCM_ENV)
-    assert plan.flags == (
-        "--attention-backend", "triton", "--lora-backend", "triton", "--dtype", "auto", "--enable-metrics",
-    )
+    assert argv(plan) == ("--attention-backend=triton", "--lora-backend=triton", "--enable-metrics", "--dtype=auto")
     assert plan.env_updates == {
         "CUDA_VISIBLE_DEVICES": "2,3",  # the operator's HIP choice wins over a stale CUDA one
         "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
@@ -42,10 +46,10 @@ def test_rocm_deterministic_bf16_and_no_hip_devices():
     cfg = SGLangPlatformConfig(deterministic=True, dtype="bfloat16", mem_fraction_static=0.4,
                                cuda_attention_backend="flashinfer")  # CUDA-only option: ignored on ROCm
     plan = sglang_launch_plan(Platform.ROCM, cfg, {})
-    assert plan.flags == (
-        "--attention-backend", "triton", "--lora-backend", "triton", "--dtype", "bfloat16",
-        "--rl-on-policy-target", "fsdp",  # SGLang's kernels follow the HF training forward
-        "--mem-fraction-static", "0.4", "--enable-deterministic-inference", "--enable-metrics",
+    assert argv(plan) == (
+        "--attention-backend=triton", "--lora-backend=triton",
+        "--rl-on-policy-target=fsdp",  # SGLang's kernels follow the HF training forward
+        "--enable-deterministic-inference", "--enable-metrics", "--dtype=bfloat16", "--mem-fraction-static=0.4",
     )
     # No HIP_VISIBLE_DEVICES: nothing to bridge, CUDA_VISIBLE_DEVICES left alone.
     assert plan.env_updates == {
@@ -64,31 +68,32 @@ def test_rocm_parity_settings_stay_on_rocm():
                           (Platform.CPU, SGLangPlatformConfig())):
         plan = sglang_launch_plan(platform, cfg, {})
         assert "SGLANG_ROPE_CACHE_FP32" not in plan.env_updates and "NCCL_ALGO" not in plan.env_updates
-        assert "--rl-on-policy-target" not in plan.flags
+        assert not any(a.startswith("--rl-on-policy-target") for a in argv(plan))
 
 
 def test_cuda_flags_exactly():
     plan = sglang_launch_plan(Platform.CUDA, SGLangPlatformConfig(), {"CUDA_VISIBLE_DEVICES": "1"})
-    assert plan.flags == ("--attention-backend", "fa3", "--dtype", "auto", "--enable-metrics")
+    assert argv(plan) == ("--enable-metrics", "--attention-backend=fa3", "--dtype=auto")
     assert plan.env_updates == {}
     cfg = SGLangPlatformConfig(cuda_attention_backend="flashinfer", lora_backend="csgmv",
                                deterministic=True, dtype="bfloat16")
-    assert sglang_launch_plan(Platform.CUDA, cfg, {}).flags == (
-        "--attention-backend", "flashinfer", "--dtype", "bfloat16", "--lora-backend", "csgmv",
+    assert argv(sglang_launch_plan(Platform.CUDA, cfg, {})) == (
         "--enable-deterministic-inference", "--enable-metrics",
+        "--attention-backend=flashinfer", "--dtype=bfloat16", "--lora-backend=csgmv",
     )
 
 
 def test_lora_serving_flags_per_platform():
     lora = SGLangPlatformConfig(max_lora_rank=64, dtype="bfloat16")
-    assert sglang_launch_plan(Platform.ROCM, lora, {}).flags == (
-        "--attention-backend", "triton", "--lora-backend", "triton", "--dtype", "bfloat16",
-        "--enable-lora", "--max-lora-rank", "64", "--lora-target-modules", "all", "--enable-metrics",
+    assert argv(sglang_launch_plan(Platform.ROCM, lora, {})) == (
+        "--attention-backend=triton", "--lora-backend=triton", "--enable-lora", "--enable-metrics",
+        "--dtype=bfloat16", "--max-lora-rank=64", "--lora-target-modules=all",
     )
     cuda = SGLangPlatformConfig(max_lora_rank=16, lora_target_modules=("q_proj", "v_proj"), lora_backend="triton")
-    assert sglang_launch_plan(Platform.CUDA, cuda, {}).flags == (
-        "--attention-backend", "fa3", "--dtype", "auto", "--lora-backend", "triton",
-        "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj", "--enable-metrics",
+    # Two modules: argparse takes one value after '=', so the list follows the flag as elements of its own.
+    assert argv(sglang_launch_plan(Platform.CUDA, cuda, {})) == (
+        "--enable-lora", "--enable-metrics", "--attention-backend=fa3", "--dtype=auto", "--lora-backend=triton",
+        "--max-lora-rank=16", "--lora-target-modules", "q_proj", "v_proj",
     )
     with pytest.raises(ValueError, match="lora_backend: 'csgmv' is CUDA-only; on ROCm SGLang's LoRA runs on triton"):
         sglang_launch_plan(Platform.ROCM, SGLangPlatformConfig(lora_backend="csgmv"), {})
@@ -99,16 +104,16 @@ def test_lora_serving_flags_per_platform():
 
 def test_cpu_flags_and_environment_exactly():
     plan = sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {"HIP_VISIBLE_DEVICES": "0"})
-    assert plan.flags == (
-        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-        "--dtype", "float32", "--max-total-tokens", "8192", "--skip-server-warmup", "--enable-metrics",
+    assert argv(plan) == (
+        "--device=cpu", "--attention-backend=torch_native", "--disable-cuda-graph",
+        "--dtype=float32", "--skip-server-warmup", "--enable-metrics", "--max-total-tokens=8192",
     )
     assert plan.env_updates == {"LOCKSTEP_SGLANG_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "lockstep_cpu"}
     # GPU-only options don't leak into the CPU command.
     cfg = SGLangPlatformConfig(mem_fraction_static=0.5, cpu_max_total_tokens=4096, dtype="float32")
-    flags = sglang_launch_plan(Platform.CPU, cfg, {}).flags
-    assert "--mem-fraction-static" not in flags
-    assert flags[flags.index("--max-total-tokens") + 1] == "4096"
+    flags = argv(sglang_launch_plan(Platform.CPU, cfg, {}))
+    assert not any(a.startswith("--mem-fraction-static") for a in flags)
+    assert "--max-total-tokens=4096" in flags
 
 
 def test_cpu_refuses_what_it_cannot_honour():
@@ -165,11 +170,13 @@ def test_plugin_constants_match_the_plugin_package(repo_root, monkeypatch):
 @pytest.mark.parametrize("platform", list(Platform))
 def test_chunked_prefill_size_reaches_the_server_on_every_platform(platform):
     # miles' AMD Qwen3-4B LoRA launcher prefills in chunks of 4096 tokens beside a 0.4 memory fraction.
-    flags = sglang_launch_plan(platform, SGLangPlatformConfig(chunked_prefill_size=4096), {}).flags
-    assert flags[flags.index("--chunked-prefill-size") + 1] == "4096"
-    off = sglang_launch_plan(platform, SGLangPlatformConfig(chunked_prefill_size=-1), {}).flags
-    assert off[off.index("--chunked-prefill-size") + 1] == "-1"
-    assert "--chunked-prefill-size" not in sglang_launch_plan(platform, SGLangPlatformConfig(), {}).flags
+    flags = argv(sglang_launch_plan(platform, SGLangPlatformConfig(chunked_prefill_size=4096), {}))
+    assert "--chunked-prefill-size=4096" in flags
+    # -1 (no chunking) joined to its flag: never an element of its own that starts with '-'.
+    off = argv(sglang_launch_plan(platform, SGLangPlatformConfig(chunked_prefill_size=-1), {}))
+    assert "--chunked-prefill-size=-1" in off and "-1" not in off
+    default = argv(sglang_launch_plan(platform, SGLangPlatformConfig(), {}))
+    assert not any(a.startswith("--chunked-prefill-size") for a in default)
 
 
 @pytest.mark.parametrize(("bad", "reason"), [

@@ -9,10 +9,17 @@ import gc
 import json
 import threading
 import time
+import types
+import typing
 from pathlib import Path
 
 import httpx
 import pytest
+from pydantic import BaseModel
+
+from contract.command_line import command_line_fields
+from contract.engine_options import SGLangEngineConfig
+from services.common.tiny_model import build_model_dir
 
 # Every /v1 call carries the coordinator's bearer token (set by the fixture below).
 http = httpx.Client()
@@ -137,7 +144,7 @@ def test_an_unknown_engine_option_is_named(lone_coordinator, tiny_model_dir):
                    timeout=60)
     assert r.status_code == 422
     [err] = r.json()["fields"]
-    assert err["field"] == "rollout.engine_options" and "engine_config.no_such_option" in err["reason"], err
+    assert err["field"] == "rollout.engine_options.no_such_option" and "Extra inputs" in err["reason"], err
 
 
 def test_a_valid_spec_is_stored_and_answers_get(lone_coordinator, tiny_model_dir):
@@ -205,3 +212,100 @@ def test_dataset_over_the_line_limit_is_422(lone_coordinator, tiny_model_dir, ma
     path.write_text("\n" * (MAX_DATASET_LINES + 1))
     r = http.post(f"{url}/v1/runs", json=spec(tiny_model_dir, task=math_task(path)), timeout=120)
     assert r.status_code == 422 and f"more than {MAX_DATASET_LINES} lines" in r.json()["fields"][0]["reason"], r.text
+
+
+# ----------------------------------------------------------------- values that reach a command line --
+
+def _text_or_list(annotation: object) -> bool:
+    """Whether a field of this type holds strings (str, a Literal of strings, a tuple or list)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is str or origin in (tuple, list):
+        return True
+    if origin is typing.Literal:
+        return all(isinstance(a, str) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_text_or_list(a) for a in args if a is not type(None))
+    return False
+
+
+def command_line_text_options(model: type[BaseModel], prefix: str = "") -> dict[str, object]:
+    """{dotted option: its default} of every string or list option of `model` (nested models included)
+    that declares a server flag: the options whose values reach the SGLang server's command line."""
+    out: dict[str, object] = {}
+    for name, f in model.model_fields.items():
+        if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel):
+            out.update(command_line_text_options(f.annotation, f"{prefix}{name}."))
+    for name in command_line_fields(model):
+        f = model.model_fields[name]
+        if _text_or_list(f.annotation):
+            out[prefix + name] = f.get_default(call_default_factory=True)
+    return out
+
+
+TEXT_OPTIONS = command_line_text_options(SGLangEngineConfig)
+
+
+def with_options(values: dict[str, object]) -> dict:
+    """engine_options holding each dotted option's value."""
+    options: dict = {}
+    for dotted, value in values.items():
+        *parents, leaf = dotted.split(".")
+        node = options
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return options
+
+
+def test_the_generator_finds_the_options_that_reach_the_command_line():
+    # The list option of the original exploit, and the free-text one, are among those the next test covers.
+    assert {"server.lora_target_modules", "server.cuda_attention_backend"} <= set(TEXT_OPTIONS), TEXT_OPTIONS
+
+
+@pytest.mark.parametrize("hostile", ["--x", "-x", "a b", "a\x00b", "LIST"],
+                         ids=["double-dash", "dash", "space", "nul", "later-list-item"])
+def test_every_command_line_option_refuses_a_value_that_could_read_as_a_flag(lone_coordinator, tiny_model_dir,
+                                                                            hostile):
+    # Every option in one spec: each must be named in the one 422.
+    values = {}
+    for dotted, default in TEXT_OPTIONS.items():
+        first = default[0] if isinstance(default, tuple) else default
+        values[dotted] = [first, "--x"] if hostile == "LIST" else hostile
+    url = lone_coordinator.url
+    before = run_count(url)
+    body = spec(tiny_model_dir, **{"rollout.engine": "sglang", "rollout.engine_options": with_options(values)})
+    r = http.post(f"{url}/v1/runs", json=body, timeout=60)
+    assert r.status_code == 422, r.text
+    named = [f["field"] for f in r.json()["fields"]]
+    for dotted in TEXT_OPTIONS:
+        field = f"rollout.engine_options.{dotted}"
+        assert any(n == field or n.startswith(field + ".") for n in named), (field, named)
+    assert run_count(url) == before
+
+
+@pytest.mark.parametrize("options, field", [
+    ({"host": "0.0.0.0"}, "rollout.engine_options.host"),
+    ({"port": 30000}, "rollout.engine_options.port"),
+    ({"server": {"host": "0.0.0.0"}}, "rollout.engine_options.server.host"),
+    ({"server": {"port": 30000}}, "rollout.engine_options.server.port"),
+])
+def test_a_run_cannot_choose_where_a_server_listens(lone_coordinator, tiny_model_dir, options, field):
+    url = lone_coordinator.url
+    before = run_count(url)
+    r = http.post(f"{url}/v1/runs", json=spec(tiny_model_dir, **{"rollout.engine": "sglang",
+                                                                 "rollout.engine_options": options}), timeout=60)
+    assert r.status_code == 422, r.text
+    assert [f["field"] for f in r.json()["fields"]] == [field], r.json()
+    assert run_count(url) == before
+
+
+def test_an_sglang_model_path_keeps_the_command_line_grammar(lone_coordinator, tmp_path):
+    # The path becomes --model-path=<it>: whitespace is refused there, and so here, naming the field.
+    spaced = build_model_dir(tmp_path / "a model", seed=0)
+    url = lone_coordinator.url
+    before = run_count(url)
+    r = http.post(f"{url}/v1/runs", json=spec(spaced, **{"rollout.engine": "sglang"}), timeout=60)
+    assert r.status_code == 422, r.text
+    [err] = r.json()["fields"]
+    assert err["field"] == "model_path" and "whitespace" in err["reason"], err
+    assert run_count(url) == before

@@ -123,7 +123,7 @@ def test_coordinator_imports_parses_and_scores_without_torch(char_model_dir):
     assert got["torch_modules"] == []
     reasons = {name: "; ".join(f"{f['field']}: {f['reason']}" for f in fields)
                for name, fields in got["refusals"].items()}
-    assert "engine_config.device" in reasons["device"] and "not a torch device name" in reasons["device"]
+    assert "rollout.engine_options.device: " in reasons["device"] and "not a torch device name" in reasons["device"]
     assert "unknown backend 'fast'" in reasons["backend"]
     assert "python: set by the rollout service's configuration (sglang_python)" in reasons["sglang"]
     assert reasons["lora"].startswith("trainer.lora.dropout:")
@@ -220,6 +220,7 @@ def test_the_contract_lists_every_rollout_engine():
 
 
 @pytest.mark.parametrize("module", ["contract.trainer_settings", "contract.trainer_run", "contract.engine_options",
+                                    "contract.command_line",
                                     "contract.platforms", "contract.advantages", "contract.wire_tensors",
                                     "services.common.model_files", "services.coordinator.run_spec"])
 def test_each_module_imports_first(module):

@@ -193,7 +193,9 @@ def test_prometheus_scrapes_every_service_where_it_listens(svc):
     assert targets["lockstep-coordinator"] == f"coordinator:{c.port}"
     assert targets["lockstep-rollout"] == f"rollout:{r.metrics_port}"
     assert targets["lockstep-trainer"] == f"trainer:{t.metrics_port}"
-    assert targets["sglang"] == "rollout:30000" and "30000" in svc["rollout"]["expose"]
+    # The SGLang child server listens where the rollout service's operator settings say (a run cannot choose).
+    assert targets["sglang"] == f"rollout:{r.sglang_port}" and str(r.sglang_port) in svc["rollout"]["expose"]
+    assert r.sglang_host == "0.0.0.0"
     mounts = svc["prometheus"]["volumes"]
     assert "./prometheus:/etc/prometheus:ro" in mounts  # rule_files: rules/*.yml resolves beside the config
     assert "--config.file=/etc/prometheus/prometheus.yml" in svc["prometheus"]["command"]

@@ -139,6 +139,13 @@ def _load_model(rollout, **fields) -> tuple[grpc.StatusCode, str]:
     (json.dumps({"engine": "torch", "extra": {"a": {"a": {}}}}), INVALID, "engine_config.extra"),
     (json.dumps({"engine": "torch", "device": "cuda:99"}), PRECONDITION, "engine_config.device"),
     (json.dumps({"engine": "torch", "device": "banana"}), INVALID, "engine_config.device"),
+    # Items that would become flags of the SGLang server (remote code, another model directory): refused
+    # at LoadModel as at submit, before any process starts.
+    (json.dumps({"engine": "sglang", "platform": "cuda", "server": {
+        "max_lora_rank": 8, "lora_target_modules": ["all", "--trust-remote-code", "--model-path", "/tmp"]}}),
+     INVALID, "engine_config.server.lora_target_modules.1"),
+    # Where a server listens is the rollout service's setting.
+    (json.dumps({"engine": "sglang", "host": "0.0.0.0"}), INVALID, "engine_config.host: set by the rollout service"),
 ])
 def test_rollout_load_model_with_hostile_engine_config(rollout, model_dir, engine_config, code, fragment):
     got, details = _load_model(rollout, model_path=str(model_dir), engine_config_json=engine_config)

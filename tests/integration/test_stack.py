@@ -136,8 +136,8 @@ def test_paths_outside_the_roots_and_service_options_are_422_naming_the_field(cl
     for option, value in (("python", "/bin/sh"), ("weights_dir", "/etc/x"), ("extra_args", ["--help"])):
         fields = _refusal(client, spec(model_dir, rollout={"engine": "sglang", "engine_options": {option: value},
                                                            "prompts_per_step": 2, "samples_per_prompt": 2}))
-        assert [f["field"] for f in fields] == ["rollout.engine_options"], fields
-        assert fields[0]["reason"].removeprefix("Value error, ").startswith(f"{option}: set by the rollout service")
+        assert [f["field"] for f in fields] == [f"rollout.engine_options.{option}"], fields
+        assert fields[0]["reason"].startswith("set by the rollout service"), fields
     assert len(client.runs()) == before
 
 

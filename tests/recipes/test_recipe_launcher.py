@@ -101,4 +101,4 @@ def test_a_changed_recipe_fails_its_snapshot(tmp_path):
 def test_a_changed_sglang_option_shows_in_the_launch_command(tmp_path):
     out = run_cli("train", "qwen3_4b_lora_grpo", tmp_path, "--dry-run",
                   "--set", "rollout.engine_options.server.chunked_prefill_size=8192")
-    assert "--chunked-prefill-size 8192" in out and "--chunked-prefill-size 4096" not in out
+    assert "--chunked-prefill-size=8192" in out and "--chunked-prefill-size=4096" not in out

@@ -28,7 +28,7 @@ from services.rollout.sglang_client import (
     update_weights_from_distributed_body,
 )
 from services.rollout.sglang_config import SGLangHostConfig
-from services.rollout.sglang_server import API_KEY_ENV, BOOTSTRAP, server_command, server_env
+from services.rollout.sglang_server import API_KEY_ENV, BOOTSTRAP, engine_run_options, server_command, server_env
 from services.rollout.sglang_weights import checkpoint_specs, verify_tensors, write_checkpoint
 
 REQ = GenerationRequest(
@@ -116,12 +116,14 @@ def test_weight_sync_bodies_refuse_bad_values():
 def test_server_command_and_environment_exactly():
     plan = sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {})
     cmd = server_command("/v/bin/python", plan, model_path="/m", host="127.0.0.1", port=30001,
-                         weight_version="5", extra_args=["--random-seed", "1"], parent_pid=4242)
+                         weight_version="5", run_options=engine_run_options(SGLangEngineConfig()),
+                         extra_args=["--random-seed", "1"], parent_pid=4242)
     assert cmd == [
-        "/v/bin/python", "-c", BOOTSTRAP, "4242", "--model-path", "/m", "--host", "127.0.0.1",
-        "--port", "30001", "--weight-version", "5", "--tp-size", "1", "--skip-tokenizer-init",
-        "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", "float32",
-        "--max-total-tokens", "8192", "--skip-server-warmup", "--enable-metrics", "--random-seed", "1",
+        "/v/bin/python", "-c", BOOTSTRAP, "4242", "--host=127.0.0.1", "--port=30001", "--weight-version=5",
+        "--skip-tokenizer-init", "--device=cpu", "--attention-backend=torch_native", "--disable-cuda-graph",
+        "--dtype=float32", "--skip-server-warmup", "--enable-metrics",
+        "--model-path=/m", "--max-total-tokens=8192", "--tp-size=1",  # the run's, one element each
+        "--random-seed", "1",  # the operator's sglang_extra_args, as given
     ]
     env = server_env(plan, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "HOME": "/root", "LOCKSTEP_AUTH_TOKEN": "t",
                             "LOCKSTEP_AUTH_TOKEN_FILE": "/run/secrets/t"}, "k" * 43)
@@ -177,8 +179,8 @@ def test_a_fixed_port_is_given_up_by_the_previous_engine(tmp_path):
     from services.rollout.sglang_engine import _PORT_HOLDERS, SGLangEngine
 
     model = build_model_dir(tmp_path / "m", seed=0)
-    cfg = SGLangEngineConfig(platform="cpu", port=30123)
-    host = SGLangHostConfig(weights_dir=str(tmp_path / "w"), python=str(tmp_path / "no-python"))
+    cfg = SGLangEngineConfig(platform="cpu")
+    host = SGLangHostConfig(weights_dir=str(tmp_path / "w"), python=str(tmp_path / "no-python"), server_port=30123)
     old, new = SGLangEngine(cfg, host), SGLangEngine(cfg, host)
     _PORT_HOLDERS[("127.0.0.1", 30123)] = old
     with pytest.raises(FileNotFoundError, match="make sglang-venv"):  # fails loud: no interpreter, no fallback
@@ -207,7 +209,7 @@ def test_server_bootstrap_hands_over_an_api_key_that_starts_with_a_dash(tmp_path
     )
     key = "-Xq3" + "a" * 39
     # Its own session, and this process as the parent its watchdog follows (as SGLangServer.start does).
-    done = subprocess.run([sys.executable, "-c", BOOTSTRAP, str(os.getpid()), "--model-path", "/m"],
+    done = subprocess.run([sys.executable, "-c", BOOTSTRAP, str(os.getpid()), "--model-path=/m"],
                           capture_output=True, text=True, timeout=60, start_new_session=True,
                           env={**os.environ, "PYTHONPATH": str(tmp_path / "fake"), API_KEY_ENV: key})
     assert done.returncode == 0, done.stderr

@@ -1,23 +1,37 @@
-"""Whole runs with engine=sglang through the coordinator's REST API (issue 3 acceptance).
+"""Whole runs with engine=sglang through the coordinator's REST API.
 
 The real stack on loopback (coordinator + embedded Redis, trainer, one rollout
 service); the rollout service launches its SGLang server from the SGLang
-virtualenv. The runs share the stack: a clean 3-step run, one whose weights
+virtualenv. The runs share the stack: a clean 3-step run whose run-chosen
+server values sit at the edge of the command-line grammar, one whose weights
 are broadcast over a gloo group into the SGLang server, and one whose SGLang
-server is SIGKILLed while a Generate is in flight.
+server is SIGKILLed while a Generate is in flight. A spec that would put its
+own flags on the server's command line is refused before any process starts.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 
+from contract.engine_options import SGLangEngineConfig
+from contract.platforms import SGLangPlatformConfig
+from proto import lockstep_pb2 as pb
+from services.cli.client import ApiError
+from services.common.grpc_options import sync_channel
+from services.common.platform import Platform, sglang_launch_plan
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
+from services.rollout.sglang_server import engine_run_options, server_command
 from services.rollout.registry import ENGINES
 from services.rollout.sglang_config import default_python
 from tests.conftest import require
@@ -50,7 +64,7 @@ def client(stack):
 KILL_STEPS = 8
 
 
-def spec(model_dir: Path, name: str, max_new_tokens: int = 4, steps: int = STEPS) -> dict:
+def spec(model_dir: Path, name: str, max_new_tokens: int = 4, steps: int = STEPS, server: dict | None = None) -> dict:
     return {
         "name": name,
         "model_path": str(model_dir),
@@ -59,7 +73,7 @@ def spec(model_dir: Path, name: str, max_new_tokens: int = 4, steps: int = STEPS
         "task": {"name": "arithmetic", "options": {"digits": 2, "heldout_size": 8}},
         "rollout": {
             "engine": "sglang",
-            "engine_options": {"platform": "cpu"},
+            "engine_options": {"platform": "cpu", "server": server or {}},
             "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES,
             "sampling": {"temperature": 1.0, "max_new_tokens": max_new_tokens},
         },
@@ -80,14 +94,44 @@ def assert_every_trajectory_once(client, run_id: str, n_steps: int = STEPS) -> l
     return steps
 
 
-def test_three_step_run_with_sglang_through_rest(client, model_dir, stack, tmp_path):
-    run = client.submit(spec(model_dir, "sglang-3"))
+# Run-chosen values at the edge of the command-line grammar: a model directory whose name starts with '-'
+# and holds '=' and a flag's spelling, the smallest tensor-parallel degree, and the KV-cache size as a number
+# the run chose. Each must reach the server as the value of its own flag, one element each. (A negative
+# value, chunked_prefill_size -1, renders as `--chunked-prefill-size=-1` and SGLang's parser reads it
+# (test_sglang_command_line.py), but SGLang 0.5.23 on CPU then sizes its memory below zero and exits.)
+EDGE_SERVER = {"cpu_max_total_tokens": 4096}
+
+
+@pytest.fixture(scope="module")
+def edge_model_dir(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("edge") / "-m=--trust-remote-code", seed=0)
+
+
+def test_three_step_run_with_sglang_through_rest(client, edge_model_dir, stack, tmp_path):
+    body = spec(edge_model_dir, "sglang-3", server=EDGE_SERVER)
+    body["rollout"]["engine_options"]["tp_size"] = 1
+    run = client.submit(body)
     done = client.wait(run["id"], timeout_s=900)
     assert done["status"] == "completed", (done, stack.rollouts[0].tail())
     steps = assert_every_trajectory_once(client, run["id"])
     print("\niw_mean / logprob_abs_diff_max per step:",
           [(s["metrics"]["iw_mean"], s["metrics"]["logprob_abs_diff_max"]) for s in steps])
     assert steps[0]["metrics"]["logprob_abs_diff_max"] <= 1e-4, steps[0]
+
+    # The server this run launched, as the kernel holds its command line.
+    pid, _ = sglang_server_of(stack.rollouts[0].proc.pid)
+    argv = [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
+    parsed = argv[4:]  # after python -c BOOTSTRAP <rollout pid>: what SGLang's argparse reads
+    # No element stands alone that a value could occupy: every one is a flag, the run's values joined to theirs.
+    assert all(a.startswith("--") for a in parsed), parsed
+    assert f"--model-path={edge_model_dir.resolve()}" in parsed
+    assert "--max-total-tokens=4096" in parsed and "--tp-size=1" in parsed
+    # ... and the flags are exactly those the builder gives this config: none the run spelled itself.
+    expected = server_command("/py", sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(**EDGE_SERVER), {}),
+                              model_path="/m", host="h", port=1, weight_version="0", parent_pid=1,
+                              run_options=engine_run_options(SGLangEngineConfig(tp_size=1)))[4:]
+    assert sorted(a.split("=", 1)[0] for a in parsed) == sorted(a.split("=", 1)[0] for a in expected)
+    assert "--trust-remote-code" not in parsed
 
 
 def test_three_step_run_with_sglang_over_the_broadcast_source(client, model_dir, stack):
@@ -120,7 +164,7 @@ def sglang_server_of(rollout_pid: int) -> tuple[int, int]:
             continue
         ppid = int(stat[stat.rindex(")") + 2:].split()[1])
         if ppid == rollout_pid and any(b"sglang.launch_server" in a for a in argv):
-            return int(entry.name), int(argv[argv.index(b"--port") + 1])
+            return int(entry.name), int(next(a for a in argv if a.startswith(b"--port=")).removeprefix(b"--port="))
     raise LookupError(f"no SGLang server child of rollout pid {rollout_pid}")
 
 
@@ -164,3 +208,80 @@ def test_sglang_killed_mid_batch_run_completes_with_every_trajectory_once(client
     assert "generate_redispatched" in events, events
     new_pid, _ = sglang_server_of(rollout_pid)
     assert new_pid != killed
+
+
+# ------------------------------------------------------------------- a spec that brings its own flags --
+
+REMOTE_CODE = """
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+from transformers import PretrainedConfig
+class EvilConfig(PretrainedConfig):
+    model_type = "evil"
+"""
+
+
+def remote_code_model(directory: Path) -> Path:
+    """A model directory whose config names code of its own: loading it with remote code allowed runs
+    evil.py, which writes `ran` in the directory."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": "evil",
+                                                       "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    (directory / "evil.py").write_text(REMOTE_CODE.format(marker=str(directory / "ran")))
+    return directory
+
+
+def processes_of(parent: int) -> dict[int, bytes]:
+    """{pid: command line} of `parent`'s children."""
+    out = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.name.isdigit() and int(stat[stat.rindex(")") + 2:].split()[1]) == parent:
+            out[int(entry.name)] = cmdline
+    return out
+
+
+def test_a_spec_that_brings_its_own_server_flags_is_refused_before_anything_runs(client, model_dir, stack):
+    """The replayed exploit: LoRA target modules whose later items are flags (remote code allowed, the model
+    loaded from a directory outside every root). Refused at submit (422 naming the field) and again by the
+    rollout's LoadModel (INVALID_ARGUMENT); no process starts and the directory's code never runs."""
+    with tempfile.TemporaryDirectory() as outside:  # outside the stack's roots
+        control, evil = remote_code_model(Path(outside) / "control"), remote_code_model(Path(outside) / "evil")
+        # Control: the payload is live. Loaded as SGLang would with --trust-remote-code, its code runs.
+        done = subprocess.run([sys.executable, "-c", "import sys; from transformers import AutoConfig; "
+                               "AutoConfig.from_pretrained(sys.argv[1], trust_remote_code=True)", str(control)],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HOME": outside})
+        assert (control / "ran").exists(), done.stderr[-2000:]
+
+        rollout_pid = stack.rollouts[0].proc.pid
+        children = processes_of(rollout_pid)
+        server = {"max_lora_rank": 8, "lora_target_modules": ["all", "--trust-remote-code", "--model-path", str(evil)]}
+        body = spec(model_dir, "exploit", server=server)
+        body["rollout"]["engine_options"]["platform"] = "cuda"  # where LoRA serving is not refused outright
+        before = len(client.runs())
+        with pytest.raises(ApiError) as refused:
+            client.submit(body)
+        assert refused.value.status == 422, refused.value
+        named = [f["field"] for f in refused.value.body["fields"]]
+        assert named and all(n.startswith("rollout.engine_options.server.lora_target_modules.") for n in named), named
+        assert len(client.runs()) == before
+
+        # LoadModel, the launch side, refuses the same options on its own.
+        with sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token) as channel:
+            load = channel.unary_unary("/lockstep.v1.Rollout/LoadModel",
+                                       request_serializer=pb.LoadModelRequest.SerializeToString,
+                                       response_deserializer=pb.LoadModelResponse.FromString)
+            engine = {"engine": "sglang", **body["rollout"]["engine_options"]}
+            with pytest.raises(grpc.RpcError) as err:
+                load(pb.LoadModelRequest(run_id="exploit", model_path=str(model_dir), policy_version=0,
+                                         engine_config_json=json.dumps(engine)), timeout=120)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "engine_config.server.lora_target_modules.1" in err.value.details(), err.value.details()
+
+        assert processes_of(rollout_pid) == children  # no server started (nor any other process)
+        assert not any(str(evil).encode() in cmdline for cmdline in processes_of(rollout_pid).values())
+        assert not (evil / "ran").exists()

@@ -31,7 +31,7 @@ ctypes.CDLL(None).pthread_exit(None)
 
 
 def _server_around(proc: subprocess.Popen, tmp_path) -> SGLangServer:
-    server = SGLangServer(sys.executable, sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {}), host="127.0.0.1", port=0, tp_size=1,
+    server = SGLangServer(sys.executable, sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {}), host="127.0.0.1", port=0, run_options=(),
                           extra_args=(), log_dir=tmp_path, api_key="k" * 43)
     server.proc = proc
     return server
