@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from services.common.model_weights import SAFETENSORS_INDEX, load_failure, weight_files
+
 STATE_FILE = "lockstep_trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -238,7 +240,10 @@ def read_optimizer_state(directory: str | Path) -> dict:
     path = Path(directory) / OPTIMIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {OPTIMIZER_FILE}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a refused pickle or a broken zip: the file's fault, named
+        raise load_failure(path, exc) from exc
 
 
 def read_state(directory: str | Path) -> TrainerState:
@@ -256,13 +261,11 @@ def load_safetensors_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     single = d / "model.safetensors"
     if single.is_file():
         return load_file(str(single))
-    index = d / "model.safetensors.index.json"
-    if not index.is_file():
-        raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if not (d / SAFETENSORS_INDEX).is_file():
+        raise FileNotFoundError(f"{d}: no model.safetensors or {SAFETENSORS_INDEX}")
     out: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        out.update(load_file(str(d / shard)))
+    for shard in weight_files(d):  # the index's shards, each a file of the directory itself
+        out.update(load_file(str(shard)))
     return out
 
 
