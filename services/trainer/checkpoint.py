@@ -23,8 +23,10 @@ is the run's model_path, which a resume loads again.
 
 The directory is written under a fresh temporary sibling and renamed into
 place, and the state file is written last: a directory without it is not a
-checkpoint. An existing directory is replaced only if it is a checkpoint of the
-same run; the trainer never deletes a directory the run did not create.
+checkpoint. A write that fails (a full disk, say) removes the temporary sibling
+and leaves the target as it was. An existing directory is replaced only if it
+is a checkpoint of the same run; the trainer never deletes a directory the run
+did not create.
 """
 from __future__ import annotations
 
@@ -198,7 +200,8 @@ def _save_atomically(directory: str | Path, write_weights, *, optimizer_state: d
         write_weights(tmp)
         if tokenizer_dir is not None:
             copy_tokenizer_files(Path(tokenizer_dir), tmp)
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        with open(tmp / OPTIMIZER_FILE, "wb") as f:  # a Python file: a full disk surfaces as OSError ENOSPC
+            torch.save(optimizer_state, f)
         (tmp / STATE_FILE).write_text(state.to_json())
         if target.exists():
             check_replaceable(target, state.run_id)  # again: it may have changed while the weights were written
