@@ -1,4 +1,4 @@
-"""`lockstep`: submit a recipe, list runs, watch one, cancel one; prepare and launch a shipped recipe."""
+"""`lockstep`: submit a recipe, list runs, watch one, cancel or resume one; prepare and launch a shipped recipe."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("run_id")
     c = sub.add_parser("cancel", help="Cancel a run.")
     c.add_argument("run_id")
+    r = sub.add_parser("resume", help="Resume a paused run (once its checkpoint disk has space again).")
+    r.add_argument("run_id")
     m = sub.add_parser("metrics", help="Print a run's per-step metrics as JSON.")
     m.add_argument("run_id")
     add_recipe_parser(sub)
@@ -86,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "watch":
             return _watch(client, args.run_id, console)
-        if args.cmd == "cancel":
-            run = client.cancel(args.run_id)
+        if args.cmd in ("cancel", "resume"):
+            run = client.cancel(args.run_id) if args.cmd == "cancel" else client.resume(args.run_id)
             console.print(f"run {run['id']}: {run['status']}")
             return 0
         if args.cmd == "metrics":

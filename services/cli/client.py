@@ -60,6 +60,10 @@ class CoordinatorClient:
     def cancel(self, run_id: str) -> dict:
         return self._json(self._http.post(f"/v1/runs/{run_id}/cancel"))
 
+    def resume(self, run_id: str) -> dict:
+        """A paused run (its checkpoint disk was full) driven on from its last recorded step."""
+        return self._json(self._http.post(f"/v1/runs/{run_id}/resume"))
+
     def wait(self, run_id: str, *, poll_s: float = 1.0, timeout_s: float | None = None, on_update=None) -> dict:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:

@@ -66,7 +66,8 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef("lockstep_step_seconds", "histogram", "Wall time of whole steps.", ("run_id",),
               buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200)),
     MetricDef("lockstep_run_active", "gauge",
-              "1 while the run is running (steps are expected), 0 once it completed, failed or was cancelled.",
+              "1 while the run is running (steps are expected), 0 once it completed, failed, was cancelled "
+              "or paused.",
               ("run_id",)),
     MetricDef("lockstep_runs", "gauge", "Runs known to the coordinator by status.", ("status",)),
     MetricDef("lockstep_trajectories_total", "counter", "Trajectories accounted for by outcome.", ("run_id", "outcome")),

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from services.common.model_files import check_model_dir
+from services.common.model_weights import check_weight_files, diagnose
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,7 +33,16 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     p = check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(p), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
-    )
+    check_weight_files(p)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(p), dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
+        )
+    except Exception as exc:
+        # What the loaders raise for a bad file (a refused pickle, a corrupt header) names no file: the
+        # file that does not load, found again with the same safe readers, is named instead.
+        culprit = diagnose(p)
+        if culprit is None:
+            raise
+        raise culprit from exc
     return model.to(device)

@@ -36,7 +36,7 @@ from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.embedded_redis import EmbeddedRedis
 from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.run_loop import RunDriver
+from services.coordinator.run_loop import RunDriver, SpaceRetry
 from services.coordinator.run_spec import (
     MAX_SPEC_BYTES,
     RunSpec,
@@ -68,12 +68,13 @@ class ErrorDetail(BaseModel):
 class RunRecordBody(BaseModel):
     id: str = Field(..., description="Run id (12 hex digits).")
     name: str = Field(..., description="The spec's name.")
-    status: str = Field(..., description="pending, running, completed, failed or cancelled.")
+    status: str = Field(..., description="pending, running, paused (waiting for POST .../resume: `error` says "
+                        "why), completed, failed or cancelled.")
     step: int = Field(..., description="Last completed step (0 before the first).")
     steps: int = Field(..., description="Steps the spec asks for.")
     created_at: float = Field(..., description="Submission time (Unix seconds).")
     updated_at: float = Field(..., description="Last change (Unix seconds).")
-    error: str = Field(..., description="Why the run failed; empty otherwise.")
+    error: str = Field(..., description="Why the run failed, or why it is paused; empty otherwise.")
 
 
 class EvalInitialBody(BaseModel):
@@ -162,7 +163,10 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
             return RunDriver(run_id, spec, store, rollouts, trainer, exporter, run_dir,
                              config.generate_retries, load_tokenizer,
                              trainer_recovery_timeout_s=config.trainer_recovery_timeout_s,
-                             replica_recovery_timeout_s=config.replica_recovery_timeout_s)
+                             replica_recovery_timeout_s=config.replica_recovery_timeout_s,
+                             space_retry=SpaceRetry(config.checkpoint_retry_window_s,
+                                                    config.checkpoint_retry_interval_s,
+                                                    config.checkpoint_retry_interval_max_s))
 
         scheduler = RunScheduler(store, make_driver, data_dir, _coordinator_id(data_dir), exporter)
         app.state.store, app.state.exporter, app.state.scheduler = store, exporter, scheduler
@@ -215,7 +219,8 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
         201: {"description": "Stored; the run is pending.",
               "links": {"GetRun": {"operationId": "get_run", "parameters": {"run_id": "$response.body#/id"}},
                         "RunMetrics": {"operationId": "run_metrics", "parameters": {"run_id": "$response.body#/id"}},
-                        "CancelRun": {"operationId": "cancel_run", "parameters": {"run_id": "$response.body#/id"}}}},
+                        "CancelRun": {"operationId": "cancel_run", "parameters": {"run_id": "$response.body#/id"}},
+                        "ResumeRun": {"operationId": "resume_run", "parameters": {"run_id": "$response.body#/id"}}}},
         413: {"model": InvalidRequestBody, "description": f"Body larger than {MAX_SPEC_BYTES} bytes; nothing stored."},
         **INVALID,
     }, openapi_extra={"requestBody": {"required": True, "content": {
@@ -260,9 +265,22 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
     }, operation_id="cancel_run")
     async def cancel_run(run_id: RunIdParam, request: Request) -> dict:
         await _run_or_404(request, run_id)
-        if not await _store(request).set_status(run_id, "cancelled"):
+        if not await _store(request).cancel(run_id):
             run = await _store(request).get_run(run_id)
             raise HTTPException(status_code=409, detail={"error": f"run is already {run.status}", "run_id": run_id})
+        return (await _store(request).get_run(run_id)).to_dict()  # type: ignore[union-attr]
+
+    @v1.post("/runs/{run_id}/resume", response_model=RunRecordBody, responses={
+        200: {"description": "The paused run is pending again: it is driven on from its last recorded step."},
+        **NOT_FOUND, 409: {"model": ErrorDetail, "description": "The run is not paused."},
+    }, operation_id="resume_run")
+    async def resume_run(run_id: RunIdParam, request: Request) -> dict:
+        await _run_or_404(request, run_id)
+        if not await _store(request).resume(run_id):
+            run = await _store(request).get_run(run_id)
+            raise HTTPException(status_code=409, detail={"error": f"run is {run.status}, not paused",
+                                                         "run_id": run_id})
+        request.app.state.scheduler.wake()
         return (await _store(request).get_run(run_id)).to_dict()  # type: ignore[union-attr]
 
     app.include_router(v1)

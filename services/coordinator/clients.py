@@ -77,6 +77,11 @@ class TrainerUnavailable(Exception):
     rollout replica can never mistake a lost trainer for one."""
 
 
+class CheckpointOutOfSpace(Exception):
+    """The trainer could not write a checkpoint for lack of disk space (RESOURCE_EXHAUSTED): it wrote
+    nothing, still holds the run, and the same call succeeds once space returns."""
+
+
 def _trainer_rpc(method):
     name = method.__name__
 
@@ -134,9 +139,15 @@ class TrainerClient:
 
     @_trainer_rpc
     async def save_checkpoint(self, run_id: str, directory: str) -> pb.SaveCheckpointResponse:
-        return await self._stub.SaveCheckpoint(
-            pb.SaveCheckpointRequest(run_id=run_id, directory=directory), timeout=self._timeout
-        )
+        """Raises CheckpointOutOfSpace when the trainer found no space to write it (nothing was written)."""
+        try:
+            return await self._stub.SaveCheckpoint(
+                pb.SaveCheckpointRequest(run_id=run_id, directory=directory), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise CheckpointOutOfSpace(f"trainer {self.address}: SaveCheckpoint: {exc.details()}") from exc
+            raise
 
     @_trainer_rpc
     async def write_weights(self, run_id: str, directory: str) -> pb.WriteWeightsResponse:

@@ -70,6 +70,20 @@ class CoordinatorConfig(AuthSetting):
         "(restarted by its supervisor). It is then given the run's model and current weights and readmitted. "
         "0 = fail the run at once.",
     )
+    checkpoint_retry_window_s: float = Field(
+        600.0, ge=0,
+        description="How long a run keeps retrying a checkpoint the trainer refused for lack of disk space "
+        "(RESOURCE_EXHAUSTED; each refusal is a checkpoint_out_of_space event). Past it the run is held as "
+        "paused until POST /v1/runs/{id}/resume. 0 = pause at the first refusal.",
+    )
+    checkpoint_retry_interval_s: float = Field(
+        5.0, gt=0, le=3600,
+        description="First wait before retrying such a checkpoint; each further wait doubles, up to "
+        "checkpoint_retry_interval_max_s.",
+    )
+    checkpoint_retry_interval_max_s: float = Field(
+        60.0, gt=0, le=3600, description="Longest wait between two attempts of such a checkpoint.",
+    )
     log_level: str = Field("info", description="Log level.")
 
     @field_validator("rollout_addresses", mode="before")

@@ -8,3 +8,8 @@ class RunCancelled(Exception):
 
 class RunFailed(Exception):
     """The run cannot go on; the message says which step and why."""
+
+
+class RunPaused(Exception):
+    """The run cannot go on until an operator acts (a full checkpoint disk freed): it is held as `paused`
+    with this message, and POST /v1/runs/{id}/resume drives it on from its cursor."""

@@ -11,6 +11,7 @@
         eval (avg@k, pass@k per held-out set: evaluation.py) when due; checkpoint when due
         record step exactly once (Redis, log, Prometheus: event_log.py)
         (trainer lost: wait for it, resume it from the last checkpoint, go on from there)
+        (checkpoint disk full: retry, then pause the run until resumed; the step is recorded once)
 
 The collaborators: fleet.RolloutFleet (replicas, eviction, readmission, reload, weight sync),
 trainer_session.TrainerSession (configure, train, replay, checkpoint, recovery) and
@@ -50,14 +51,14 @@ from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.fleet import RolloutFleet
 from services.coordinator.prompts import SamplingPlan, step_problems
 from services.coordinator.replicas import NoLiveReplica, ReplicaPool
-from services.coordinator.run_errors import RunCancelled, RunFailed
+from services.coordinator.run_errors import RunCancelled, RunFailed, RunPaused
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
 from services.coordinator.tasks import Problem, Task, build_task
-from services.coordinator.trainer_session import TrainerSession
+from services.coordinator.trainer_session import SpaceRetry, TrainerSession
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
-__all__ = ["RunCancelled", "RunDriver", "RunFailed", "next_step"]
+__all__ = ["RunCancelled", "RunDriver", "RunFailed", "RunPaused", "SpaceRetry", "next_step"]
 
 log = logging.getLogger("lockstep.coordinator.run")
 
@@ -88,6 +89,7 @@ class RunDriver:
         *,
         trainer_recovery_timeout_s: float = 0.0,
         replica_recovery_timeout_s: float = 0.0,
+        space_retry: SpaceRetry = SpaceRetry(),
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
         self.run_dir = run_dir
@@ -103,7 +105,7 @@ class RunDriver:
                                   broadcast_weights=broadcast)
         self.trainer = TrainerSession(run_id, spec, trainer, store, self.events, run_dir,
                                       recovery_timeout_s=trainer_recovery_timeout_s,
-                                      check_cancelled=self._check_cancelled)
+                                      check_cancelled=self._check_cancelled, space_retry=space_retry)
         self.task: Task = build_task(spec.task.name, spec.task.options)
         for split in ("train", "heldout"):  # built now, in the constructing thread, not at step 1 on the event loop
             self.task.split(split)

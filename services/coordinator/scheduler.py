@@ -1,8 +1,11 @@
 """Drives active runs one at a time (the services hold one run's model at a time).
 
 Runs are taken oldest first. A run whose driver raises is marked failed with
-the error; a cancelled run stops between steps. A coordinator restarted on the
-same Redis picks up runs left `running` and resumes them from their cursor.
+the error; a cancelled run stops between steps. A run that cannot go on until
+an operator acts (RunPaused: its checkpoint disk is full) is held as `paused`,
+which is not driven, and the scheduler goes on to the next run; resumed, it is
+pending again. A coordinator restarted on the same Redis picks up runs left
+`running` and resumes them from their cursor.
 
 Redis going away is not a run's failure: the run stays `running`, the
 scheduler keeps trying (with backoff) and, once Redis answers again, drives it
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from services.common.structured_logging import log_event
 from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.run_loop import RunCancelled, RunDriver
+from services.coordinator.run_loop import RunCancelled, RunDriver, RunPaused
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import ACTIVE, RunStore, is_outage
 
@@ -122,6 +125,9 @@ class RunScheduler:
             await driver.run()
         except RunCancelled:
             log_event(log, "run cancelled", run_id=run_id)
+        except RunPaused as exc:
+            paused = await self.store.pause(run_id, str(exc))
+            log_event(log, "run paused" if paused else "run ended while pausing", run_id=run_id, reason=str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the run fails loudly, the coordinator keeps serving

@@ -5,6 +5,7 @@ Control plane only; trajectories and weights never pass through Redis.
 Keys (prefix `lockstep:`):
   runs                 zset  run id -> creation time
   run:<id>             hash  name, status, step (last completed), created_at, updated_at, error
+                             (while paused, error says why the run waits)
   run:<id>:spec        str   validated spec JSON
   run:<id>:metrics     hash  step -> metrics JSON (deterministic values only)
   run:<id>:timings     hash  step -> phase timings JSON (wall clock, never compared)
@@ -28,8 +29,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 
 ACTIVE = ("pending", "running")
+# Not driven, not ended: the run waits for an operator (a full checkpoint disk freed), who resumes it
+# (back to pending, then driven on from its cursor) or cancels it.
+HELD = ("paused",)
 TERMINAL = ("completed", "failed", "cancelled")
-STATUSES = ACTIVE + TERMINAL
+STATUSES = ACTIVE + HELD + TERMINAL
 
 # Records a step exactly once: only when the cursor is at step-1, and the
 # metrics, timings and cursor move together. Returns 1 if recorded, 0 if that
@@ -49,15 +53,21 @@ return 1
 """
 
 
-# Moves a run to a new status only while it is still active: a terminal status
+# Moves a run to a new status only from one of the statuses in ARGV[5] (space
+# separated; the active ones unless said otherwise): a terminal status
 # (completed, failed, cancelled) is final, so a cancel that lands while the
-# driver starts or finishes a run is never overwritten. Returns 1 if changed.
+# driver starts or finishes a run is never overwritten, and a paused run moves
+# only when resumed or cancelled. Returns 1 if changed.
 # The event is pushed first: a script that fails half-way keeps the writes made
 # before the error, and an event list that cannot take the event (WRONGTYPE)
 # must leave the status untouched too.
 _SET_STATUS = """
 local current = redis.call('HGET', KEYS[1], 'status')
-if current ~= 'pending' and current ~= 'running' then return 0 end
+local allowed = false
+for status in string.gmatch(ARGV[5], '%S+') do
+  if status == current then allowed = true end
+end
+if not allowed then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[4])
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2], 'error', ARGV[3])
 return 1
@@ -179,16 +189,31 @@ class RunStore:
         runs = [await self.get_run(i) for i in ids]
         return [r for r in runs if r is not None]
 
-    async def set_status(self, run_id: str, status: str, error: str = "") -> bool:
-        """Atomically move an active run to `status`; False (nothing written) if the run already ended."""
-        if status not in STATUSES:
-            raise StoreError(f"unknown status {status!r}")
+    async def set_status(self, run_id: str, status: str, error: str = "", *,
+                         from_statuses: tuple[str, ...] = ACTIVE, event: str = "") -> bool:
+        """Atomically move a run that is in one of `from_statuses` (default: active) to `status`, with an
+        event named `event` (default: the status); False (nothing written) if the run is in another."""
+        if status not in STATUSES or not set(from_statuses) <= set(STATUSES):
+            raise StoreError(f"unknown status {status!r} or {from_statuses!r}")
         now = time.time()
-        event = json.dumps({"ts": now, "event": status, "error": error})
+        record = json.dumps({"ts": now, "event": event or status, "error": error})
         changed = await self._set_status(
-            keys=[self._run_key(run_id), self._run_key(run_id, "events")], args=[status, now, error, event]
+            keys=[self._run_key(run_id), self._run_key(run_id, "events")],
+            args=[status, now, error, record, " ".join(from_statuses)],
         )
         return changed == 1
+
+    async def pause(self, run_id: str, reason: str) -> bool:
+        """Hold a running run as `paused`, `reason` in its error; False if it is not running."""
+        return await self.set_status(run_id, "paused", reason, from_statuses=("running",))
+
+    async def resume(self, run_id: str) -> bool:
+        """A paused run back to pending (driven on from its cursor); False if it is not paused."""
+        return await self.set_status(run_id, "pending", from_statuses=HELD, event="resumed")
+
+    async def cancel(self, run_id: str) -> bool:
+        """An active or paused run cancelled; False if it already ended."""
+        return await self.set_status(run_id, "cancelled", from_statuses=ACTIVE + HELD)
 
     async def add_event(self, run_id: str, event: str, **fields: object) -> None:
         await self._r.rpush(self._run_key(run_id, "events"), json.dumps({"ts": time.time(), "event": event, **fields}))

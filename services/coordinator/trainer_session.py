@@ -1,6 +1,12 @@
 """The run as the trainer holds it: configuring it (from the run's last checkpoint when it lost the
 run), training and replaying steps, checkpoints, and waiting for a lost trainer to come back.
 
+A checkpoint the trainer refuses for lack of disk space wrote nothing, and the trainer still holds the
+step it trained: the checkpoint is tried again (SpaceRetry) and, when space does not return within the
+window, the run is paused (RunPaused) before the step is recorded. Resumed, the trainer replays that
+step (or, if it lost the run meanwhile, recomputes it from the last checkpoint), so the step is trained
+once and recorded once.
+
 The trainer keeps its state across a coordinator restart and treats a TrainStep for a step it
 already applied as a replay (it returns that step's recorded metrics and does not train again).
 The trajectory counts of a step are stored before the trainer applies it, so a replay accounts for
@@ -10,24 +16,47 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from proto import lockstep_pb2 as pb
-from services.coordinator.clients import TrainerClient, TrainerUnavailable
+from services.coordinator.clients import CheckpointOutOfSpace, TrainerClient, TrainerUnavailable
 from services.coordinator.event_log import EventLog
-from services.coordinator.run_errors import RunFailed
+from services.coordinator.run_errors import RunFailed, RunPaused
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
 
 
+# A wait is cut into slices this long, so a cancel is noticed within one.
+CANCEL_CHECK_S = 1.0
+
+
+@dataclass(frozen=True)
+class SpaceRetry:
+    """How a checkpoint refused for lack of disk space is tried again (CoordinatorConfig's
+    checkpoint_retry_* fields): waits from `interval_s`, doubling up to `interval_max_s`, while the
+    time since the first refusal stays within `window_s`."""
+
+    window_s: float = 600.0
+    interval_s: float = 5.0
+    interval_max_s: float = 60.0
+
+    def next_wait(self, refusals: int, waited_s: float) -> float | None:
+        """The wait after the `refusals`-th refusal, `waited_s` seconds after the first; None when
+        that wait would end past the window (the run is paused instead)."""
+        wait = min(self.interval_s * 2.0 ** min(refusals - 1, 30), self.interval_max_s)
+        return wait if waited_s + wait <= self.window_s else None
+
+
 class TrainerSession:
     def __init__(self, run_id: str, spec: RunSpec, trainer: TrainerClient, store: RunStore, events: EventLog,
-                 run_dir: Path, *, recovery_timeout_s: float,
-                 check_cancelled: Callable[[], Awaitable[None]]) -> None:
+                 run_dir: Path, *, recovery_timeout_s: float, check_cancelled: Callable[[], Awaitable[None]],
+                 space_retry: SpaceRetry = SpaceRetry()) -> None:
         self.run_id, self.spec, self.trainer, self.store, self.events = run_id, spec, trainer, store, events
         self.run_dir = run_dir
         self.recovery_timeout_s = recovery_timeout_s
         self.check_cancelled = check_cancelled
+        self.space_retry = space_retry
 
     @property
     def weights_address(self) -> str:
@@ -92,7 +121,35 @@ class TrainerSession:
         return result, pending["counts"]
 
     async def checkpoint(self, step: int) -> None:
+        """Have the trainer write the step's checkpoint; while it refuses for lack of disk space, retry
+        (each refusal an event) and, past the retry window, pause the run (RunPaused)."""
         path = str(self.run_dir / "checkpoints" / f"step_{step:06d}")
-        await self.trainer.save_checkpoint(self.run_id, path)
+        retry, refusals, first = self.space_retry, 0, time.monotonic()
+        while True:
+            try:
+                await self.trainer.save_checkpoint(self.run_id, path)
+                break
+            except CheckpointOutOfSpace as exc:
+                refusals += 1
+                wait = retry.next_wait(refusals, time.monotonic() - first)
+                await self.events.record("checkpoint_out_of_space", "checkpoint refused for lack of disk space",
+                                         step=step, path=path, refusals=refusals, reason=str(exc),
+                                         then="retry" if wait is not None else "pause", retry_in_s=wait,
+                                         retry_window_s=retry.window_s)
+                if wait is None:
+                    raise RunPaused(
+                        f"step {step}: no disk space for checkpoint {path} ({refusals} attempt(s) within "
+                        f"checkpoint_retry_window_s = {retry.window_s:g} s): {exc}. Free space there, then "
+                        f"POST /v1/runs/{self.run_id}/resume") from None
+                await self._wait(wait)
+        if refusals:
+            await self.events.record("checkpoint_space_recovered", "checkpoint written once disk space returned",
+                                     step=step, path=path, attempts=refusals + 1)
         # What a restarted trainer resumes from (the coordinator need not see the trainer's disk).
         await self.store.set_aux(self.run_id, "last_checkpoint", {"step": step, "path": path})
+
+    async def _wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, CANCEL_CHECK_S))
+            await self.check_cancelled()

@@ -6,7 +6,9 @@ Status codes the coordinator can rely on:
 - INVALID_ARGUMENT: a malformed request (message names the field), a message
   that does not decode (services.common.grpc_decode), a model_path outside the
   service's model_roots, an unknown engine (message lists the known ones), bad
-  engine options, a model_path LoadModel cannot load, a weight stream that
+  engine options, a model_path LoadModel cannot load (naming the weight file
+  that does not load: a pickle torch.load(weights_only=True) refuses, a corrupt
+  safetensors header, an index naming a shard outside the directory), a weight stream that
   fails any checksum / structure check or does not match the model; a
   LoadWeights directory outside model_roots, or whose version or recomputed
   digest is not the one requested. The state
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -89,8 +92,10 @@ T = TypeVar("T")
 # The trainer's GetWeights, called without a response deserializer (SyncWeights reads the raw chunks).
 GET_WEIGHTS_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Trainer'].full_name}/GetWeights"
 # What loading a model directory the request named raises when the directory is not a loadable model
-# (missing or corrupt config/weights); transformers and safetensors use these, and EnvironmentError.
-MODEL_LOAD_ERRORS = (OSError, ValueError, KeyError, SafetensorError)
+# (missing or corrupt config/weights); transformers and safetensors use these, and EnvironmentError. A weight
+# file that does not load is named by services.common.model_weights (a WeightFileError, a ValueError); a
+# pickle torch.load(weights_only=True) refuses is that file's fault too, never the service's.
+MODEL_LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError, pickle.UnpicklingError)
 
 
 ERRORS = RpcErrors(SERVICE, StatusMap(

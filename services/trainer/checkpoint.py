@@ -23,8 +23,10 @@ is the run's model_path, which a resume loads again.
 
 The directory is written under a fresh temporary sibling and renamed into
 place, and the state file is written last: a directory without it is not a
-checkpoint. An existing directory is replaced only if it is a checkpoint of the
-same run; the trainer never deletes a directory the run did not create.
+checkpoint. A write that fails (a full disk, say) removes the temporary sibling
+and leaves the target as it was. An existing directory is replaced only if it
+is a checkpoint of the same run; the trainer never deletes a directory the run
+did not create.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from services.common.model_weights import SAFETENSORS_INDEX, load_failure, weight_files
 
 STATE_FILE = "lockstep_trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -196,7 +200,8 @@ def _save_atomically(directory: str | Path, write_weights, *, optimizer_state: d
         write_weights(tmp)
         if tokenizer_dir is not None:
             copy_tokenizer_files(Path(tokenizer_dir), tmp)
-        torch.save(optimizer_state, tmp / OPTIMIZER_FILE)
+        with open(tmp / OPTIMIZER_FILE, "wb") as f:  # a Python file: a full disk surfaces as OSError ENOSPC
+            torch.save(optimizer_state, f)
         (tmp / STATE_FILE).write_text(state.to_json())
         if target.exists():
             check_replaceable(target, state.run_id)  # again: it may have changed while the weights were written
@@ -238,7 +243,10 @@ def read_optimizer_state(directory: str | Path) -> dict:
     path = Path(directory) / OPTIMIZER_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{directory}: no {OPTIMIZER_FILE}")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a refused pickle or a broken zip: the file's fault, named
+        raise load_failure(path, exc) from exc
 
 
 def read_state(directory: str | Path) -> TrainerState:
@@ -256,13 +264,11 @@ def load_safetensors_weights(directory: str | Path) -> dict[str, torch.Tensor]:
     single = d / "model.safetensors"
     if single.is_file():
         return load_file(str(single))
-    index = d / "model.safetensors.index.json"
-    if not index.is_file():
-        raise FileNotFoundError(f"{d}: no model.safetensors or model.safetensors.index.json")
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if not (d / SAFETENSORS_INDEX).is_file():
+        raise FileNotFoundError(f"{d}: no model.safetensors or {SAFETENSORS_INDEX}")
     out: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        out.update(load_file(str(d / shard)))
+    for shard in weight_files(d):  # the index's shards, each a file of the directory itself
+        out.update(load_file(str(shard)))
     return out
 
 

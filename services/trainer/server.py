@@ -14,6 +14,9 @@ Status codes:
 - ConfigureRun / LoadCheckpoint of a model_path / directory that does not
   load (corrupt config, weights, optimizer state) -> INVALID_ARGUMENT
 - FailedPrecondition (state does not allow) -> FAILED_PRECONDITION
+- SaveCheckpoint / WriteWeights on a full disk
+  or quota (OutOfSpace, naming the path)    -> RESOURCE_EXHAUSTED (nothing half-written is left as a
+  checkpoint or weight directory; the same call succeeds once space returns)
 - StepFailed (update not applied)           -> ABORTED
 - anything else                             -> INTERNAL (logged with traceback)
 Every one of them leaves the server serving. The mapping is applied, and the
@@ -55,6 +58,7 @@ from services.common.structured_logging import log_event
 from services.common.weight_files import WeightFilesError, write_weight_dir
 from services.trainer.checkpoint import ForeignDirectory
 from services.trainer.config import TrainerServiceConfig
+from services.trainer.disk_space import OutOfSpace, writing
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
 from services.trainer.served_weights import DEFAULT_CUT_WORKERS, WeightVersion
@@ -78,6 +82,7 @@ ERRORS = RpcErrors(SERVICE, StatusMap(
     (ForeignDirectory, grpc.StatusCode.INVALID_ARGUMENT),
     (WeightFilesError, grpc.StatusCode.INVALID_ARGUMENT),
     (BroadcastFailed, grpc.StatusCode.ABORTED),
+    (OutOfSpace, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ), log)
 status_for = ERRORS.status_for
 
@@ -256,7 +261,8 @@ class TrainerServicer(pb_grpc.TrainerServicer):
     @rpc_handler(ERRORS, "SaveCheckpoint")
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
         directory = confined(request.directory, self.checkpoint_roots, "directory")
-        path, version = await self._locked(self.trainer.save_checkpoint, request.run_id, directory)
+        with writing("directory", directory):
+            path, version = await self._locked(self.trainer.save_checkpoint, request.run_id, directory)
         return pb.SaveCheckpointResponse(directory=str(path), policy_version=version)
 
     @rpc_handler(ERRORS, "WriteWeights")
@@ -270,7 +276,8 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             return write_weight_dir(directory, snapshot.tensors, snapshot.policy_version,
                                     base_dir=snapshot.run.model_path)
 
-        written = await self._locked(write)
+        with writing("directory", directory):
+            written = await self._locked(write)
         log_event(log, "weights written", run_id=request.run_id, directory=str(written.directory),
                   policy_version=written.policy_version, bytes=written.nbytes)
         return pb.WriteWeightsResponse(directory=str(written.directory), policy_version=written.policy_version,

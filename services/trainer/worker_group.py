@@ -123,8 +123,13 @@ class GroupTrainer:
     def _replicated(self, name: str, **kwargs):
         return self._on_all_ranks(name, **kwargs)[0]
 
-    def _on_all_ranks(self, name: str, **kwargs) -> tuple[object, list[tuple[bool, str]]]:
-        """Run Trainer.<name> on every rank: rank 0's result and every rank's (ok, message)."""
+    def _on_all_ranks(self, name: str, *, rank0_alone_writes: bool = False,
+                      **kwargs) -> tuple[object, list[tuple[bool, str]]]:
+        """Run Trainer.<name> on every rank: rank 0's result and every rank's (ok, message).
+
+        `rank0_alone_writes`: after its collectives the call writes files on rank 0 alone, so rank 0
+        failing there (a full disk) while the others succeed leaves the ranks in step: the error is
+        raised, the group is not broken."""
         if self.broken:
             raise RuntimeError(f"trainer group is broken ({self.broken}); restart the trainer service")
         self.dp.broadcast_command((name, kwargs))
@@ -135,6 +140,8 @@ class GroupTrainer:
             error, result = exc, None
         statuses = self.dp.gather_status((error is None, "" if error is None else f"{type(error).__name__}: {error}"))
         diverged = [f"rank {r}: {msg or 'ok'}" for r, (ok, msg) in enumerate(statuses) if ok != (error is None)]
+        if diverged and rank0_alone_writes and error is not None and all(ok for ok, _ in statuses[1:]):
+            raise error
         if diverged:
             self.broken = f"{name} failed on some ranks only: " + "; ".join(diverged)
             log.critical("trainer group broken: %s", self.broken)
@@ -156,7 +163,8 @@ class GroupTrainer:
         return self._replicated("weight_tensors", run_id=run_id)
 
     def save_checkpoint(self, run_id: str, directory: str):
-        return self._replicated("save_checkpoint", run_id=run_id, directory=directory)
+        return self._on_all_ranks("save_checkpoint", rank0_alone_writes=True, run_id=run_id,
+                                  directory=directory)[0]
 
     def load_checkpoint(self, run_id: str, directory: str):
         return self._replicated("load_checkpoint", run_id=run_id, directory=directory)

@@ -162,7 +162,7 @@ def test_run_ids_other_than_the_minted_pattern_are_404(lone_coordinator, tiny_mo
     run_id = http.post(f"{url}/v1/runs", json=spec(tiny_model_dir), timeout=60).json()["id"]
     bad = (run_id + suffix) if suffix else run_id.upper()
     for method, path in (("GET", f"/v1/runs/{bad}"), ("GET", f"/v1/runs/{bad}/metrics"),
-                         ("POST", f"/v1/runs/{bad}/cancel")):
+                         ("POST", f"/v1/runs/{bad}/cancel"), ("POST", f"/v1/runs/{bad}/resume")):
         r = http.request(method, f"{url}{path}", timeout=30)
         assert r.status_code == 404, (method, path, r.status_code, r.text[:300])
     assert http.get(f"{url}/v1/runs/{run_id}", timeout=30).status_code == 200

@@ -1,7 +1,7 @@
 """Schemathesis over the OpenAPI document of a real coordinator process.
 
-Every operation, then stateful sequences (submit -> get / metrics / cancel
-through the document's links), with two checks: no response is a server
+Every operation, then stateful sequences (submit -> get / metrics / cancel /
+resume through the document's links), with two checks: no response is a server
 error, and every status code is one the document declares. The run is kept
 short for CI by bounded example counts.
 """
@@ -65,7 +65,8 @@ def submittable_schema(lone_coordinator, tiny_model_dir):
 
 
 OPERATIONS = ["POST /v1/runs", "GET /v1/runs", "GET /v1/runs/{run_id}", "GET /v1/runs/{run_id}/metrics",
-              "POST /v1/runs/{run_id}/cancel", "GET /healthz", "GET /readyz", "GET /metrics"]
+              "POST /v1/runs/{run_id}/cancel", "POST /v1/runs/{run_id}/resume", "GET /healthz", "GET /readyz",
+              "GET /metrics"]
 
 
 def test_the_document_has_exactly_the_operations_tested(api_schema):
@@ -118,6 +119,7 @@ def test_the_document_declares_every_code_the_hostile_cases_get(lone_coordinator
     for path in ("/v1/runs/{run_id}", "/v1/runs/{run_id}/metrics"):
         assert "404" in codes[path]["get"]
     assert codes["/v1/runs/{run_id}/cancel"]["post"] >= {"200", "404", "409"}
+    assert codes["/v1/runs/{run_id}/resume"]["post"] >= {"200", "404", "409"}
     assert codes["/readyz"]["get"] >= {"200", "503"}
     body = doc["paths"]["/v1/runs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body == {"$ref": "#/components/schemas/RunSpec"} and "RunSpec" in doc["components"]["schemas"]

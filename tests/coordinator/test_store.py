@@ -66,6 +66,35 @@ def test_status_events_and_lease(server):
     run(go())
 
 
+def test_pause_holds_a_running_run_until_resumed_or_cancelled(server):
+    async def go():
+        store = RunStore(server.url, prefix="t6:", password=server.password)
+        r = await store.create_run("p", "{}", steps=1)
+        assert not await store.pause(r.id, "disk full")  # only a running run is paused
+        assert not await store.resume(r.id)  # and only a paused one resumed
+        assert await store.set_status(r.id, "running")
+        assert await store.pause(r.id, "step 2: no disk space")
+        got = await store.get_run(r.id)
+        assert got.status == "paused" and got.error == "step 2: no disk space"
+        # Nothing that drives runs moves it: it is neither active nor ended.
+        for status in ("running", "completed", "failed"):
+            assert not await store.set_status(r.id, status)
+        assert (await store.get_run(r.id)).status == "paused"
+        assert await store.resume(r.id)
+        got = await store.get_run(r.id)
+        assert got.status == "pending" and got.error == ""
+        assert not await store.resume(r.id)
+        assert await store.set_status(r.id, "running") and await store.pause(r.id, "again")
+        assert await store.cancel(r.id)  # a paused run can be cancelled, and then nothing resumes it
+        assert not await store.resume(r.id)
+        assert (await store.get_run(r.id)).status == "cancelled"
+        assert [e["event"] for e in await store.events(r.id)] == [
+            "submitted", "running", "paused", "resumed", "running", "paused", "cancelled"]
+        await store.close()
+
+    run(go())
+
+
 def test_appendonly_survives_server_restart(tmp_path):
     data = tmp_path / "redis"
 

@@ -96,7 +96,8 @@ def test_every_v1_route_refuses_requests_without_the_token(stack):
     document = httpx.get(f"{stack.api_url}/openapi.json", timeout=10).json()
     routes = [(method.upper(), path.replace("{run_id}", "some-run"))
               for path, ops in document["paths"].items() if path.startswith("/v1/") for method in ops]
-    assert {("POST", "/v1/runs"), ("POST", "/v1/runs/some-run/cancel"), ("GET", "/v1/runs")} <= set(routes)
+    assert {("POST", "/v1/runs"), ("POST", "/v1/runs/some-run/cancel"), ("POST", "/v1/runs/some-run/resume"),
+            ("GET", "/v1/runs")} <= set(routes)
     assert all(path.startswith("/v1/") or path in OPEN_PATHS for path in document["paths"]), document["paths"]
     with httpx.Client(base_url=stack.api_url, timeout=30) as http:
         for method, path in routes:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import time
 import uuid
@@ -23,6 +24,7 @@ from services.common.auth import TOKEN_FILE_ENV, read_token_file, write_token_fi
 from services.common.grpc_options import sync_channel
 from services.common.ports import free_port
 from services.common.tiny_model import build_model_dir
+from services.common.model_weights import PICKLE_SINGLE, SAFETENSORS_INDEX
 from services.local_stack import ServiceProcess, service_env
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -99,6 +101,54 @@ def bad_model_dirs(tmp_path_factory, model_dir) -> dict[str, Path]:
     return dirs
 
 
+class WritesMarker:
+    """Unpickled by an unsafe loader, it creates the file `path` (pickle calls open(path, "w"))."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+@pytest.fixture(scope="module")
+def hostile_weight_dirs(tmp_path_factory, model_dir) -> tuple[dict[str, tuple[Path, str]], Path]:
+    """Model directories whose weight file is hostile or broken, each with the file a refusal must name;
+    and the marker file an unpickled payload would create."""
+    import torch
+
+    root = tmp_path_factory.mktemp("hostile_weights")
+    marker = root / "MARKER-code-ran"
+    dirs: dict[str, tuple[Path, str]] = {}
+
+    def model_without_weights(name: str) -> Path:
+        d = root / name
+        d.mkdir()
+        for f in model_dir.iterdir():
+            if f.suffix != ".safetensors":
+                (d / f.name).write_bytes(f.read_bytes())
+        return d
+
+    d = model_without_weights("pickle_runs_code")  # torch.save's zip format, as a real pytorch_model.bin
+    torch.save({"model.embed_tokens.weight": WritesMarker(marker)}, d / PICKLE_SINGLE)
+    dirs["pickle_runs_code"] = d, str(d / PICKLE_SINGLE)
+    d = model_without_weights("legacy_pickle_runs_code")  # a bare pickle stream (torch's pre-zip format)
+    (d / PICKLE_SINGLE).write_bytes(pickle.dumps({"model.embed_tokens.weight": WritesMarker(marker)}))
+    dirs["legacy_pickle_runs_code"] = d, str(d / PICKLE_SINGLE)
+    d = model_without_weights("truncated_pickle")
+    torch.save({"model.embed_tokens.weight": torch.zeros(4)}, d / PICKLE_SINGLE)
+    (d / PICKLE_SINGLE).write_bytes((d / PICKLE_SINGLE).read_bytes()[:100])
+    dirs["truncated_pickle"] = d, str(d / PICKLE_SINGLE)
+    d = model_without_weights("corrupt_safetensors_header")  # a plausible length, then a header that is no JSON
+    weights = (model_dir / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(weights[:8] + b"{" * 16 + weights[24:])
+    dirs["corrupt_safetensors_header"] = d, str(d / "model.safetensors")
+    d = model_without_weights("index_leaves_directory")  # shards must be files of the directory itself
+    (d / SAFETENSORS_INDEX).write_text(json.dumps({"weight_map": {"lm_head.weight": "../../model.safetensors"}}))
+    dirs["index_leaves_directory"] = d, str(d / SAFETENSORS_INDEX)
+    return dirs, marker
+
+
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory):
     s = Served("rollout", tmp_path_factory.mktemp("rollout"), tmp_path_factory.getbasetemp()).start()
@@ -161,6 +211,24 @@ def test_rollout_load_model_of_a_bad_model_directory_is_invalid_argument(rollout
     assert rollout.health().ok
 
 
+HOSTILE_WEIGHTS = ["pickle_runs_code", "legacy_pickle_runs_code", "truncated_pickle", "corrupt_safetensors_header",
+                   "index_leaves_directory"]
+
+
+@pytest.mark.parametrize("which", HOSTILE_WEIGHTS)
+def test_rollout_load_model_of_hostile_weight_files_is_invalid_argument_naming_the_file(rollout, hostile_weight_dirs,
+                                                                                       which):
+    dirs, marker = hostile_weight_dirs
+    directory, culprit = dirs[which]
+    got, details = _load_model(rollout, model_path=str(directory), engine_config_json='{"engine": "torch"}')
+    assert got == INVALID and "model_path" in details and culprit in details, (got, details)
+    assert not marker.exists(), "the pickle's payload ran"
+    assert rollout.health().ok
+    info = rollout.channel.unary_unary(rollout.method("Info"), request_serializer=pb.InfoRequest.SerializeToString,
+                                       response_deserializer=pb.ServiceInfo.FromString)(pb.InfoRequest(), timeout=30)
+    assert info.model_path != str(directory), info  # nothing of the refused directory was loaded
+
+
 @pytest.mark.parametrize("method, kind", [
     ("ConfigureRun", "unary"), ("GetWeights", "unary_stream"), ("TrainStep", "stream"), ("CheckParity", "stream"),
     ("SaveCheckpoint", "unary"), ("LoadCheckpoint", "unary"),
@@ -192,6 +260,17 @@ def _configure(trainer, **fields) -> tuple[grpc.StatusCode, str]:
 def test_trainer_configure_of_a_bad_model_directory_is_invalid_argument(trainer, bad_model_dirs, which):
     got, details = _configure(trainer, model_path=str(bad_model_dirs[which]))
     assert got == INVALID and "model_path" in details, (got, details)
+    assert trainer.health().ok
+
+
+@pytest.mark.parametrize("which", HOSTILE_WEIGHTS)
+def test_trainer_configure_of_hostile_weight_files_is_invalid_argument_naming_the_file(trainer, hostile_weight_dirs,
+                                                                                      which):
+    dirs, marker = hostile_weight_dirs
+    directory, culprit = dirs[which]
+    got, details = _configure(trainer, model_path=str(directory))
+    assert got == INVALID and "model_path" in details and culprit in details, (got, details)
+    assert not marker.exists(), "the pickle's payload ran"
     assert trainer.health().ok
 
 
