@@ -81,8 +81,8 @@ def _triton_specs():
 
 def _sampler_specs():
     """The rollout decoder's Gumbel-max sampling kernel on Qwen3's vocab (bf16 logits; fp32 when truncated)."""
-    from services.rollout import sampling_triton as st
-    from services.rollout.sampling import FMIX_C1, FMIX_C2, TOKEN_MULT
+    from kernels.sampling import triton_kernels as st
+    from kernels.sampling.stream import FMIX_C1, FMIX_C2, TOKEN_MULT
 
     specs = []
     for ptr in ("*bf16", "*fp32"):

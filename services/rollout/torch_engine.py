@@ -15,7 +15,7 @@ exactly this quantity, so with top_k/top_p active the importance weight is
 still 1 at step 1.
 
 Sampling randomness is per sample: sample i of a prompt draws from the
-counter-based stream of seed `prompt.seed + i` (services.rollout.sampling), so
+counter-based stream of seed `prompt.seed + i` (kernels.sampling), so
 a sample's tokens do not depend on which other prompts share its batch.
 """
 from __future__ import annotations
