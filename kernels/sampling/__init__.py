@@ -11,8 +11,10 @@ from kernels.sampling.stream import (
     TOKEN_MULT,
     fmix32,
     gumbel_argmax_reference,
+    keys_at,
     row_keys,
     sample_tokens,
+    seed_hashes,
     seed_words,
     stream_keys,
     truncate_logits,
@@ -20,4 +22,4 @@ from kernels.sampling.stream import (
 )
 
 __all__ = ["FMIX_C1", "FMIX_C2", "MASK32", "SEED_SALT", "TOKEN_MULT", "fmix32", "gumbel_argmax_reference",
-           "row_keys", "sample_tokens", "seed_words", "stream_keys", "truncate_logits", "uniforms"]
+           "keys_at", "row_keys", "sample_tokens", "seed_hashes", "seed_words", "stream_keys", "truncate_logits", "uniforms"]

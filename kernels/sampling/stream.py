@@ -109,6 +109,17 @@ def stream_keys(words: torch.Tensor, steps: int) -> torch.Tensor:
     return fmix32(h[None, :] ^ step_ids[:, None])
 
 
+def seed_hashes(words: torch.Tensor) -> torch.Tensor:
+    """int64 [B] in [0, 2**32): the part of each row's key that depends on its seed alone."""
+    return fmix32(fmix32(words[:, 0] ^ SEED_SALT) ^ words[:, 1])
+
+
+def keys_at(hashes: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """int64 [B]: row b's key at its own step steps[b] (rows at different steps: continuous batching); equal to
+    stream_keys(words, T)[steps[b], b]."""
+    return fmix32(hashes ^ (steps & MASK32))
+
+
 def uniforms(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     """fp32 [B, V] in (0, 1): u of every (row, token) for the given row keys (CPU reference of the stream)."""
     tokens = _mul32(torch.arange(vocab, dtype=torch.int64, device=keys.device), TOKEN_MULT)

@@ -3,9 +3,10 @@
 It runs the trainer's model code (services.common.models.load_causal_lm, the
 stock Hugging Face module) and scores every sampled token with the trainer's
 log-prob definition (kernels.logprob.token_logprobs), so that before the first
-update rollout and trainer agree on every response token. Generation (packed
-prefill, static KV cache, CUDA graphs, numerics modes) lives in the decoder;
-this module loads, validates requests and applies weight updates.
+update rollout and trainer agree on every response token. Generation (continuous
+batching over a paged KV pool, chunked and shared prefill, preemption, CUDA
+graphs, numerics modes) lives in the decoder; this module loads, validates
+requests and applies weight updates.
 
 Reported log-prob of a sampled token = log_softmax(logits / T)[token] over the
 FULL vocabulary (T = 1 in greedy mode). Top-k / top-p truncate the
@@ -41,6 +42,7 @@ from services.rollout.engine import (
 from services.common.finite_check import all_finite
 from services.rollout.lora_adapter import merged_weight, module_adapters
 from services.rollout.sampling import truncate_logits
+from services.rollout.scheduler import pages_for
 
 __all__ = ["TorchEngine", "TorchEngineConfig", "decoder_options", "truncate_logits"]
 
@@ -55,6 +57,9 @@ def decoder_options(config: TorchEngineConfig) -> DecoderOptions:
         pad_token_id=config.pad_token_id,
         logprob_backend=config.logprob_backend,
         stop_check_interval=config.stop_check_interval,
+        kv_pool_tokens=config.kv_cache_tokens,
+        kv_pool_memory_fraction=config.kv_cache_memory_fraction,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
     )
 
 
@@ -196,6 +201,12 @@ class TorchEngine(Engine):
                 raise ValueError(
                     f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
                     f"{request.sampling.max_new_tokens} new tokens exceeds engine_config.max_context_tokens={cap}"
+                )
+            pool = self.config.kv_cache_tokens
+            if pool is not None and pages_for(len(p.token_ids) + request.sampling.max_new_tokens) > pages_for(pool):
+                raise ValueError(
+                    f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
+                    f"{request.sampling.max_new_tokens} new tokens exceeds engine_config.kv_cache_tokens={pool}"
                 )
         bad_stop = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
