@@ -41,9 +41,11 @@ finish_reason "paused"; `prefixes` continues sequences from tokens sampled earli
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.rollout.engine import SamplingConfig
@@ -119,7 +121,10 @@ class DecodeStats:
     live_kv_tokens: int = 0
     """Sum over decode steps of the rows' context lengths (the K/V a step reads)."""
     page_copies: int = 0
-    step_rows: list[int] = field(default_factory=list)
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
+    """(rows, context tokens read, seconds) of every decode step; seconds from the end of the previous host
+    read to this step's read of its tokens (the host syncs on every step's tokens)."""
+    prefill_seconds: float = 0.0
 
 
 def check_decodable(model: torch.nn.Module) -> None:
@@ -352,7 +357,9 @@ class Decoder:
             sched.admit()
             pieces = sched.prefill_chunk()
             if pieces:
+                t0 = time.perf_counter()
                 self._prefill(pieces, sched, hashes, sampling, stops)
+                stats.prefill_seconds += time.perf_counter() - t0
             rows = sched.decode_batch()
             for src, dst in sched.take_copies():
                 self._pool.copy_page(src, dst)
@@ -426,32 +433,35 @@ class Decoder:
 
     def _decode(self, rows: list[Seq], sched: Scheduler, hashes: torch.Tensor, sampling: SamplingConfig,
                 stops: frozenset[int]) -> None:
+        t0 = time.perf_counter()
         n = len(rows)
         bucket = _bucket(n, self.options.max_batch_size) if self.options.cuda_graphs else n
         step_fn = self._step_fn(bucket)
-        ids = torch.full((bucket, 1), self.options.pad_token_id, dtype=torch.int64)
-        positions = torch.zeros((bucket, 1), dtype=torch.int64)
-        tables = torch.zeros((bucket, self.table_width), dtype=torch.int32)
+        ids = np.full((bucket, 1), self.options.pad_token_id, dtype=np.int64)
+        positions = np.zeros((bucket, 1), dtype=np.int64)
+        tables = np.zeros((bucket, self.table_width), dtype=np.int32)
         for b, s in enumerate(rows):
             if s.finish_reason is None:
                 ids[b, 0] = s.tokens[s.computed]
             positions[b, 0] = s.computed
-            tables[b, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int32)
-        lengths = (positions[:, 0] + 1).to(torch.int32)
+            tables[b, :len(s.pages)] = s.pages
+        lengths = (positions[:, 0] + 1).astype(np.int32)
+        host = tuple(torch.from_numpy(a) for a in (ids, positions, lengths, tables))
         if isinstance(step_fn, _CapturedDecodeStep):
             bufs = (step_fn.ids, step_fn.positions, step_fn.lengths, step_fn.tables)
-            for buf, host in zip(bufs, (ids, positions, lengths, tables)):
-                buf.copy_(host, non_blocking=True)
+            for buf, h in zip(bufs, host):
+                buf.copy_(h)
         else:
-            bufs = tuple(t.to(self.device) for t in (ids, positions, lengths, tables))
+            bufs = tuple(t.to(self.device) for t in host)
         logits = step_fn(*bufs)
+        tokens, logps = self._sample(logits[:n], rows, hashes, sampling)
         stats = self.stats
         stats.decode_steps += 1
         stats.row_steps += n
         stats.useful_row_steps += sum(s.finish_reason is None for s in rows)
-        stats.live_kv_tokens += int(lengths[:n].sum())
-        stats.step_rows.append(n)
-        tokens, logps = self._sample(logits[:n], rows, hashes, sampling)
+        context = int(lengths[:n].sum())
+        stats.live_kv_tokens += context
+        stats.steps.append((n, context, time.perf_counter() - t0))
         for s, t, lp in zip(rows, tokens, logps):
             sched.sampled(s, t, lp, stops)
 

@@ -182,8 +182,6 @@ class Scheduler:
         """Rows of the next decode step, in admission order, each with a private page for the slot it writes.
 
         May preempt. Static policy: finished rows stay in the batch (fed a pad token) until all have finished."""
-        if self.policy == "static" and self.running and all(s.finish_reason for s in self.running):
-            self._release_all_finished()
         rows = []
         for s in list(self.running):
             if s not in self.running:  # preempted while an earlier row took its page
@@ -257,6 +255,8 @@ class Scheduler:
             s.finish_reason = "length"
         if s.finish_reason is not None and self.policy == "continuous":
             self._finish(s)
+        elif self.policy == "static" and all(r.finish_reason for r in self.running):
+            self._release_all_finished()
 
     def _finish(self, s: Sequence) -> None:
         self.running.remove(s)
