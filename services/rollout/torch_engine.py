@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -67,6 +68,7 @@ class TorchEngine(Engine):
     """One Hugging Face causal LM in this process; calls are serialised by the server."""
 
     name = "torch"
+    supports_resume = True
 
     def __init__(self, config: TorchEngineConfig | None = None) -> None:
         self.config = config or TorchEngineConfig()
@@ -79,6 +81,9 @@ class TorchEngine(Engine):
         # into these, never into the previous merge), and a digest of the adapter at the current version.
         self._pristine: dict[str, torch.Tensor] = {}
         self._adapter_digest: str | None = None
+        # Pause: set by request_pause (the server's thread), read by the decoder at each token boundary.
+        self._pause = threading.Event()
+        self._generating = threading.Event()
 
     @classmethod
     def from_config_json(cls, text: str, service: RolloutServiceConfig | None = None) -> "TorchEngine":
@@ -169,11 +174,32 @@ class TorchEngine(Engine):
         assert self._decoder is not None  # set with the model by load
         # Sequence s = (prompt, sample index); output order is prompt order, then index.
         seqs = [(p, i) for p in request.prompts for i in range(request.samples_per_prompt)]
-        decoded = self._decoder.decode([p.token_ids for p, _ in seqs], [p.seed + i for p, i in seqs],
-                                       request.sampling)
-        return [GeneratedSample(group_id=p.group_id, index=i, token_ids=d.token_ids, logprobs=d.logprobs,
-                                finish_reason=d.finish_reason)
-                for (p, i), d in zip(seqs, decoded)]
+        resumed = {r.sample_id: r for r in request.resumed}
+        prefixes = [(resumed[k].token_ids, resumed[k].logprobs) if (k := f"{p.group_id}/{i}") in resumed else None
+                    for p, i in seqs]
+        self._pause.clear()
+        self._generating.set()
+        try:
+            decoded = self._decoder.decode([p.token_ids for p, _ in seqs], [p.seed + i for p, i in seqs],
+                                           request.sampling, prefixes=prefixes, should_pause=self._pause.is_set)
+        finally:
+            self._generating.clear()
+            self._pause.clear()
+        out = []
+        for (p, i), d in zip(seqs, decoded):
+            earlier = resumed.get(f"{p.group_id}/{i}")
+            before = list(earlier.policy_versions) if earlier else []
+            out.append(GeneratedSample(group_id=p.group_id, index=i, token_ids=d.token_ids, logprobs=d.logprobs,
+                                       finish_reason=d.finish_reason,
+                                       policy_versions=before + [self._policy_version] * (len(d.token_ids)
+                                                                                           - len(before))))
+        return out
+
+    def request_pause(self) -> bool:
+        if not self._generating.is_set():
+            return False
+        self._pause.set()
+        return True
 
     def validate_request(self, request: GenerationRequest) -> None:
         """Checks that need the model (vocabulary, context length); ValueError names the field."""
@@ -208,6 +234,10 @@ class TorchEngine(Engine):
                     f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
                     f"{request.sampling.max_new_tokens} new tokens exceeds engine_config.kv_cache_tokens={pool}"
                 )
+        for i, r in enumerate(request.resumed):
+            bad = [t for t in r.token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"resumed[{i}].response_token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
         bad_stop = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"sampling.stop_token_ids: id {bad_stop[0]} outside the vocabulary [0, {vocab})")
