@@ -17,6 +17,9 @@ trained policy is; the scale is found by bisection on the prompts before the ser
 
     python3 bench/rollout.py --out bench/results/rollout_h200.json          # the H200 run
     python3 bench/rollout.py --shape tiny --device cpu --prompts 4 --samples 2 --new-tokens 8   # smoke
+
+`--workload longtail` runs bench/rollout_longtail.py instead (in process, no services): static vs
+continuous scheduling of long-tailed sequences over the paged KV pool (see that module).
 """
 from __future__ import annotations
 
@@ -242,7 +245,33 @@ def main() -> None:
     ap.add_argument("--modes", default="fast,true_on_policy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--workload", default="fixed", choices=("fixed", "longtail"),
+                    help="fixed: --new-tokens per sequence through the services; longtail: rollout_longtail.py")
+    lt = ap.add_argument_group("longtail")
+    lt.add_argument("--cap", type=int, default=8192, help="max new tokens per sequence")
+    lt.add_argument("--stop-tokens", type=int, default=76, help="stop ids (mean length ~ vocab / this)")
+    lt.add_argument("--static-rows", type=int, default=64, help="rows of a static batch (today's default)")
+    lt.add_argument("--continuous-rows", type=int, default=256)
+    lt.add_argument("--pool-tokens", type=int, default=None, help="continuous KV pool (default: the static batch's dense KV, static rows x (prompt + cap))")
+    lt.add_argument("--chunk", type=int, default=8192, help="prefill chunk tokens")
+    lt.add_argument("--big-shape", default="qwen3-4b", help="'' to skip the large-shape run")
+    lt.add_argument("--big-cap", type=int, default=14000)
+    lt.add_argument("--big-stop-tokens", type=int, default=72)
+    lt.add_argument("--big-kv-gb", type=float, default=60.0)
+    lt.add_argument("--only-big", action="store_true", help="run the large shape alone")
     args = ap.parse_args()
+    if args.workload == "longtail":
+        from bench.rollout_longtail import LONGTAIL_SHAPES, longtail
+
+        if args.entropy == 3.3:
+            args.entropy = 11.8  # near-uniform: the stop ids then set the length distribution
+        if args.shape not in LONGTAIL_SHAPES:
+            ap.error(f"--shape {args.shape} has no longtail model")
+        text = json.dumps(longtail(args, hbm_copy_gb_per_s), indent=1)
+        print(text)
+        if args.out:
+            Path(args.out).write_text(text + "\n")
+        return
 
     vocab = SHAPES[args.shape]["vocab_size"]
     g = torch.Generator().manual_seed(args.seed)

@@ -94,7 +94,8 @@ class TorchEngineConfig(BaseModel):
         64,
         ge=1,
         le=65536,
-        description="Sequences (prompts x samples) per forward; larger requests run as consecutive micro-batches.",
+        description="Most sequences (prompts x samples) decoded together; the rest wait and are admitted as rows "
+        "and KV pages free up (continuous batching).",
     )
     attn_implementation: str = Field(
         "sdpa",
@@ -121,12 +122,35 @@ class TorchEngineConfig(BaseModel):
         description="KV-cache capacity per sequence (prompt + new tokens), allocated once; a longer request is "
         "refused. None sizes the cache from each batch (grown in steps of 256 tokens, never shrunk).",
     )
+    kv_cache_tokens: int | None = Field(
+        None,
+        ge=64,
+        le=1 << 28,
+        description="Size of the paged KV pool in tokens (rounded up to pages of 64), allocated once. A request "
+        "whose longest sequence (prompt + max_new_tokens) exceeds it is refused; when sequences outgrow it the "
+        "latest admitted is preempted and recomputed later. None (and no memory fraction): the pool grows to "
+        "max_batch_size x the request's longest sequence.",
+    )
+    kv_cache_memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Size of the paged KV pool as this fraction of the device memory free when it is first "
+        "allocated (after the model is loaded); CUDA only; exclusive with kv_cache_tokens.",
+    )
+    prefill_chunk_tokens: int = Field(
+        8192,
+        ge=1,
+        le=1 << 20,
+        description="Most prompt tokens prefilled in one forward; longer prompts, and prompts arriving while others "
+        "decode, are prefilled in chunks between decode steps.",
+    )
     stop_check_interval: int = Field(
         8,
         ge=1,
         le=4096,
-        description="Decode steps between host checks of whether every sequence has sampled a stop token "
-        "(stop detection itself runs on the device every step).",
+        description="Accepted for compatibility; the continuous scheduler reads every decode step's tokens "
+        "(it frees a finished sequence's KV pages at once).",
     )
     logprob_backend: str = Field(
         "auto",
@@ -168,6 +192,16 @@ class TorchEngineConfig(BaseModel):
     def graphs_enabled(self) -> bool:
         """Whether decode steps are captured: cuda_graphs, or by default whether the device is CUDA."""
         return torch_device_type(self.device) == "cuda" if self.cuda_graphs is None else self.cuda_graphs
+
+    @field_validator("kv_cache_memory_fraction")
+    @classmethod
+    def _fraction_needs_cuda(cls, v: float | None, info: ValidationInfo) -> float | None:
+        device = info.data.get("device")
+        if v is not None and device is not None and torch_device_type(device) != "cuda":
+            raise ValueError(f"sizes the KV pool from CUDA memory, device is {device!r} (set kv_cache_tokens)")
+        if v is not None and info.data.get("kv_cache_tokens") is not None:
+            raise ValueError("set either kv_cache_tokens or kv_cache_memory_fraction, not both")
+        return v
 
     @field_validator("logprob_backend")
     @classmethod

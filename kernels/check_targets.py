@@ -81,8 +81,8 @@ def _triton_specs():
 
 def _sampler_specs():
     """The rollout decoder's Gumbel-max sampling kernel on Qwen3's vocab (bf16 logits; fp32 when truncated)."""
-    from services.rollout import sampling_triton as st
-    from services.rollout.sampling import FMIX_C1, FMIX_C2, TOKEN_MULT
+    from kernels.sampling import triton_kernels as st
+    from kernels.sampling.stream import FMIX_C1, FMIX_C2, TOKEN_MULT
 
     specs = []
     for ptr in ("*bf16", "*fp32"):
@@ -133,20 +133,23 @@ def _batch_invariant_specs():
                       dict(BLOCK_H=block), {"num_warps": rms_norm_warps(hidden)},
                       f"bi_rms_norm {str(dtype)[6:]} H={hidden}", ("x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_o", "H"),
                       None))
-    attn_sig = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "seq_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                "stride_kb", "stride_kh", "stride_kn", "cap", "qk_scale"]
+    attn_sig = ["q_ptr", "k_ptr", "v_ptr", "o_ptr", "seq_ptr", "start_ptr", "table_ptr", "stride_qt", "stride_qh",
+                "stride_ot", "stride_oh", "stride_kb", "stride_kh", "stride_kn", "stride_tb", "cap", "qk_scale"]
     # Qwen3-0.6B: 16 query heads over 8 kv heads of 128 (GQA group 2), bf16 (fp32 compiles the same
-    # code with IEEE dots and takes ~25 s more here; the interpreted tests run it).
-    for dtype, decode in ((torch.bfloat16, False), (torch.bfloat16, True)):
+    # code with IEEE dots and takes ~25 s more here; the interpreted tests run it). Packed and dense
+    # decode, and both over the paged pool (a page is KEY_BLOCK slots of [Hkv, KEY_BLOCK, D]).
+    for dtype, decode, paged in ((torch.bfloat16, False, False), (torch.bfloat16, True, False),
+                                 (torch.bfloat16, True, True), (torch.bfloat16, False, True)):
         cfg = ATTENTION_CONFIGS[dtype]
-        types = [ptr[dtype]] * 4 + ["*i32"] + ["i32"] * 8 + ["fp32"]
+        types = [ptr[dtype]] * 4 + ["*i32"] * 3 + ["i32"] * 10 + ["fp32"]
         const = dict(GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=KEY_BLOCK, DECODE=decode,
-                     DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
+                     PAGED=paged, DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
         div16 = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "seq_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
-                 "stride_kh", "stride_kn") + (("stride_kb",) if decode else ())
+                 "stride_kh", "stride_kn") + (("stride_kb",) if decode or paged else ())
+        kind = ("paged " if paged else "") + ("decode" if decode else "prefill" if paged else "packed")
         specs.append((k.bi_attention_kernel, dict(zip(attn_sig, types)), const,
                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-                      f"bi_attention {'decode' if decode else 'packed'} {str(dtype)[6:]} D=128 group=2", div16, None))
+                      f"bi_attention {kind} {str(dtype)[6:]} D=128 group=2", div16, None))
     return specs
 
 

@@ -82,36 +82,52 @@ class Prompt(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "prompts", "sampling", "samples_per_prompt")
+    __slots__ = ("run_id", "step", "policy_version", "prompts", "sampling", "samples_per_prompt", "resumed")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
     prompts: _containers.RepeatedCompositeFieldContainer[Prompt]
     sampling: SamplingParams
     samples_per_prompt: int
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ...) -> None: ...
+    resumed: _containers.RepeatedCompositeFieldContainer[ResumedSample]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., resumed: _Optional[_Iterable[_Union[ResumedSample, _Mapping]]] = ...) -> None: ...
+
+class ResumedSample(_message.Message):
+    __slots__ = ("sample_id", "response_token_ids", "logprobs", "policy_versions")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    response_token_ids: Tensor
+    logprobs: Tensor
+    policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sample_id: _Optional[str] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason")
+    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     sample_id: str
     index: int
     response_token_ids: Tensor
     logprobs: Tensor
     finish_reason: str
-    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    policy_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("samples", "policy_version", "engine")
@@ -122,6 +138,18 @@ class GenerateResponse(_message.Message):
     policy_version: int
     engine: str
     def __init__(self, samples: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., policy_version: _Optional[int] = ..., engine: _Optional[str] = ...) -> None: ...
+
+class PauseGenerationRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class PauseGenerationResponse(_message.Message):
+    __slots__ = ("paused",)
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    paused: bool
+    def __init__(self, paused: _Optional[bool] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
     __slots__ = ("run_id", "model_path", "policy_version", "engine_config_json")

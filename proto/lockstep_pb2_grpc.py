@@ -39,6 +39,11 @@ class RolloutStub:
                 request_serializer=proto_dot_lockstep__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.PauseGeneration = channel.unary_unary(
+                '/lockstep.v1.Rollout/PauseGeneration',
+                request_serializer=proto_dot_lockstep__pb2.PauseGenerationRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.PauseGenerationResponse.FromString,
+                _registered_method=True)
         self.LoadModel = channel.unary_unary(
                 '/lockstep.v1.Rollout/LoadModel',
                 request_serializer=proto_dot_lockstep__pb2.LoadModelRequest.SerializeToString,
@@ -81,6 +86,14 @@ class RolloutServicer:
 
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseGeneration(self, request, context):
+        """Stop the in-flight Generate of this run at its next token boundary: it returns every unfinished sample
+        with the tokens it has and finish_reason "paused".
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -140,6 +153,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_lockstep__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.GenerateResponse.SerializeToString,
+            ),
+            'PauseGeneration': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseGeneration,
+                    request_deserializer=proto_dot_lockstep__pb2.PauseGenerationRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.PauseGenerationResponse.SerializeToString,
             ),
             'LoadModel': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadModel,
@@ -204,6 +222,33 @@ class Rollout:
             '/lockstep.v1.Rollout/Generate',
             proto_dot_lockstep__pb2.GenerateRequest.SerializeToString,
             proto_dot_lockstep__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseGeneration(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Rollout/PauseGeneration',
+            proto_dot_lockstep__pb2.PauseGenerationRequest.SerializeToString,
+            proto_dot_lockstep__pb2.PauseGenerationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -121,13 +121,15 @@ def _key_block(m_i, l_i, acc, q, k_base, v_base, stride_kn, n_valid, key_limit, 
 
 
 @triton.jit
-def _attend_keys(q, k_base, v_base, stride_kn, n_valid, key_limit, n_blocks, qk_scale,
+def _attend_keys(q, k_base, v_base, table_row, stride_page, stride_kn, n_valid, key_limit, n_blocks, qk_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                 PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """Online softmax of BLOCK_M query rows over keys [0, n_blocks * BLOCK_N) of one kv head.
 
     q [BLOCK_M, BLOCK_D] in the input dtype (head dims >= HEAD_DIM zero); row r sees keys j < n_valid[r];
-    keys j >= key_limit are not loaded (0). Returns (acc [BLOCK_M, BLOCK_D] fp32, l [BLOCK_M] fp32).
+    keys j >= key_limit are not loaded (0). PAGED: key block `blk` lives in page table_row[blk] of the
+    pool (k_base/v_base point at page 0 of the kv head): only the addresses differ, never the arithmetic.
+    Returns (acc [BLOCK_M, BLOCK_D] fp32, l [BLOCK_M] fp32).
     """
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -135,29 +137,49 @@ def _attend_keys(q, k_base, v_base, stride_kn, n_valid, key_limit, n_blocks, qk_
     if INTERPRETED:
         blk = 0
         while blk < n_blocks:
-            m_i, l_i, acc = _key_block(m_i, l_i, acc, q, k_base, v_base, stride_kn, n_valid, key_limit, blk,
+            kb, vb = _block_bases(k_base, v_base, table_row, stride_page, stride_kn, blk, BLOCK_N, PAGED)
+            m_i, l_i, acc = _key_block(m_i, l_i, acc, q, kb, vb, stride_kn, n_valid, key_limit, blk,
                                        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, INTERPRETED)
             blk += 1
     else:
         for blk in range(0, n_blocks):
-            m_i, l_i, acc = _key_block(m_i, l_i, acc, q, k_base, v_base, stride_kn, n_valid, key_limit, blk,
+            kb, vb = _block_bases(k_base, v_base, table_row, stride_page, stride_kn, blk, BLOCK_N, PAGED)
+            m_i, l_i, acc = _key_block(m_i, l_i, acc, q, kb, vb, stride_kn, n_valid, key_limit, blk,
                                        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, INTERPRETED)
     return acc, l_i
 
 
+@triton.jit
+def _block_bases(k_base, v_base, table_row, stride_page, stride_kn, blk, BLOCK_N: tl.constexpr,
+                 PAGED: tl.constexpr):
+    """Where key block `blk` starts, shifted back by blk * BLOCK_N slots so `_key_block`'s own offsets
+    (blk * BLOCK_N + j) land on slot j of the block's page."""
+    if PAGED:
+        page = tl.load(table_row + blk).to(tl.int64)
+        shift = page * stride_page - (blk * BLOCK_N).to(tl.int64) * stride_kn
+        return k_base + shift, v_base + shift
+    else:
+        return k_base, v_base
+
+
 @triton.jit(do_not_specialize=["cap"])
-def bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr,
+def bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, start_ptr, table_ptr,
                         stride_qt, stride_qh, stride_ot, stride_oh,
-                        stride_kb, stride_kh, stride_kn, cap, qk_scale,
+                        stride_kb, stride_kh, stride_kn, stride_tb, cap, qk_scale,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        DECODE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                        DECODE: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
     """Causal attention; k and v share strides (the launcher checks).
 
-    Packed (DECODE=False): grid (cdiv(max_seqlen, BLOCK_M), S, H); seq_ptr is cu_seqlens; q/o rows
-    are tokens (stride_qt), k/v are [T, Hkv, D] (stride_kn per token, stride_kb unused).
-    Decode (DECODE=True): grid (cdiv(GROUP, BLOCK_M), B, Hkv); seq_ptr is lengths; q/o rows are
-    batch rows, k/v caches are [B, Hkv, cap, D] (stride_kb per batch row, stride_kn per slot).
+    Packed (DECODE=False, PAGED=False): grid (cdiv(max_seqlen, BLOCK_M), S, H); seq_ptr is cu_seqlens;
+    q/o rows are tokens (stride_qt), k/v are [T, Hkv, D] (stride_kn per token, stride_kb unused).
+    Decode (DECODE=True, PAGED=False): grid (cdiv(GROUP, BLOCK_M), B, Hkv); seq_ptr is lengths; q/o rows
+    are batch rows, k/v caches are [B, Hkv, cap, D] (stride_kb per batch row, stride_kn per slot).
+    Paged (PAGED=True): k/v are a pool [pages, Hkv, BLOCK_N, D] (stride_kb per page); table_ptr holds
+    each sequence's pages in key-block order (stride_tb per sequence). Paged decode as decode, at most
+    `cap` keys. Paged prefill (DECODE=False): as packed, but query token i of sequence s sits at position
+    start_ptr[s] + i - cu_seqlens[s] and attends the pool's keys [0, position].
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -165,6 +187,7 @@ def bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr,
     offs_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    table_row = table_ptr + pid_s.to(tl.int64) * stride_tb
     if DECODE:
         length = tl.minimum(tl.load(seq_ptr + pid_s), cap)
         kv_head = pid_h
@@ -173,7 +196,11 @@ def bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr,
         q_rows = q_ptr + pid_s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
         o_rows = o_ptr + pid_s.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
         n_valid = tl.where(row_ok, length, 0)
-        kv_off = pid_s.to(tl.int64) * stride_kb + kv_head * stride_kh
+        if PAGED:
+            kv_off = kv_head.to(tl.int64) * stride_kh
+        else:
+            kv_off = pid_s.to(tl.int64) * stride_kb + kv_head * stride_kh
+        key_limit = length
         n_blocks = (length + BLOCK_N - 1) // BLOCK_N
     else:
         start = tl.load(seq_ptr + pid_s)
@@ -185,11 +212,18 @@ def bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr,
         tokens = (start + offs_r).to(tl.int64)
         q_rows = q_ptr + tokens[:, None] * stride_qt + pid_h * stride_qh
         o_rows = o_ptr + tokens[:, None] * stride_ot + pid_h * stride_oh
-        n_valid = tl.where(row_ok, offs_r + 1, 0)
-        kv_off = start.to(tl.int64) * stride_kn + kv_head * stride_kh
-        n_blocks = (tl.minimum(length, (pid_m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
+        if PAGED:
+            first = tl.load(start_ptr + pid_s)  # position of the sequence's first query token
+            kv_off = kv_head.to(tl.int64) * stride_kh
+        else:
+            first = 0
+            kv_off = start.to(tl.int64) * stride_kn + kv_head * stride_kh
+        n_valid = tl.where(row_ok, first + offs_r + 1, 0)
+        key_limit = first + length
+        n_blocks = (first + tl.minimum(length, (pid_m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
     q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    acc, l_i = _attend_keys(q, k_ptr + kv_off, v_ptr + kv_off, stride_kn, n_valid, length, n_blocks, qk_scale,
-                            HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, DOT_PRECISION, INTERPRETED)
+    acc, l_i = _attend_keys(q, k_ptr + kv_off, v_ptr + kv_off, table_row, stride_kb, stride_kn, n_valid, key_limit,
+                            n_blocks, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, DOT_PRECISION,
+                            INTERPRETED)
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
     tl.store(o_rows + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

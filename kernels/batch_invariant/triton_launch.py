@@ -171,10 +171,11 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     grid = (triton_cdiv(max_seqlen, cfg.block_m), n_seqs, n_heads)
     with _device_scope(q):
         _kernels().bi_attention_kernel[grid](
-            q, k, v, out, cu_seqlens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            0, k.stride(1), k.stride(0), t, scale * math.log2(math.e),
-            GROUP=n_heads // k.shape[1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE=False,
-            DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            q, k, v, out, cu_seqlens, cu_seqlens, cu_seqlens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            0, k.stride(1), k.stride(0), 0, t, scale * math.log2(math.e),
+            GROUP=n_heads // k.shape[1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            DECODE=False, PAGED=False, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
@@ -191,10 +192,62 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     grid = (triton_cdiv(group, cfg.block_m), b, n_kv)
     with _device_scope(q):
         _kernels().bi_attention_kernel[grid](
-            q, k_cache, v_cache, out, lengths, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), cap, scale * math.log2(math.e),
+            q, k_cache, v_cache, out, lengths, lengths, lengths, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0, cap, scale * math.log2(math.e),
             GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE=True,
-            DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            PAGED=False, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    return out
+
+
+def _pool_pair(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pools as the kernel reads them: one stride set, slots of a page contiguous in the head dim."""
+    if k_pool.stride() != v_pool.stride() or k_pool.stride(-1) != 1:
+        raise BatchInvariantInputError("k_pool/v_pool must share strides with a contiguous head dim (pools are "
+                                       "allocated once and never copied per call)")
+    return k_pool, v_pool
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    b, n_heads, d = q.shape
+    block_d = head_block(d)
+    q = _last_dim_contiguous(q)
+    k_pool, v_pool = _pool_pair(k_pool, v_pool)
+    n_kv = k_pool.shape[1]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cfg = ATTENTION_CONFIGS[q.dtype]
+    group = n_heads // n_kv
+    grid = (triton_cdiv(group, cfg.block_m), b, n_kv)
+    with _device_scope(q):
+        _kernels().bi_attention_kernel[grid](
+            q, k_pool, v_pool, out, lengths, lengths, block_tables, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
+            block_tables.shape[1] * KEY_BLOCK, scale * math.log2(math.e),
+            GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE=True,
+            PAGED=True, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                            cu_seqlens: torch.Tensor, starts: torch.Tensor, max_seqlen: int,
+                            scale: float) -> torch.Tensor:
+    t, n_heads, d = q.shape
+    block_d = head_block(d)
+    q = _last_dim_contiguous(q)
+    k_pool, v_pool = _pool_pair(k_pool, v_pool)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    cfg = ATTENTION_CONFIGS[q.dtype]
+    grid = (triton_cdiv(max_seqlen, cfg.block_m), cu_seqlens.numel() - 1, n_heads)
+    with _device_scope(q):
+        _kernels().bi_attention_kernel[grid](
+            q, k_pool, v_pool, out, cu_seqlens, starts, block_tables, q.stride(0), q.stride(1), out.stride(0),
+            out.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0), 0,
+            scale * math.log2(math.e),
+            GROUP=n_heads // k_pool.shape[1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            DECODE=False, PAGED=True, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.bounded_json import loads_bounded
 from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto
-from services.rollout.engine import GeneratedSample, GenerationRequest, PromptSpec, SamplingConfig
+from services.rollout.engine import GeneratedSample, GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 
 # Key of engine_config_json that selects the engine; every other key is the
 # engine's own option and is validated by that engine's config.
@@ -85,20 +85,55 @@ def generation_request_from_proto(req: pb.GenerateRequest) -> GenerationRequest:
         if p.seed + req.samples_per_prompt - 1 > MAX_SEED:
             raise ValueError(f"{field}.seed: seed + samples_per_prompt - 1 exceeds 2**64 - 1")
         prompts.append(PromptSpec(group_id=p.group_id, token_ids=tuple(ids.tolist()), seed=int(p.seed)))
-    return GenerationRequest(prompts=tuple(prompts), sampling=sampling, samples_per_prompt=int(req.samples_per_prompt))
+    resumed = resumed_from_proto(req, prompts, sampling)
+    return GenerationRequest(prompts=tuple(prompts), sampling=sampling, samples_per_prompt=int(req.samples_per_prompt),
+                             resumed=resumed)
 
 
-def samples_to_proto(samples: list[GeneratedSample]) -> list[pb.Sample]:
-    """Engine output -> wire, refusing (RuntimeError: an engine bug, not a bad request) anything malformed."""
+def resumed_from_proto(req: pb.GenerateRequest, prompts: list[PromptSpec],
+                       sampling: SamplingConfig) -> tuple[ResumedSample, ...]:
+    """GenerateRequest.resumed, each naming a sample of this request once, with R < max_new_tokens tokens."""
+    known = {f"{p.group_id}/{i}" for p in prompts for i in range(req.samples_per_prompt)}
+    out, seen = [], set()
+    for i, r in enumerate(req.resumed):
+        field = f"resumed[{i}]"
+        if r.sample_id not in known:
+            raise ValueError(f"{field}.sample_id: {r.sample_id!r} is not a sample of this request")
+        if r.sample_id in seen:
+            raise ValueError(f"{field}.sample_id: duplicate {r.sample_id!r}")
+        seen.add(r.sample_id)
+        ids = from_proto(r.response_token_ids, field=f"{field}.response_token_ids", dtype=torch.int32, ndim=1)
+        logps = from_proto(r.logprobs, field=f"{field}.logprobs", dtype=torch.float32, ndim=1)
+        versions = [int(v) for v in r.policy_versions]
+        if not (ids.numel() == logps.numel() == len(versions)):
+            raise ValueError(f"{field}: {ids.numel()} tokens, {logps.numel()} log-probs and {len(versions)} "
+                             "policy versions (one each per token)")
+        if bool((ids < 0).any()):
+            raise ValueError(f"{field}.response_token_ids: negative id {int(ids.min())}")
+        if ids.numel() >= sampling.max_new_tokens:
+            raise ValueError(f"{field}.response_token_ids: {ids.numel()} tokens already reach "
+                             f"sampling.max_new_tokens={sampling.max_new_tokens}")
+        if not bool(torch.isfinite(logps).all()):
+            raise ValueError(f"{field}.logprobs: non-finite values")
+        out.append(ResumedSample(r.sample_id, tuple(ids.tolist()), tuple(logps.tolist()), tuple(versions)))
+    return tuple(out)
+
+
+def samples_to_proto(samples: list[GeneratedSample], policy_version: int) -> list[pb.Sample]:
+    """Engine output -> wire, refusing (RuntimeError: an engine bug, not a bad request) anything malformed.
+    A sample without per-token versions was sampled entirely under `policy_version`."""
     out = []
     for s in samples:
-        if len(s.token_ids) != len(s.logprobs) or not s.token_ids:
+        if len(s.token_ids) != len(s.logprobs) or (not s.token_ids and s.finish_reason != "paused"):
             raise RuntimeError(
                 f"engine returned {s.sample_id} with {len(s.token_ids)} tokens and {len(s.logprobs)} log-probs"
             )
         if not all(math.isfinite(v) for v in s.logprobs):
             raise RuntimeError(f"engine returned non-finite log-probs for {s.sample_id}")
-        if s.finish_reason not in ("stop", "length"):
+        if s.policy_versions and len(s.policy_versions) != len(s.token_ids):
+            raise RuntimeError(f"engine returned {s.sample_id} with {len(s.policy_versions)} policy versions for "
+                               f"{len(s.token_ids)} tokens")
+        if s.finish_reason not in ("stop", "length", "paused"):
             raise RuntimeError(f"engine returned finish_reason {s.finish_reason!r} for {s.sample_id}")
         out.append(
             pb.Sample(
@@ -108,6 +143,7 @@ def samples_to_proto(samples: list[GeneratedSample]) -> list[pb.Sample]:
                 response_token_ids=ids_to_proto(s.token_ids),
                 logprobs=logprobs_to_proto(s.logprobs),
                 finish_reason=s.finish_reason,
+                policy_versions=s.policy_versions or [policy_version] * len(s.token_ids),
             )
         )
     return out

@@ -1,66 +1,69 @@
-"""The embedded engine's decoder: packed prefill, static KV cache, batched seeded sampling, CUDA graphs.
+"""The embedded engine's decoder: continuous batching over a paged KV pool, batched seeded sampling, CUDA graphs.
 
     decoder = Decoder(model, DecoderOptions(numerics="fast", max_batch_size=256, cuda_graphs=True))
     rows = decoder.decode(prompts, seeds, SamplingConfig(...))   # list[DecodedSequence], in prompt order
 
-A batch of prompts is prefilled as ONE packed [1, T] forward (no padding;
-cu_seqlens), each sequence's K/V landing in its own row of a static cache
-(services.rollout.kv_cache). Each decode step then runs the stock HF model on
-[B, 1] ids with position_ids = each row's length, `use_cache=False`, and the
-decoder's attention function, which writes the new K/V and attends over the
-row's cached keys. The logits of the last position of every row go through
-`kernels.logprob.token_logprobs` (the trainer's log-prob definition) and the
-sampler (services.rollout.sampling: one batched call per step; a sample's
-tokens depend only on its seed, step and logits).
+Sequences are scheduled by services.rollout.scheduler: waiting sequences are admitted as rows and pages free
+up, prefilled in packed chunks of at most `prefill_chunk_tokens` tokens (one [1, T] forward, no padding,
+cu_seqlens) interleaved with decode steps, and a finished row gives its pages back at once. The n samples
+of a prompt share its prefill and its pages (copy on write of the partly filled last page). When the pool
+runs out of pages the latest admitted sequence is preempted and later recomputed from its tokens.
+
+Each decode step runs the stock HF model on [B, 1] ids with position_ids = each row's position,
+`use_cache=False`, and the decoder's attention function (services.rollout.kv_cache), which writes the new
+K/V into the row's page and attends over the row's pages. The logits of every row go through
+`kernels.logprob.token_logprobs` (the trainer's log-prob definition) and the sampler (kernels.sampling: one
+batched call per step; a sample's tokens depend only on its seed, its step and its logits).
 
 Numerics modes:
-- `fast`: the model's own kernels (cuBLAS etc.). Decode attention: the
-  batch-invariant Triton kernel on GPUs (it reads a static cache and captures
-  in a graph), torch SDPA with a key mask on CPU. Prefill attention: the
-  attention registry's packed backend for the dtype/device, or the
-  batch-invariant packed kernel where the registry has none (float32 on a GPU
-  in deterministic mode). `Decoder.prefill_attention` / `.decode_attention`
-  name them.
-- `true_on_policy`: the model patched with `make_batch_invariant` (every
-  Linear and RMSNorm on batch-invariant kernels), prefill through
-  `packed_attention`, decode through `decode_attention` (same key-block
-  reduction order), so a token's log-prob has the same bits as the trainer's
-  packed recompute of the whole sequence, whatever else is in the batch.
+- `fast`: the model's own kernels (cuBLAS etc.). Decode attention: the batch-invariant paged Triton kernel
+  on GPUs (it captures in a graph), torch SDPA over the gathered pages on CPU. Prefill attention: the
+  attention registry's packed backend (or the batch-invariant packed kernel where the registry has none)
+  when every sequence of a chunk starts at position 0, the batch-invariant paged kernel otherwise.
+  `Decoder.prefill_attention` / `.decode_attention` name them.
+- `true_on_policy`: the model patched with `make_batch_invariant` (every Linear and RMSNorm on
+  batch-invariant kernels), prefill and decode through the paged batch-invariant attention (a page is one
+  key block, so the reduction order is that of packed attention over the whole sequence). A token's
+  log-prob then has the same bits as the trainer's packed recompute of the whole sequence, whatever else
+  is in the batch, however its prefill was chunked, whether its prompt's pages were shared, and whether
+  its K/V was written by decode steps or recomputed after a preemption.
   torch.compile is never used (fusion changes rounding).
 
-On CUDA the decode step can be captured as a CUDA graph per batch-size bucket
-(powers of two up to max_batch_size; padded rows decode a pad token on their
-own cache rows and are never reported). Replay runs exactly the captured
-kernels, so it gives the eager bits. Weights must change in place
-(copy_), as update_weights and the LoRA merge do, for captured graphs to see
-them.
+On CUDA the decode step can be captured as a CUDA graph per batch-size bucket (powers of two up to
+max_batch_size; padded rows decode a pad token into the scratch page and are never reported). Replay runs
+exactly the captured kernels, so it gives the eager bits. Weights must change in place (copy_), as
+update_weights and the LoRA merge do, for captured graphs to see them.
 
-Finished rows (a stop token sampled) keep their slot and are fed the pad id;
-their later tokens are discarded. Stop detection runs on the device; the host
-checks whether every row has finished once every `stop_check_interval` steps
-and reads all tokens and log-probs once at the end.
+The host reads each step's tokens (to free finished rows' pages at once and to schedule the next step).
+`decode(..., should_pause=...)` stops at a token boundary and returns every unfinished sequence with
+finish_reason "paused"; `prefixes` continues sequences from tokens sampled earlier (their K/V recomputed).
 """
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from services.rollout.engine import SamplingConfig
 from services.rollout.kv_cache import (
     DECODER_ATTN_IMPLEMENTATION,
+    PAGE_TOKENS,
     KVStep,
-    StaticKVCache,
+    PagedKVPool,
     register_decoder_attention,
 )
-from services.rollout.sampling import sample_tokens, seed_words, stream_keys
+from services.rollout.sampling import sample_tokens, seed_words
+from services.rollout.scheduler import Scheduler, Sequence as Seq, Unit, pages_for
 
 NUMERICS_MODES = ("fast", "true_on_policy")
-CAPACITY_STEP = 256
-"""Cache capacity grows in these steps, so requests of similar length reuse one cache and its graphs."""
+SCHEDULERS = ("continuous", "static")
 GRAPH_WARMUP_STEPS = 2
+DEFAULT_TABLE_TOKENS = 1 << 15
+"""Block-table width (in tokens) when neither max_context_tokens nor the model bounds a sequence."""
 
 
 class DecoderUnsupported(ValueError):
@@ -72,24 +75,56 @@ class DecoderOptions:
     numerics: str = "fast"
     """'fast' or 'true_on_policy' (see the module docstring)."""
     max_batch_size: int = 64
-    """Sequences decoded together; more run as consecutive batches."""
+    """Most sequences decoded together (rows of a decode step)."""
     cuda_graphs: bool = False
     """Capture the decode step as CUDA graphs (CUDA devices only)."""
     max_context_tokens: int | None = None
-    """Fixed KV capacity per sequence (prompt + new tokens); None grows it per batch in CAPACITY_STEP steps."""
+    """Longest sequence (prompt + new tokens) accepted; also the width of the block tables."""
     pad_token_id: int = 0
-    """Id fed to finished and padded rows (never attended by real rows)."""
+    """Id fed to padded rows (and to a static batch's finished rows); never attended by real rows."""
     logprob_backend: str = "auto"
     """kernels.logprob backend scoring the sampled tokens."""
     stop_check_interval: int = 8
-    """Decode steps between host checks of whether every row has stopped."""
+    """Kept for configuration compatibility: the scheduler reads every step's tokens."""
+    kv_pool_tokens: int | None = None
+    """KV pool size in tokens (rounded up to whole pages); fixed once allocated."""
+    kv_pool_memory_fraction: float | None = None
+    """KV pool size as this fraction of the device memory free when the pool is first allocated (CUDA only)."""
+    prefill_chunk_tokens: int = 8192
+    """Most tokens of one prefill forward; longer prompts are prefilled over several iterations."""
+    share_prompts: bool = True
+    """The samples of one prompt share its prefill and its pages."""
+    scheduler: str = "continuous"
+    """'continuous' (admit as rows and pages free up) or 'static' (a batch at a time, finished rows kept until
+    the batch ends: the baseline a benchmark compares against)."""
 
 
 @dataclass
 class DecodedSequence:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "paused"
+
+
+@dataclass
+class DecodeStats:
+    """What the last decode did (benchmarks and tests read it)."""
+
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    row_steps: int = 0
+    """Sum over decode steps of the rows stepped (useful or not)."""
+    useful_row_steps: int = 0
+    preemptions: int = 0
+    peak_pages: int = 0
+    pool_pages: int = 0
+    live_kv_tokens: int = 0
+    """Sum over decode steps of the rows' context lengths (the K/V a step reads)."""
+    page_copies: int = 0
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
+    """(rows, context tokens read, seconds) of every decode step; seconds from the end of the previous host
+    read to this step's read of its tokens (the host syncs on every step's tokens)."""
+    prefill_seconds: float = 0.0
 
 
 def check_decodable(model: torch.nn.Module) -> None:
@@ -128,25 +163,25 @@ def _bucket(n: int, max_batch_size: int) -> int:
 class _CapturedDecodeStep:
     """One decode step of a fixed batch size captured as a CUDA graph, with its static input/output buffers."""
 
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
-                 pad_token_id: int, device: torch.device, pool) -> None:
+    def __init__(self, step: Callable[..., torch.Tensor], rows: int, table_width: int, pad_token_id: int,
+                 device: torch.device, pool) -> None:
         self.ids = torch.full((rows, 1), pad_token_id, dtype=torch.int64, device=device)
         self.positions = torch.zeros((rows, 1), dtype=torch.int64, device=device)
         self.lengths = torch.ones(rows, dtype=torch.int32, device=device)
-        # Warm-up compiles the Triton kernels and settles allocations; it writes cache position 0 of these rows,
-        # which the prefill that follows overwrites.
+        self.tables = torch.zeros((rows, table_width), dtype=torch.int32, device=device)
+        # Warm-up compiles the Triton kernels and settles allocations; it writes the scratch page only.
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(GRAPH_WARMUP_STEPS):
-                step(self.ids, self.positions, self.lengths)
+                step(self.ids, self.positions, self.lengths, self.tables)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: a CUDA call from another thread (the server's) does not invalidate this capture.
         with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.logits = step(self.ids, self.positions, self.lengths)
+            self.logits = step(self.ids, self.positions, self.lengths, self.tables)
 
-    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids, positions, lengths, tables) -> torch.Tensor:
         if ids is not self.ids:
             raise RuntimeError("captured decode step replayed with buffers other than its own")
         self.graph.replay()
@@ -154,33 +189,44 @@ class _CapturedDecodeStep:
 
 
 class Decoder:
-    """Decodes batches of prompts with one HF causal LM (which it may patch: see `numerics`)."""
+    """Decodes prompts with one HF causal LM (which it may patch: see `numerics`)."""
 
     def __init__(self, model: torch.nn.Module, options: DecoderOptions) -> None:
         if options.numerics not in NUMERICS_MODES:
             raise ValueError(f"numerics: {options.numerics!r} is not one of {list(NUMERICS_MODES)}")
-        for name in ("max_batch_size", "stop_check_interval"):
+        if options.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler: {options.scheduler!r} is not one of {list(SCHEDULERS)}")
+        for name in ("max_batch_size", "stop_check_interval", "prefill_chunk_tokens"):
             if getattr(options, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(options, name)}")
-        if options.max_context_tokens is not None and options.max_context_tokens < 1:
-            raise ValueError(f"max_context_tokens: must be >= 1 or None, got {options.max_context_tokens}")
+        for name in ("max_context_tokens", "kv_pool_tokens"):
+            if getattr(options, name) is not None and getattr(options, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 or None, got {getattr(options, name)}")
+        frac = options.kv_pool_memory_fraction
+        if frac is not None and not 0 < frac < 1:
+            raise ValueError(f"kv_pool_memory_fraction: must be in (0, 1), got {frac}")
+        if frac is not None and options.kv_pool_tokens is not None:
+            raise ValueError("kv_pool_memory_fraction: set either it or kv_pool_tokens, not both")
         check_decodable(model)
         self.model, self.options = model, options
         self.device = next(model.parameters()).device
         if options.cuda_graphs and self.device.type != "cuda":
             raise ValueError(f"cuda_graphs: CUDA graphs need a CUDA device, the model is on {self.device}")
-        from kernels.batch_invariant import decode_attention
+        if frac is not None and self.device.type != "cuda":
+            raise ValueError(f"kv_pool_memory_fraction: sizes the pool from CUDA memory; the model is on "
+                             f"{self.device} (set kv_pool_tokens)")
+        from kernels.batch_invariant import paged_decode_attention, paged_prefill_attention
 
-        self._decode_attention, self.decode_attention = decode_attention, "batch_invariant"
+        self._paged_decode, self.decode_attention = paged_decode_attention, "batch_invariant"
+        self._paged_prefill = paged_prefill_attention
         if options.numerics == "fast" and self.device.type == "cpu":
             # The batch-invariant CPU kernel walks key blocks in Python; fast mode promises no bits.
-            self._decode_attention, self.decode_attention = _sdpa_decode_attention, "sdpa"
+            self._paged_decode, self.decode_attention = _sdpa_paged_decode, "sdpa"
         if options.numerics == "true_on_policy":
-            from kernels.batch_invariant import packed_attention
             from kernels.batch_invariant.hf import make_batch_invariant
 
             make_batch_invariant(model)
-            self._packed_attention, self.prefill_attention = packed_attention, "batch_invariant"
+            self._packed_attention, self.prefill_attention = None, "batch_invariant"
         else:
             self._packed_attention, self.prefill_attention = _fast_prefill_attention(model, self.device)
         self._base = getattr(model, model.base_model_prefix)
@@ -188,140 +234,285 @@ class Decoder:
         cfg = model.config
         self._shape = dict(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
                            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
-                           dtype=next(model.parameters()).dtype, device=self.device)
-        self._cache: StaticKVCache | None = None
+                           dtype=next(model.parameters()).dtype)
+        longest = options.max_context_tokens or getattr(cfg, "max_position_embeddings", None) or DEFAULT_TABLE_TOKENS
+        self.table_width = pages_for(longest)
+        self._pool: PagedKVPool | None = None
         self._graphs: dict[int, _CapturedDecodeStep] = {}
         self._graph_pool = None
+        self.stats = DecodeStats()
 
     def release(self) -> None:
-        """Free the cache and the captured graphs (they are rebuilt on the next decode)."""
-        self._cache, self._graphs, self._graph_pool = None, {}, None
+        """Free the pool and the captured graphs (they are rebuilt on the next decode)."""
+        self._pool, self._graphs, self._graph_pool = None, {}, None
+
+    @property
+    def page_bytes(self) -> int:
+        return PagedKVPool.page_bytes(**{k: v for k, v in self._shape.items()})
 
     # ---------------------------------------------------------------- decode --
 
     # no_grad, not inference_mode: the attention registry keys its layout checks on tensor version counters.
     @torch.no_grad()
-    def decode(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-               sampling: SamplingConfig) -> list[DecodedSequence]:
-        """One DecodedSequence per prompt, in order; prompt i samples from the stream of seeds[i]."""
+    def decode(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], sampling: SamplingConfig, *,
+               prefixes: Sequence[tuple[Sequence[int], Sequence[float]] | None] | None = None,
+               should_pause: Callable[[], bool] | None = None) -> list[DecodedSequence]:
+        """One DecodedSequence per prompt, in order; prompt i samples from the stream of seeds[i].
+
+        prefixes[i], if given, holds tokens (and their log-probs) sampled for prompt i earlier: decoding
+        continues after them at their step of the stream (its K/V recomputed under the current weights), and
+        they count towards max_new_tokens. should_pause is asked before every iteration; once it answers True
+        every unfinished sequence comes back with finish_reason 'paused' and the tokens it has."""
         if len(prompts) != len(seeds):
             raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
+        prefixes = list(prefixes) if prefixes is not None else [None] * len(prompts)
+        if len(prefixes) != len(prompts):
+            raise ValueError(f"prefixes: {len(prefixes)} for {len(prompts)} prompts")
         sampling.validate()
         cap = self.options.max_context_tokens
+        longest = self.table_width * PAGE_TOKENS
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompts[{i}]: empty")
-            if cap is not None and len(p) + sampling.max_new_tokens > cap:
+            total = len(p) + sampling.max_new_tokens
+            if cap is not None and total > cap:
                 raise ValueError(f"sampling.max_new_tokens: prompts[{i}] has {len(p)} tokens; plus "
                                  f"{sampling.max_new_tokens} new tokens exceeds max_context_tokens={cap}")
-        out: list[DecodedSequence] = []
-        step = self.options.max_batch_size
+            if total > longest:
+                raise ValueError(f"sampling.max_new_tokens: prompts[{i}] has {len(p)} tokens; plus "
+                                 f"{sampling.max_new_tokens} new tokens exceeds the longest sequence ({longest})")
+            pre = prefixes[i]
+            if pre is not None:
+                if len(pre[0]) != len(pre[1]):
+                    raise ValueError(f"prefixes[{i}]: {len(pre[0])} tokens but {len(pre[1])} log-probs")
+                if len(pre[0]) >= sampling.max_new_tokens:
+                    raise ValueError(f"prefixes[{i}]: {len(pre[0])} tokens already reach max_new_tokens="
+                                     f"{sampling.max_new_tokens}")
+        seqs = [Seq(i, len(p), list(p) + list(pre[0] if pre else ()), len(p) + sampling.max_new_tokens,
+                    logprobs=[float(x) for x in (pre[1] if pre else ())])
+                for i, (p, pre) in enumerate(zip(prompts, prefixes))]
+        stops = frozenset(sampling.stop_token_ids)
+        for s in seqs:  # a resumed sequence whose last token was a stop is already finished
+            if s.generated and s.tokens[-1] in stops:
+                s.finish_reason = "stop"
+        self._ensure_pool(seqs)
+        hashes = seed_hashes_of(seeds, self.device)
         with decoder_attention(self.model):
-            for start in range(0, len(prompts), step):
-                out.extend(self._decode_batch(prompts[start:start + step], seeds[start:start + step], sampling))
-        return out
+            self._run(seqs, self._units(seqs), hashes, sampling, stops, should_pause)
+        return [DecodedSequence(s.tokens[s.prompt_len:], s.logprobs, s.finish_reason or "paused") for s in seqs]
 
-    def _ensure_cache(self, rows: int, need: int) -> None:
-        capacity = self.options.max_context_tokens or -(-need // CAPACITY_STEP) * CAPACITY_STEP
-        if self._cache is not None and self._cache.fits(rows, capacity):
+    def _units(self, seqs: list[Seq]) -> list[Unit]:
+        """Consecutive sequences with the same known tokens share one prefill (at most max_batch_size each)."""
+        units: list[Unit] = []
+        for s in seqs:
+            if s.finish_reason is not None:
+                continue
+            last = units[-1] if units else None
+            if (self.options.share_prompts and last is not None and last.leader.tokens == s.tokens
+                    and len(last.members) < self.options.max_batch_size):
+                last.members.append(s)
+            else:
+                units.append(Unit([s]))
+        return units
+
+    def _ensure_pool(self, seqs: list[Seq]) -> None:
+        """Allocate the pool once (or, with no size configured, grow it to this request's dense need)."""
+        opts = self.options
+        longest = max(s.max_tokens for s in seqs)
+        if opts.kv_pool_tokens is not None:
+            pages = pages_for(opts.kv_pool_tokens) + 1
+        elif opts.kv_pool_memory_fraction is not None:
+            if self._pool is None:
+                free = torch.cuda.mem_get_info(self.device)[0]
+                pages = int(opts.kv_pool_memory_fraction * free) // self.page_bytes
+            else:
+                pages = self._pool.pages
+        else:
+            rows = min(len(seqs), opts.max_batch_size)
+            pages = rows * pages_for(longest) + 1
+            if self._pool is not None:
+                pages = max(pages, self._pool.pages)
+        field_name = "kv_pool_tokens" if opts.kv_pool_memory_fraction is None else "kv_pool_memory_fraction"
+        if pages - 1 < pages_for(longest):
+            raise ValueError(f"{field_name}: the KV pool holds {(pages - 1) * PAGE_TOKENS} tokens, less than one "
+                             f"sequence of {longest} tokens (prompt + max_new_tokens) needs")
+        if self._pool is not None and self._pool.pages == pages:
             return
-        if self._cache is not None:
-            rows, capacity = max(rows, self._cache.rows), max(capacity, self._cache.capacity)
-        # Graphs hold the old cache's addresses: drop them with it, before allocating the new one.
-        self._cache, self._graphs, self._graph_pool = None, {}, None
-        self._cache = StaticKVCache(rows=rows, capacity=capacity, **self._shape)
+        # Graphs hold the old pool's addresses: drop them with it, before allocating the new one.
+        self._pool, self._graphs, self._graph_pool = None, {}, None
+        self._pool = PagedKVPool(pages=pages, device=self.device, **self._shape)
 
-    def _step_fn(self, rows: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    def _run(self, seqs: list[Seq], units: list[Unit], hashes: torch.Tensor, sampling: SamplingConfig,
+             stops: frozenset[int], should_pause: Callable[[], bool] | None) -> None:
+        opts = self.options
+        chunk = opts.prefill_chunk_tokens if opts.scheduler == "continuous" else 1 << 62  # static: one prefill
+        sched = Scheduler(pages=self._pool.pages, max_rows=opts.max_batch_size, chunk_tokens=chunk,
+                          policy=opts.scheduler)
+        self.stats = stats = DecodeStats(pool_pages=self._pool.pages)
+        for unit in units:
+            sched.submit(unit)
+        while not sched.done:
+            if should_pause is not None and should_pause():
+                break
+            sched.admit()
+            pieces = sched.prefill_chunk()
+            if pieces:
+                t0 = time.perf_counter()
+                self._prefill(pieces, sched, hashes, sampling, stops)
+                stats.prefill_seconds += time.perf_counter() - t0
+            rows = sched.decode_batch()
+            for src, dst in sched.take_copies():
+                self._pool.copy_page(src, dst)
+                stats.page_copies += 1
+            stats.peak_pages = max(stats.peak_pages, self._pool.pages - 1 - sched.alloc.free)
+            if rows:
+                self._decode(rows, sched, hashes, sampling, stops)
+            elif not pieces and not sched.done:
+                raise RuntimeError("decoder: the scheduler made no progress (a bug)")
+        stats.prefill_tokens, stats.preemptions = sched.prefill_tokens, sched.preemptions
+
+    def _sample(self, logits: torch.Tensor, members: list[Seq], hashes: torch.Tensor,
+                sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+        from kernels.logprob import token_logprobs
+        from kernels.sampling import keys_at
+
+        idx = torch.tensor([s.index for s in members], dtype=torch.int64, device=self.device)
+        steps = torch.tensor([s.generated for s in members], dtype=torch.int64, device=self.device)
+        chosen = sample_tokens(logits, sampling, keys_at(hashes[idx], steps))
+        logp, _ = token_logprobs(logits, chosen, temperature=sampling.logprob_temperature,
+                                 backend=self.options.logprob_backend)
+        return chosen.tolist(), logp.float().tolist()
+
+    def _prefill(self, pieces, sched: Scheduler, hashes: torch.Tensor, sampling: SamplingConfig,
+                 stops: frozenset[int]) -> None:
+        """One packed forward over the pieces; members of units it completes sample their next token."""
+        dev = self.device
+        ids, positions, pages, slots, lens, starts = [], [], [], [], [], []
+        tables = torch.zeros((len(pieces), self.table_width), dtype=torch.int32)
+        for i, piece in enumerate(pieces):
+            lead = piece.unit.leader
+            ids += lead.tokens[piece.start:piece.end]
+            pos = list(range(piece.start, piece.end))
+            positions += pos
+            pages += [lead.pages[p // PAGE_TOKENS] for p in pos]
+            slots += [p % PAGE_TOKENS for p in pos]
+            lens.append(piece.end - piece.start)
+            starts.append(piece.start)
+            tables[i, :len(lead.pages)] = torch.tensor(lead.pages, dtype=torch.int32)
+        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+        cu_dev, max_len = cu.to(dev), max(lens)
+        if self._packed_attention is not None and not any(starts):
+            packed = self._packed_attention
+
+            def attend(q, k, v, k_pool, v_pool, scale):
+                return packed(q, k, v, cu_dev, max_len, scale)
+        else:
+            paged, tables_dev = self._paged_prefill, tables.to(dev)
+            starts_dev = torch.tensor(starts, dtype=torch.int32, device=dev)
+
+            def attend(q, k, v, k_pool, v_pool, scale):
+                return paged(q, k_pool, v_pool, tables_dev, cu_dev, starts_dev, max_len, scale)
+        kv = KVStep.prefill(self._pool, torch.tensor(pages, dtype=torch.int64, device=dev),
+                            torch.tensor(slots, dtype=torch.int64, device=dev), attend)
+        pos_dev = torch.tensor(positions, dtype=torch.int64, device=dev)
+        hidden = self._base(input_ids=torch.tensor(ids, dtype=torch.int64, device=dev)[None],
+                            position_ids=pos_dev[None], use_cache=False, lockstep_kv=kv).last_hidden_state[0]
+        finishing = [(i, piece) for i, piece in enumerate(pieces) if piece.completes]
+        for piece in pieces:
+            sched.prefilled(piece)
+        if not finishing:
+            return
+        members = [s for _, piece in finishing for s in piece.unit.members]
+        # One logits row per completed unit; each member draws from it with its own key.
+        last = torch.tensor([int(cu[i + 1]) - 1 for i, piece in finishing for _ in piece.unit.members],
+                            dtype=torch.int64, device=dev)
+        tokens, logps = self._sample(self._head(hidden[last]), members, hashes, sampling)
+        for s, t, lp in zip(members, tokens, logps):
+            sched.sampled(s, t, lp, stops)
+
+    def _decode(self, rows: list[Seq], sched: Scheduler, hashes: torch.Tensor, sampling: SamplingConfig,
+                stops: frozenset[int]) -> None:
+        t0 = time.perf_counter()
+        n = len(rows)
+        bucket = _bucket(n, self.options.max_batch_size) if self.options.cuda_graphs else n
+        step_fn = self._step_fn(bucket)
+        ids = np.full((bucket, 1), self.options.pad_token_id, dtype=np.int64)
+        positions = np.zeros((bucket, 1), dtype=np.int64)
+        tables = np.zeros((bucket, self.table_width), dtype=np.int32)
+        for b, s in enumerate(rows):
+            if s.finish_reason is None:
+                ids[b, 0] = s.tokens[s.computed]
+            positions[b, 0] = s.computed
+            tables[b, :len(s.pages)] = s.pages
+        lengths = (positions[:, 0] + 1).astype(np.int32)
+        host = tuple(torch.from_numpy(a) for a in (ids, positions, lengths, tables))
+        if isinstance(step_fn, _CapturedDecodeStep):
+            bufs = (step_fn.ids, step_fn.positions, step_fn.lengths, step_fn.tables)
+            for buf, h in zip(bufs, host):
+                buf.copy_(h)
+        else:
+            bufs = tuple(t.to(self.device) for t in host)
+        logits = step_fn(*bufs)
+        tokens, logps = self._sample(logits[:n], rows, hashes, sampling)
+        stats = self.stats
+        stats.decode_steps += 1
+        stats.row_steps += n
+        stats.useful_row_steps += sum(s.finish_reason is None for s in rows)
+        context = int(lengths[:n].sum())
+        stats.live_kv_tokens += context
+        stats.steps.append((n, context, time.perf_counter() - t0))
+        for s, t, lp in zip(rows, tokens, logps):
+            sched.sampled(s, t, lp, stops)
+
+    def _step_fn(self, rows: int) -> Callable[..., torch.Tensor]:
         if not self.options.cuda_graphs:
             return self._decode_logits
         graph = self._graphs.get(rows)
         if graph is None:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = _CapturedDecodeStep(self._decode_logits, rows, self.options.pad_token_id, self.device,
-                                        self._graph_pool)
+            graph = _CapturedDecodeStep(self._decode_logits, rows, self.table_width, self.options.pad_token_id,
+                                        self.device, self._graph_pool)
             self._graphs[rows] = graph
         return graph
 
-    def _decode_batch(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int],
-                      sampling: SamplingConfig) -> list[DecodedSequence]:
-        from kernels.logprob import token_logprobs
+    def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor,
+                       tables: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of one decode step: ids/positions [B, 1] int64, lengths int32 [B] = positions + 1,
+        tables int32 [B, table_width]."""
+        paged = self._paged_decode
 
-        n, new = len(prompts), sampling.max_new_tokens
-        rows = _bucket(n, self.options.max_batch_size) if self.options.cuda_graphs else n
-        self._ensure_cache(rows, max(len(p) for p in prompts) + new)
-        step_fn = self._step_fn(rows)  # captured before the prefill: capture warm-up writes the cache
-        if isinstance(step_fn, _CapturedDecodeStep):
-            ids, positions, lengths = step_fn.ids, step_fn.positions, step_fn.lengths
-        else:
-            ids = torch.empty((rows, 1), dtype=torch.int64, device=self.device)
-            positions = torch.empty((rows, 1), dtype=torch.int64, device=self.device)
-            lengths = torch.empty(rows, dtype=torch.int32, device=self.device)
-        prompt_lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=self.device)
-        ids.fill_(self.options.pad_token_id)
-        positions.zero_()
-        positions[:n, 0] = prompt_lengths  # the first sampled token sits right after its prompt
-        lengths.copy_(positions[:, 0] + 1)
+        def attend(q, k, v, k_pool, v_pool, scale):
+            return paged(q, k_pool, v_pool, tables, lengths, scale)
 
-        logits = self._prefill_logits(prompts)
-        keys = stream_keys(seed_words(seeds, self.device), new)
-        stops = torch.tensor(sorted(set(sampling.stop_token_ids)), dtype=torch.int64, device=self.device)
-        tokens = torch.empty((n, new), dtype=torch.int64, device=self.device)
-        logps = torch.empty((n, new), dtype=torch.float32, device=self.device)
-        done = torch.zeros(n, dtype=torch.bool, device=self.device)
-        steps = new
-        for step in range(new):
-            chosen = sample_tokens(logits[:n], sampling, keys[step])
-            logp, _ = token_logprobs(logits[:n], chosen, temperature=sampling.logprob_temperature,
-                                     backend=self.options.logprob_backend)
-            tokens[:, step] = chosen
-            logps[:, step] = logp.float()
-            if stops.numel():
-                done |= torch.isin(chosen, stops)
-            if step == new - 1:
-                break
-            if stops.numel() and (step + 1) % self.options.stop_check_interval == 0 and bool(done.all()):
-                steps = step + 1
-                break
-            ids[:n, 0] = torch.where(done, self.options.pad_token_id, chosen)
-            logits = step_fn(ids, positions, lengths)
-            positions += 1
-            lengths += 1
-        return _trim(tokens[:, :steps].tolist(), logps[:, :steps].tolist(), set(sampling.stop_token_ids))
-
-    # -------------------------------------------------------------- forwards --
-
-    def _prefill_logits(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Logits [S, V] of each prompt's last position, from one packed forward that fills cache rows 0..S-1."""
-        lens = [len(p) for p in prompts]
-        dev = self.device
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev)
-        positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]).to(dev)
-        rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)).to(dev)
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-        kv = KVStep.prefill(self._cache, rows, positions, cu.to(dev), max(lens), self._packed_attention)
-        hidden = self._base(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                            lockstep_kv=kv).last_hidden_state[0]
-        return self._head(hidden[cu[1:].to(dev).long() - 1])
-
-    def _decode_logits(self, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of one decode step: ids/positions [B, 1] int64, lengths int32 [B] = positions + 1."""
-        kv = KVStep.decode_step(self._cache, positions[:, 0], lengths, self._decode_attention)
+        kv = KVStep.decode_step(self._pool, positions[:, 0], tables, attend)
         hidden = self._base(input_ids=ids, position_ids=positions, use_cache=False, lockstep_kv=kv).last_hidden_state
         return self._head(hidden[:, -1])
 
 
-def _sdpa_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """decode_attention's contract through torch SDPA with a key mask (fast mode on CPU, where reading
-    the lengths costs no device sync): row b attends keys [0, lengths[b]) of cache row b."""
+def seed_hashes_of(seeds: Sequence[int], device: torch.device) -> torch.Tensor:
+    from kernels.sampling import seed_hashes
+
+    return seed_hashes(seed_words(seeds, device))
+
+
+def _sdpa_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                       lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged decode attention through torch SDPA with a key mask over the gathered pages (fast mode on CPU,
+    where reading the lengths costs no device sync): row b attends its keys [0, lengths[b])."""
     used = int(lengths.max())
+    pages = tables[:, :pages_for(used)].long()
+
+    def gather(pool):
+        g = pool[pages].transpose(1, 2)  # [B, Hkv, P, KB, D]
+        return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])[:, :, :used]
+
     keys = torch.arange(used, device=q.device)
     mask = (keys[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, used]
     out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], k_cache[:, :, :used], v_cache[:, :, :used], attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != k_cache.shape[1])
+        q[:, :, None], gather(k_pool), gather(v_pool), attn_mask=mask, scale=scale,
+        enable_gqa=q.shape[1] != k_pool.shape[1])
     return out[:, :, 0]
 
 
@@ -348,15 +539,3 @@ def _fast_prefill_attention(model: torch.nn.Module, device: torch.device) -> tup
         return REGISTRY.attention(q, k, v, PackedLayout(cu_seqlens, max_seqlen), scale=scale)
 
     return registry_attention, backend.name
-
-
-def _trim(tokens: list[list[int]], logps: list[list[float]], stops: set[int]) -> list[DecodedSequence]:
-    """Cut each row after its first stop token (included); rows without one finished by length."""
-    out = []
-    for toks, lps in zip(tokens, logps):
-        end = next((i + 1 for i, t in enumerate(toks) if t in stops), None)
-        if end is None:
-            out.append(DecodedSequence(toks, lps, "length"))
-        else:
-            out.append(DecodedSequence(toks[:end], lps[:end], "stop"))
-    return out

@@ -8,7 +8,7 @@ fallback to another engine.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,10 +52,21 @@ class PromptSpec:
 
 
 @dataclass(frozen=True)
+class ResumedSample:
+    """A sample paused earlier: its tokens so far, their log-probs and the policy version of each."""
+
+    sample_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    policy_versions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     prompts: tuple[PromptSpec, ...]
     sampling: SamplingConfig
     samples_per_prompt: int = 1
+    resumed: tuple[ResumedSample, ...] = ()
 
 
 @dataclass
@@ -64,7 +75,8 @@ class GeneratedSample:
     index: int
     token_ids: list[int]
     logprobs: list[float]  # fp32 log-prob of each token under the sampled distribution
-    finish_reason: str     # "stop" | "length"
+    finish_reason: str     # "stop" | "length" | "paused"
+    policy_versions: list[int] = field(default_factory=list)  # of each token; empty: all the engine's version
 
     @property
     def sample_id(self) -> str:
@@ -93,6 +105,8 @@ class Engine(abc.ABC):
     """One model, one policy version at a time. Calls are serialized by the server."""
 
     name: str = "abstract"
+    supports_resume: bool = False
+    """Whether generate() continues GenerationRequest.resumed samples (and request_pause() works)."""
 
     @classmethod
     @abc.abstractmethod
@@ -129,6 +143,11 @@ class Engine(abc.ABC):
         """Serve the base model with this LoRA adapter from `policy_version` on (replacing any earlier one);
         every tensor verified first, nothing applied on any error. Engines without LoRA support refuse."""
         raise ValueError(f"weights.lora: the {self.name} engine cannot apply LoRA adapters")
+
+    def request_pause(self) -> bool:
+        """Ask the in-flight generate() (another thread) to stop at its next token boundary, returning every
+        unfinished sample with finish_reason 'paused'; False if none is in flight. Thread-safe."""
+        raise ValueError(f"generation pause: the {self.name} engine cannot pause generation")
 
     def broadcast_device(self) -> torch.device:
         """Where this engine's model lives, for a replica that receives broadcast weights in this process

@@ -1,25 +1,26 @@
-"""The decoder's static KV cache and the Hugging Face attention function that fills and reads it.
+"""The decoder's paged KV pool and the Hugging Face attention function that fills and reads it.
 
-The cache holds, per layer, K and V as [rows, Hkv, capacity, D] tensors
-allocated once; row b of a batch keeps its tokens at positions 0..len-1. The
-model runs with `use_cache=False`: HF computes q/k/v (after RoPE) and hands
-them to `decoder_attention_forward`, which receives the cache and the step's
-layout through the `lockstep_kv` forward kwarg (HF passes unknown forward
-kwargs down to the attention function), writes the new K/V into the cache and
-attends:
+The pool holds, per layer, K and V as [pages, Hkv, KEY_BLOCK, D] tensors allocated once. A page is exactly one
+key block of the batch-invariant attention (kernels.batch_invariant.KEY_BLOCK), so a sequence's keys are
+reduced in the same blocks whatever pages hold them. A sequence's block table lists its pages in position
+order: position p lives in slot p % KEY_BLOCK of page table[p // KEY_BLOCK]. Page 0 is scratch: padded rows of
+a captured decode step write there and it is never handed to a sequence.
 
-- prefill (`KVStep.prefill`): one packed [1, T] buffer of whole prompts
-  (cu_seqlens, no padding); token i of sequence s goes to cache row s at
-  position i; attention is packed causal attention over the buffer.
-- decode (`KVStep.decode`): [B, 1], one new token per row at position
-  lengths[b] - 1; attention is `decode_attention` over cache row b's keys
-  [0, lengths[b]).
+The model runs with `use_cache=False`: HF computes q/k/v (after RoPE) and hands them to
+`decoder_attention_forward`, which receives the pool and the step's layout through the `lockstep_kv` forward
+kwarg (HF passes unknown forward kwargs down to the attention function), writes the new K/V into their slots
+and attends:
 
-No mask is ever built: the implementation registers no function in
-transformers' AttentionMaskInterface, and create_causal_mask returns None for
-an implementation without one (transformers 5.x), before it looks at the
-inputs (so nothing syncs with the host and a decode step can be captured in a
-CUDA graph). A mask passed anyway is refused.
+- prefill (`KVStep.prefill`): one packed [1, T] buffer holding the next chunk of tokens of several sequences
+  (cu_seqlens, no padding); attention is causal over each sequence's keys in the pool, the earlier chunks'
+  and this one's (or, in fast mode when every chunk starts a sequence, the packed kernel over the buffer).
+- decode (`KVStep.decode_step`): [B, 1], one new token per row at position lengths[b] - 1, attending its
+  keys [0, lengths[b]) through its block table.
+
+No mask is ever built: the implementation registers no function in transformers' AttentionMaskInterface,
+and create_causal_mask returns None for an implementation without one (transformers 5.x), before it looks at
+the inputs (so nothing syncs with the host and a decode step can be captured in a CUDA graph). A mask passed
+anyway is refused.
 """
 from __future__ import annotations
 
@@ -29,70 +30,70 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.batch_invariant import KEY_BLOCK
+
 DECODER_ATTN_IMPLEMENTATION = "lockstep_decoder"
+PAGE_TOKENS = KEY_BLOCK
+"""Tokens per page: one key block of the batch-invariant attention."""
+SCRATCH_PAGE = 0
 
-PackedAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
-"""(q [T, H, D], k [T, Hkv, D], v [T, Hkv, D], cu_seqlens int32 [S+1], max_seqlen, scale) -> [T, H, D]."""
-DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-"""(q [B, H, D], k_cache [B, Hkv, L, D], v_cache [B, Hkv, L, D], lengths int32 [B], scale) -> [B, H, D]."""
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+"""(q [N, H, D], new_k [N, Hkv, D], new_v, k_pool, v_pool, scale) -> [N, H, D], after the new K/V are written."""
 
 
-class StaticKVCache:
-    """Per-layer K/V of `rows` sequences, `capacity` positions each; zero-filled once, rewritten in place."""
+class PagedKVPool:
+    """Per-layer K/V pages, zero-filled once and rewritten in place (one allocation for all layers)."""
 
-    def __init__(self, *, layers: int, rows: int, kv_heads: int, capacity: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (rows, kv_heads, capacity, head_dim)
-        self.rows, self.capacity = rows, capacity
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+    def __init__(self, *, layers: int, pages: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        if pages < 2:
+            raise ValueError(f"a KV pool needs at least 2 pages (one is scratch), got {pages}")
+        self.pages = pages
+        self._storage = torch.zeros((layers, 2, pages, kv_heads, PAGE_TOKENS, head_dim), dtype=dtype, device=device)
+        self.keys = [self._storage[i, 0] for i in range(layers)]
+        self.values = [self._storage[i, 1] for i in range(layers)]
 
-    def fits(self, rows: int, capacity: int) -> bool:
-        return rows <= self.rows and capacity <= self.capacity
+    @staticmethod
+    def page_bytes(*, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return layers * 2 * kv_heads * PAGE_TOKENS * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return self._storage.numel() * self._storage.element_size()
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Every layer's K and V of page `src` into page `dst` (copy on write of a shared page): the same bits."""
+        self._storage[:, :, dst].copy_(self._storage[:, :, src])
 
 
 @dataclass(frozen=True)
 class KVStep:
-    """What one forward of the model does with the cache (passed as the `lockstep_kv` forward kwarg)."""
+    """What one forward of the model does with the pool (passed as the `lockstep_kv` forward kwarg)."""
 
-    cache: StaticKVCache
-    rows: torch.Tensor
-    """int64 [N]: cache row of each new token (prefill: its sequence; decode: 0..B-1)."""
-    positions: torch.Tensor
-    """int64 [N]: cache position each new token's K/V is written to."""
-    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-    """(q [N, H, D], k, v, scale) -> [N, H, D]; k/v are the layer's cache rows (decode) or the buffer's own."""
+    pool: PagedKVPool
+    pages: torch.Tensor
+    """int64 [N]: the page each new token's K/V is written to."""
+    slots: torch.Tensor
+    """int64 [N]: the slot within that page."""
+    attend: AttendFn
     decode: bool
 
     @classmethod
-    def prefill(cls, cache: StaticKVCache, rows: torch.Tensor, positions: torch.Tensor,
-                cu_seqlens: torch.Tensor, max_seqlen: int, packed_attention: PackedAttentionFn) -> "KVStep":
-        """Packed prompts: attention runs over the buffer's own K/V, causal within each sequence."""
-
-        def attend(q, k, v, scale):
-            return packed_attention(q, k, v, cu_seqlens, max_seqlen, scale)
-
-        return cls(cache, rows, positions, attend, decode=False)
+    def prefill(cls, pool: PagedKVPool, pages: torch.Tensor, slots: torch.Tensor, attend: AttendFn) -> "KVStep":
+        return cls(pool, pages, slots, attend, decode=False)
 
     @classmethod
-    def decode_step(cls, cache: StaticKVCache, positions: torch.Tensor, lengths: torch.Tensor,
-                    decode_attention: DecodeAttentionFn) -> "KVStep":
-        """One token per row; `positions` int64 [B] = lengths - 1 (both static buffers when graph-captured)."""
-        rows = torch.arange(positions.shape[0], dtype=torch.int64, device=positions.device)
-
-        def attend(q, k_cache, v_cache, scale):
-            return decode_attention(q, k_cache, v_cache, lengths, scale)
-
-        return cls(cache, rows, positions, attend, decode=True)
+    def decode_step(cls, pool: PagedKVPool, positions: torch.Tensor, block_tables: torch.Tensor,
+                    attend: AttendFn) -> "KVStep":
+        """One token per row at `positions` int64 [B]; its page is looked up on the device (graph-capturable)."""
+        pages = block_tables.gather(1, (positions // PAGE_TOKENS)[:, None])[:, 0].long()
+        return cls(pool, pages, positions % PAGE_TOKENS, attend, decode=True)
 
 
 @contextlib.contextmanager
 def _unique_index_writes() -> Iterator[None]:
-    """Deterministic algorithms off around a cache write: every (row, position) index is unique, so the plain
-    index_put_ kernel is deterministic, and its sort-based deterministic variant need not be graph-capturable."""
+    """Deterministic algorithms off around a pool write: every (page, slot) of a real token is unique (padded
+    rows all write the scratch page, whose contents nothing reads), so the plain index_put_ kernel is
+    deterministic where it matters, and its sort-based deterministic variant need not be graph-capturable."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     if enabled:
@@ -128,14 +129,14 @@ def decoder_attention_forward(
     impl = DECODER_ATTN_IMPLEMENTATION
     if lockstep_kv is None:
         raise RuntimeError(f"{impl}: called without the lockstep_kv forward kwarg; this attention only runs "
-                           "inside services.rollout.decoder (it needs the static KV cache)")
+                           "inside services.rollout.decoder (it needs the paged KV pool)")
     if attention_mask is not None:
         raise RuntimeError(f"{impl}: got an attention mask; the decoder carries boundaries in its KV layout")
     if dropout or sliding_window is not None or kwargs.get("output_attentions"):
         raise RuntimeError(f"{impl}: dropout, sliding windows and attention outputs are not supported")
     batch, heads, seqlen, head_dim = query.shape
     layer = module.layer_idx
-    k_cache, v_cache = lockstep_kv.cache.keys[layer], lockstep_kv.cache.values[layer]
+    k_pool, v_pool = lockstep_kv.pool.keys[layer], lockstep_kv.pool.values[layer]
     scale = head_dim**-0.5 if scaling is None else float(scaling)
     if lockstep_kv.decode:
         if seqlen != 1:
@@ -146,10 +147,7 @@ def decoder_attention_forward(
             raise RuntimeError(f"{impl}: prefill is one packed [1, T] buffer, got batch {batch}")
         new_k, new_v, q = key[0].transpose(0, 1), value[0].transpose(0, 1), query[0].transpose(0, 1)  # [T, *, D]
     with _unique_index_writes():
-        k_cache[lockstep_kv.rows, :, lockstep_kv.positions] = new_k
-        v_cache[lockstep_kv.rows, :, lockstep_kv.positions] = new_v
-    if lockstep_kv.decode:
-        out = lockstep_kv.attend(q.contiguous(), k_cache[:batch], v_cache[:batch], scale)
-        return out.unsqueeze(1), None  # [B, 1, H, D]
-    out = lockstep_kv.attend(q.contiguous(), new_k.contiguous(), new_v.contiguous(), scale)
-    return out.unsqueeze(0), None  # [1, T, H, D]
+        k_pool[lockstep_kv.pages, :, lockstep_kv.slots] = new_k
+        v_pool[lockstep_kv.pages, :, lockstep_kv.slots] = new_v
+    out = lockstep_kv.attend(q.contiguous(), new_k.contiguous(), new_v.contiguous(), k_pool, v_pool, scale)
+    return out.unsqueeze(1 if lockstep_kv.decode else 0), None  # [B, 1, H, D] or [1, T, H, D]

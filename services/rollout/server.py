@@ -154,13 +154,23 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                     f"policy_version: request wants {request.policy_version}, engine holds {engine.policy_version}",
                 )
             gen = generation_request_from_proto(request)
+            if gen.resumed and not engine.supports_resume:
+                raise ValueError(f"resumed: the {self.engine_name} engine cannot continue paused samples")
             samples = await self._in_worker(engine.generate, gen)
             check_sample_order(gen, samples)
-            out = samples_to_proto(samples)
             version = engine.policy_version
+            out = samples_to_proto(samples, version)
         self.metrics["lockstep_rollout_generated_tokens_total"].labels(SERVICE).inc(sum(len(s.token_ids) for s in samples))
         self.metrics["lockstep_rollout_generate_seconds"].labels(SERVICE).observe(time.perf_counter() - started)
         return pb.GenerateResponse(samples=out, policy_version=version, engine=self.engine_name)
+
+    @rpc_handler(ERRORS, "PauseGeneration")
+    async def PauseGeneration(self, request: pb.PauseGenerationRequest,
+                              context: grpc.aio.ServicerContext) -> pb.PauseGenerationResponse:
+        # Not under the lock: the Generate it stops holds it until it returns.
+        engine = self._loaded()
+        self._check_run(request.run_id, "PauseGeneration")
+        return pb.PauseGenerationResponse(paused=engine.request_pause())
 
     @rpc_handler(ERRORS, "LoadModel")
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.LoadModelResponse:

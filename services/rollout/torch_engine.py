@@ -3,9 +3,10 @@
 It runs the trainer's model code (services.common.models.load_causal_lm, the
 stock Hugging Face module) and scores every sampled token with the trainer's
 log-prob definition (kernels.logprob.token_logprobs), so that before the first
-update rollout and trainer agree on every response token. Generation (packed
-prefill, static KV cache, CUDA graphs, numerics modes) lives in the decoder;
-this module loads, validates requests and applies weight updates.
+update rollout and trainer agree on every response token. Generation (continuous
+batching over a paged KV pool, chunked and shared prefill, preemption, CUDA
+graphs, numerics modes) lives in the decoder; this module loads, validates
+requests and applies weight updates.
 
 Reported log-prob of a sampled token = log_softmax(logits / T)[token] over the
 FULL vocabulary (T = 1 in greedy mode). Top-k / top-p truncate the
@@ -15,13 +16,14 @@ exactly this quantity, so with top_k/top_p active the importance weight is
 still 1 at step 1.
 
 Sampling randomness is per sample: sample i of a prompt draws from the
-counter-based stream of seed `prompt.seed + i` (services.rollout.sampling), so
+counter-based stream of seed `prompt.seed + i` (kernels.sampling), so
 a sample's tokens do not depend on which other prompts share its batch.
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -41,6 +43,7 @@ from services.rollout.engine import (
 from services.common.finite_check import all_finite
 from services.rollout.lora_adapter import merged_weight, module_adapters
 from services.rollout.sampling import truncate_logits
+from services.rollout.scheduler import pages_for
 
 __all__ = ["TorchEngine", "TorchEngineConfig", "decoder_options", "truncate_logits"]
 
@@ -55,6 +58,9 @@ def decoder_options(config: TorchEngineConfig) -> DecoderOptions:
         pad_token_id=config.pad_token_id,
         logprob_backend=config.logprob_backend,
         stop_check_interval=config.stop_check_interval,
+        kv_pool_tokens=config.kv_cache_tokens,
+        kv_pool_memory_fraction=config.kv_cache_memory_fraction,
+        prefill_chunk_tokens=config.prefill_chunk_tokens,
     )
 
 
@@ -62,6 +68,7 @@ class TorchEngine(Engine):
     """One Hugging Face causal LM in this process; calls are serialised by the server."""
 
     name = "torch"
+    supports_resume = True
 
     def __init__(self, config: TorchEngineConfig | None = None) -> None:
         self.config = config or TorchEngineConfig()
@@ -74,6 +81,9 @@ class TorchEngine(Engine):
         # into these, never into the previous merge), and a digest of the adapter at the current version.
         self._pristine: dict[str, torch.Tensor] = {}
         self._adapter_digest: str | None = None
+        # Pause: set by request_pause (the server's thread), read by the decoder at each token boundary.
+        self._pause = threading.Event()
+        self._generating = threading.Event()
 
     @classmethod
     def from_config_json(cls, text: str, service: RolloutServiceConfig | None = None) -> "TorchEngine":
@@ -164,11 +174,32 @@ class TorchEngine(Engine):
         assert self._decoder is not None  # set with the model by load
         # Sequence s = (prompt, sample index); output order is prompt order, then index.
         seqs = [(p, i) for p in request.prompts for i in range(request.samples_per_prompt)]
-        decoded = self._decoder.decode([p.token_ids for p, _ in seqs], [p.seed + i for p, i in seqs],
-                                       request.sampling)
-        return [GeneratedSample(group_id=p.group_id, index=i, token_ids=d.token_ids, logprobs=d.logprobs,
-                                finish_reason=d.finish_reason)
-                for (p, i), d in zip(seqs, decoded)]
+        resumed = {r.sample_id: r for r in request.resumed}
+        prefixes = [(resumed[k].token_ids, resumed[k].logprobs) if (k := f"{p.group_id}/{i}") in resumed else None
+                    for p, i in seqs]
+        self._pause.clear()
+        self._generating.set()
+        try:
+            decoded = self._decoder.decode([p.token_ids for p, _ in seqs], [p.seed + i for p, i in seqs],
+                                           request.sampling, prefixes=prefixes, should_pause=self._pause.is_set)
+        finally:
+            self._generating.clear()
+            self._pause.clear()
+        out = []
+        for (p, i), d in zip(seqs, decoded):
+            earlier = resumed.get(f"{p.group_id}/{i}")
+            before = list(earlier.policy_versions) if earlier else []
+            out.append(GeneratedSample(group_id=p.group_id, index=i, token_ids=d.token_ids, logprobs=d.logprobs,
+                                       finish_reason=d.finish_reason,
+                                       policy_versions=before + [self._policy_version] * (len(d.token_ids)
+                                                                                           - len(before))))
+        return out
+
+    def request_pause(self) -> bool:
+        if not self._generating.is_set():
+            return False
+        self._pause.set()
+        return True
 
     def validate_request(self, request: GenerationRequest) -> None:
         """Checks that need the model (vocabulary, context length); ValueError names the field."""
@@ -197,6 +228,16 @@ class TorchEngine(Engine):
                     f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
                     f"{request.sampling.max_new_tokens} new tokens exceeds engine_config.max_context_tokens={cap}"
                 )
+            pool = self.config.kv_cache_tokens
+            if pool is not None and pages_for(len(p.token_ids) + request.sampling.max_new_tokens) > pages_for(pool):
+                raise ValueError(
+                    f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
+                    f"{request.sampling.max_new_tokens} new tokens exceeds engine_config.kv_cache_tokens={pool}"
+                )
+        for i, r in enumerate(request.resumed):
+            bad = [t for t in r.token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"resumed[{i}].response_token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
         bad_stop = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"sampling.stop_token_ids: id {bad_stop[0]} outside the vocabulary [0, {vocab})")

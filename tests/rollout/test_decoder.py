@@ -87,7 +87,7 @@ def test_decoding_ends_once_every_row_has_stopped(decoder_model_dir):
     vocab = decoder.model.config.vocab_size
     rows = decoder.decode(PROMPTS, SEEDS, sampling(max_new_tokens=50, stop_token_ids=tuple(range(vocab))))
     assert all(len(r.token_ids) == 1 and r.finish_reason == "stop" for r in rows)
-    assert len(steps) == 1  # step 0 from the prefill, one decode step, then the check at step 2 ends it
+    assert steps == []  # every row stopped on the token its prefill sampled: no decode step runs
 
 
 def test_refused_options_and_models(decoder_model_dir, tmp_path):
@@ -167,17 +167,15 @@ def test_decode_under_deterministic_algorithms_as_the_service_runs(decoder_model
 
 
 def test_the_decoder_attention_refuses_calls_outside_a_decode(decoder_model_dir):
-    """The attention function fails closed: without the static cache kwarg, or given a mask, it raises."""
-    from services.rollout.kv_cache import KVStep, StaticKVCache, decoder_attention_forward
+    """The attention function fails closed: without the KV pool kwarg, or given a mask, it raises."""
+    from services.rollout.kv_cache import KVStep, PagedKVPool, decoder_attention_forward
 
     layer = loaded(decoder_model_dir, "float32").model.layers[0].self_attn
     q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="without the lockstep_kv forward kwarg"):
         decoder_attention_forward(layer, q, kv, kv, None)
-    cache = StaticKVCache(layers=2, rows=1, kv_heads=2, capacity=8, head_dim=8, dtype=torch.float32,
-                          device=torch.device("cpu"))
-    cu = torch.tensor([0, 3], dtype=torch.int32)
-    step = KVStep.prefill(cache, torch.zeros(3, dtype=torch.long), torch.arange(3), cu, 3, lambda *a: a[0])
+    pool = PagedKVPool(layers=2, pages=2, kv_heads=2, head_dim=8, dtype=torch.float32, device=torch.device("cpu"))
+    step = KVStep.prefill(pool, torch.ones(3, dtype=torch.long), torch.arange(3), lambda *a: a[0])
     with pytest.raises(RuntimeError, match="got an attention mask"):
         decoder_attention_forward(layer, q, kv, kv, torch.zeros(1, 1, 3, 3), lockstep_kv=step)
     with pytest.raises(RuntimeError, match="sliding windows"):

@@ -105,7 +105,7 @@ def test_triton_kernel_matches_the_torch_definition():
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")  # tests/conftest.py sets it on CPU hosts
     from services.rollout.sampling import gumbel_argmax_reference
-    from services.rollout.sampling_triton import gumbel_argmax
+    from kernels.sampling.triton_kernels import gumbel_argmax
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(1)

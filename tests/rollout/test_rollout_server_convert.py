@@ -103,14 +103,18 @@ def test_registry_is_by_name_and_refuses_unknown():
 
 def test_samples_to_proto_refuses_engine_bugs():
     ok = GeneratedSample("g", 0, [1, 2], [-0.5, -1.0], "stop")
-    (msg,) = samples_to_proto([ok])
+    (msg,) = samples_to_proto([ok], 7)
     assert msg.sample_id == "g/0" and msg.logprobs.dtype == "float32" and list(msg.logprobs.shape) == [2]
+    assert list(msg.policy_versions) == [7, 7]  # every token under the engine's version unless it says otherwise
+    (paused,) = samples_to_proto([GeneratedSample("g", 1, [3], [-0.1], "paused", [5])], 7)
+    assert (paused.finish_reason, list(paused.policy_versions)) == ("paused", [5])
     for bad in (GeneratedSample("g", 0, [1, 2], [-0.5], "stop"),
                 GeneratedSample("g", 0, [1], [float("nan")], "stop"),
                 GeneratedSample("g", 0, [1], [float("-inf")], "length"),
-                GeneratedSample("g", 0, [1], [-1.0], "eos")):
+                GeneratedSample("g", 0, [1], [-1.0], "eos"),
+                GeneratedSample("g", 0, [1], [-1.0], "stop", [1, 2])):
         with pytest.raises(RuntimeError):
-            samples_to_proto([bad])
+            samples_to_proto([bad], 0)
 
 
 def test_sample_order_is_checked():

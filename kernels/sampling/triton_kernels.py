@@ -1,4 +1,4 @@
-"""Triton Gumbel-max sampling: the stream of services.rollout.sampling, fused with the argmax.
+"""Triton Gumbel-max sampling: the stream of kernels.sampling.stream, fused with the argmax.
 
 One program per row walks the vocabulary in fixed blocks, computes each
 token's noise from (row key, token id) in registers and keeps the running
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.rollout.sampling import FMIX_C1, FMIX_C2, TOKEN_MULT
+from kernels.sampling.stream import FMIX_C1, FMIX_C2, TOKEN_MULT
 
 BLOCK_V = 2048
 

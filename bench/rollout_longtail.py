@@ -1,0 +1,208 @@
+"""The embedded decoder at RL lengths: static vs continuous scheduling over the paged KV pool, in one process.
+
+    python3 bench/rollout.py --workload longtail --out bench/results/rollout_longtail_h200.json
+
+256 sequences (32 prompts x 8 samples) of a random-init Qwen3 shape, true_on_policy numerics, bf16, CUDA
+graphs. Lengths are long-tailed by stop tokens: the lm_head is scaled so next-token distributions are
+nearly uniform (entropy --entropy nats), and `--stop-tokens` ids end a sequence, so each step stops a row
+with probability about stop_tokens / vocab: geometric lengths of mean about vocab / stop_tokens, capped at
+--cap. Both schedulers decode the same sequences (same seeds, so the same tokens: bits do not depend on
+the schedule, which the run checks). Reported per scheduler: useful new tokens/s (tokens returned over
+the decode's wall time), the decode-step HBM roofline fraction (weights plus the live rows' K/V read per
+step, over the measured step time, against the device-to-device copy bandwidth measured in the same run;
+over all steps and over steps of >= 128 rows), peak memory, pool size, preemptions. A second shape
+(--big-shape, default Qwen3-4B) runs the continuous scheduler at --big-cap new tokens inside a KV pool of
+--big-kv-gb, to show it completes without running out of memory.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.engine import SamplingConfig
+
+LONGTAIL_SHAPES = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+}
+
+
+def build_model(shape: str, device: str, prompts: list[list[int]], entropy: float, max_len: int):
+    """Random-init Qwen3 (bf16) with its lm_head scaled so the prompts' next-token entropy is about `entropy`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(max_position_embeddings=max_len, rope_theta=1e6, rms_norm_eps=1e-6, **LONGTAIL_SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
+    ids = torch.tensor(prompts[:8], device=device)
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state[:, -16:].float()
+        head = model.get_output_embeddings().weight.float()
+
+        def mean_entropy(scale: float) -> float:
+            logp = torch.log_softmax(hidden @ (head * scale).T, dim=-1)
+            return float(-(logp.exp() * logp).sum(-1).mean())
+
+        lo, hi = 1e-3, 1e3
+        for _ in range(30):  # entropy falls as the scale grows
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if mean_entropy(mid) > entropy else (lo, mid)
+        scale = math.sqrt(lo * hi)
+        reached = mean_entropy(scale)
+        model.get_output_embeddings().weight.mul_(scale)
+        del hidden, head
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return model, {"weight_bytes": weight_bytes, "lm_head_scale": round(scale, 5),
+                   "prompt_entropy_nats": round(reached, 3)}
+
+
+def kv_bytes_per_token(shape: str) -> int:
+    s = LONGTAIL_SHAPES[shape]
+    return s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * s["head_dim"] * 2
+
+
+def roofline(stats, weight_bytes: int, kv_per_token: int, copy_gbps: float, min_rows: int = 0) -> dict:
+    steps = [s for s in stats.steps if s[0] >= min_rows]
+    if not steps or not copy_gbps == copy_gbps:
+        return {"steps": len(steps)}
+    secs = sum(s[2] for s in steps)
+    moved = len(steps) * weight_bytes + sum(s[1] for s in steps) * kv_per_token
+    return {"steps": len(steps), "mean_rows": round(statistics.mean(s[0] for s in steps), 1),
+            "seconds": round(secs, 3), "mean_step_ms": round(1e3 * secs / len(steps), 3),
+            "bytes_per_step": int(moved / len(steps)),
+            "roofline_fraction": round(moved / (copy_gbps * 1e9) / secs, 4)}
+
+
+def run_scheduler(model, device: str, scheduler: str, prompts, seeds, sampling: SamplingConfig, *,
+                  max_rows: int, pool_tokens: int | None, chunk: int, shape: str, weight_bytes: int,
+                  copy_gbps: float) -> tuple[dict, list]:
+    opts = DecoderOptions(numerics="true_on_policy", max_batch_size=max_rows, cuda_graphs=device == "cuda",
+                          kv_pool_tokens=pool_tokens, prefill_chunk_tokens=chunk, scheduler=scheduler,
+                          max_context_tokens=len(prompts[0]) + sampling.max_new_tokens)
+    decoder = Decoder(model, opts)
+    warm = SamplingConfig(temperature=1.0, max_new_tokens=4, stop_token_ids=sampling.stop_token_ids)
+    decoder.decode(prompts[:max_rows], seeds[:max_rows], warm)  # Triton compiled, the large buckets captured
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    rows = decoder.decode(prompts, seeds, sampling)
+    seconds = time.perf_counter() - t0
+    st = decoder.stats
+    kv = kv_bytes_per_token(shape)
+    lengths = [len(r.token_ids) for r in rows]
+    out = {
+        "scheduler": scheduler, "max_rows": max_rows, "seconds": round(seconds, 2),
+        "useful_new_tokens": sum(lengths),
+        "useful_tokens_per_second": round(sum(lengths) / seconds, 1),
+        "decode_steps": st.decode_steps, "row_steps": st.row_steps,
+        "useful_row_step_fraction": round(st.useful_row_steps / max(st.row_steps, 1), 4),
+        "prefill_tokens": st.prefill_tokens, "prefill_seconds": round(st.prefill_seconds, 2),
+        "preemptions": st.preemptions, "page_copies": st.page_copies,
+        "pool_pages": st.pool_pages, "pool_gb": round(decoder._pool.nbytes() / 1e9, 2),
+        "peak_pages_used": st.peak_pages,
+        "roofline_all_steps": roofline(st, weight_bytes, kv, copy_gbps),
+        "roofline_steps_ge_128_rows": roofline(st, weight_bytes, kv, copy_gbps, 128),
+    }
+    if device == "cuda":
+        out["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
+    decoder.release()
+    del decoder
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out, rows
+
+
+def lengths_summary(rows, cap: int) -> dict:
+    lengths = sorted(len(r.token_ids) for r in rows)
+    return {"mean": round(statistics.mean(lengths), 1), "median": lengths[len(lengths) // 2],
+            "p90": lengths[int(0.9 * len(lengths))], "max": lengths[-1],
+            "at_cap": sum(n >= cap for n in lengths)}
+
+
+def longtail(args, hbm_copy_gb_per_s) -> dict:
+    device = args.device
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = LONGTAIL_SHAPES[args.shape]["vocab_size"]
+    n_seq = args.prompts * args.samples
+    prompts = [p for p in torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
+               for _ in range(args.samples)]
+    seeds = [1000 * (i // args.samples) + i % args.samples for i in range(n_seq)]
+    stops = tuple(range(vocab - args.stop_tokens, vocab))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.cap, stop_token_ids=stops)
+    copy = hbm_copy_gb_per_s(device)
+    if args.only_big:
+        return {"benchmark": "rollout_longtail", "hbm_copy_gb_per_s": round(copy, 1), "big": big_run(args, device, copy)}
+    result = {"benchmark": "rollout_longtail", "shape": args.shape, "device": device, "numerics": "true_on_policy",
+              "dtype": "bfloat16", "sequences": n_seq, "prompts": args.prompts, "samples_per_prompt": args.samples,
+              "prompt_len": args.prompt_len, "max_new_tokens": args.cap, "stop_tokens": len(stops),
+              "hbm_copy_gb_per_s": round(copy, 1), "kv_bytes_per_token": kv_bytes_per_token(args.shape),
+              "versions": {"torch": torch.__version__}}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+    model, info = build_model(args.shape, device, prompts[::args.samples], args.entropy,
+                              args.prompt_len + args.cap + 64)
+    result["model"] = info
+    runs, outputs = [], {}
+    # The continuous pool defaults to the static batch's dense KV memory: the same KV bytes for both.
+    pool = args.pool_tokens or args.static_rows * (args.prompt_len + args.cap)
+    result["continuous_pool_tokens"] = pool
+    for scheduler, rows_max, pool in (("static", args.static_rows, None),
+                                      ("continuous", args.continuous_rows, pool)):
+        out, rows = run_scheduler(model, device, scheduler, prompts, seeds, sampling, max_rows=rows_max,
+                                  pool_tokens=pool, chunk=args.chunk, shape=args.shape,
+                                  weight_bytes=info["weight_bytes"], copy_gbps=copy)
+        out["lengths"] = lengths_summary(rows, args.cap)
+        runs.append(out)
+        outputs[scheduler] = [(r.token_ids, r.logprobs) for r in rows]
+        print(out, flush=True)
+    result["runs"] = runs
+    result["same_bits_static_vs_continuous"] = outputs["static"] == outputs["continuous"]
+    by = {r["scheduler"]: r for r in runs}
+    result["continuous_over_static"] = round(by["continuous"]["useful_tokens_per_second"]
+                                             / by["static"]["useful_tokens_per_second"], 3)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if args.big_shape:
+        result["big"] = big_run(args, device, copy)
+    result["targets"] = {
+        "continuous_at_least_3x_static": result["continuous_over_static"] >= 3,
+        "roofline_at_least_0.5_at_128_rows": (by["continuous"]["roofline_steps_ge_128_rows"]
+                                              .get("roofline_fraction", 0) >= 0.5),
+        "big_shape_completes_inside_kv_budget": bool(result.get("big", {}).get("completed")),
+    }
+    return result
+
+
+def big_run(args, device: str, copy: float) -> dict:
+    """The larger shape, continuous scheduler, --big-cap new tokens inside a KV pool of --big-kv-gb."""
+    shape = args.big_shape
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    vocab = LONGTAIL_SHAPES[shape]["vocab_size"]
+    prompts = [p for p in torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=gen).tolist()
+               for _ in range(args.samples)]
+    seeds = [1000 * (i // args.samples) + i % args.samples for i in range(len(prompts))]
+    stops = tuple(range(vocab - args.big_stop_tokens, vocab))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.big_cap, stop_token_ids=stops)
+    model, info = build_model(shape, device, prompts[::args.samples], args.entropy, args.prompt_len + args.big_cap + 64)
+    pool_tokens = int(args.big_kv_gb * 1e9) // kv_bytes_per_token(shape)
+    out = {"shape": shape, "max_new_tokens": args.big_cap, "stop_tokens": len(stops), "kv_budget_gb": args.big_kv_gb,
+           "model": info}
+    try:
+        run, rows = run_scheduler(model, device, "continuous", prompts, seeds, sampling,
+                                  max_rows=args.continuous_rows, pool_tokens=pool_tokens, chunk=args.chunk,
+                                  shape=shape, weight_bytes=info["weight_bytes"], copy_gbps=copy)
+        out.update(run, completed=True, lengths=lengths_summary(rows, args.big_cap))
+    except torch.OutOfMemoryError as exc:
+        out.update(completed=False, error=str(exc)[:300])
+    return out

@@ -1,0 +1,268 @@
+"""Which sequences the decoder runs each iteration: admission, prefill chunks, page tables, preemption.
+
+Pure bookkeeping (no torch): the decoder asks it for the next prefill chunk and the next decode batch and
+reports sampled tokens back. Pages are the KV pool's (services.rollout.kv_cache); page 0 is scratch and is
+never handed out.
+
+- A sequence's state is its tokens (prompt, then sampled tokens) and `computed`, how many leading positions
+  have K/V in its pages. After a token is sampled, computed == len(tokens) - 1: the next decode step feeds
+  the last token at position computed.
+- Admission: waiting units (a unit is one sequence, or the n samples of a prompt sharing its prefill) are
+  admitted in order while rows and pages allow; a unit's prompt pages are allocated once, with one reference
+  per member. Policy `continuous` admits whenever there is room; `static` admits only when no row runs, and
+  keeps finished rows in the decode batch until the whole batch has finished (the behaviour of a static
+  batch, kept as a baseline).
+- Prefill: up to `chunk_tokens` tokens per iteration, across admitted units in admission order; a unit whose
+  last token is in the chunk gets that position's logits, from which each member samples its next token.
+- Decode: every sequence that has sampled and not finished; before each step each gets a page for the
+  position it writes, copying a shared page first (copy on write) or taking a fresh one.
+- Preemption: when no page is free, the most recently admitted sequence (or unit still in prefill) gives
+  back its pages and returns to the head of the queue with its tokens; readmitted, it is prefilled again
+  from its tokens. Never an error: the pool holds at least one sequence of the longest length allowed.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.rollout.kv_cache import PAGE_TOKENS, SCRATCH_PAGE
+
+
+def pages_for(tokens: int) -> int:
+    return -(-tokens // PAGE_TOKENS)
+
+
+class PageAllocator:
+    """Pages 1..pages-1 with reference counts; the lowest free page is handed out first (deterministic)."""
+
+    def __init__(self, pages: int) -> None:
+        self.refs = [0] * pages
+        self._free = list(range(pages - 1, SCRATCH_PAGE, -1))  # a stack: pop() gives the lowest
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = [self._free.pop() for _ in range(n)]
+        for p in out:
+            self.refs[p] = 1
+        return out
+
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] += 1
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
+        self._free.sort(reverse=True)
+
+
+@dataclass
+class Sequence:
+    index: int
+    """Position in the request (the order results are returned in)."""
+    prompt_len: int
+    tokens: list[int]
+    max_tokens: int
+    """prompt_len + max_new_tokens."""
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    computed: int = 0
+    finish_reason: str | None = None
+    preemptions: int = 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def decoding(self) -> bool:
+        return self.finish_reason is None and self.computed == len(self.tokens) - 1 and self.computed > 0
+
+
+@dataclass
+class Unit:
+    """Sequences admitted together whose known tokens are identical (the samples of one prompt): prefilled once."""
+
+    members: list[Sequence]
+
+    @property
+    def leader(self) -> Sequence:
+        return self.members[0]
+
+
+@dataclass(frozen=True)
+class PrefillPiece:
+    unit: Unit
+    start: int
+    end: int
+
+    @property
+    def completes(self) -> bool:
+        return self.end == len(self.unit.leader.tokens)
+
+
+class Scheduler:
+    def __init__(self, *, pages: int, max_rows: int, chunk_tokens: int, policy: str = "continuous") -> None:
+        if policy not in ("continuous", "static"):
+            raise ValueError(f"scheduler: {policy!r} is not 'continuous' or 'static'")
+        self.alloc = PageAllocator(pages)
+        self.max_rows, self.chunk_tokens, self.policy = max_rows, chunk_tokens, policy
+        self.waiting: deque[Unit] = deque()
+        self.prefilling: list[Unit] = []  # admitted, prefill not complete (in admission order)
+        self.running: list[Sequence] = []  # admitted, in admission order (prefilling members too)
+        self.prefill_tokens = 0  # tokens run through prefill forwards (a unit's prompt counts once)
+        self.preemptions = 0
+        self.copies: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------ queue --
+
+    def submit(self, unit: Unit) -> None:
+        self.waiting.append(unit)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _rows_live(self) -> int:
+        return len(self.running)
+
+    def admit(self) -> None:
+        if self.policy == "static" and self.running:
+            return
+        while self.waiting:
+            unit = self.waiting[0]
+            if self._rows_live() + len(unit.members) > self.max_rows:
+                return
+            need = pages_for(len(unit.leader.tokens))
+            # Headroom of a page per member (its first write) unless nothing runs: then admit what fits.
+            spare = len(unit.members) if self.running else 0
+            if need + spare > self.alloc.free:
+                return
+            pages = self.alloc.alloc(need)
+            assert pages is not None
+            self.alloc.share(pages * (len(unit.members) - 1))
+            for s in unit.members:
+                s.pages, s.computed = list(pages), 0
+            self.waiting.popleft()
+            self.prefilling.append(unit)
+            self.running.extend(unit.members)
+
+    # ---------------------------------------------------------------- prefill --
+
+    def prefill_chunk(self) -> list[PrefillPiece]:
+        """The next chunk: consecutive token spans of admitted units, in admission order, at most chunk_tokens."""
+        budget, out = self.chunk_tokens, []
+        for unit in self.prefilling:
+            if budget <= 0:
+                break
+            lead = unit.leader
+            end = min(len(lead.tokens), lead.computed + budget)
+            out.append(PrefillPiece(unit, lead.computed, end))
+            budget -= end - lead.computed
+        return out
+
+    def prefilled(self, piece: PrefillPiece) -> None:
+        """The piece's K/V is in the pool."""
+        self.prefill_tokens += piece.end - piece.start
+        for s in piece.unit.members:
+            s.computed = piece.end
+        if piece.completes:
+            self.prefilling.remove(piece.unit)
+
+    # ----------------------------------------------------------------- decode --
+
+    def decode_batch(self) -> list[Sequence]:
+        """Rows of the next decode step, in admission order, each with a private page for the slot it writes.
+
+        May preempt. Static policy: finished rows stay in the batch (fed a pad token) until all have finished."""
+        rows = []
+        for s in list(self.running):
+            if s not in self.running:  # preempted while an earlier row took its page
+                continue
+            live = s.decoding or (self.policy == "static" and s.finish_reason is not None)
+            if not live:
+                continue
+            if self._own_slot(s):
+                rows.append(s)
+        return [s for s in rows if s in self.running]
+
+    def _own_slot(self, s: Sequence) -> bool:
+        """Give `s` a private page for position s.computed; preempt later sequences (or s itself) if none is free."""
+        i = s.computed // PAGE_TOKENS
+        while True:
+            if i < len(s.pages) and self.alloc.refs[s.pages[i]] == 1:
+                return True
+            fresh = self.alloc.alloc(1)
+            if fresh is not None:
+                if i < len(s.pages):
+                    self.copies.append((s.pages[i], fresh[0]))
+                    self.alloc.release([s.pages[i]])
+                    s.pages[i] = fresh[0]
+                else:
+                    s.pages.append(fresh[0])
+                return True
+            victim = self._victim()
+            self._preempt(victim)
+            if victim is s or s in victim.members:
+                return False
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) page copies the pool must make before the next decode step (copy on write)."""
+        out, self.copies = self.copies, []
+        return out
+
+    def _victim(self) -> Unit:
+        last = self.running[-1]
+        for unit in self.prefilling:
+            if last in unit.members:
+                return unit
+        return Unit([last])
+
+    def _preempt(self, unit: Unit) -> None:
+        if unit in self.prefilling:
+            self.prefilling.remove(unit)
+        for s in unit.members:
+            self.running.remove(s)
+            self.alloc.release(s.pages)
+            s.pages, s.computed = [], 0
+            s.preemptions += 1
+            self.preemptions += 1
+        # Readmitted first, with the tokens it has (a finished row of a static batch is done, not requeued).
+        again = [s for s in unit.members if s.finish_reason is None]
+        if again:
+            self.waiting.appendleft(Unit(again))
+
+    # --------------------------------------------------------------- results --
+
+    def sampled(self, s: Sequence, token: int, logprob: float, stops: frozenset[int]) -> None:
+        """A token sampled for `s` (from a prefill's last position or a decode step)."""
+        if s.finish_reason is not None:  # a static batch's finished row: its tokens are discarded
+            s.computed += 1
+            return
+        s.tokens.append(token)
+        s.logprobs.append(logprob)
+        s.computed = len(s.tokens) - 1
+        if token in stops:
+            s.finish_reason = "stop"
+        elif len(s.tokens) >= s.max_tokens:
+            s.finish_reason = "length"
+        if s.finish_reason is not None and self.policy == "continuous":
+            self._finish(s)
+        elif self.policy == "static" and all(r.finish_reason for r in self.running):
+            self._release_all_finished()
+
+    def _finish(self, s: Sequence) -> None:
+        self.running.remove(s)
+        self.alloc.release(s.pages)
+        s.pages = []
+
+    def _release_all_finished(self) -> None:
+        for s in list(self.running):
+            self._finish(s)
