@@ -408,11 +408,9 @@ class Trainer:
             # Every forward here runs before the optimizer step, so these are
             # the pre-update log-probs: the train/inference mismatch measure.
             out = {"loss": float(part.loss.detach()), "logp": logp.detach(), "rollout": mb.response_rollout_logprobs,
-                   "clipped": part.clipped, "sample_index": mb.response_sample_index,
+                   "clipped": part.clipped, "clamped": part.clamped, "sample_index": mb.response_sample_index,
                    "is_weight": part.is_weight, "is_affected": part.is_affected, "entropy": ent.detach()}
-            if part.kl is not None:
-                out["kl"] = part.kl
-            local.append(out)
+            local.append(out if part.kl is None else out | {"kl": part.kl})
         return self._in_order(local, len(microbatches))
 
     def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int,
@@ -438,13 +436,11 @@ class Trainer:
                       keep: torch.Tensor | None, *, loss_value: float, grad_norm: float, lr: float) -> dict[str, float]:
         """The step's metrics (grpo.step_metrics) from the microbatches' pre-update tensors, keyed and
         ordered as TRAIN_STEP_METRIC_KEYS."""
-        def cat(key: str) -> torch.Tensor:
-            return torch.cat([o[key] for o in outputs])
-
+        cat = {k: torch.cat([o[k] for o in outputs]) for k, v in outputs[0].items() if isinstance(v, torch.Tensor)}
         metrics = step_metrics(
-            loss=loss_value, logp=cat("logp"), rollout_logp=cat("rollout"), clipped=cat("clipped"),
-            sample_index=cat("sample_index"), m2po_keep=keep, is_weight=cat("is_weight"),
-            is_affected=cat("is_affected"), entropy=cat("entropy"), kl=cat("kl") if "kl" in outputs[0] else None,
+            loss=loss_value, logp=cat["logp"], rollout_logp=cat["rollout"], clipped=cat["clipped"],
+            clamped=cat["clamped"], sample_index=cat["sample_index"], m2po_keep=keep, is_weight=cat["is_weight"],
+            is_affected=cat["is_affected"], entropy=cat["entropy"], kl=cat.get("kl"),
             rewards=[s.reward for s in ordered], num_tokens_total=sum(s.num_tokens for s in samples),
             grad_norm=grad_norm, lr=lr)
         if set(metrics) != set(TRAIN_STEP_METRIC_KEYS):
