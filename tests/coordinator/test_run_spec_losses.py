@@ -1,4 +1,4 @@
-"""The loss settings a run spec checks at submit: the log-ratio bounds."""
+"""The loss settings a run spec resolves at submit: GSPO's aggregation default and the log-ratio bounds."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 
 from services.common.tiny_model import build_model_dir
-from services.coordinator.run_spec import RunSpecError, parse_run_spec
+from services.coordinator.run_spec import RunSpec, RunSpecError, parse_run_spec
 
 
 @pytest.fixture(scope="module")
@@ -17,6 +17,20 @@ def model_dir(tmp_path_factory):
 def _body(model_dir, trainer: dict, **extra) -> bytes:
     return json.dumps({"name": "n", "model_path": str(model_dir), "steps": 1, "task": {"name": "arithmetic"},
                        "trainer": trainer, **extra}).encode()
+
+
+def test_gspo_aggregates_per_sequence_unless_the_spec_says_otherwise(model_dir):
+    spec = parse_run_spec(_body(model_dir, {"policy_loss": {"kind": "gspo"}}))
+    assert spec.trainer.loss_agg == "seq_mean_token_mean"
+    # What is stored and sent to the trainer names it, and reads back the same (numerics' re-validation too).
+    assert json.loads(spec.trainer.model_dump_json())["loss_agg"] == "seq_mean_token_mean"
+    assert RunSpec.model_validate_json(spec.model_dump_json()) == spec
+    tight = parse_run_spec(_body(model_dir, {"policy_loss": {"kind": "gspo"}}, numerics="true_on_policy"))
+    assert tight.trainer.loss_agg == "seq_mean_token_mean"
+    # A spec that asks for the length-weighted token mean gets it; other kinds keep token_mean.
+    asked = parse_run_spec(_body(model_dir, {"policy_loss": {"kind": "gspo"}, "loss_agg": "token_mean"}))
+    assert asked.trainer.loss_agg == "token_mean"
+    assert parse_run_spec(_body(model_dir, {})).trainer.loss_agg == "token_mean"
 
 
 @pytest.mark.parametrize("trainer, reason", [

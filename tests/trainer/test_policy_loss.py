@@ -209,6 +209,10 @@ def test_run_spec_defaults_and_sensible_combinations():
     assert (default.policy_loss.m2po_threshold, default.policy_loss.gspo_clip_low,
             default.policy_loss.gspo_clip_high) == (0.04, 3e-4, 4e-4)
     assert (default.policy_loss.log_ratio_bound, default.policy_loss.gspo_log_ratio_bound) == (20.0, 10.0)
+    # GSPO averages over sequences by default; a loss_agg the spec sets is kept.
+    assert TrainerRunConfig.model_validate({"policy_loss": {"kind": "gspo"}}).loss_agg == "seq_mean_token_mean"
+    assert TrainerRunConfig.model_validate({"policy_loss": {"kind": "gspo"}, "loss_agg": "token_mean"}).loss_agg \
+        == "token_mean"
     # AReaL's M2PO recipe: decoupled ratio with masked IS weights.
     TrainerRunConfig.model_validate({"policy_loss": {"kind": "m2po"}, "mismatch_correction": {"mode": "mask", "upper": 5.0}})
     # Dr. GRPO.
