@@ -6,6 +6,7 @@ time with the same field name it would get in the trainer.
 """
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, field_validator, model_validator
@@ -20,6 +21,7 @@ from contract.trainer_settings import (
     Numerics,
     ParityThresholds,
     PolicyLoss,
+    check_bound_outside_clip,
 )
 
 
@@ -102,7 +104,9 @@ class TrainerRunConfig(BaseModel):
         description="Loss aggregation over the step: 'token_mean' = sum of every response token's loss / the "
         "step's response-token count; 'seq_mean_token_mean' = mean over sequences of each sequence's token mean; "
         "'seq_mean_token_sum_norm' (Dr. GRPO) = mean over sequences of each sequence's token sum / "
-        "loss_agg_tokens. Step-wide divisors only, so the microbatch split does not change the update.",
+        "loss_agg_tokens. Step-wide divisors only, so the microbatch split does not change the update. Default "
+        "'token_mean', but 'seq_mean_token_mean' when policy_loss.kind is 'gspo' (GSPO's objective is a mean over "
+        "sequences; token_mean would weight each sequence by its length): a loss_agg the spec sets is kept.",
     )
     loss_agg_tokens: int | None = Field(
         None, ge=1, le=1 << 24,
@@ -157,6 +161,22 @@ class TrainerRunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent_loss(self) -> TrainerRunConfig:
+        if self.policy_loss.kind == "gspo" and "loss_agg" not in self.model_fields_set:
+            # Resolved here, so the JSON the coordinator stores and sends names the aggregation trained with.
+            self.loss_agg = "seq_mean_token_mean"
+        if self.policy_loss.kind == "ppo_clip":
+            try:
+                check_bound_outside_clip("policy_loss.log_ratio_bound", self.policy_loss.log_ratio_bound,
+                                         self.clip_eps_low, self.clip_eps_high)
+            except ValueError as exc:
+                raise ValueError(f"{exc} (clip_eps_low {self.clip_eps_low}, clip_eps_high {self.clip_eps_high})") \
+                    from None
+        correction, bound = self.mismatch_correction, self.policy_loss.log_ratio_bound
+        if correction.mode != "none" and max(math.log(correction.upper), -math.log(correction.mask_lower)) >= bound:
+            raise ValueError(
+                f"policy_loss.log_ratio_bound: {bound} must exceed |log| of mismatch_correction's edges "
+                f"(upper {correction.upper}, lower {correction.mask_lower}): log w is clamped to the bound before "
+                "exp, which would otherwise move a weight across an edge")
         if self.policy_loss.kind == "gspo" and self.mismatch_correction.mode != "none":
             raise ValueError(
                 f"policy_loss.kind: 'gspo' clips the sequence ratio against the PPO old policy, which with "

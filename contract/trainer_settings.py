@@ -9,6 +9,7 @@ AttentionPolicy) import it from here.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Literal
 
@@ -27,6 +28,13 @@ BATCH_INVARIANT_ATTENTION = "batch_invariant"
 DEFAULT_M2PO_THRESHOLD = 0.04
 DEFAULT_GSPO_CLIP_LOW = 3e-4
 DEFAULT_GSPO_CLIP_HIGH = 4e-4
+DEFAULT_LOG_RATIO_BOUND = 20.0
+"""Token log-ratios are clamped to +-this before exp (verl's bound for the PPO ratio and the k3 KL)."""
+DEFAULT_GSPO_LOG_RATIO_BOUND = 10.0
+"""GSPO's sequence log-ratio is clamped to +-this before exp (verl clamps it above at 10)."""
+MAX_LOG_RATIO_BOUND = 40.0
+"""Largest bound a spec may set: e^40 = 2.4e17, so a bounded ratio times an advantage, summed over a step's
+tokens, stays many orders of magnitude below float32's overflow at e^88.7."""
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -147,16 +155,41 @@ class PolicyLoss(BaseModel):
         DEFAULT_GSPO_CLIP_HIGH, ge=0, le=100.0,
         description="GSPO: sequence ratios above 1 + gspo_clip_high stop contributing gradient (kind 'gspo' only; "
         "the paper's 4e-4).")
+    log_ratio_bound: float = Field(
+        DEFAULT_LOG_RATIO_BOUND, gt=0, le=MAX_LOG_RATIO_BOUND,
+        description="Token log-ratios are clamped to [-log_ratio_bound, log_ratio_bound] before exp: logp - old_logp "
+        "of kinds 'ppo_clip' and 'm2po', and the KL term's log(ref / policy) under every kind (20, as verl). A clamped "
+        "token's ratio is a constant (no gradient through it), and the step counts it in log_ratio_clamped_tokens. "
+        "Must lie outside the PPO clip range, log(1 - clip_eps_low) .. log(1 + clip_eps_high).")
+    gspo_log_ratio_bound: float = Field(
+        DEFAULT_GSPO_LOG_RATIO_BOUND, gt=0, le=MAX_LOG_RATIO_BOUND,
+        description="GSPO: each sequence's log-ratio mean_t(logp - old_logp) is clamped to [-gspo_log_ratio_bound, "
+        "gspo_log_ratio_bound] before exp (kind 'gspo' only; 10, verl's upper bound, which leaves the lower side open). "
+        "A clamped sequence carries no gradient and its tokens count in log_ratio_clamped_tokens. Must lie outside "
+        "the GSPO clip range, log(1 - gspo_clip_low) .. log(1 + gspo_clip_high).")
 
     @model_validator(mode="after")
     def _no_unused_settings(self) -> PolicyLoss:
         if self.kind != "m2po" and self.m2po_threshold != DEFAULT_M2PO_THRESHOLD:
             raise ValueError(f"m2po_threshold: only used by kind 'm2po', but kind is {self.kind!r}")
         if self.kind != "gspo":
-            for name, default in (("gspo_clip_low", DEFAULT_GSPO_CLIP_LOW), ("gspo_clip_high", DEFAULT_GSPO_CLIP_HIGH)):
+            for name, default in (("gspo_clip_low", DEFAULT_GSPO_CLIP_LOW), ("gspo_clip_high", DEFAULT_GSPO_CLIP_HIGH),
+                                  ("gspo_log_ratio_bound", DEFAULT_GSPO_LOG_RATIO_BOUND)):
                 if getattr(self, name) != default:
                     raise ValueError(f"{name}: only used by kind 'gspo', but kind is {self.kind!r}")
+        if self.kind == "gspo":
+            check_bound_outside_clip("gspo_log_ratio_bound", self.gspo_log_ratio_bound,
+                                     self.gspo_clip_low, self.gspo_clip_high)
         return self
+
+
+def check_bound_outside_clip(name: str, bound: float, clip_low: float, clip_high: float) -> None:
+    """Refuse a log-ratio bound inside the clip range [log(1 - low), log(1 + high)]: the clamp would take the
+    gradient of ratios the clip keeps, and a clamped ratio inside the range changes the loss itself."""
+    edge = max(math.log1p(clip_high), -math.log1p(-clip_low))
+    if bound <= edge:
+        raise ValueError(f"{name}: {bound} lies inside the clip range (the clip reaches log-ratio {edge:.6g}); "
+                         "the bound must exceed it, or the clamp would change ratios the clip keeps")
 
 
 class LoraSettings(BaseModel):

@@ -183,6 +183,13 @@ def build_panels() -> list[dict]:
         "steady rise means updates too large for the clip range, or rollouts drifting from the trainer.",
         [per_run("clip_fraction", " tokens clipped"), per_run("seq_clip_fraction", " sequences clipped"),
          per_run("m2po_masked_fraction", " M2PO masked")], unit="percentunit"))
+    L.add(timeseries(
+        "Log-ratios clamped",
+        "Response tokens with a log-ratio beyond its bound, clamped before exp (trainer.policy_loss.log_ratio_bound, "
+        "20 by default, for token ratios, importance weights and the KL term; gspo_log_ratio_bound, 10, for GSPO's "
+        "sequence ratio); their ratios carry no gradient. 0 in a healthy run: a count here means rollouts far "
+        "from the trainer's policy (stale weights, a broken engine).",
+        [per_run("log_ratio_clamped_tokens")], decimals=0), w=24, h=6)
 
     L.row("Learning")
     L.add(timeseries(

@@ -37,6 +37,9 @@ STEP_METRIC_HELP: dict[str, str] = {
     "gspo: sequences whose sequence-level ratio was clipped).",
     "m2po_masked_fraction": "Fraction of response tokens M2PO masked out of the loss to bring their second moment "
     "down to trainer.policy_loss.m2po_threshold (0 unless the kind is m2po).",
+    "log_ratio_clamped_tokens": "Response tokens with a log-ratio beyond its bound, clamped before exp "
+    "(trainer.policy_loss.log_ratio_bound for token ratios and the KL term, gspo_log_ratio_bound for GSPO's "
+    "sequence ratio); their ratios carry no gradient. Above 0, the policy is far from the rollout's.",
     "grad_norm": "Global gradient norm before clipping.",
     "lr": "Learning rate applied by the step's optimizer update.",
     "is_weight_mean": "Mean mismatch-correction weight applied to token losses (1 with trainer.mismatch_correction.mode none).",

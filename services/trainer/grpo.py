@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from contract.advantages import DEFAULT_ADVANTAGE_EPS, group_advantages  # noqa: F401 - part of the GRPO math API
+from contract.trainer_settings import DEFAULT_LOG_RATIO_BOUND
 
 
 # ------------------------------------------------------------ PPO loss --
@@ -36,18 +37,29 @@ def ppo_clip_loss(
     *,
     clip_eps_low: float,
     clip_eps_high: float,
+    log_ratio_bound: float = DEFAULT_LOG_RATIO_BOUND,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level PPO-clip loss (to minimise) and the mask of clipped tokens.
 
-    ratio = exp(logp - rollout_logp)
+    ratio = exp(clamp(logp - rollout_logp, -bound, bound))
     loss  = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)
 
     A token is "clipped" when the clipped branch is the smaller one, i.e. the
     clip changed the objective and the token contributes no gradient
     (ratio > 1 + high with A > 0, or ratio < 1 - low with A < 0).
     """
-    return clipped_surrogate(torch.exp(logp - rollout_logp), advantages,
-                             clip_low=clip_eps_low, clip_high=clip_eps_high)
+    ratio, _ = bounded_exp(logp - rollout_logp, log_ratio_bound)
+    return clipped_surrogate(ratio, advantages, clip_low=clip_eps_low, clip_high=clip_eps_high)
+
+
+def bounded_exp(log_ratio: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp(clamp(log_ratio, -bound, bound)) and the mask of the entries the clamp changed.
+
+    Without the bound a log-ratio of 90 overflows float32's exp to inf, whose product with A = 0 is NaN (and
+    whose gradient times a zero upstream gradient is NaN too). Entries inside the bound keep the bits of
+    exp(log_ratio) and its gradient; a clamped entry is a constant, as torch.clamp makes it (verl's clamp)."""
+    clamped = log_ratio.detach().abs() > bound
+    return torch.exp(torch.clamp(log_ratio, -bound, bound)), clamped
 
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, *, clip_low: float,
@@ -67,13 +79,14 @@ def k3(log_ratio: torch.Tensor) -> torch.Tensor:
     return torch.exp(log_ratio) - log_ratio - 1.0
 
 
-def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+def kl_to_reference(logp: torch.Tensor, ref_logp: torch.Tensor, *,
+                    log_ratio_bound: float = DEFAULT_LOG_RATIO_BOUND) -> torch.Tensor:
     """Per-token k3 estimate of KL(policy || reference) (GRPO's KL term).
 
-    Tokens are samples of the policy, so the log-ratio is log(ref / policy).
-    Differentiable in `logp`.
+    Tokens are samples of the policy, so the log-ratio is log(ref / policy), clamped to +-log_ratio_bound
+    before exp as verl clamps it. Differentiable in `logp` (not where clamped).
     """
-    return k3(ref_logp - logp)
+    return k3(torch.clamp(ref_logp - logp, -log_ratio_bound, log_ratio_bound))
 
 
 # ------------------------------------------------------------ mismatch health --
@@ -135,14 +148,15 @@ def reward_stats(rewards: Sequence[float]) -> tuple[float, float]:
 
 
 def step_metrics(*, loss: float, logp: torch.Tensor, rollout_logp: torch.Tensor, clipped: torch.Tensor,
-                 sample_index: torch.Tensor, m2po_keep: torch.Tensor | None, is_weight: torch.Tensor,
+                 clamped: torch.Tensor, sample_index: torch.Tensor, m2po_keep: torch.Tensor | None, is_weight: torch.Tensor,
                  is_affected: torch.Tensor, entropy: torch.Tensor, kl: torch.Tensor | None,
                  rewards: Sequence[float], num_tokens_total: int, grad_norm: float, lr: float) -> dict[str, float]:
     """The step's metrics from its response tokens (every microbatch, in microbatch order) and rewards.
 
     Token tensors are flat [N] over the whole step; `sample_index` names each token's sequence.
     Means run in float64. seq_clip_fraction counts a sequence as clipped when any of its tokens is
-    (under GSPO a sequence's tokens are clipped together)."""
+    (under GSPO a sequence's tokens are clipped together). `clamped` marks the tokens with a log-ratio beyond
+    its bound (policy_loss.MicrobatchLoss.clamped)."""
     n_tokens = logp.numel()
     seqs, inverse = torch.unique(sample_index, return_inverse=True)
     seq_clipped = torch.zeros(len(seqs), dtype=torch.bool, device=clipped.device).index_put_(
@@ -154,6 +168,7 @@ def step_metrics(*, loss: float, logp: torch.Tensor, rollout_logp: torch.Tensor,
         "clip_fraction": clipped.double().mean().item(),
         "seq_clip_fraction": seq_clipped.double().mean().item(),
         "m2po_masked_fraction": 0.0 if m2po_keep is None else (~m2po_keep).double().mean().item(),
+        "log_ratio_clamped_tokens": float(clamped.sum()),
         "grad_norm": grad_norm,
         "lr": lr,
         "is_weight_mean": is_weight.double().mean().item(),

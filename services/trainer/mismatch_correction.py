@@ -18,7 +18,9 @@ sequence (product over its tokens) or the sequence's geometric mean, then
 - truncate: w -> min(w, upper) (TIS), bounding the variance;
 - mask: w -> 0 outside [lower, upper] (MIS), dropping tokens or sequences the
   rollout sampled from a distribution too far from the trainer's.
-The weights carry no gradient.
+The weights carry no gradient. log w is clamped to +-policy_loss.log_ratio_bound
+before exp, as verl clamps it (the run spec keeps [lower, upper] inside
+e^+-bound, so the clamp never changes a truncation or mask decision).
 """
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ from contract.trainer_settings import MismatchCorrection
 class CorrectionWeights:
     weights: torch.Tensor   # float32 [N], no grad: multiplies each token's loss
     affected: torch.Tensor  # bool [N]: truncated or masked
+    clamped: torch.Tensor   # bool [N]: log w was beyond the bound and clamped before exp
 
 
-def correction_weights(log_ratio: torch.Tensor, sample_index: torch.Tensor,
-                       config: MismatchCorrection) -> CorrectionWeights:
+def correction_weights(log_ratio: torch.Tensor, sample_index: torch.Tensor, config: MismatchCorrection, *,
+                       log_ratio_bound: float) -> CorrectionWeights:
     """Per-token weights from log(pi_train / pi_rollout) of each response token.
 
     `sample_index[i]` is the sequence token i belongs to (any ids; tokens of a
@@ -45,23 +48,25 @@ def correction_weights(log_ratio: torch.Tensor, sample_index: torch.Tensor,
         raise ValueError(f"correction_weights: want equal 1-d shapes, got {tuple(log_ratio.shape)} and "
                          f"{tuple(sample_index.shape)}")
     if config.mode == "none":
-        return CorrectionWeights(torch.ones_like(log_ratio, dtype=torch.float32),
-                                 torch.zeros_like(log_ratio, dtype=torch.bool))
+        nothing = torch.zeros_like(log_ratio, dtype=torch.bool)
+        return CorrectionWeights(torch.ones_like(log_ratio, dtype=torch.float32), nothing, nothing)
     d = log_ratio.detach().double()
     if config.level == "token":
         log_w = d
     else:
         seqs, inverse = torch.unique(sample_index, return_inverse=True)
-        sums = torch.zeros(len(seqs), dtype=torch.float64).index_add_(0, inverse, d)
+        sums = torch.zeros(len(seqs), dtype=torch.float64, device=d.device).index_add_(0, inverse, d)
         if config.level == "geometric":
-            counts = torch.zeros(len(seqs), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(d))
+            counts = torch.zeros(len(seqs), dtype=torch.float64, device=d.device).index_add_(
+                0, inverse, torch.ones_like(d))
             sums = sums / counts
         log_w = sums[inverse]
-    w = torch.exp(log_w)
+    clamped = log_w.abs() > log_ratio_bound
+    w = torch.exp(torch.clamp(log_w, -log_ratio_bound, log_ratio_bound))
     if config.mode == "truncate":
         affected = w > config.upper
         weights = torch.clamp(w, max=config.upper)
     else:  # mask
         affected = (w < config.mask_lower) | (w > config.upper)
         weights = torch.where(affected, torch.zeros_like(w), w)
-    return CorrectionWeights(weights.float(), affected)
+    return CorrectionWeights(weights.float(), affected, clamped)

@@ -16,9 +16,10 @@ which the trainer chooses from `trainer.mismatch_correction`:
 
 How each objective composes with that:
 - ppo_clip: token ratio, clipped to [1 - clip_eps_low, 1 + clip_eps_high]. Both
-  modes, unchanged from before this module existed.
+  modes.
 - gspo: the sequence ratio exp(mean over the sequence of (logp - old_logp)),
-  clipped to [1 - gspo_clip_low, 1 + gspo_clip_high]. Only with mode 'none':
+  clipped to [1 - gspo_clip_low, 1 + gspo_clip_high], one value and one clip
+  decision per sequence. Only with mode 'none':
   against the proximal policy the sequence ratio is identically 1, so the
   clip (the point of GSPO) could never act; the config refuses it.
 - m2po: tokens masked by the second moment of Δ = logp_pre - rollout_logp
@@ -27,6 +28,12 @@ How each objective composes with that:
   unclipped ratio against the old policy. Both modes: with 'mask' it is the
   decoupled form AReaL's M2PO recipe runs (rejection of tokens whose w leaves
   the mask band, on top of the M2 mask).
+
+Every log-ratio is clamped before exp (policy_loss.log_ratio_bound for token
+ratios and the KL term, gspo_log_ratio_bound for GSPO's sequence ratio), so a
+step of stale or broken rollouts yields a finite loss and gradient; a clamped
+ratio is a constant. docs/losses.md gives each formula as the tests' float64
+oracle (tests/trainer/test_loss_oracle.py) writes it.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ import torch
 
 from contract.trainer_run import TrainerRunConfig
 from contract.trainer_settings import LossAggregation, PolicyLoss
-from services.trainer.grpo import clipped_surrogate, kl_to_reference, ppo_clip_loss
+from services.trainer.grpo import bounded_exp, clipped_surrogate, kl_to_reference
 from services.trainer.mismatch_correction import correction_weights
 
 
@@ -43,41 +50,72 @@ from services.trainer.mismatch_correction import correction_weights
 class TokenLoss:
     loss: torch.Tensor     # float32 [N], differentiable in logp: each token's loss before aggregation
     clipped: torch.Tensor  # bool [N]: the clip branch was taken (no gradient from this token)
+    clamped: torch.Tensor  # bool [N]: the token's (or its sequence's) log-ratio was beyond its bound and clamped
 
 
 def ppo_clip_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
-                        clip_low: float, clip_high: float) -> TokenLoss:
-    """Token-level PPO-clip (grpo.ppo_clip_loss, the loss the trainer always had)."""
-    return TokenLoss(*ppo_clip_loss(logp, old_logp, advantages, clip_eps_low=clip_low, clip_eps_high=clip_high))
+                        clip_low: float, clip_high: float, log_ratio_bound: float) -> TokenLoss:
+    """Token-level PPO-clip on exp(clamp(logp - old_logp, +-log_ratio_bound)) (grpo.ppo_clip_loss).
+
+    Inside the bound these are the bits the loss always had."""
+    ratio, clamped = bounded_exp(logp - old_logp, log_ratio_bound)
+    return TokenLoss(*clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high), clamped)
 
 
-def sequence_mean(values: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-    """Each token's sequence mean of `values` ([N] -> [N], no grad), summed in float64 in token order.
+def sequence_mean(values: torch.Tensor, sample_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each sequence's mean of `values` in float64, [G]; each token's sequence in that order, [N]).
 
-    `sample_index[i]` names token i's sequence; tokens of a sequence need not be adjacent."""
+    Summed in float64 from the float64 values; no grad. `sample_index[i]` names token i's sequence; tokens
+    of a sequence need not be adjacent."""
     seqs, inverse = torch.unique(sample_index, return_inverse=True)
     d = values.detach().double()
     sums = torch.zeros(len(seqs), dtype=torch.float64, device=d.device).index_add_(0, inverse, d)
     counts = torch.zeros(len(seqs), dtype=torch.float64, device=d.device).index_add_(0, inverse, torch.ones_like(d))
-    return (sums / counts)[inverse].to(values.dtype)
+    return sums / counts, inverse
 
 
-def gspo_sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, sample_index: torch.Tensor) -> torch.Tensor:
-    """GSPO-token's ratio: value exp(mean over the sequence of (logp - old_logp)), gradient per token.
+@dataclass(frozen=True)
+class SequenceRatio:
+    ratio: torch.Tensor    # float32 [N]: the token's sequence ratio, one value per sequence bit for bit; grad per token
+    exact: torch.Tensor    # float64 [N], no grad: the same ratio before its rounding to float32
+    clamped: torch.Tensor  # bool [N]: the sequence's log-ratio was beyond the bound (ratio constant, no gradient)
+
+
+def gspo_sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, sample_index: torch.Tensor, *,
+                        log_ratio_bound: float) -> SequenceRatio:
+    """GSPO-token's ratio: value s = exp(clamp(mean over the sequence of (logp - old_logp))), gradient per token.
 
     s_t = sg[s] * pi(y_t) / sg[pi(y_t)] (the paper's stop-gradient form): every token of a sequence carries
     the sequence ratio s, and d s_t = s * d logp_t, so summing the token losses of a sequence with weight
-    1/|y| gives exactly GSPO's sequence-level gradient s * A * mean_t(d logp_t)."""
-    seq_log_ratio = sequence_mean(logp - old_logp, sample_index)
-    return torch.exp(seq_log_ratio + logp - logp.detach())
+    1/|y| gives exactly GSPO's sequence-level gradient s * A * mean_t(d logp_t).
+
+    The log-ratio and s are computed once per sequence in float64 (from the float64 of the float32 inputs)
+    and s is rounded to float32 once, then given to each token as s * (1 + (logp - sg[logp])): x - x is
+    exactly 0, so every token holds s's bits. Forming it as exp(seq + logp - sg[logp]) instead rounds the
+    sequence log-ratio at the spacing of each token's own log-prob, and a sequence near a clip bound then
+    ends up partly clipped."""
+    log_ratio, inverse = sequence_mean(logp.detach().double() - old_logp.detach().double(), sample_index)
+    clamped = log_ratio.abs() > log_ratio_bound
+    exact = torch.exp(torch.clamp(log_ratio, -log_ratio_bound, log_ratio_bound))
+    value = exact.to(logp.dtype)[inverse]
+    live = (logp - logp.detach()) * (~clamped)[inverse]  # 0 in value; carries d logp where not clamped
+    return SequenceRatio(value + value * live, exact[inverse], clamped[inverse])
 
 
 def gspo_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                    sample_index: torch.Tensor, *, clip_low: float, clip_high: float) -> TokenLoss:
-    """GSPO: PPO-clip on the sequence ratio. Since every token of a sequence has the same ratio value
-    (and GRPO the same advantage), clipping acts on whole sequences."""
-    ratio = gspo_sequence_ratio(logp, old_logp, sample_index)
-    return TokenLoss(*clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high))
+                    sample_index: torch.Tensor, *, clip_low: float, clip_high: float,
+                    log_ratio_bound: float) -> TokenLoss:
+    """GSPO: -min(s A, clip(s, 1 - low, 1 + high) A) on the sequence ratio s.
+
+    The clip branch is chosen from s in float64 against the float64 bounds, so the decision is the one the
+    formula makes, not the float32 rounding of s: a sequence 3e-7 below 1 + high is not clipped. Every token
+    of a sequence has the same s (and GRPO the same advantage), so clipping acts on whole sequences."""
+    seq = gspo_sequence_ratio(logp, old_logp, sample_index, log_ratio_bound=log_ratio_bound)
+    a = advantages.detach()
+    clipped = ((a > 0) & (seq.exact > 1.0 + clip_high)) | ((a < 0) & (seq.exact < 1.0 - clip_low))
+    bounded = torch.clamp(seq.ratio.detach(), 1.0 - clip_low, 1.0 + clip_high)
+    loss = -(torch.where(clipped, bounded, seq.ratio) * advantages)
+    return TokenLoss(loss, clipped, seq.clamped)
 
 
 def m2po_keep_mask(delta: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -119,11 +157,14 @@ def m2po_keep_mask(delta: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def m2po_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                    keep: torch.Tensor) -> TokenLoss:
-    """M2PO: -r A on the kept tokens, 0 on the masked ones; r = exp(logp - old_logp), never clipped."""
-    ratio = torch.exp(logp - old_logp)
+                    keep: torch.Tensor, *, log_ratio_bound: float) -> TokenLoss:
+    """M2PO: -r A on the kept tokens, 0 on the masked ones; r = exp(clamp(logp - old_logp)), never clipped.
+
+    The masked tokens' ratios are bounded too: torch.where passes them a zero gradient, and zero times an
+    overflowed exp's derivative would be NaN. `clamped` counts them, masked or kept."""
+    ratio, clamped = bounded_exp(logp - old_logp, log_ratio_bound)
     loss = torch.where(keep, -(ratio * advantages), torch.zeros_like(ratio))
-    return TokenLoss(loss, torch.zeros_like(keep))
+    return TokenLoss(loss, torch.zeros_like(keep), clamped)
 
 
 def policy_token_loss(config: PolicyLoss, logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
@@ -131,13 +172,14 @@ def policy_token_loss(config: PolicyLoss, logp: torch.Tensor, old_logp: torch.Te
                       m2po_keep: torch.Tensor | None) -> TokenLoss:
     """Per-token loss of `config.kind`; `m2po_keep` (m2po only) is this microbatch's slice of the step's mask."""
     if config.kind == "ppo_clip":
-        return ppo_clip_token_loss(logp, old_logp, advantages, clip_low=clip_eps_low, clip_high=clip_eps_high)
+        return ppo_clip_token_loss(logp, old_logp, advantages, clip_low=clip_eps_low, clip_high=clip_eps_high,
+                                   log_ratio_bound=config.log_ratio_bound)
     if config.kind == "gspo":
-        return gspo_token_loss(logp, old_logp, advantages, sample_index,
-                               clip_low=config.gspo_clip_low, clip_high=config.gspo_clip_high)
+        return gspo_token_loss(logp, old_logp, advantages, sample_index, clip_low=config.gspo_clip_low,
+                               clip_high=config.gspo_clip_high, log_ratio_bound=config.gspo_log_ratio_bound)
     if m2po_keep is None or m2po_keep.shape != logp.shape:
         raise ValueError("policy_token_loss: kind 'm2po' needs the step's keep mask for these tokens")
-    return m2po_token_loss(logp, old_logp, advantages, m2po_keep)
+    return m2po_token_loss(logp, old_logp, advantages, m2po_keep, log_ratio_bound=config.log_ratio_bound)
 
 
 # ------------------------------------------------------------ aggregation --
@@ -201,7 +243,9 @@ def aggregate_loss(token_loss: torch.Tensor, sample_index: torch.Tensor, step: S
 @dataclass(frozen=True)
 class MicrobatchLoss:
     loss: torch.Tensor         # scalar, differentiable: this microbatch's share of the step loss
+    token_loss: torch.Tensor   # float32 [N], no grad: each token's loss before aggregation (weights, KL included)
     clipped: torch.Tensor      # bool [N]: tokens whose ratio was clipped
+    clamped: torch.Tensor      # bool [N]: tokens with a log-ratio (policy ratio, IS weight, KL) beyond its bound
     is_weight: torch.Tensor    # float32 [N]: mismatch-correction weights (1 with mode 'none')
     is_affected: torch.Tensor  # bool [N]: weights truncated or masked
     kl: torch.Tensor | None    # float32 [N] k3 KL to the reference, None without one
@@ -216,19 +260,21 @@ def microbatch_loss(config: TrainerRunConfig, logp: torch.Tensor, rollout_logp: 
     pre-update log-probs are, and w = pi_train / pi_rollout (truncated or masked) weights each token.
     The KL term to the reference (ref_logp given) is added per token before aggregation."""
     correction = config.mismatch_correction
-    weights = correction_weights(logp.detach() - rollout_logp, sample_index, correction)
+    bound = config.policy_loss.log_ratio_bound
+    weights = correction_weights(logp.detach() - rollout_logp, sample_index, correction, log_ratio_bound=bound)
     old_logp = rollout_logp if correction.mode == "none" else logp.detach()
     token = policy_token_loss(config.policy_loss, logp, old_logp, advantages, sample_index=sample_index,
                               clip_eps_low=config.clip_eps_low, clip_eps_high=config.clip_eps_high,
                               m2po_keep=m2po_keep)
-    token_loss = token.loss
+    token_loss, clamped = token.loss, token.clamped | weights.clamped
     if correction.mode != "none":
         token_loss = token_loss * weights.weights
     kl = None
     if ref_logp is not None:
-        kl = kl_to_reference(logp, ref_logp)
+        kl = kl_to_reference(logp, ref_logp, log_ratio_bound=bound)
+        clamped = clamped | ((ref_logp - logp).detach().abs() > bound)
         token_loss = token_loss + config.kl_coef * kl
     loss = aggregate_loss(token_loss, sample_index, step, loss_agg=config.loss_agg,
                           loss_agg_tokens=config.loss_agg_tokens)
-    return MicrobatchLoss(loss, token.clipped, weights.weights, weights.affected,
+    return MicrobatchLoss(loss, token_loss.detach(), token.clipped, clamped, weights.weights, weights.affected,
                           None if kl is None else kl.detach())

@@ -14,7 +14,6 @@ Calls are not thread-safe; the server serializes them.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from services.trainer.policy import PolicyModule
 from services.trainer.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
 from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.step_digest import check_replay, trajectories_digest
+from services.trainer.update_guard import nonfinite_tokens, nonfinite_update
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
 
 log = logging.getLogger("lockstep.trainer")
@@ -376,7 +376,8 @@ class Trainer:
                                                           **verdict.stats}})
                 if not verdict.passed:
                     raise ParityGateFailed(verdict)
-            grad_norm, lr = self._optimizer_step(run, params, step=step, loss_value=loss_value)
+            grad_norm, lr = self._optimizer_step(run, params, step=step, loss_value=loss_value, outputs=outputs,
+                                                 sample_ids=[s.sample_id for s in ordered])
         finally:
             run.optimizer.zero_grad(set_to_none=True)
         return self._step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm, lr=lr)
@@ -384,8 +385,8 @@ class Trainer:
     def _forward_backward(self, run: RunState, microbatches: list[Microbatch], shape: StepShape,
                           keep: torch.Tensor | None) -> list[dict]:
         """Forward, policy loss and backward of this rank's microbatches (gradients accumulate); per
-        microbatch of every rank, in microbatch order: its loss and the pre-update tensors the metrics
-        need."""
+        microbatch of every rank, in microbatch order: its loss, the pre-update tensors the metrics need,
+        and which tokens are not finite (update_guard)."""
         cfg, policy = run.config, run.policy
         local: list[dict] = []
         for k in self._my_passes(len(microbatches)):
@@ -404,25 +405,26 @@ class Trainer:
                 mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_positions)].to(logp.device)
             part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, mb.response_advantages,
                                    mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
+            logp.retain_grad()  # d loss / d logp per token, for naming the tokens of a non-finite update
             part.loss.backward()
             # Every forward here runs before the optimizer step, so these are
             # the pre-update log-probs: the train/inference mismatch measure.
             out = {"loss": float(part.loss.detach()), "logp": logp.detach(), "rollout": mb.response_rollout_logprobs,
-                   "clipped": part.clipped, "sample_index": mb.response_sample_index,
+                   "clipped": part.clipped, "clamped": part.clamped, "sample_index": mb.response_sample_index,
+                   "positions": mb.response_positions, "nonfinite": nonfinite_tokens(part.token_loss, logp, logp.grad),
                    "is_weight": part.is_weight, "is_affected": part.is_affected, "entropy": ent.detach()}
-            if part.kl is not None:
-                out["kl"] = part.kl
-            local.append(out)
+            local.append(out if part.kl is None else out | {"kl": part.kl})
         return self._in_order(local, len(microbatches))
 
-    def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int,
-                        loss_value: float) -> tuple[float, float]:
+    def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int, loss_value: float,
+                        outputs: list[dict], sample_ids: list[str]) -> tuple[float, float]:
         """Clip the accumulated gradients and apply them at the step's learning rate; (grad norm, lr).
         StepFailed, with nothing applied, for a non-finite loss or gradient."""
         cfg = run.config
         grad_norm = self._clip_gradients(params, cfg.grad_clip)
-        if not math.isfinite(grad_norm) or not math.isfinite(loss_value):
-            raise StepFailed(f"non-finite update (loss={loss_value}, grad_norm={grad_norm}); no update applied")
+        if refusal := nonfinite_update(step, loss=loss_value, grad_norm=grad_norm, sample_ids=sample_ids,
+                                       tokens=[(o["nonfinite"], o["sample_index"], o["positions"]) for o in outputs]):
+            raise StepFailed(refusal)
         # Set from the step every time, never carried: a param group's lr
         # restored from a checkpoint's optimizer state (or left by the
         # previous step) would otherwise survive into this update.
@@ -438,13 +440,11 @@ class Trainer:
                       keep: torch.Tensor | None, *, loss_value: float, grad_norm: float, lr: float) -> dict[str, float]:
         """The step's metrics (grpo.step_metrics) from the microbatches' pre-update tensors, keyed and
         ordered as TRAIN_STEP_METRIC_KEYS."""
-        def cat(key: str) -> torch.Tensor:
-            return torch.cat([o[key] for o in outputs])
-
+        cat = {k: torch.cat([o[k] for o in outputs]) for k, v in outputs[0].items() if isinstance(v, torch.Tensor)}
         metrics = step_metrics(
-            loss=loss_value, logp=cat("logp"), rollout_logp=cat("rollout"), clipped=cat("clipped"),
-            sample_index=cat("sample_index"), m2po_keep=keep, is_weight=cat("is_weight"),
-            is_affected=cat("is_affected"), entropy=cat("entropy"), kl=cat("kl") if "kl" in outputs[0] else None,
+            loss=loss_value, logp=cat["logp"], rollout_logp=cat["rollout"], clipped=cat["clipped"],
+            clamped=cat["clamped"], sample_index=cat["sample_index"], m2po_keep=keep, is_weight=cat["is_weight"],
+            is_affected=cat["is_affected"], entropy=cat["entropy"], kl=cat.get("kl"),
             rewards=[s.reward for s in ordered], num_tokens_total=sum(s.num_tokens for s in samples),
             grad_norm=grad_norm, lr=lr)
         if set(metrics) != set(TRAIN_STEP_METRIC_KEYS):

@@ -18,7 +18,7 @@ from services.local_stack import LocalStack
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS, SAMPLES, STEPS = 8, 4, 2
-NEW_METRICS = ("m2po_masked_fraction", "seq_clip_fraction", "m2po_m2")
+NEW_METRICS = ("m2po_masked_fraction", "seq_clip_fraction", "m2po_m2", "log_ratio_clamped_tokens")
 
 
 def test_m2po_dr_grpo_run_trains_and_reports(tmp_path):

@@ -11,12 +11,18 @@ from trainer_support import make_episodes, rollout_logprobs
 
 from services.trainer.batching import TrainSample
 from services.trainer.grpo import group_advantages, ppo_clip_loss
-from services.trainer.mismatch_correction import MismatchCorrection, correction_weights
+from services.trainer.mismatch_correction import MismatchCorrection
+from services.trainer.mismatch_correction import correction_weights as weights_with_bound
 from services.trainer.trainer import Trainer
 from services.trainer.wire import StepRequest
 
 D = torch.tensor([0.0, math.log(3.0), math.log(0.25), math.log(1.5), math.log(0.8)])  # log(pi_train / pi_rollout)
 SEQ = torch.tensor([0, 0, 1, 1, 2])
+
+
+def correction_weights(log_ratio, sample_index, config):
+    """The weights at the default log-ratio bound (20), which the cases below never come near."""
+    return weights_with_bound(log_ratio, sample_index, config, log_ratio_bound=20.0)
 
 
 def test_none_changes_nothing():
@@ -116,3 +122,16 @@ def test_trainer_applies_and_reports_the_correction(tiny_model_dir):
     w_none, w_trunc, w_mask = (results[k][1] for k in ("none", "truncate", "mask"))
     assert any(not torch.equal(w_trunc[k], w_mask[k]) for k in w_trunc)
     assert any(not torch.equal(w_none[k], w_trunc[k]) for k in w_none)
+
+
+def test_log_weights_beyond_the_bound_are_clamped_before_exp_and_reported():
+    # log w = 25 and -25 per token: clamped to +-20 (truncated to upper, and e^-20, both finite); a
+    # sequence of two tokens of 15 sums to 30, clamped too; 0.1 is untouched.
+    d = torch.tensor([25.0, -25.0, 15.0, 15.0, 0.1])
+    seq = torch.tensor([0, 1, 2, 2, 3])
+    tok = weights_with_bound(d, seq, MismatchCorrection(mode="truncate", upper=2.0), log_ratio_bound=20.0)
+    assert tok.clamped.tolist() == [True, True, False, False, False]
+    assert tok.weights.tolist() == pytest.approx([2.0, math.exp(-20), 2.0, 2.0, math.exp(0.1)], rel=1e-6)
+    per_seq = weights_with_bound(d, seq, MismatchCorrection(mode="mask", level="sequence"), log_ratio_bound=20.0)
+    assert per_seq.clamped.tolist() == [True, True, True, True, False]
+    assert per_seq.affected.tolist() == [True, True, True, True, False]
