@@ -1,7 +1,7 @@
 """The trainer's side of a broadcast round that cannot complete, against `python -m services.trainer` as a
-real process over real gRPC, with gloo ranks in this process's threads.
+real process over real gRPC, with gloo ranks in this process's threads reaching its rendezvous with the token.
 
-Rank 0 waits at a join barrier in its TCP store before it builds the process group, so a rank that never
+Rank 0 waits at a join barrier in its rendezvous before it builds the process group, so a rank that never
 comes no longer keeps it (under the servicer's lock) for the whole weight_broadcast_timeout_s: an
 AbortWeightBroadcast, served beside the running broadcast, makes RunWeightBroadcast fail at once naming the
 ranks that never joined and why, and releases the ranks that did join. The timeouts here are 600 s, so
@@ -19,9 +19,10 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.ports import free_port
-from services.common.weight_broadcast import joined_key, rendezvous_store
+from services.common.rendezvous_store import RendezvousClient
+from services.common.weight_broadcast import joined_key
 from services.rollout.weight_broadcast import BroadcastReceiveFailed, checked_plan, receive_broadcast
-from tests.trainer.test_trainer_server import trainer_process
+from tests.trainer.test_trainer_server import TOKEN, trainer_process
 
 RUN = "abort"
 TIMEOUT_S = 600
@@ -61,8 +62,17 @@ class Call(threading.Thread):
 
 
 def _receive(plan: pb.BroadcastPlan, rank: int):
+    """A replica's side, reaching the rendezvous with the deployment's token."""
     request = pb.ReceiveWeightsRequest(plan=plan, rank=rank)
-    return lambda: receive_broadcast(request, checked_plan(request), torch.device("cpu"), TIMEOUT_S)
+
+    def receive():
+        store = RendezvousClient(plan.rendezvous, TOKEN, TIMEOUT_S)
+        try:
+            return receive_broadcast(request, checked_plan(request), torch.device("cpu"), store, TIMEOUT_S)
+        finally:
+            store.close()
+
+    return receive
 
 
 def _abort(stub, group_name: str, reason: str, run_id: str = RUN) -> bool:
@@ -95,7 +105,7 @@ def test_an_abort_ends_a_round_whose_rank_never_joins_naming_it_and_the_reason(t
     sending = Call(lambda: stub.RunWeightBroadcast(pb.RunWeightBroadcastRequest(
         run_id=RUN, group_name=plan.group_name), timeout=TIMEOUT_S))
     joined = Call(_receive(plan, 1))  # rank 2 never comes
-    store = rendezvous_store(address, host_it=False, timeout_s=60)
+    store = RendezvousClient(address, TOKEN, 60)
     while not store.check([joined_key(plan.group_name, 1)]):
         assert time.monotonic() - started < PROMPT_S and sending.is_alive()
         time.sleep(0.05)
