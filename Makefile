@@ -28,7 +28,7 @@ test: venv sglang-venv
 	$(PY) -m pytest -m "not gpu and not docker" tests
 
 proto: venv
-	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/lockstep.proto
+	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/lockstep.proto proto/rendezvous.proto
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

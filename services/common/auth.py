@@ -196,6 +196,29 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return _refusing_handler(handler)
 
 
+def _refuse_sync(request_iterator: Any, context: grpc.ServicerContext) -> None:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_DETAILS)
+
+
+class SyncBearerTokenInterceptor(grpc.ServerInterceptor):
+    """BearerTokenInterceptor for a synchronous grpc.server. A call without the token is answered
+    UNAUTHENTICATED by a request-streaming handler that never reads: whatever the caller sends is not
+    received whole, let alone parsed."""
+
+    def __init__(self, token: BearerToken) -> None:
+        self._token = token
+
+    def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None or handler_call_details.method in OPEN_GRPC_METHODS:
+            return handler
+        if self._token.matches_header(_metadata_value(handler_call_details.invocation_metadata, METADATA_KEY)):
+            return handler
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(_refuse_sync)
+        return grpc.stream_unary_rpc_method_handler(_refuse_sync)
+
+
 # ------------------------------------------------------------------ gRPC clients --
 
 class _AioBearerToken:

@@ -9,17 +9,20 @@ Names, dtypes and shapes travel beside it (pb.BroadcastPlan). hash_buffer adds e
 weights digest (services.common.weight_digest), so a broadcast's digest is the GetWeights stream's total_sha256.
 
 The group is built the way SGLang builds its weight-update group (sglang/srt/utils/common.py
-init_custom_process_group, over torch's _new_process_group_helper): a TCP store at the rendezvous, its
+init_custom_process_group, over torch's _new_process_group_helper): a store at the rendezvous, its
 keys under `<group_name>`, then `<group_name>/`, then `<device>/`, and a ProcessGroupGloo (CPU) or
 ProcessGroupNCCL (CUDA; RCCL on ROCm) on it. Built from those public classes rather than through
 torch.distributed's group registry, so it needs no default process group and leaves any other group of
-the process (the trainer's data-parallel one) alone.
+the process (the trainer's data-parallel one) alone. The store is the trainer's authenticated
+rendezvous (services/common/rendezvous.py): the trainer's rank reads it in process, a replica's rank
+through a RendezvousClient, an SGLang server's ranks through the rollout service's TcpStoreBridge.
 
 The group's constructor blocks until every rank joins or the timeout passes, and nothing can stop it
 meanwhile. So no rank enters it while another may never come: each rank > 0 first sets
 `<group_name>/joined/<rank>` in the store and waits for rank 0 to set `<group_name>/formed` (every rank
-announced) or `<group_name>/abandoned` (its reason: rank 0 was told to give up, or timed out). Those keys
-lie outside the `<group_name><group_name>/` prefix the process group's own keys get here and in SGLang.
+announced) or `<group_name>/abandoned` (its reason: rank 0 was told to give up, or timed out), or for the
+trainer to close the group (GroupClosed, with the same reason). Those keys lie outside the
+`<group_name>/<group_name>/` prefix the process group's own keys get here and in SGLang.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from proto import lockstep_pb2 as pb
-from services.common.service_config import split_host_port
+from services.common.rendezvous import GroupClosed
 from services.common.tensors import dtype_from_name, dtype_name
 from services.common.weight_digest import BlockDigests
 
@@ -136,14 +139,6 @@ def hash_buffer(digests: BlockDigests, buffer: torch.Tensor, tensors: Sequence[t
         offset += nbytes
 
 
-def rendezvous_store(address: str, *, host_it: bool, timeout_s: float) -> dist.TCPStore:
-    """The TCP store at `address`: served by this process (the trainer) or reached as a client (a replica).
-    multi_tenant, as torch's tcp:// rendezvous makes it, so stores of other groups may share a port."""
-    host, port = split_host_port(address, "rendezvous")
-    return dist.TCPStore(host, port, is_master=host_it, timeout=timedelta(seconds=timeout_s),
-                         wait_for_workers=False, multi_tenant=True)
-
-
 class GroupNotFormed(RuntimeError):
     """The join barrier ended without every rank: nobody entered the process group's constructor."""
 
@@ -190,15 +185,18 @@ def join_when_formed(store: dist.Store, group_name: str, rank: int, *, timeout_s
                      poll_s: float = JOIN_POLL_S) -> None:
     """A rank > 0 announces itself and returns once rank 0 saw every rank; GroupNotFormed when rank 0
     abandoned the group (its reason) or did not form it within `timeout_s`."""
-    store.set(joined_key(group_name, rank), "1")
     deadline = time.monotonic() + timeout_s
-    while not store.check([formed_key(group_name)]):
-        if store.check([abandoned_key(group_name)]):
-            reason = store.get(abandoned_key(group_name)).decode(errors="replace")
-            raise GroupNotFormed(f"group {group_name}: rank 0 abandoned it: {reason}")
-        if time.monotonic() >= deadline:
-            raise GroupNotFormed(f"group {group_name}: rank 0 did not form it within {timeout_s:g} s")
-        time.sleep(poll_s)
+    try:
+        store.set(joined_key(group_name, rank), "1")
+        while not store.check([formed_key(group_name)]):
+            if store.check([abandoned_key(group_name)]):
+                reason = store.get(abandoned_key(group_name)).decode(errors="replace")
+                raise GroupNotFormed(f"group {group_name}: rank 0 abandoned it: {reason}")
+            if time.monotonic() >= deadline:
+                raise GroupNotFormed(f"group {group_name}: rank 0 did not form it within {timeout_s:g} s")
+            time.sleep(poll_s)
+    except GroupClosed as exc:  # the trainer gave up and dropped the group's keys before this rank looked
+        raise GroupNotFormed(f"group {group_name}: rank 0 abandoned it: {exc.reason}") from None
 
 
 def never_aborted() -> str | None:
@@ -230,6 +228,9 @@ class WeightUpdateGroup:
             options._timeout = timeout
             options.group_name = group_name
             self._pg = dist.ProcessGroupNCCL(keys, rank, world_size, options)
+        # A store written in Python lives only while Python holds it: the process group's own reference
+        # does not keep it, and NCCL reads it again after this constructor (its unique id, its monitor).
+        self._store = store
         self.backend, self.rank, self.world_size = backend, rank, world_size
 
     def broadcast(self, buffer: torch.Tensor) -> None:
@@ -245,3 +246,4 @@ class WeightUpdateGroup:
         if self.backend == "nccl" and shutdown is not None:
             shutdown()
         self._pg = None
+        self._store = None

@@ -43,10 +43,10 @@ class RayStackConfig(BaseModel):
     trainer_broadcast_port: int = Field(
         0, ge=0, le=65535,
         description="Port of the trainer's rendezvous for the broadcast weight source (rollout.weight_sync: "
-        "broadcast): the trainer serves a torch TCP store there, gets --weight-broadcast-address <its node's "
-        "address>:<port>, and every rollout replica gets that address as its --broadcast-sources. 0 = no "
-        "broadcast source (a broadcast run then fails at its first sync). The rendezvous and the collective "
-        "traffic are not authenticated: keep the port on the cluster network.",
+        "broadcast): the trainer serves it there, on its node's address only and to callers with the token, "
+        "gets --weight-broadcast-address <its node's address>:<port>, and every rollout replica gets that "
+        "address as its --broadcast-sources. 0 = no broadcast source (a broadcast run then fails at its first "
+        "sync). The collective traffic is not authenticated: keep the port on the cluster network.",
     )
     rollout_port_base: int = Field(
         50061, ge=1, le=65535,

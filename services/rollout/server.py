@@ -38,10 +38,11 @@ batches, never during one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import pickle
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
@@ -65,6 +66,7 @@ from services.common.grpc_service import (
 )
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.path_roots import resolve_inside
+from services.common.rendezvous_store import RendezvousClient
 from services.common.structured_logging import log_event
 from services.common.weight_broadcast import bucket_specs
 from services.common.weight_files import read_weight_dir
@@ -283,8 +285,9 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         buckets = checked_plan(request)
         device = staging_device(plan.backend, self._loaded().broadcast_device())
         # Received into staging off the lock (generation goes on), applied between batches like a stream.
-        got = await asyncio.to_thread(receive_broadcast, request, buckets, device,
-                                      self.config.weight_broadcast_timeout_s)
+        with self._rendezvous(plan) as store:
+            got = await asyncio.to_thread(receive_broadcast, request, buckets, device, store,
+                                          self.config.weight_broadcast_timeout_s)
         async with self._lock:
             engine = self._loaded()
             self._check_run(plan.run_id, "ReceiveWeights")
@@ -295,6 +298,15 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         return self._applied("ReceiveWeights", plan.policy_version, len(got.tensors), got.nbytes, got.total_sha256,
                              lora=got.lora is not None)
 
+    @contextlib.contextmanager
+    def _rendezvous(self, plan: pb.BroadcastPlan) -> Iterator[RendezvousClient]:
+        """The plan's rendezvous (one of broadcast_sources), reached with the deployment's token."""
+        store = RendezvousClient(plan.rendezvous, self._token, self.config.weight_broadcast_timeout_s)
+        try:
+            yield store
+        finally:
+            store.close()
+
     async def _receive_in_engine(self, request: pb.ReceiveWeightsRequest) -> pb.UpdateWeightsResponse:
         """An engine whose server is the rank (SGLang) loads the buckets itself, between batches. Its answer
         carries no sha256 of the bytes (they never reach this process) but the engine's checksum of the
@@ -304,7 +316,8 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         async with self._lock:
             engine = self._loaded()
             self._check_run(plan.run_id, "ReceiveWeights")
-            checksum = await self._in_worker(engine.receive_broadcast, request, buckets)
+            with self._rendezvous(plan) as store:
+                checksum = await self._in_worker(engine.receive_broadcast, request, buckets, store)
         response = self._applied("ReceiveWeights", plan.policy_version, int(plan.tensors), int(plan.bytes), "",
                                  lora=False)
         response.engine_checksum = checksum

@@ -1,7 +1,8 @@
 """A replica's side of the broadcast weight source, for engines that hold their model in this process.
 
-The replica joins the plan's group at the trainer's rendezvous as its rank (announcing itself at the
-join barrier first, so a group the trainer gives up on releases it at once), receives every bucket into a
+The replica joins the plan's group at the trainer's rendezvous as its rank, through a RendezvousClient
+carrying the deployment's token (services/common/rendezvous_store.py), announcing itself at the join
+barrier first, so a group the trainer gives up on releases it at once. It receives every bucket into a
 staging buffer of its own (the served model is untouched meanwhile), hashes what arrived, compares that
 with the digest the trainer broadcasts after the last bucket, and only then hands the tensors to the
 engine's ordinary update path (update_weights / update_lora_adapter), which checks them against the
@@ -22,9 +23,9 @@ from services.common.weight_broadcast import (
     bucket_specs,
     hash_buffer,
     join_when_formed,
-    rendezvous_store,
     unpack_bucket,
 )
+from services.common.rendezvous_store import BlockingStore
 from services.common.weight_digest import BlockDigests
 from services.common.weight_stream import LoraAdapterMeta
 
@@ -68,26 +69,25 @@ def staging_device(backend: str, engine_device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-def await_group_formed(request: pb.ReceiveWeightsRequest, timeout_s: float) -> None:
+def await_group_formed(request: pb.ReceiveWeightsRequest, store: BlockingStore, timeout_s: float) -> None:
     """For a rank that another process holds (an SGLang server): announce the request's rank at the plan's
-    join barrier, as a client of the rendezvous, and return once the trainer saw every rank, so the server
-    is only asked to join a group that will form. BroadcastReceiveFailed when the trainer gave up on it."""
+    join barrier in `store` (the plan's rendezvous) and return once the trainer saw every rank, so the
+    server is only asked to join a group that will form. BroadcastReceiveFailed when the trainer gave up."""
     plan = request.plan
     try:
-        store = rendezvous_store(plan.rendezvous, host_it=False, timeout_s=timeout_s)
         join_when_formed(store, plan.group_name, request.rank, timeout_s=timeout_s)
-    except RuntimeError as exc:  # GroupNotFormed; torch.distributed's: the rendezvous unreachable
+    except RuntimeError as exc:  # GroupNotFormed; RendezvousError: refused, or the rendezvous unreachable
         raise BroadcastReceiveFailed(f"broadcast {plan.group_name} from {plan.rendezvous} (rank {request.rank} of "
                                      f"{plan.world_size}): {exc}") from exc
 
 
 def receive_broadcast(request: pb.ReceiveWeightsRequest, buckets: list[list[TensorSpec]], device: torch.device,
-                      timeout_s: float) -> ReceivedWeights:
+                      store: BlockingStore, timeout_s: float) -> ReceivedWeights:
+    """Join the plan's group through `store` (the plan's rendezvous) as the request's rank and receive it."""
     plan = request.plan
     digest = BlockDigests()
     tensors: dict[str, torch.Tensor] = {}
     try:
-        store = rendezvous_store(plan.rendezvous, host_it=False, timeout_s=timeout_s)
         group = WeightUpdateGroup(store, group_name=plan.group_name, rank=request.rank,
                                   world_size=plan.world_size, backend=plan.backend, timeout_s=timeout_s)
         try:
@@ -100,7 +100,7 @@ def receive_broadcast(request: pb.ReceiveWeightsRequest, buckets: list[list[Tens
             group.broadcast(sent)
         finally:
             group.close()
-    except RuntimeError as exc:  # torch.distributed's errors: a timeout, a peer that went away
+    except RuntimeError as exc:  # torch.distributed's errors (a timeout, a peer that went away), RendezvousError
         raise BroadcastReceiveFailed(f"broadcast {plan.group_name} from {plan.rendezvous} (rank {request.rank} of "
                                      f"{plan.world_size}): {exc}") from exc
     if bytes(sent.cpu().numpy()) != bytes.fromhex(digest.hexdigest()):

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
+from services.common.rendezvous import RendezvousLimits
 from services.common.service_config import AuthSetting, split_host_port
 
 
@@ -64,9 +65,26 @@ class TrainerServiceConfig(AuthSetting):
     )
     weight_broadcast_address: str = Field(
         "",
-        description="host:port of this trainer's rendezvous for the broadcast weight source: the trainer serves a "
-        "TCP store on the port and replicas reach it at this address (each must list it in its "
-        "broadcast_sources). Never taken from a run or a request. Empty: OpenWeightBroadcast is refused.",
+        description="host:port of this trainer's rendezvous for the broadcast weight source: from its start the "
+        "trainer serves the rendezvous (gRPC, the deployment's token on every call) on this host and port only, "
+        "and replicas reach it at this address (each must list it in its broadcast_sources). A name that "
+        "resolves to several addresses (localhost) is served on each. Never taken from a run or a request. "
+        "Empty: OpenWeightBroadcast is refused.",
+    )
+    weight_broadcast_max_keys: int = Field(
+        RendezvousLimits.max_keys, ge=1,
+        description="Keys the rendezvous holds at most, over the groups open at once (a sync's group needs "
+        "about two per rank). A write past it is refused (RESOURCE_EXHAUSTED) and the sync fails.",
+    )
+    weight_broadcast_max_value_bytes: int = Field(
+        RendezvousLimits.max_value_bytes, ge=1,
+        description="Largest value the rendezvous stores (gloo's address list of a rank: about 170 bytes plus 8 "
+        "per rank of the group). Messages larger than two such values are not received at all.",
+    )
+    weight_broadcast_max_store_bytes: int = Field(
+        RendezvousLimits.max_bytes, ge=1,
+        description="Bytes of keys and values the rendezvous holds at most, whoever writes them: the most a "
+        "sync's ranks can make it hold. Callers without the token cannot store anything.",
     )
     weight_broadcast_bucket_bytes: int = Field(
         256 * 1024 * 1024, ge=1024,
@@ -83,6 +101,11 @@ class TrainerServiceConfig(AuthSetting):
         if v:
             split_host_port(v, "weight_broadcast_address")
         return v
+
+    def rendezvous_limits(self) -> RendezvousLimits:
+        return RendezvousLimits(max_keys=self.weight_broadcast_max_keys,
+                                max_value_bytes=self.weight_broadcast_max_value_bytes,
+                                max_bytes=self.weight_broadcast_max_store_bytes)
 
     shutdown_grace_s: float = Field(
         5.0, ge=0, description="Seconds in-flight RPCs get to finish after SIGTERM before they are cancelled."

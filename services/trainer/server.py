@@ -355,9 +355,11 @@ class TrainerServer:
         registry = CollectorRegistry()
         collectors = build_collectors(TRAINER_METRICS, registry)
         self.trainer = build_trainer(config)
-        broadcaster = WeightBroadcaster(self.trainer, address=config.weight_broadcast_address,
+        broadcaster = WeightBroadcaster(self.trainer, address=config.weight_broadcast_address, token=token,
                                         bucket_bytes=config.weight_broadcast_bucket_bytes,
-                                        timeout_s=config.weight_broadcast_timeout_s, logger=log)
+                                        timeout_s=config.weight_broadcast_timeout_s, logger=log,
+                                        limits=config.rendezvous_limits())
+        broadcaster.start()  # before any RPC: a rendezvous address this host cannot serve stops the trainer
         self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes,
                                         model_roots=config.model_roots, checkpoint_roots=config.checkpoint_roots,
                                         broadcaster=broadcaster)
@@ -368,6 +370,7 @@ class TrainerServer:
 
     async def close(self) -> None:
         self.servicer.close()
+        self.servicer.broadcaster.close()
         if isinstance(self.trainer, GroupTrainer):
             await asyncio.to_thread(self.trainer.close)
 

@@ -1,10 +1,13 @@
 """The trainer's side of the broadcast weight source: it is rank 0 of one weight-update group per sync.
 
 OpenWeightBroadcast plans the current weights into buckets (services.common.weight_broadcast) and
-names a fresh group; nothing moves. RunWeightBroadcast then hosts that group on the rendezvous of the
-trainer's own configuration (never one a request names), waits for every rank, broadcasts each bucket
-and answers the digest of what it sent. Both run under the servicer's lock, so the weights cannot
-change between the plan and the last bucket; a plan whose weights did change is refused.
+names a fresh group, which opens in the trainer's rendezvous; nothing moves. The rendezvous
+(services/common/rendezvous_service.py) is served from the trainer's start on its configured
+weight_broadcast_address only (never one a request names), to callers holding the deployment's token.
+RunWeightBroadcast then waits there for every rank, broadcasts each bucket and answers the digest of
+what it sent; the group closes when it ends, whole or failed, and its keys go with it. Both run under
+the servicer's lock, so the weights cannot change between the plan and the last bucket; a plan whose
+weights did change is refused.
 
 AbortWeightBroadcast (beside a running broadcast, so never under that lock) tells a group that has not
 formed yet to give up: the coordinator sends it once a replica's ReceiveWeights failed, since a rank that
@@ -20,15 +23,19 @@ from dataclasses import dataclass
 import torch
 
 from proto import lockstep_pb2 as pb
+from services.common.auth import BearerToken
+from services.common.rendezvous import KeyTable, RendezvousLimits
+from services.common.rendezvous_store import LocalStore
+from services.common.rendezvous_service import RendezvousServer
 from services.common.structured_logging import log_event
 from services.common.weight_broadcast import (
     WeightUpdateGroup,
     abandon_group,
+    abandoned_key,
     hash_buffer,
     pack_bucket,
     plan_buckets,
     plan_proto,
-    rendezvous_store,
     tensor_spec,
 )
 from services.common.weight_digest import BlockDigests
@@ -56,14 +63,17 @@ class _OpenPlan:
 
 
 class WeightBroadcaster:
-    """`address`: the host:port replicas reach this trainer's TCP store at (the store listens on its port);
-    empty refuses the source. The store is started at the first RunWeightBroadcast and kept."""
+    """`address`: the host:port this trainer's rendezvous listens on and replicas reach it at; empty refuses
+    the source. start() begins serving it (an address this host cannot listen on fails the start)."""
 
-    def __init__(self, trainer, *, address: str, bucket_bytes: int, timeout_s: float, logger) -> None:
+    def __init__(self, trainer, *, address: str, token: BearerToken, bucket_bytes: int, timeout_s: float, logger,
+                 limits: RendezvousLimits = RendezvousLimits()) -> None:
         self.trainer = trainer
         self.address, self.bucket_bytes, self.timeout_s = address, bucket_bytes, timeout_s
         self.log = logger
-        self._store = None
+        self.keys = KeyTable(limits)
+        self._server = RendezvousServer(self.keys, token, address, field="weight_broadcast_address") \
+            if address else None
         # Guards _open and _forming, which AbortWeightBroadcast reads beside a running broadcast.
         self._plans_lock = threading.Lock()
         self._open: OrderedDict[str, _OpenPlan] = OrderedDict()
@@ -90,9 +100,11 @@ class WeightBroadcaster:
             indices.append(list(range(start, start + len(bucket))))
             start += len(bucket)
         with self._plans_lock:
+            self.keys.open_group(group_name)
             self._open[group_name] = _OpenPlan(snapshot, plan, indices)
             while len(self._open) > OPEN_PLANS_KEPT:
-                self._open.popitem(last=False)
+                replaced, _ = self._open.popitem(last=False)
+                self.keys.close_group(replaced, f"replaced by the newer plan {group_name}")
         return plan
 
     def abort(self, request: pb.AbortWeightBroadcastRequest) -> pb.AbortWeightBroadcastResponse:
@@ -114,14 +126,14 @@ class WeightBroadcaster:
                   reason=request.reason)
         return pb.AbortWeightBroadcastResponse(aborted=True)
 
-    def _started_store(self, plan: pb.BroadcastPlan):
-        if self._store is None:
-            try:
-                self._store = rendezvous_store(self.address, host_it=True, timeout_s=self.timeout_s)
-            except RuntimeError as exc:  # the port is taken, the address is not this host's
-                raise BroadcastFailed(f"broadcast {plan.group_name}: cannot host the rendezvous {self.address}: "
-                                      f"{exc}") from exc
-        return self._store
+    def start(self) -> None:
+        """Serve the rendezvous (OSError naming weight_broadcast_address when it cannot listen there)."""
+        if self._server is not None:
+            self._server.start()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s=0)
 
     def _abort_reason(self, opened: _OpenPlan) -> str | None:
         with self._plans_lock:
@@ -134,17 +146,25 @@ class WeightBroadcaster:
                 raise FailedPrecondition(f"group_name: {request.group_name!r} is no open broadcast of run "
                                          f"{request.run_id!r} (OpenWeightBroadcast first)")
             self._forming[request.group_name] = opened
+        outcome = "finished"
         try:
             return self._run(opened)
+        except Exception as exc:
+            outcome = f"failed: {exc}"
+            raise
         finally:
             with self._plans_lock:
                 self._forming.pop(request.group_name, None)
+            # Every rank is done with the store once rank 0 is; a rank still waiting learns why: the reason
+            # the group was abandoned for, when it was.
+            abandoned = self.keys.get(abandoned_key(request.group_name))
+            self.keys.close_group(request.group_name, abandoned.decode(errors="replace") if abandoned else outcome)
 
     def _run(self, opened: _OpenPlan) -> pb.UpdateWeightsResponse:
         plan, tensors = opened.plan, opened.snapshot.tensors
         device = next(t.device for _, t in tensors) if plan.backend == "nccl" else torch.device("cpu")
         digest = BlockDigests()
-        store = self._started_store(plan)
+        store = LocalStore(self.keys, self.timeout_s)
         try:
             self.trainer.check_weights_unchanged(opened.snapshot)
         except FailedPrecondition as exc:

@@ -1,5 +1,6 @@
 """The broadcast weight source's pieces: the bucket plan (pure), packing, plan checks, and a real gloo
-group between two threads of this process (the trainer's side sending, a replica's side receiving)."""
+group between two threads of this process (the trainer's side sending, a replica's side receiving), met
+at a rendezvous served as the trainer serves it (tests/support/rendezvous.py)."""
 from __future__ import annotations
 
 import threading
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.ports import free_port
+from services.common.auth import BearerToken, generate_token
 from services.common.weight_broadcast import (
     TensorSpec,
     WeightUpdateGroup,
@@ -17,13 +18,13 @@ from services.common.weight_broadcast import (
     pack_bucket,
     plan_buckets,
     plan_proto,
-    rendezvous_store,
     tensor_spec,
     unpack_bucket,
 )
 from services.common.weight_digest import BlockDigests
 from services.common.weight_stream import iter_weight_chunks
 from services.rollout.weight_broadcast import BroadcastReceiveFailed, checked_plan, receive_broadcast, staging_device
+from tests.support.rendezvous import HostedRendezvous
 
 
 def _spec(name: str, dtype: str, nbytes: int) -> TensorSpec:
@@ -113,10 +114,9 @@ def test_nccl_needs_a_cuda_engine_device_and_gloo_stages_in_host_memory():
     assert staging_device("gloo", torch.device("cpu")) == torch.device("cpu")
 
 
-def _send(address: str, plan: pb.BroadcastPlan, tensors, trailer: bytes | None, errors: list) -> None:
+def _send(store, plan: pb.BroadcastPlan, tensors, trailer: bytes | None, errors: list) -> None:
     """Rank 0 as the trainer runs it: every bucket, then the trailer (the digest of what was sent, or `trailer`)."""
     try:
-        store = rendezvous_store(address, host_it=True, timeout_s=60)
         group = WeightUpdateGroup(store, group_name=plan.group_name, rank=0, world_size=2, backend="gloo",
                                   timeout_s=60)
         digest, start = BlockDigests(), 0
@@ -135,36 +135,39 @@ def _send(address: str, plan: pb.BroadcastPlan, tensors, trailer: bytes | None, 
 @pytest.mark.parametrize("tampered", [False, True])
 def test_a_replica_applies_nothing_unless_the_trainers_digest_matches(tampered):
     tensors = _model_tensors()
-    address = f"127.0.0.1:{free_port()}"
-    plan = _plan(tensors, 160, rendezvous=address)
-    errors: list = []
-    sender = threading.Thread(target=_send, args=(address, plan, tensors, b"\0" * 32 if tampered else None, errors))
-    sender.start()
-    request = pb.ReceiveWeightsRequest(plan=plan, rank=1)
-    try:
-        if tampered:
-            with pytest.raises(BroadcastReceiveFailed, match="received bytes hash to .* nothing applied"):
-                receive_broadcast(request, checked_plan(request), torch.device("cpu"), 60)
-        else:
-            got = receive_broadcast(request, checked_plan(request), torch.device("cpu"), 60)
-            assert list(got.tensors) == [n for n, _ in tensors] and got.lora is None
-            assert all(torch.equal(got.tensors[n], t) for n, t in tensors)
-            stream = list(iter_weight_chunks(tensors, run_id="r", policy_version=3))
-            assert got.total_sha256 == stream[-1].total_sha256 and got.nbytes == plan.bytes
-    finally:
-        sender.join(timeout=120)
+    with HostedRendezvous("g") as rendezvous:
+        plan = _plan(tensors, 160, rendezvous=rendezvous.address)
+        errors: list = []
+        sender = threading.Thread(target=_send, args=(rendezvous.local(60), plan, tensors,
+                                                      b"\0" * 32 if tampered else None, errors))
+        sender.start()
+        try:
+            _receive_checked(plan, rendezvous.client(60), tensors, tampered)
+        finally:
+            sender.join(timeout=120)
     assert not errors
 
 
-def test_a_group_that_never_forms_fails_within_the_timeout():
-    address = f"127.0.0.1:{free_port()}"
-    store = rendezvous_store(address, host_it=True, timeout_s=5)
-    plan = _plan(_model_tensors(), 160, rendezvous=address)
+def _receive_checked(plan: pb.BroadcastPlan, store, tensors, tampered: bool) -> None:
     request = pb.ReceiveWeightsRequest(plan=plan, rank=1)
-    # Rank 0 never joins: the replica gives up after its timeout rather than waiting forever.
-    with pytest.raises(BroadcastReceiveFailed, match="rank 1 of 2"):
-        receive_broadcast(request, checked_plan(request), torch.device("cpu"), 2)
-    del store
+    if tampered:
+        with pytest.raises(BroadcastReceiveFailed, match="received bytes hash to .* nothing applied"):
+            receive_broadcast(request, checked_plan(request), torch.device("cpu"), store, 60)
+    else:
+        got = receive_broadcast(request, checked_plan(request), torch.device("cpu"), store, 60)
+        assert list(got.tensors) == [n for n, _ in tensors] and got.lora is None
+        assert all(torch.equal(got.tensors[n], t) for n, t in tensors)
+        stream = list(iter_weight_chunks(tensors, run_id="r", policy_version=3))
+        assert got.total_sha256 == stream[-1].total_sha256 and got.nbytes == plan.bytes
+
+
+def test_a_group_that_never_forms_fails_within_the_timeout():
+    with HostedRendezvous("g") as rendezvous:
+        plan = _plan(_model_tensors(), 160, rendezvous=rendezvous.address)
+        request = pb.ReceiveWeightsRequest(plan=plan, rank=1)
+        # Rank 0 never joins: the replica gives up after its timeout rather than waiting forever.
+        with pytest.raises(BroadcastReceiveFailed, match="rank 1 of 2"):
+            receive_broadcast(request, checked_plan(request), torch.device("cpu"), rendezvous.client(2), 2)
 
 
 def test_a_trainer_refuses_broadcasts_it_is_not_configured_or_asked_for_properly():
@@ -173,12 +176,13 @@ def test_a_trainer_refuses_broadcasts_it_is_not_configured_or_asked_for_properly
     from services.trainer.weight_broadcast import WeightBroadcaster
     from services.trainer.wire import FailedPrecondition, InvalidRequest
 
-    log = logging.getLogger("test")
+    log, token = logging.getLogger("test"), BearerToken(generate_token())
     # The refusals come before the trainer's weights are touched: no run is needed to see them.
-    unconfigured = WeightBroadcaster(None, address="", bucket_bytes=1024, timeout_s=5, logger=log)
+    unconfigured = WeightBroadcaster(None, address="", token=token, bucket_bytes=1024, timeout_s=5, logger=log)
     with pytest.raises(FailedPrecondition, match="no weight_broadcast_address configured"):
         unconfigured.open(pb.OpenWeightBroadcastRequest(run_id="r", replicas=2))
-    configured = WeightBroadcaster(None, address="127.0.0.1:29500", bucket_bytes=1024, timeout_s=5, logger=log)
+    configured = WeightBroadcaster(None, address="127.0.0.1:29500", token=token, bucket_bytes=1024, timeout_s=5,
+                                   logger=log)
     with pytest.raises(InvalidRequest, match="replicas: must be >= 1"):
         configured.open(pb.OpenWeightBroadcastRequest(run_id="r", replicas=0))
     with pytest.raises(InvalidRequest, match="bucket_bytes: must be >= 0"):

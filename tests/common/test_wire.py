@@ -12,18 +12,16 @@ from proto import lockstep_pb2 as pb
 from services.common.tensors import from_proto, to_proto
 from services.common.weight_stream import WeightStreamAssembler, WeightStreamError, iter_weight_chunks
 
-GENERATED = ("lockstep_pb2.py", "lockstep_pb2.pyi", "lockstep_pb2_grpc.py")
-
-
-def test_generated_stubs_are_fresh(tmp_path, repo_root):
+@pytest.mark.parametrize("stem", ["lockstep", "rendezvous"])
+def test_generated_stubs_are_fresh(tmp_path, repo_root, stem):
     pytest.importorskip("grpc_tools", reason="grpcio-tools is needed to regenerate the stubs")
     (tmp_path / "proto").mkdir()
-    shutil.copy(repo_root / "proto" / "lockstep.proto", tmp_path / "proto")
+    shutil.copy(repo_root / "proto" / f"{stem}.proto", tmp_path / "proto")
     subprocess.run(
         [sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--pyi_out=.", "--grpc_python_out=.",
-         "proto/lockstep.proto"], cwd=tmp_path, check=True,
+         f"proto/{stem}.proto"], cwd=tmp_path, check=True,
     )
-    for name in GENERATED:
+    for name in (f"{stem}_pb2.py", f"{stem}_pb2.pyi", f"{stem}_pb2_grpc.py"):
         fresh = (tmp_path / "proto" / name).read_text()
         committed = (repo_root / "proto" / name).read_text()
         assert fresh == committed, f"proto/{name} is stale: run `make proto` and commit"

@@ -4,8 +4,10 @@ Each sync, the trainer (rank 0) and both torch replicas (ranks 1 and 2) form one
 at the trainer's configured rendezvous; the trainer broadcasts the policy in buckets and then their
 digest, each replica checks that digest against its own over what arrived before applying. Checked with
 real processes: a run completes with metrics bitwise those of the gRPC source, both replicas report the
-digests the gRPC stream carries for the same versions, and a replica refuses a rendezvous it was not
-configured to trust and a plan it cannot verify, without changing the weights it serves. A LoRA run's
+digests the gRPC stream carries for the same versions -- with an intruder hammering the trainer's
+rendezvous, which listens on its configured 127.0.0.1 only, throughout the broadcast run -- and a replica
+refuses a rendezvous it was not configured to trust and a plan it cannot verify, without changing the
+weights it serves. A LoRA run's
 adapters go alone, as over the stream; a replica restarted mid-run is brought to the run's version in a
 group of its own (weights_caught_up) and rejoins the next syncs; a 1.1 GB policy reaches two replicas
 with the coordinator's peak RSS flat. A round that cannot complete ends at once rather than after the
@@ -27,6 +29,7 @@ from services.common.grpc_options import sync_channel
 from services.common.ports import free_port
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
+from tests.support.rendezvous import Intruder, listening_ips
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +55,21 @@ def test_broadcast_source_matches_the_grpc_source_bitwise(tmp_path):
     model = build_model_dir(tmp_path / "model", seed=2)
     with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[model.parent]) as stack:
         client = stack.client(timeout_s=60)
+        rendezvous = f"127.0.0.1:{stack.broadcast_port}"
+        assert listening_ips(stack.trainer.proc.pid, stack.broadcast_port) == ["127.0.0.1"]
         outcomes = {}
         for source in ("grpc", "broadcast"):
-            run = client.submit(_spec(model, f"sync-{source}", source))
-            done = client.wait(run["id"], timeout_s=600)
+            # Without the token it cannot learn the groups' names; it tries a name's every key anyway.
+            intruder = Intruder(rendezvous, ["lockstep-weights-000000000000"])
+            if source == "broadcast":
+                intruder.start()
+            try:
+                run = client.submit(_spec(model, f"sync-{source}", source))
+                done = client.wait(run["id"], timeout_s=600)
+            finally:
+                intruder.stop()
             assert done["status"] == "completed", done
+            assert intruder.accepted == [] and (intruder.attempts > 0) == (source == "broadcast")
             outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
                                 _synced(client, run["id"]))
         (_, grpc_metrics, grpc_synced), (broadcast_id, broadcast_metrics, broadcast_synced) = outcomes.values()

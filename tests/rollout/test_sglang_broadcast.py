@@ -2,7 +2,8 @@
 
 This process plays the trainer: it hosts the rendezvous and broadcasts the buckets as rank 0, exactly as
 services/trainer/weight_broadcast.py does, while the engine has the server join the group
-(/init_weights_update_group) and load each bucket (/update_weights_from_distributed, "flattened_bucket").
+(/init_weights_update_group, its ranks reaching the rendezvous through the engine's loopback TCPStore
+bridge) and load each bucket (/update_weights_from_distributed, "flattened_bucket").
 Generation then follows the new weights, the server's weight_version is the new version, and the engine
 reports SGLang's checksum of what it serves. A group the trainer abandons (another rank will not join)
 releases the engine before the server is asked to join anything. Every request body of the path is also built into SGLang's
@@ -19,7 +20,6 @@ import pytest
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.ports import free_port
 from services.common.weight_broadcast import (
     GroupNotFormed,
     WeightUpdateGroup,
@@ -28,7 +28,6 @@ from services.common.weight_broadcast import (
     pack_bucket,
     plan_buckets,
     plan_proto,
-    rendezvous_store,
     tensor_spec,
 )
 from services.common.weight_files import write_weight_dir
@@ -41,9 +40,17 @@ from services.rollout.sglang_config import default_python
 from services.rollout.sglang_weights import load_checkpoint_tensors
 from services.rollout.weight_broadcast import BroadcastReceiveFailed
 from tests.conftest import require
+from tests.support.rendezvous import HostedRendezvous
 from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def rendezvous(engine):  # noqa: F811
+    """The trainer's rendezvous with the group of the next version open."""
+    with HostedRendezvous(f"g-{engine.policy_version + 1}") as hosted:
+        yield hosted
 
 
 def _plan(tensors: list[tuple[str, torch.Tensor]], version: int, address: str, **fields) -> pb.BroadcastPlan:
@@ -66,13 +73,13 @@ def _broadcast(store, plan: pb.BroadcastPlan, tensors, errors: list) -> None:
         errors.append(exc)
 
 
-def test_sglang_joins_a_gloo_group_and_serves_the_broadcast_weights(engine, model_dir, tmp_path):  # noqa: F811
+def test_sglang_joins_a_gloo_group_and_serves_the_broadcast_weights(engine, model_dir, tmp_path,  # noqa: F811
+                                                                    rendezvous):
     old_dir, v = engine.weights_path, engine.policy_version
     g = torch.Generator().manual_seed(21)
     tensors = [(k, t + 0.05 * torch.randn(t.shape, generator=g)) for k, t in load_checkpoint_tensors(old_dir).items()]
-    address = f"127.0.0.1:{free_port()}"
-    store = rendezvous_store(address, host_it=True, timeout_s=300)
-    plan = _plan(tensors, v + 1, address)
+    store = rendezvous.client(300)
+    plan = _plan(tensors, v + 1, rendezvous.address)
     assert len(plan.buckets) > 1
     request = pb.ReceiveWeightsRequest(plan=plan, rank=1)
 
@@ -83,20 +90,20 @@ def test_sglang_joins_a_gloo_group_and_serves_the_broadcast_weights(engine, mode
         bad.CopyFrom(request)
         setattr(bad.plan, field, value)
         with pytest.raises(ValueError, match=reason):
-            engine.receive_broadcast(bad, bucket_specs(bad.plan))
+            engine.receive_broadcast(bad, bucket_specs(bad.plan), store)
     lora = pb.ReceiveWeightsRequest()
     lora.CopyFrom(request)
     lora.plan.lora.CopyFrom(pb.LoraAdapter(rank=4, alpha=8.0, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match="plan.lora"):
-        engine.receive_broadcast(lora, bucket_specs(lora.plan))
+        engine.receive_broadcast(lora, bucket_specs(lora.plan), store)
     assert engine.policy_version == v
 
     before = engine._ready_client().weights_checksum()
     errors: list = []
-    sender = threading.Thread(target=_broadcast, args=(store, plan, tensors, errors))
+    sender = threading.Thread(target=_broadcast, args=(rendezvous.local(300), plan, tensors, errors))
     sender.start()
     try:
-        checksum = engine.receive_broadcast(request, bucket_specs(plan))
+        checksum = engine.receive_broadcast(request, bucket_specs(plan), store)
     finally:
         sender.join(timeout=600)
     assert not errors
@@ -110,12 +117,12 @@ def test_sglang_joins_a_gloo_group_and_serves_the_broadcast_weights(engine, mode
     assert gaps(old_dir, req, samples, 0.7).mean().item() > 100 * TOL
 
 
-def test_a_group_the_trainer_abandons_releases_the_engine_before_the_server_joins(engine, model_dir):  # noqa: F811
+def test_a_group_the_trainer_abandons_releases_the_engine_before_the_server_joins(engine, model_dir,  # noqa: F811
+                                                                                  rendezvous):
     v = engine.policy_version
     tensors = list(load_checkpoint_tensors(str(model_dir)).items())
-    address = f"127.0.0.1:{free_port()}"
-    store = rendezvous_store(address, host_it=True, timeout_s=300)
-    plan = _plan(tensors, v + 1, address)
+    store = rendezvous.local(300)
+    plan = _plan(tensors, v + 1, rendezvous.address)
     plan.world_size = 3  # rank 2 never joins
     errors: list = []
 
@@ -133,7 +140,8 @@ def test_a_group_the_trainer_abandons_releases_the_engine_before_the_server_join
     sender.start()
     try:
         with pytest.raises(BroadcastReceiveFailed, match="rank 0 abandoned it: aborted: rank 2: PERMISSION_DENIED"):
-            engine.receive_broadcast(pb.ReceiveWeightsRequest(plan=plan, rank=1), bucket_specs(plan))
+            engine.receive_broadcast(pb.ReceiveWeightsRequest(plan=plan, rank=1), bucket_specs(plan),
+                                     rendezvous.client(300))
     finally:
         sender.join(timeout=300)
     assert [str(e) for e in errors] == [f"group {plan.group_name}: rank 2 of 3 never joined: aborted: rank 2: "
