@@ -125,6 +125,9 @@ class DecodeStats:
     """(rows, context tokens read, seconds) of every decode step; seconds from the end of the previous host
     read to this step's read of its tokens (the host syncs on every step's tokens)."""
     prefill_seconds: float = 0.0
+    device_steps: list[tuple[float, float]] = field(default_factory=list)
+    """CUDA only, per decode step as in `steps`: device seconds of (the forward, the forward and sampling),
+    from CUDA events around them; the rest of a step's seconds is host time the device waited for."""
 
 
 def check_decodable(model: torch.nn.Module) -> None:
@@ -458,9 +461,20 @@ class Decoder:
             inputs.upload(bufs, bucket)
         else:
             bufs = inputs.on_device(bucket)
+        timed = self.device.type == "cuda"
+        if timed:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record()
         logits = step_fn(*bufs)
-        tokens, logps = self._sample(logits[:n], rows, hashes, sampling)
+        if timed:
+            marks[1].record()
+        sampled = self._launch_sampling(logits[:n], rows, hashes, sampling)
+        if timed:
+            marks[2].record()
+        tokens, logps = self._read_sampled(sampled, n)
         stats = self.stats
+        if timed:
+            stats.device_steps.append((marks[0].elapsed_time(marks[1]) / 1e3, marks[0].elapsed_time(marks[2]) / 1e3))
         stats.decode_steps += 1
         stats.row_steps += n
         stats.useful_row_steps += sum(s.finish_reason is None for s in rows)
