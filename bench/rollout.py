@@ -252,6 +252,7 @@ def main() -> None:
     lt.add_argument("--stop-tokens", type=int, default=76, help="stop ids (mean length ~ vocab / this)")
     lt.add_argument("--static-rows", type=int, default=64, help="rows of a static batch (today's default)")
     lt.add_argument("--continuous-rows", type=int, default=256)
+    lt.add_argument("--schedulers", default="static,continuous", help="which schedulers to run (comma-separated)")
     lt.add_argument("--pool-tokens", type=int, default=None, help="continuous KV pool (default: the static batch's dense KV, static rows x (prompt + cap))")
     lt.add_argument("--chunk", type=int, default=8192, help="prefill chunk tokens")
     lt.add_argument("--big-shape", default="qwen3-4b", help="'' to skip the large-shape run")

@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from services.rollout.engine import SamplingConfig
@@ -58,6 +57,7 @@ from services.rollout.kv_cache import (
 )
 from services.rollout.sampling import sample_tokens, seed_words
 from services.rollout.scheduler import Scheduler, Sequence as Seq, Unit, pages_for
+from services.rollout.step_inputs import StepInputs
 
 NUMERICS_MODES = ("fast", "true_on_policy")
 SCHEDULERS = ("continuous", "static")
@@ -125,6 +125,9 @@ class DecodeStats:
     """(rows, context tokens read, seconds) of every decode step; seconds from the end of the previous host
     read to this step's read of its tokens (the host syncs on every step's tokens)."""
     prefill_seconds: float = 0.0
+    device_steps: list[tuple[float, float]] = field(default_factory=list)
+    """CUDA only, per decode step as in `steps`: device seconds of (the forward, the forward and sampling),
+    from CUDA events around them; the rest of a step's seconds is host time the device waited for."""
 
 
 def check_decodable(model: torch.nn.Module) -> None:
@@ -240,11 +243,12 @@ class Decoder:
         self._pool: PagedKVPool | None = None
         self._graphs: dict[int, _CapturedDecodeStep] = {}
         self._graph_pool = None
+        self._inputs: StepInputs | None = None
         self.stats = DecodeStats()
 
     def release(self) -> None:
         """Free the pool and the captured graphs (they are rebuilt on the next decode)."""
-        self._pool, self._graphs, self._graph_pool = None, {}, None
+        self._pool, self._graphs, self._graph_pool, self._inputs = None, {}, None, None
 
     @property
     def page_bytes(self) -> int:
@@ -349,6 +353,9 @@ class Decoder:
         sched = Scheduler(pages=self._pool.pages, max_rows=opts.max_batch_size, chunk_tokens=chunk,
                           policy=opts.scheduler)
         self.stats = stats = DecodeStats(pool_pages=self._pool.pages)
+        if self._inputs is None:
+            self._inputs = StepInputs(opts.max_batch_size, self.table_width, self.device)
+        self._inputs.reset()
         for unit in units:
             sched.submit(unit)
         while not sched.done:
@@ -373,15 +380,25 @@ class Decoder:
 
     def _sample(self, logits: torch.Tensor, members: list[Seq], hashes: torch.Tensor,
                 sampling: SamplingConfig) -> tuple[list[int], list[float]]:
+        return self._read_sampled(self._launch_sampling(logits, members, hashes, sampling), len(members))
+
+    def _launch_sampling(self, logits: torch.Tensor, members: list[Seq], hashes: torch.Tensor,
+                         sampling: SamplingConfig) -> torch.Tensor:
+        """float64 [2n] on the device: `members`' sampled tokens, then their log-probs (token ids up to 2^53
+        and fp32 log-probs are exact in float64, so one read returns both). One upload of their stream keys."""
         from kernels.logprob import token_logprobs
         from kernels.sampling import keys_at
 
-        idx = torch.tensor([s.index for s in members], dtype=torch.int64, device=self.device)
-        steps = torch.tensor([s.generated for s in members], dtype=torch.int64, device=self.device)
+        idx, steps = self._inputs.keys(members)
         chosen = sample_tokens(logits, sampling, keys_at(hashes[idx], steps))
         logp, _ = token_logprobs(logits, chosen, temperature=sampling.logprob_temperature,
                                  backend=self.options.logprob_backend)
-        return chosen.tolist(), logp.float().tolist()
+        return torch.cat([chosen.to(torch.float64), logp.float().to(torch.float64)])
+
+    @staticmethod
+    def _read_sampled(both: torch.Tensor, n: int) -> tuple[list[int], list[float]]:
+        values = both.tolist()  # the host's one wait for the device per step
+        return [int(t) for t in values[:n]], values[n:]
 
     def _prefill(self, pieces, sched: Scheduler, hashes: torch.Tensor, sampling: SamplingConfig,
                  stops: frozenset[int]) -> None:
@@ -437,29 +454,30 @@ class Decoder:
         n = len(rows)
         bucket = _bucket(n, self.options.max_batch_size) if self.options.cuda_graphs else n
         step_fn = self._step_fn(bucket)
-        ids = np.full((bucket, 1), self.options.pad_token_id, dtype=np.int64)
-        positions = np.zeros((bucket, 1), dtype=np.int64)
-        tables = np.zeros((bucket, self.table_width), dtype=np.int32)
-        for b, s in enumerate(rows):
-            if s.finish_reason is None:
-                ids[b, 0] = s.tokens[s.computed]
-            positions[b, 0] = s.computed
-            tables[b, :len(s.pages)] = s.pages
-        lengths = (positions[:, 0] + 1).astype(np.int32)
-        host = tuple(torch.from_numpy(a) for a in (ids, positions, lengths, tables))
+        inputs = self._inputs
+        context = inputs.stage(rows, bucket, self.options.pad_token_id)
         if isinstance(step_fn, _CapturedDecodeStep):
             bufs = (step_fn.ids, step_fn.positions, step_fn.lengths, step_fn.tables)
-            for buf, h in zip(bufs, host):
-                buf.copy_(h)
+            inputs.upload(bufs, bucket)
         else:
-            bufs = tuple(t.to(self.device) for t in host)
+            bufs = inputs.on_device(bucket)
+        timed = self.device.type == "cuda"
+        if timed:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record()
         logits = step_fn(*bufs)
-        tokens, logps = self._sample(logits[:n], rows, hashes, sampling)
+        if timed:
+            marks[1].record()
+        sampled = self._launch_sampling(logits[:n], rows, hashes, sampling)
+        if timed:
+            marks[2].record()
+        tokens, logps = self._read_sampled(sampled, n)
         stats = self.stats
+        if timed:
+            stats.device_steps.append((marks[0].elapsed_time(marks[1]) / 1e3, marks[0].elapsed_time(marks[2]) / 1e3))
         stats.decode_steps += 1
         stats.row_steps += n
         stats.useful_row_steps += sum(s.finish_reason is None for s in rows)
-        context = int(lengths[:n].sum())
         stats.live_kv_tokens += context
         stats.steps.append((n, context, time.perf_counter() - t0))
         for s, t, lp in zip(rows, tokens, logps):

@@ -63,8 +63,10 @@ class PageAllocator:
         self._free.sort(reverse=True)
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
+    """A sequence is an entity: compared by identity (membership tests stay O(1) per element)."""
+
     index: int
     """Position in the request (the order results are returned in)."""
     prompt_len: int
@@ -86,7 +88,7 @@ class Sequence:
         return self.finish_reason is None and self.computed == len(self.tokens) - 1 and self.computed > 0
 
 
-@dataclass
+@dataclass(eq=False)
 class Unit:
     """Sequences admitted together whose known tokens are identical (the samples of one prompt): prefilled once."""
 
@@ -181,17 +183,22 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         """Rows of the next decode step, in admission order, each with a private page for the slot it writes.
 
-        May preempt. Static policy: finished rows stay in the batch (fed a pad token) until all have finished."""
-        rows = []
+        May preempt. Static policy: finished rows stay in the batch (fed a pad token) until all have finished.
+        Linear in the rows: membership is re-read only after a preemption (rare)."""
+        rows: list[Sequence] = []
+        seen, live = self.preemptions, None
         for s in list(self.running):
-            if s not in self.running:  # preempted while an earlier row took its page
+            if self.preemptions != seen:  # a preemption took rows out: recompute who still runs
+                seen, live = self.preemptions, {id(r) for r in self.running}
+            if live is not None and id(s) not in live:  # preempted while an earlier row took its page
                 continue
-            live = s.decoding or (self.policy == "static" and s.finish_reason is not None)
-            if not live:
-                continue
-            if self._own_slot(s):
+            ok = s.decoding or (self.policy == "static" and s.finish_reason is not None)
+            if ok and self._own_slot(s):
                 rows.append(s)
-        return [s for s in rows if s in self.running]
+        if live is None and self.preemptions == seen:
+            return rows
+        live = {id(r) for r in self.running}
+        return [s for s in rows if id(s) in live]
 
     def _own_slot(self, s: Sequence) -> bool:
         """Give `s` a private page for position s.computed; preempt later sequences (or s itself) if none is free."""
@@ -253,9 +260,11 @@ class Scheduler:
             s.finish_reason = "stop"
         elif len(s.tokens) >= s.max_tokens:
             s.finish_reason = "length"
-        if s.finish_reason is not None and self.policy == "continuous":
+        if s.finish_reason is None:
+            return
+        if self.policy == "continuous":
             self._finish(s)
-        elif self.policy == "static" and all(r.finish_reason for r in self.running):
+        elif all(r.finish_reason for r in self.running):  # a static batch ends with its last row
             self._release_all_finished()
 
     def _finish(self, s: Sequence) -> None:
