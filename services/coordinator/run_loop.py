@@ -55,6 +55,7 @@ from services.coordinator.event_log import EventLog, PhaseTimer
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.fixed_lag import BusyIntervals, behaviour_version, rollouts_at, staleness_metrics
 from services.coordinator.fleet import RolloutFleet
+from services.coordinator.kept_rollouts import KeptRollouts
 from services.coordinator.prompts import SamplingPlan, step_problems
 from services.coordinator.replicas import NoLiveReplica, ReplicaPool
 from services.coordinator.run_errors import RunCancelled, RunFailed
@@ -116,9 +117,11 @@ class RunDriver:
             self.task.split(split)
         self.tokenizer = tokenizer_loader(spec.model_path)
         self.max_staleness = spec.async_.max_staleness
-        # fixed_lag: each step's scored rollout (trajectories, counts), from when it is generated until its
-        # step is trained (and checkpointed, when checkpoint.every > 0: a resumed trainer trains them again).
-        self._rollouts: dict[int, tuple[list[pb.Trajectory], dict]] = {}
+        # fixed_lag: each step's scored rollout, from when it is generated until its step is trained (and
+        # checkpointed, when checkpoint.every > 0: a resumed trainer trains them again); on disk, since the
+        # version that made it may be gone when a restarted coordinator needs it.
+        self._rollouts = KeptRollouts(run_id, run_dir / "rollouts", model_path=spec.model_path, seed=spec.seed)
+        self._replicas_at = 0  # fixed_lag: the version every live replica holds
         self._prompt_ids: dict[str, list[int]] = {}
         self.evaluator = Evaluator(spec, self.task, build_eval_sets(spec, self.task), self._eval_rollout,
                                    self._decode, self._stop_ids())
@@ -207,11 +210,17 @@ class RunDriver:
         if trainer_version == step:
             result, counts = await self.trainer.replay(header)
         elif trainer_version == step - 1:
+            # Rollouts older versions make that no earlier step kept (a restarted coordinator's replicas
+            # still hold the version: _replicas_start_version), before the replicas move on.
+            for t in range(step, min(step + self.max_staleness, self.spec.steps) + 1):
+                if behaviour_version(t, self.max_staleness) < step - 1 and not self._rollouts.has(t):
+                    await self._lagged_rollout(t, self._replicas_at, busy)
             with timer.phase("weight_sync"):
                 await self.fleet.sync_weights(step - 1)
-            if step not in self._rollouts:  # the run's first steps (or a rollout no earlier step made)
+            self._replicas_at = step - 1
+            if not self._rollouts.has(step):  # the run's first steps
                 await self._lagged_rollout(step, step - 1, busy)
-            trajectories, counts = self._rollouts[step]
+            trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
             ahead = asyncio.ensure_future(self._roll_ahead(step, busy))
             try:
                 header.num_trajectories = len(trajectories)
@@ -227,8 +236,8 @@ class RunDriver:
                     ahead.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await ahead
-            if self.spec.checkpoint.every == 0:
-                del self._rollouts[step]  # no checkpoint to come back to before the run's end
+            if self.spec.checkpoint.every == 0:  # no checkpoint to come back to before the run's end
+                await asyncio.to_thread(self._rollouts.drop_through, step)
         else:
             raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
         metrics = dict(result.metrics)
@@ -237,14 +246,15 @@ class RunDriver:
         if self._eval_due(step):
             with timer.phase("weight_sync"):  # only the last step's: async runs evaluate at its end alone
                 await self.fleet.sync_weights(step)
+            self._replicas_at = step
             with timer.phase("eval"):
                 report = await self.evaluator.evaluate(step=step, policy_version=step)
             metrics.update(report.metrics())
         if self._checkpoint_due(step):
             with timer.phase("checkpoint"):
                 await self.trainer.checkpoint(step)
-            for done in [t for t in self._rollouts if t <= step]:
-                del self._rollouts[done]
+            if self.max_staleness:
+                await asyncio.to_thread(self._rollouts.drop_through, step)
         timings = timer.finish()
         if busy.spans:
             timings["rollout"] = busy.busy_seconds()
@@ -254,7 +264,7 @@ class RunDriver:
     async def _roll_ahead(self, step: int, busy: BusyIntervals) -> None:
         """While step `step` trains: the rollouts of later steps that the replicas' version (step - 1) makes."""
         for later in rollouts_at(step - 1, step, self.max_staleness, self.spec.steps):
-            if later not in self._rollouts:
+            if not self._rollouts.has(later):
                 await self._lagged_rollout(later, step - 1, busy)
 
     async def _lagged_rollout(self, step: int, replicas_version: int, busy: BusyIntervals) -> None:
@@ -264,10 +274,11 @@ class RunDriver:
         if wanted != replicas_version:
             raise RunFailed(f"step {step}: its rollout must come from policy version {wanted} "
                             f"(async.max_staleness {self.max_staleness}), but the replicas hold {replicas_version} "
-                            "and cannot go back: a rollout lost with its coordinator or trainer is not recomputed "
-                            "once the policy moved on")
+                            "and cannot go back: a rollout lost once the trainer and every replica moved past its "
+                            "version cannot be generated again")
         began = time.monotonic()
-        self._rollouts[step] = await self._sample_and_score(step, PhaseTimer())
+        trajectories, counts = await self._sample_and_score(step, PhaseTimer())
+        await asyncio.to_thread(self._rollouts.put, step, wanted, trajectories, counts)
         busy.add(began, time.monotonic())
 
     async def _sample_and_score(self, step: int, timer: PhaseTimer) -> tuple[list[pb.Trajectory], dict]:
@@ -354,13 +365,25 @@ class RunDriver:
     async def _configure_services(self) -> int:
         """The trainer configured for the run and every replica brought to its version; that version."""
         version = await self.trainer.configure()
+        start = await self._replicas_start_version(version) if self.max_staleness else version
         try:
-            live = await self.fleet.start_at(version)
+            live = await self.fleet.start_at(start)
         except NoLiveReplica as exc:
             raise RunFailed(str(exc)) from None
+        self._replicas_at = start
         await self.events.record("services_configured", "services configured", policy_version=version,
                                  rollouts=[c.address for c in live])
         return version
+
+    async def _replicas_start_version(self, trainer_version: int) -> int:
+        """fixed_lag: the version to start the replicas at. The trainer's, unless a step it has not trained
+        lacks its kept rollout and an older version makes it: the coordinator died while that rollout was
+        generated, and the replicas, which were not synced since, still hold that version (a replica that
+        holds another cannot be brought to it, and the run fails naming the step)."""
+        last = min(trainer_version + self.max_staleness, self.spec.steps)
+        missing = [behaviour_version(t, self.max_staleness) for t in range(trainer_version + 1, last + 1)
+                   if behaviour_version(t, self.max_staleness) < trainer_version and not self._rollouts.has(t)]
+        return min(missing, default=trainer_version)
 
     def _training_plan(self, step: int) -> SamplingPlan:
         s = self.spec.rollout.sampling

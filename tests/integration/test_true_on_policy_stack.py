@@ -164,3 +164,37 @@ def test_fixed_lag_runs_are_bitwise_reproducible_and_use_exactly_the_lagged_vers
         # trainer differ is not shown here.)
         if version == step - 1:
             assert m["logprob_abs_diff_max"] == 0.0, (step, m)
+
+
+def test_fixed_lag_coordinator_killed_after_a_train_step_resumes_bitwise(stack, client, model_dir):
+    """The coordinator dies right after the trainer applied step 2 (K = 1), while the replicas, at version 1,
+    were generating step 3's rollout: the restarted one replays step 2, generates whatever rollout was lost
+    with the replicas still at version 1, and ends bitwise as a run that was never interrupted."""
+    _, reference = run_to_end(client, lagged(model_dir, 1, "lag-resume-ref"))
+    args = list(stack.coordinator.args)
+    stack.coordinator.stop()
+    assert args[1:3] == ["-m", "services.coordinator"], args
+    stack.coordinator.args = [args[0], "-m", "tests.support.crashing_coordinator", "--crash-after-train-step", "2",
+                              *args[3:]]
+    stack.restart_coordinator()
+    c = stack.client()
+    try:
+        run = c.submit(lagged(model_dir, 1, "lag-resume"))
+        stack.coordinator.proc.wait(timeout=300)
+        assert stack.coordinator.proc.returncode == 137
+    finally:
+        c.close()
+        stack.coordinator.args = args
+        stack.restart_coordinator()
+    fresh = stack.client()
+    try:
+        done = fresh.wait(run["id"], timeout_s=600)
+        assert done["status"] == "completed", done
+        steps = fresh.metrics(run["id"])["steps"]
+        assert [s["metrics"] for s in steps] == reference
+        events = [e["event"] for e in fresh.run(run["id"])["events"]]
+        assert events.count("step_replayed") == 1
+    finally:
+        fresh.close()
+    for step, trajectories in sent_trajectories(stack, run["id"]).items():
+        assert {t.policy_version for t in trajectories} == {max(0, step - 2)}
