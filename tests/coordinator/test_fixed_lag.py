@@ -103,3 +103,18 @@ def test_a_replica_reporting_another_version_is_refused_naming_the_step(tmp_path
     message, refused = asyncio.run(go())
     assert message.startswith("step 3: ") and "policy version 2" in message and "version 1" in message
     assert [(e["step"], e["reported"], e["expected"]) for e in refused] == [(3, 2, 1)]
+
+
+def test_the_exporter_turns_overlap_seconds_into_a_fraction_and_not_a_phase():
+    from prometheus_client import generate_latest
+
+    exporter = CoordinatorExporter()
+    exporter.max_staleness("r1", 2)
+    exporter.on_step("r1", 3, {"staleness_max": 2.0, "staleness_mean": 1.5},
+                     {"rollout": 1.0, "train": 1.5, "overlap": 0.5, "total": 2.0})
+    text = generate_latest(exporter.registry).decode()
+    assert 'lockstep_step_overlap_fraction{run_id="r1"} 0.25' in text
+    assert 'lockstep_step_staleness_max{run_id="r1"} 2.0' in text
+    assert 'lockstep_step_staleness_mean{run_id="r1"} 1.5' in text
+    assert 'lockstep_run_max_staleness{run_id="r1"} 2.0' in text
+    assert 'phase="overlap"' not in text and 'phase="train"' in text
