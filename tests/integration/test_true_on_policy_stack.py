@@ -9,8 +9,10 @@ tolerance is the safety net there).
 
 Fixed-lag asynchronous runs share the stack: with async.max_staleness K the rollout of step s comes
 from policy version max(0, s-1-K) by arithmetic, so two runs of one spec are bitwise identical (step
-metrics, every trajectory sent to the trainer, final weights) and K = 0 is the synchronous loop bit for
-bit.
+metrics, every trajectory sent to the trainer, final weights), K = 0 is the synchronous loop bit for
+bit, and a trajectory's log-probs are exactly its behaviour policy's: the trainer's recompute equals
+them when it holds that version (staleness 0) and differs once it has moved on. A killed coordinator
+resumes a fixed-lag run bitwise.
 """
 from __future__ import annotations
 
@@ -99,6 +101,9 @@ LAG_STEPS = 3
 def lagged(model_dir: Path, k: int | None, name: str) -> dict:
     s = copy.deepcopy(spec(model_dir, "true_on_policy", "float32"))
     s.update(name=name, steps=LAG_STEPS, debug={"record_trajectories": True})
+    # This random tiny policy earns no reward, so its gradients are zero: AdamW's decoupled weight decay is
+    # what moves the weights from version to version, so a stale version's log-probs differ from the trainer's.
+    s["trainer"]["weight_decay"] = 0.1
     if k is not None:
         s["async"] = {"max_staleness": k, "mode": "fixed_lag"}
         if k > 0:  # decoupled PPO: the ratio against the trainer's own pre-update policy, TIS on the behaviour one
@@ -159,11 +164,11 @@ def test_fixed_lag_runs_are_bitwise_reproducible_and_use_exactly_the_lagged_vers
         m = a[step - 1]
         assert m["staleness_max"] == m["staleness_mean"] == step - 1 - version
         # true_on_policy: the rollout's log-probs are the behaviour policy's bits, so the trainer's recompute
-        # equals them exactly when it holds that version. (This random tiny policy earns no reward, so its
-        # weights do not move and the lagged versions hold equal weights: that the log-probs of a moved-on
-        # trainer differ is not shown here.)
+        # equals them exactly when it holds that version, and not once it has moved on.
         if version == step - 1:
             assert m["logprob_abs_diff_max"] == 0.0, (step, m)
+        else:
+            assert m["logprob_abs_diff_max"] > 0.0, (step, m)
 
 
 def test_fixed_lag_coordinator_killed_after_a_train_step_resumes_bitwise(stack, client, model_dir):
