@@ -215,14 +215,22 @@ class RunDriver:
             for t in range(step, min(step + self.max_staleness, self.spec.steps) + 1):
                 if behaviour_version(t, self.max_staleness) < step - 1 and not self._rollouts.has(t):
                     await self._lagged_rollout(t, self._replicas_at, busy)
-            with timer.phase("weight_sync"):
-                await self.fleet.sync_weights(step - 1)
-            self._replicas_at = step - 1
-            if not self._rollouts.has(step):  # the run's first steps
-                await self._lagged_rollout(step, step - 1, busy)
-            trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
-            ahead = asyncio.ensure_future(self._roll_ahead(step, busy))
+            shared = self.fleet.shared_weights
+            if shared is not None and self._rollouts.has(step):
+                # The trainer writes version s-1 once; the replicas load it while step s trains, then
+                # generate with it: the weight sync overlaps training.
+                with timer.phase("weight_sync"):
+                    await shared.written(step - 1)
+                ahead = asyncio.ensure_future(self._sync_and_roll_ahead(step, busy))
+            else:
+                with timer.phase("weight_sync"):
+                    await self.fleet.sync_weights(step - 1)
+                self._replicas_at = step - 1
+                if not self._rollouts.has(step):  # the run's first steps
+                    await self._lagged_rollout(step, step - 1, busy)
+                ahead = asyncio.ensure_future(self._roll_ahead(step, busy))
             try:
+                trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
                 header.num_trajectories = len(trajectories)
                 if self.spec.debug.record_trajectories:
                     await asyncio.to_thread(self._record_step_input, header, trajectories)
@@ -260,6 +268,13 @@ class RunDriver:
             timings["rollout"] = busy.busy_seconds()
         timings["overlap"] = busy.overlap_with(train_span) if train_span else 0.0
         await self._record(step, metrics, timings, counts, report)
+
+    async def _sync_and_roll_ahead(self, step: int, busy: BusyIntervals) -> None:
+        """shared_path, while step `step` trains: the replicas load version step - 1 from the directory the
+        trainer wrote (no trainer call), then generate the rollouts that version makes."""
+        await self.fleet.sync_weights(step - 1)
+        self._replicas_at = step - 1
+        await self._roll_ahead(step, busy)
 
     async def _roll_ahead(self, step: int, busy: BusyIntervals) -> None:
         """While step `step` trains: the rollouts of later steps that the replicas' version (step - 1) makes."""
