@@ -249,6 +249,14 @@ def build_panels() -> list[dict]:
         "with the median step).",
         [(f'{m("lockstep_weight_sync_seconds")}{{{RUN}}}', "{{run_id}}")], unit="s"))
     L.add(timeseries(
+        "Async staleness and overlap",
+        "Runs with async.max_staleness K > 0: the last step's largest policy staleness (step - 1 - the version "
+        "that made a trajectory) against K (LockstepStalenessAboveBound fires above it, and never should), "
+        "and the fraction of the step during which rollout and training were both busy.",
+        [(f'{step("staleness_max")}{{{RUN}}}', "{{run_id}} staleness max"),
+         (f'{m("lockstep_run_max_staleness")}{{{RUN}}}', "{{run_id}} K"),
+         (f'{m("lockstep_step_overlap_fraction")}{{{RUN}}}', "{{run_id}} overlap fraction")]))
+    L.add(timeseries(
         "Trajectories by outcome",
         "Trajectories accounted for per second, by outcome (trained, dropped with a reason). "
         "Every generated trajectory ends in exactly one outcome.",

@@ -53,6 +53,14 @@ STEP_METRIC_HELP: dict[str, str] = {
     "tokens_total": "Prompt plus response tokens in the step.",
     "eval_accuracy": "Held-out greedy accuracy (last evaluation).",
 }
+# Per-step policy staleness of a run with async.max_staleness > 0 (the coordinator computes these from the
+# version each replica reported; a synchronous run has none): staleness of a trajectory of step s made by
+# version v is s - 1 - v.
+ASYNC_STEP_METRIC_HELP: dict[str, str] = {
+    "staleness_max": "Largest policy staleness (step - 1 - generating version) over the step's trajectories; "
+    "never above the run's async.max_staleness.",
+    "staleness_mean": "Mean policy staleness (step - 1 - generating version) over the step's trajectories.",
+}
 STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 
 
@@ -62,6 +70,12 @@ def step_metric_name(key: str) -> str:
 
 COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in STEP_METRIC_HELP.items()),
+    *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in ASYNC_STEP_METRIC_HELP.items()),
+    MetricDef("lockstep_run_max_staleness", "gauge", "The run's async.max_staleness K (set for runs with K > 0).",
+              ("run_id",)),
+    MetricDef("lockstep_step_overlap_fraction", "gauge",
+              "Fraction of the last step's wall time during which rollout and training were both busy (0 in the "
+              "synchronous loop).", ("run_id",)),
     MetricDef("lockstep_run_step", "gauge", "Last completed step of the run.", ("run_id",)),
     MetricDef("lockstep_run_last_step_timestamp_seconds", "gauge", "Unix time the last step completed.", ("run_id",)),
     MetricDef("lockstep_step_phase_seconds", "gauge", "Wall time of each phase of the last step.", ("run_id", "phase")),

@@ -64,10 +64,11 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time the block as `name`; a block that raises records nothing (the step is not recorded)."""
+        """Time the block as `name` (added to earlier blocks of that name); a block that raises records
+        nothing (the step is not recorded)."""
         began = time.monotonic()
         yield
-        self.seconds[name] = time.monotonic() - began
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - began
 
     def finish(self) -> dict[str, float]:
         self.seconds["total"] = time.monotonic() - self._start

@@ -6,7 +6,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from services.common.metric_defs import COORDINATOR_METRICS, STEP_METRIC_HELP, build_collectors, step_metric_name
+from services.common.metric_defs import (
+    ASYNC_STEP_METRIC_HELP,
+    COORDINATOR_METRICS,
+    STEP_METRIC_HELP,
+    build_collectors,
+    step_metric_name,
+)
 
 if TYPE_CHECKING:
     from services.coordinator.evaluation import EvalReport
@@ -18,18 +24,25 @@ class CoordinatorExporter:
         self._m = build_collectors(COORDINATOR_METRICS, self.registry)
 
     def on_step(self, run_id: str, step: int, metrics: dict, timings: dict) -> None:
-        for key in STEP_METRIC_HELP:
+        for key in (*STEP_METRIC_HELP, *ASYNC_STEP_METRIC_HELP):
             if key in metrics:
                 self._m[step_metric_name(key)].labels(run_id).set(float(metrics[key]))
         self._m["lockstep_run_step"].labels(run_id).set(step)
         self._m["lockstep_run_last_step_timestamp_seconds"].labels(run_id).set(time.time())
+        if timings.get("total"):
+            self._m["lockstep_step_overlap_fraction"].labels(run_id).set(timings.get("overlap", 0.0) / timings["total"])
         for phase, seconds in timings.items():
+            if phase == "overlap":
+                continue  # not a phase: seconds during which rollout and training were both busy
             if phase == "total":
                 self._m["lockstep_step_seconds"].labels(run_id).observe(seconds)
             else:
                 self._m["lockstep_step_phase_seconds"].labels(run_id, phase).set(seconds)
         if "weight_sync" in timings:
             self._m["lockstep_weight_sync_seconds"].labels(run_id).set(timings["weight_sync"])
+
+    def max_staleness(self, run_id: str, k: int) -> None:
+        self._m["lockstep_run_max_staleness"].labels(run_id).set(k)
 
     def run_active(self, run_id: str, active: bool) -> None:
         self._m["lockstep_run_active"].labels(run_id).set(1 if active else 0)

@@ -280,6 +280,19 @@ class RolloutFleet:
                 out.append((gids[s.group_id], s))
         return out, dropped
 
+    async def _check_version(self, response: pb.GenerateResponse, client: RolloutClient, *, step: int,
+                             policy_version: int) -> None:
+        """Every sample of a step must come from the version the step was dispatched at (step - 1, or the
+        fixed_lag version): a replica that reports another is refused, recorded, and the run fails before
+        anything of the step is trained."""
+        if response.policy_version == policy_version:
+            return
+        await self.events.record("rollout_version_refused", "rollout replica reported the wrong policy version",
+                                 step=step, replica=client.address, reported=response.policy_version,
+                                 expected=policy_version)
+        raise RunFailed(f"step {step}: replica {client.address} reports samples of policy version "
+                        f"{response.policy_version}; the step's rollout must come from version {policy_version}")
+
     async def _generate_shard(self, shard: Shard, replica: int, plan: SamplingPlan, encode: Encode, *,
                               step: int, policy_version: int) -> pb.GenerateResponse | None:
         prompts = [
@@ -299,7 +312,7 @@ class RolloutFleet:
             reloads = self._reloads.get(client.address, 0)
             try:
                 try:
-                    return await client.generate(request)
+                    response = await client.generate(request)
                 except Exception as exc:
                     # A refusal from a replica that lost its model (restarted between two calls) is
                     # answered by reloading it -- here, or by a concurrent shard meanwhile; any other
@@ -318,6 +331,9 @@ class RolloutFleet:
                                          step=step, replica=client.address, attempt=attempt + 1,
                                          reason=str(exc.code()))
                 await asyncio.sleep(min(2.0 ** attempt, 10.0))
+            else:
+                await self._check_version(response, client, step=step, policy_version=policy_version)
+                return response
         await self.events.record("trajectories_dropped", "trajectories dropped: rollout unavailable", step=step,
                                  count=len(shard.problems) * plan.samples_per_prompt,
                                  reason=f"rollout unavailable after {attempts} attempts")

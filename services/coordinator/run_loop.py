@@ -13,6 +13,10 @@
         (trainer lost: wait for it, resume it from the last checkpoint, go on from there)
         (checkpoint disk full: retry, then pause the run until resumed; the step is recorded once)
 
+With async.max_staleness K > 0 (fixed_lag.py) step s samples with policy version max(0, s-1-K)
+instead: the replicas are synced to s-1 at the start of step s, and generate the rollouts of later
+steps while step s trains (_one_lagged_step).
+
 The collaborators: fleet.RolloutFleet (replicas, eviction, readmission, reload, weight sync),
 trainer_session.TrainerSession (configure, train, replay, checkpoint, recovery) and
 event_log.EventLog (every event written to Redis, the log and Prometheus in one call).
@@ -33,8 +37,10 @@ one bit for bit; the recorded history is never rewritten, and a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -48,7 +54,9 @@ from services.coordinator.dynamic_sampling import select_informative
 from services.coordinator.evaluation import EvalReport, Evaluator, build_eval_sets
 from services.coordinator.event_log import EventLog, PhaseTimer
 from services.coordinator.exporter import CoordinatorExporter
+from services.coordinator.fixed_lag import BusyIntervals, behaviour_version, rollouts_at, staleness_metrics
 from services.coordinator.fleet import RolloutFleet
+from services.coordinator.kept_rollouts import KeptRollouts
 from services.coordinator.prompts import SamplingPlan, step_problems
 from services.coordinator.replicas import NoLiveReplica, ReplicaPool
 from services.coordinator.run_errors import RunCancelled, RunFailed, RunPaused
@@ -110,6 +118,12 @@ class RunDriver:
         for split in ("train", "heldout"):  # built now, in the constructing thread, not at step 1 on the event loop
             self.task.split(split)
         self.tokenizer = tokenizer_loader(spec.model_path)
+        self.max_staleness = spec.async_.max_staleness
+        # fixed_lag: each step's scored rollout, from when it is generated until its step is trained (and
+        # checkpointed, when checkpoint.every > 0: a resumed trainer trains them again); on disk, since the
+        # version that made it may be gone when a restarted coordinator needs it.
+        self._rollouts = KeptRollouts(run_id, run_dir / "rollouts", model_path=spec.model_path, seed=spec.seed)
+        self._replicas_at = 0  # fixed_lag: the version every live replica holds
         self._prompt_ids: dict[str, list[int]] = {}
         self.evaluator = Evaluator(spec, self.task, build_eval_sets(spec, self.task), self._eval_rollout,
                                    self._decode, self._stop_ids())
@@ -135,12 +149,17 @@ class RunDriver:
         except TrainerUnavailable as exc:
             trainer_version = await self.trainer.recover(run.step + 1, exc, self._configure_services)
         await self._initial_eval(trainer_version)
+        if self.max_staleness:
+            self.events.exporter.max_staleness(self.run_id, self.max_staleness)
         cursor = run.step
         while (step := next_step(trainer_version, cursor)) <= self.spec.steps:
             await self._check_cancelled()
             try:
                 await self.fleet.readmit(step, trainer_version)
-                await self._one_step(step, trainer_version)
+                if self.max_staleness:
+                    await self._one_lagged_step(step, trainer_version)
+                else:
+                    await self._one_step(step, trainer_version)
             except NoLiveReplica as exc:
                 raise RunFailed(f"step {step}: {exc}") from None
             except TrainerUnavailable as exc:
@@ -181,21 +200,125 @@ class RunDriver:
                 await self.trainer.checkpoint(step)
         await self._record(step, metrics, timer.finish(), counts, report)
 
+    async def _one_lagged_step(self, step: int, trainer_version: int) -> None:
+        """_one_step with async.max_staleness K > 0: the replicas are brought to the trainer's version s-1,
+        step s trains on the rollout version max(0, s-1-K) made (generated in an earlier step, or now if the
+        run just started), and meanwhile the replicas generate the rollouts of the steps that version s-1
+        makes (s+K in steady state)."""
+        timer, busy = PhaseTimer(), BusyIntervals()
+        header = pb.TrainStepHeader(run_id=self.run_id, step=step,
+                                    policy_version=behaviour_version(step, self.max_staleness))
+        train_span = None
+        if trainer_version == step:
+            result, counts = await self.trainer.replay(header)
+        elif trainer_version == step - 1:
+            # Rollouts older versions make that no earlier step kept (a restarted coordinator's replicas
+            # still hold the version: _replicas_start_version), before the replicas move on.
+            for t in range(step, min(step + self.max_staleness, self.spec.steps) + 1):
+                if behaviour_version(t, self.max_staleness) < step - 1 and not self._rollouts.has(t):
+                    await self._lagged_rollout(t, self._replicas_at, busy)
+            shared = self.fleet.shared_weights
+            if shared is not None and self._rollouts.has(step):
+                # The trainer writes version s-1 once; the replicas load it while step s trains, then
+                # generate with it: the weight sync overlaps training.
+                with timer.phase("weight_sync"):
+                    await shared.written(step - 1)
+                ahead = asyncio.ensure_future(self._sync_and_roll_ahead(step, busy))
+            else:
+                with timer.phase("weight_sync"):
+                    await self.fleet.sync_weights(step - 1)
+                self._replicas_at = step - 1
+                if not self._rollouts.has(step):  # the run's first steps
+                    await self._lagged_rollout(step, step - 1, busy)
+                ahead = asyncio.ensure_future(self._roll_ahead(step, busy))
+            try:
+                trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
+                header.num_trajectories = len(trajectories)
+                if self.spec.debug.record_trajectories:
+                    await asyncio.to_thread(self._record_step_input, header, trajectories)
+                began = time.monotonic()
+                with timer.phase("train"):
+                    result = await self.trainer.train(header, trajectories, counts)
+                train_span = (began, time.monotonic())
+                await ahead
+            finally:
+                if not ahead.done():
+                    ahead.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await ahead
+            if self.spec.checkpoint.every == 0:  # no checkpoint to come back to before the run's end
+                await asyncio.to_thread(self._rollouts.drop_through, step)
+        else:
+            raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
+        metrics = dict(result.metrics)
+        metrics.update(counts)
+        report = None
+        if self._eval_due(step):
+            with timer.phase("weight_sync"):  # only the last step's: async runs evaluate at its end alone
+                await self.fleet.sync_weights(step)
+            self._replicas_at = step
+            with timer.phase("eval"):
+                report = await self.evaluator.evaluate(step=step, policy_version=step)
+            metrics.update(report.metrics())
+        if self._checkpoint_due(step):
+            with timer.phase("checkpoint"):
+                await self.trainer.checkpoint(step)
+            if self.max_staleness:
+                await asyncio.to_thread(self._rollouts.drop_through, step)
+        timings = timer.finish()
+        if busy.spans:
+            timings["rollout"] = busy.busy_seconds()
+        timings["overlap"] = busy.overlap_with(train_span) if train_span else 0.0
+        await self._record(step, metrics, timings, counts, report)
+
+    async def _sync_and_roll_ahead(self, step: int, busy: BusyIntervals) -> None:
+        """shared_path, while step `step` trains: the replicas load version step - 1 from the directory the
+        trainer wrote (no trainer call), then generate the rollouts that version makes."""
+        await self.fleet.sync_weights(step - 1)
+        self._replicas_at = step - 1
+        await self._roll_ahead(step, busy)
+
+    async def _roll_ahead(self, step: int, busy: BusyIntervals) -> None:
+        """While step `step` trains: the rollouts of later steps that the replicas' version (step - 1) makes."""
+        for later in rollouts_at(step - 1, step, self.max_staleness, self.spec.steps):
+            if not self._rollouts.has(later):
+                await self._lagged_rollout(later, step - 1, busy)
+
+    async def _lagged_rollout(self, step: int, replicas_version: int, busy: BusyIntervals) -> None:
+        """Generate and keep step `step`'s rollout with the replicas at `replicas_version`, which must be the
+        version fixed_lag assigns the step: no other version may make it."""
+        wanted = behaviour_version(step, self.max_staleness)
+        if wanted != replicas_version:
+            raise RunFailed(f"step {step}: its rollout must come from policy version {wanted} "
+                            f"(async.max_staleness {self.max_staleness}), but the replicas hold {replicas_version} "
+                            "and cannot go back: a rollout lost once the trainer and every replica moved past its "
+                            "version cannot be generated again")
+        began = time.monotonic()
+        trajectories, counts = await self._sample_and_score(step, PhaseTimer())
+        await asyncio.to_thread(self._rollouts.put, step, wanted, trajectories, counts)
+        busy.add(began, time.monotonic())
+
     async def _sample_and_score(self, step: int, timer: PhaseTimer) -> tuple[list[pb.Trajectory], dict]:
         """The step's trajectories (scored, with advantages) and their counts."""
         spec = self.spec
+        version = behaviour_version(step, self.max_staleness)
         problems = step_problems(self.task.split("train"), seed=spec.seed, step=step,
                                  count=spec.rollout.prompts_per_step)
         with timer.phase("rollout"):
-            samples, dropped = await self._rollout(problems, step=step, policy_version=step - 1)
+            samples, dropped = await self._rollout(problems, step=step, policy_version=version)
         with timer.phase("reward"):
-            trajectories = await self._score(problems, samples, step)
+            trajectories = await self._score(problems, samples, step, version)
         if not trajectories:
             raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
         counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped}
         if spec.rollout.dynamic_sampling.enabled:
             with timer.phase("dynamic_sampling"):
                 trajectories, counts = await self._informative_groups(step, trajectories, dropped)
+        if self.max_staleness:
+            try:
+                counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
+            except ValueError as exc:
+                raise RunFailed(str(exc)) from None
         return trajectories, counts
 
     async def _record(self, step: int, metrics: dict, timings: dict, counts: dict,
@@ -222,9 +345,10 @@ class RunDriver:
         while selection.groups < want and len(rounds) <= max_rounds:
             r = len(rounds)
             extra = step_problems(self.task.split("train"), seed=spec.seed, step=step, count=want, round=r)
-            samples, lost = await self._rollout(extra, step=step, policy_version=step - 1, first_index=r * want)
+            version = behaviour_version(step, self.max_staleness)
+            samples, lost = await self._rollout(extra, step=step, policy_version=version, first_index=r * want)
             dropped += lost
-            rounds.append(await self._score(extra, samples, step))
+            rounds.append(await self._score(extra, samples, step, version))
             selection = select_informative(rounds, want)
         kept = selection.kept
         if selection.groups < want:
@@ -258,13 +382,25 @@ class RunDriver:
     async def _configure_services(self) -> int:
         """The trainer configured for the run and every replica brought to its version; that version."""
         version = await self.trainer.configure()
+        start = await self._replicas_start_version(version) if self.max_staleness else version
         try:
-            live = await self.fleet.start_at(version)
+            live = await self.fleet.start_at(start)
         except NoLiveReplica as exc:
             raise RunFailed(str(exc)) from None
+        self._replicas_at = start
         await self.events.record("services_configured", "services configured", policy_version=version,
                                  rollouts=[c.address for c in live])
         return version
+
+    async def _replicas_start_version(self, trainer_version: int) -> int:
+        """fixed_lag: the version to start the replicas at. The trainer's, unless a step it has not trained
+        lacks its kept rollout and an older version makes it: the coordinator died while that rollout was
+        generated, and the replicas, which were not synced since, still hold that version (a replica that
+        holds another cannot be brought to it, and the run fails naming the step)."""
+        last = min(trainer_version + self.max_staleness, self.spec.steps)
+        missing = [behaviour_version(t, self.max_staleness) for t in range(trainer_version + 1, last + 1)
+                   if behaviour_version(t, self.max_staleness) < trainer_version and not self._rollouts.has(t)]
+        return min(missing, default=trainer_version)
 
     def _training_plan(self, step: int) -> SamplingPlan:
         s = self.spec.rollout.sampling
@@ -282,13 +418,14 @@ class RunDriver:
                                          first_index=first_index)
 
     async def _score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
-                     step: int) -> list[pb.Trajectory]:
+                     step: int, policy_version: int) -> list[pb.Trajectory]:
+        """`policy_version`: the version that generated `samples` (every replica reported it: fleet.generate)."""
         rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
         advantages = group_advantages(rewards, [s.group_id for _, s in samples],
                                       std_normalization=self.spec.trainer.advantage_std_normalization)
         return [
             pb.Trajectory(
-                run_id=self.run_id, step=step, policy_version=step - 1, group_id=s.group_id,
+                run_id=self.run_id, step=step, policy_version=policy_version, group_id=s.group_id,
                 sample_id=s.sample_id, prompt_token_ids=ids_to_proto(self._encode(problems[i])),
                 response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
                 reward=float(r), advantage=float(a), finish_reason=s.finish_reason,

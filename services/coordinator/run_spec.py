@@ -211,7 +211,30 @@ class DebugSpec(_Strict):
     )
 
 
+class AsyncSpec(_Strict):
+    max_staleness: int = Field(
+        0, ge=0, le=64, description="K: how many policy versions a step's rollout may lag the policy it trains. "
+        "0 is the synchronous loop (step s samples with version s-1). With K > 0 the trainer's loss must correct "
+        "for off-policy data (trainer.mismatch_correction.mode 'truncate' or 'mask', or trainer.policy_loss.kind "
+        "'m2po').")
+    mode: Literal["fixed_lag", "streaming"] = Field(
+        "fixed_lag", description="'fixed_lag': the rollout of step s uses exactly policy version max(0, s-1-K), "
+        "so which version produced each trajectory is arithmetic, not timing; the rollouts of later steps run "
+        "while a step trains. 'streaming' (continuous generation across weight updates) is not yet supported "
+        "and is refused.")
+
+    @field_validator("mode")
+    @classmethod
+    def _supported(cls, v: str) -> str:
+        if v == "streaming":
+            raise ValueError("'streaming' is not yet supported (it needs the rollout engines to pause and resume "
+                             "in-flight sequences across a weight update); use 'fixed_lag'")
+        return v
+
+
 class RunSpec(_Strict):
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True)  # `async` is a keyword: stored by its alias
+
     name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Human-readable run name.")
     model_path: str = Field(..., min_length=1, max_length=MAX_PATH_LENGTH,
                             description="Hugging Face causal-LM directory visible to the coordinator, rollout and trainer.")
@@ -224,6 +247,8 @@ class RunSpec(_Strict):
                            "task's held-out split and extra held-out sets.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
     debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
+    async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async",
+                              description="Asynchronous RL: how far rollouts may run ahead of training (docs/async.md).")
     numerics: Numerics = Field(
         "fast", description="'fast': rollout and trainer each run their fastest kernels; their log-probs agree up "
         "to rounding, which the step-1 parity gate bounds (trainer.parity_gate). 'true_on_policy': the torch engine "
@@ -327,6 +352,22 @@ class RunSpec(_Strict):
                 f"trainer.temperature ({self.trainer.temperature}) must equal "
                 f"rollout.sampling.temperature ({self.rollout.sampling.temperature})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _async_is_corrected(self) -> "RunSpec":
+        # A stale rollout is another policy's sample: without a correction the PPO ratio is taken against the
+        # behaviour policy as if it were the proximal one, and nothing bounds the update.
+        if self.async_.max_staleness == 0:
+            return self
+        if self.trainer.mismatch_correction.mode == "none" and self.trainer.policy_loss.kind != "m2po":
+            raise field_error("trainer.mismatch_correction.mode", f"'none' cannot train async.max_staleness "
+                              f"{self.async_.max_staleness} (off-policy rollouts): set it to 'truncate' or 'mask' "
+                              "(decoupled PPO with TIS/MIS weights) or use trainer.policy_loss.kind 'm2po'")
+        if self.eval.every > 0:
+            raise field_error("eval.every", f"{self.eval.every}: mid-run evaluations need the replicas at the "
+                              f"trainer's version, which async.max_staleness {self.async_.max_staleness} keeps "
+                              "behind it; set 0 (evaluations before step 1 and after the last step)")
         return self
 
     @model_validator(mode="after")

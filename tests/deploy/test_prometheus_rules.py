@@ -52,6 +52,7 @@ def test_every_alert_the_issue_asks_for_exists_and_is_unit_tested():
         "LockstepApproxKLSpike", "LockstepM2SecondMomentHigh", "LockstepRewardNaN", "LockstepRewardFlat", "LockstepServiceDown",
         "LockstepSGLangDown", "LockstepWeightSyncSlow", "LockstepRunStalled",
         "LockstepRolloutReplicaEvicted", "LockstepRolloutNoLiveReplica", "LockstepRecomputedStepDiffers",
+        "LockstepStalenessAboveBound",
     }
     assert alerts == wanted
     tested = set()
@@ -85,6 +86,8 @@ MUTATIONS = {
         "lockstep_rollout_replicas_live) > 0"),
     "replica eviction alert fires on a one-step blip": ("for: 10m", "for: 1m"),
     "recomputed-step alert fires on matched steps too": ('{outcome="differed"}[1h]', "[1h]"),
+    "staleness alert only above the bound plus one": ("lockstep_step_staleness_max > lockstep_run_max_staleness",
+                                                      "lockstep_step_staleness_max > lockstep_run_max_staleness + 1"),
     "no-live-replica alert fires with a replica left": ("lockstep_rollout_replicas_live == 0",
                                                         "lockstep_rollout_replicas_live <= 1"),
 }

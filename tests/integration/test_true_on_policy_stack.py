@@ -6,13 +6,24 @@ at every step (not only before the first update) each response token's log-prob 
 the rollout's, in float32 and in bfloat16, and every importance weight is exactly 1. In `fast` mode the
 same bfloat16 run does not agree bitwise, which is what makes the mode necessary (the parity gate's
 tolerance is the safety net there).
+
+Fixed-lag asynchronous runs share the stack: with async.max_staleness K the rollout of step s comes
+from policy version max(0, s-1-K) by arithmetic, so two runs of one spec are bitwise identical (step
+metrics, every trajectory sent to the trainer, final weights), K = 0 is the synchronous loop bit for
+bit, and a trajectory's log-probs are exactly its behaviour policy's: the trainer's recompute equals
+them when it holds that version (staleness 0) and differs once it has moved on. A killed coordinator
+resumes a fixed-lag run bitwise.
 """
 from __future__ import annotations
 
+import copy
+import hashlib
 from pathlib import Path
 
 import pytest
 
+from proto import lockstep_pb2 as pb
+from services.common.step_record import read_step_record
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.local_stack import LocalStack
 
@@ -26,11 +37,16 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def stack(tmp_path_factory):
     with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as stack:
-        c = stack.client()
-        yield c
-        c.close()
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    c = stack.client()
+    yield c
+    c.close()
 
 
 def spec(model_dir: Path, numerics: str, dtype: str) -> dict:
@@ -52,12 +68,17 @@ def spec(model_dir: Path, numerics: str, dtype: str) -> dict:
 
 
 def step_metrics(client, run_spec: dict) -> list[dict]:
+    return run_to_end(client, run_spec)[1]
+
+
+def run_to_end(client, run_spec: dict) -> tuple[str, list[dict]]:
+    """The completed run's id and its step metrics."""
     run = client.submit(run_spec)
     done = client.wait(run["id"], timeout_s=600)
     assert done["status"] == "completed", done
     steps = client.metrics(run["id"])["steps"]
-    assert [s["step"] for s in steps] == [1, 2]
-    return [s["metrics"] for s in steps]
+    assert [s["step"] for s in steps] == list(range(1, run_spec["steps"] + 1))
+    return run["id"], [s["metrics"] for s in steps]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -71,3 +92,118 @@ def test_true_on_policy_log_probs_are_bitwise_the_rollouts_at_every_step(client,
 def test_fast_mode_in_bfloat16_does_not_agree_bitwise(client, model_dir):
     first = step_metrics(client, spec(model_dir, "fast", "bfloat16"))[0]
     assert first["logprob_abs_diff_max"] > 0.0, first
+
+
+# ------------------------------------------------------------------ fixed lag --
+LAG_STEPS = 3
+
+
+def lagged(model_dir: Path, k: int | None, name: str) -> dict:
+    s = copy.deepcopy(spec(model_dir, "true_on_policy", "float32"))
+    s.update(name=name, steps=LAG_STEPS, debug={"record_trajectories": True})
+    # This random tiny policy earns no reward, so its gradients are zero: AdamW's decoupled weight decay is
+    # what moves the weights from version to version, so a stale version's log-probs differ from the trainer's.
+    s["trainer"]["weight_decay"] = 0.1
+    if k is not None:
+        s["async"] = {"max_staleness": k, "mode": "fixed_lag"}
+        if k > 0:  # decoupled PPO: the ratio against the trainer's own pre-update policy, TIS on the behaviour one
+            s["trainer"]["mismatch_correction"] = {"mode": "truncate", "upper": 2.0}
+    return s
+
+
+def final_weights_sha256(stack, run_id: str) -> str:
+    path = stack.run_dir / "coordinator" / run_id / "checkpoints" / f"step_{LAG_STEPS:06d}" / "model.safetensors"
+    from safetensors.numpy import load_file
+
+    digest = hashlib.sha256()
+    for name, array in sorted(load_file(path).items()):
+        digest.update(name.encode() + str(array.dtype).encode() + str(array.shape).encode() + array.tobytes())
+    return digest.hexdigest()
+
+
+def sent_trajectories(stack, run_id: str) -> dict[int, list[pb.Trajectory]]:
+    """What the trainer was sent at each step (debug.record_trajectories), as recorded."""
+    out = {}
+    for step in range(1, LAG_STEPS + 1):
+        meta, chunks = read_step_record(stack.run_dir / "coordinator" / run_id / "trajectories" / f"step_{step:06d}.pb")
+        assert meta.step == step
+        out[step] = [c.trajectory for c in chunks if c.WhichOneof("item") == "trajectory"]
+        assert out[step]
+    return out
+
+
+def without_run_id(trajectories: list[pb.Trajectory]) -> list[bytes]:
+    out = []
+    for t in trajectories:
+        t = pb.Trajectory.FromString(t.SerializeToString())
+        t.run_id = ""
+        out.append(t.SerializeToString(deterministic=True))
+    return out
+
+
+def test_staleness_zero_is_the_synchronous_loop_bitwise(stack, client, model_dir):
+    sync_id, sync = run_to_end(client, lagged(model_dir, None, "sync"))
+    k0_id, k0 = run_to_end(client, lagged(model_dir, 0, "k0"))
+    assert k0 == sync
+    assert final_weights_sha256(stack, k0_id) == final_weights_sha256(stack, sync_id)
+    for step, trajectories in sent_trajectories(stack, k0_id).items():
+        assert {t.policy_version for t in trajectories} == {step - 1}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_fixed_lag_runs_are_bitwise_reproducible_and_use_exactly_the_lagged_version(stack, client, model_dir, k):
+    a_id, a = run_to_end(client, lagged(model_dir, k, f"lag{k}-a"))
+    # The second run syncs through the shared path, where replicas load each version while a step trains:
+    # the overlapped sync must not change a bit.
+    b_spec = lagged(model_dir, k, f"lag{k}-b")
+    b_spec["rollout"]["weight_sync"] = "shared_path"
+    b_id, b = run_to_end(client, b_spec)
+    assert a == b
+    assert final_weights_sha256(stack, a_id) == final_weights_sha256(stack, b_id)
+    sent_a, sent_b = sent_trajectories(stack, a_id), sent_trajectories(stack, b_id)
+    for step in range(1, LAG_STEPS + 1):
+        version = max(0, step - 1 - k)
+        assert {t.policy_version for t in sent_a[step]} == {version}, step
+        assert without_run_id(sent_a[step]) == without_run_id(sent_b[step])
+        m = a[step - 1]
+        assert m["staleness_max"] == m["staleness_mean"] == step - 1 - version
+        # true_on_policy: the rollout's log-probs are the behaviour policy's bits, so the trainer's recompute
+        # equals them exactly when it holds that version, and not once it has moved on.
+        if version == step - 1:
+            assert m["logprob_abs_diff_max"] == 0.0, (step, m)
+        else:
+            assert m["logprob_abs_diff_max"] > 0.0, (step, m)
+
+
+def test_fixed_lag_coordinator_killed_after_a_train_step_resumes_bitwise(stack, client, model_dir):
+    """The coordinator dies right after the trainer applied step 2 (K = 1), while the replicas, at version 1,
+    were generating step 3's rollout: the restarted one replays step 2, generates whatever rollout was lost
+    with the replicas still at version 1, and ends bitwise as a run that was never interrupted."""
+    _, reference = run_to_end(client, lagged(model_dir, 1, "lag-resume-ref"))
+    args = list(stack.coordinator.args)
+    stack.coordinator.stop()
+    assert args[1:3] == ["-m", "services.coordinator"], args
+    stack.coordinator.args = [args[0], "-m", "tests.support.crashing_coordinator", "--crash-after-train-step", "2",
+                              *args[3:]]
+    stack.restart_coordinator()
+    c = stack.client()
+    try:
+        run = c.submit(lagged(model_dir, 1, "lag-resume"))
+        stack.coordinator.proc.wait(timeout=300)
+        assert stack.coordinator.proc.returncode == 137
+    finally:
+        c.close()
+        stack.coordinator.args = args
+        stack.restart_coordinator()
+    fresh = stack.client()
+    try:
+        done = fresh.wait(run["id"], timeout_s=600)
+        assert done["status"] == "completed", done
+        steps = fresh.metrics(run["id"])["steps"]
+        assert [s["metrics"] for s in steps] == reference
+        events = [e["event"] for e in fresh.run(run["id"])["events"]]
+        assert events.count("step_replayed") == 1
+    finally:
+        fresh.close()
+    for step, trajectories in sent_trajectories(stack, run["id"]).items():
+        assert {t.policy_version for t in trajectories} == {max(0, step - 2)}

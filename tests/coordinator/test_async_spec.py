@@ -1,0 +1,75 @@
+"""The run spec's `async` section is checked at submit: fixed_lag only for now, and a run whose rollouts
+lag its policy must train with an off-policy correction."""
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from services.common.tiny_model import build_model_dir
+from services.coordinator.run_spec import RunSpec, RunSpecError, parse_run_spec, validation_fields
+
+CORRECTED = {"mismatch_correction": {"mode": "truncate"}}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    model = str(build_model_dir(tmp_path_factory.mktemp("m") / "model", seed=0))
+    return {"name": "a", "model_path": model, "steps": 3, "task": {"name": "arithmetic"}, "eval": {"every": 0}}
+
+
+def _refused(spec: dict) -> list[dict[str, str]]:
+    with pytest.raises(ValidationError) as exc:
+        RunSpec.model_validate(spec)
+    return validation_fields(exc.value.errors())
+
+
+def test_the_default_is_the_synchronous_loop(base):
+    spec = RunSpec.model_validate(base)
+    assert (spec.async_.max_staleness, spec.async_.mode) == (0, "fixed_lag")
+
+
+def test_a_stored_spec_reads_back_with_its_async_section(base):
+    import json
+
+    spec = parse_run_spec(json.dumps({**base, "async": {"max_staleness": 2}, "trainer": CORRECTED}).encode())
+    stored = spec.model_dump_json()
+    assert json.loads(stored)["async"] == {"max_staleness": 2, "mode": "fixed_lag"}
+    assert RunSpec.model_validate_json(stored).async_.max_staleness == 2
+
+
+def test_streaming_is_refused_as_not_yet_supported(base):
+    with pytest.raises(RunSpecError) as exc:
+        import json
+        parse_run_spec(json.dumps({**base, "async": {"max_staleness": 1, "mode": "streaming"},
+                                   "trainer": CORRECTED}).encode())
+    assert [f["field"] for f in exc.value.fields] == ["async.mode"]
+    assert "not yet supported" in exc.value.fields[0]["reason"]
+
+
+@pytest.mark.parametrize("async_", [{"max_staleness": -1}, {"max_staleness": 65}, {"mode": "eager"},
+                                    {"max_staleness": 1, "lag": 2}])
+def test_bad_values_are_refused_naming_the_field(base, async_):
+    fields = _refused({**base, "async": async_, "trainer": CORRECTED})
+    assert fields and all(f["field"].startswith("async") for f in fields), fields
+
+
+def test_staleness_without_an_off_policy_correction_is_refused_naming_the_field(base):
+    fields = _refused({**base, "async": {"max_staleness": 1}})
+    assert [f["field"] for f in fields] == ["trainer.mismatch_correction.mode"]
+    assert "async.max_staleness 1" in fields[0]["reason"]
+
+
+@pytest.mark.parametrize("trainer", [{"mismatch_correction": {"mode": "truncate"}},
+                                     {"mismatch_correction": {"mode": "mask", "level": "sequence"}},
+                                     {"policy_loss": {"kind": "m2po"}}])
+def test_each_off_policy_correction_is_accepted(base, trainer):
+    assert RunSpec.model_validate({**base, "async": {"max_staleness": 2}, "trainer": trainer}).async_.max_staleness == 2
+
+
+def test_staleness_zero_needs_no_correction(base):
+    assert RunSpec.model_validate({**base, "async": {"max_staleness": 0}}).async_.max_staleness == 0
+
+
+def test_mid_run_evaluation_is_refused_with_staleness(base):
+    fields = _refused({**base, "async": {"max_staleness": 1}, "trainer": CORRECTED, "eval": {"every": 2}})
+    assert [f["field"] for f in fields] == ["eval.every"]
