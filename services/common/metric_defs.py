@@ -71,7 +71,7 @@ def step_metric_name(key: str) -> str:
 COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in STEP_METRIC_HELP.items()),
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in ASYNC_STEP_METRIC_HELP.items()),
-    MetricDef("lockstep_run_max_staleness", "gauge", "The run's async.max_staleness K (set for runs with K > 0).",
+    MetricDef("lockstep_run_max_staleness", "gauge", "The run's async.max_staleness K (0 for a synchronous run).",
               ("run_id",)),
     MetricDef("lockstep_step_overlap_fraction", "gauge",
               "Fraction of the last step's wall time during which rollout and training were both busy (0 in the "

@@ -149,8 +149,8 @@ class RunDriver:
         except TrainerUnavailable as exc:
             trainer_version = await self.trainer.recover(run.step + 1, exc, self._configure_services)
         await self._initial_eval(trainer_version)
-        if self.max_staleness:
-            self.events.exporter.max_staleness(self.run_id, self.max_staleness)
+        # Every run exports its bound (0 for a synchronous run), so a dashboard shows it for any run.
+        self.events.exporter.max_staleness(self.run_id, self.max_staleness)
         cursor = run.step
         while (step := next_step(trainer_version, cursor)) <= self.spec.steps:
             await self._check_cancelled()

@@ -41,6 +41,9 @@ HEALTHCHECK = REPO_ROOT / "deploy" / "docker" / "healthcheck.py"
 MAY_BE_ABSENT = {
     **{name: f"SGLang's own metric ({why}); this run uses engine=torch" for name, why in SGLANG_METRICS.items()},
     "ALERTS": PROMETHEUS_SERIES["ALERTS"] + "; a healthy run has none",
+    "lockstep_step_staleness_max": "a step metric of async runs only (async.max_staleness > 0): a synchronous "
+    "run's trajectories are all of version step - 1 (tests/integration/test_true_on_policy_stack.py checks "
+    "the fixed-lag runs' staleness)",
     "lockstep_steps_recomputed_total": "labelled counter, first exported when a lost trainer is recovered "
     "(tests/integration/test_trainer_recovery.py checks it on the coordinator's /metrics)",
 }
