@@ -185,6 +185,7 @@ def test_large_dataset_submit_keeps_healthz_answering(lone_coordinator, tiny_mod
     try:
         with httpx.Client(timeout=30) as client:
             client.get(f"{url}/healthz")  # connection made before the clock starts
+            started = time.perf_counter()
             submitter.start()
             while submitter.is_alive():
                 t0 = time.perf_counter()
@@ -192,16 +193,16 @@ def test_large_dataset_submit_keeps_healthz_answering(lone_coordinator, tiny_mod
                 latencies.append(time.perf_counter() - t0)
                 time.sleep(0.05)
         submitter.join()
+        submit_seconds = time.perf_counter() - started
     finally:
         gc.enable()
     assert result["response"].status_code == 201, result["response"].text
     assert len(latencies) >= 10, "the submit was too quick to measure anything"
-    # On a loaded 2-core machine (other test runs beside this one) a probe can wait for a core held by
-    # another process: 95% within 100 ms and none near a second. A blocked event loop instead holds the
-    # probes for the whole validation (seconds), and only a handful get made.
-    slow = sorted(t for t in latencies if t >= 0.1)
-    assert len(slow) <= len(latencies) // 20, (len(latencies), slow)
-    assert max(latencies) < 1.0, (len(latencies), slow)
+    # A blocked event loop holds a probe for the whole validation, so one probe takes about as long as the
+    # submit. Measured against the submit's own duration, not a fixed number of milliseconds: on a loaded
+    # machine every request is slower, the submit included, and the ratio still tells the two apart.
+    slowest = max(latencies)
+    assert slowest < submit_seconds / 4, (slowest, submit_seconds, len(latencies))
 
 
 def test_dataset_over_the_line_limit_is_422(lone_coordinator, tiny_model_dir, math_file, monkeypatch):
