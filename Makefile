@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv sglang-venv demo test proto clean
+.PHONY: venv sglang-venv demo test test-quick proto clean
 
 venv: $(STAMP)
 
@@ -24,8 +24,14 @@ sglang-venv:
 demo: venv
 	$(PY) -m recipes.tiny_arith.demo
 
+# The whole suite (CI runs this), then its 25 slowest tests.
 test: venv sglang-venv
-	$(PY) -m pytest -m "not gpu and not docker" tests
+	$(PY) -m pytest -m "not gpu and not docker" --durations=25 tests
+
+# The inner loop: unit-level tests only, without the `stack` tests (service processes, Redis, SGLang,
+# Prometheus, Ray) and the `slow` ones (process groups, compilers); tests/conftest.py marks both.
+test-quick: venv
+	$(PY) -m pytest -m "not gpu and not docker and not stack and not slow" --durations=10 tests
 
 proto: venv
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/lockstep.proto proto/rendezvous.proto

@@ -4,10 +4,18 @@ Tests that need an external binary or optional package call `require(...)`:
 on a user's machine a missing part skips with the stated reason; in CI
 (`LOCKSTEP_REQUIRE_ALL=1`) the same absence fails the test, so nothing CI is
 meant to exercise can quietly turn into a skip.
+
+Tests that start a stack (a service process, Redis, SGLang, Prometheus or Ray) carry the `stack`
+marker. It is given here, from where a test lives and which fixtures it uses (STACK_DIRS,
+STACK_FIXTURES, STACK_TESTS), and checked while the tests run: a test without it that starts one of
+those processes fails, naming what it started. Unit tests that cost more than a few CPU-seconds are
+marked `slow` here (SLOW_TESTS). `make test-quick` deselects both; `make test` runs everything.
 """
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -46,9 +54,197 @@ def repo_root() -> Path:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """Under LOCKSTEP_REQUIRE_ALL=1 no test may skip, whatever skipped it (importorskip included)."""
+    """Under LOCKSTEP_REQUIRE_ALL=1 no test may skip, whatever skipped it (importorskip included); a test
+    the stack guard refused fails (see _StackGuard)."""
     outcome = yield
     report = outcome.get_result()
     if require_all() and report.skipped and not hasattr(report, "wasxfail"):
         report.outcome = "failed"
         report.longrepr = f"LOCKSTEP_REQUIRE_ALL=1 forbids skips: {report.longrepr}"
+    if _GUARD.started:  # the refusal was raised where the test may not see it (a thread): fail it here too
+        if not report.failed:
+            report.outcome = "failed"
+            report.longrepr = _GUARD.refusal(item, ", ".join(_GUARD.started))
+        _GUARD.started = []
+
+
+# ---------------------------------------------------------------- the `stack` and `slow` markers
+
+# Every test under these directories runs against real processes on loopback.
+STACK_DIRS = ("tests/integration/",)
+
+# Fixtures that start a stack, as (the file defining them, name): every test whose fixture closure holds
+# one is a stack test, wherever the fixture is imported to.
+STACK_FIXTURES = {
+    ("tests/coordinator/conftest.py", "lone_coordinator"): "a coordinator process (and its redis-server)",
+    ("tests/coordinator/test_event_log.py", "server"): "an embedded redis-server",
+    ("tests/coordinator/test_store.py", "server"): "an embedded redis-server",
+    ("tests/deploy/test_live_prometheus.py", "stack"): "the local stack",
+    ("tests/deploy/test_live_prometheus.py", "prometheus"): "a Prometheus server",
+    ("tests/recipes/test_recipe_train_rest.py", "coordinator"): "a coordinator process",
+    ("tests/rollout/test_rollout_server_process.py", "server"): "a rollout service process",
+    ("tests/rollout/test_sglang_engine.py", "engine"): "an SGLang server",
+    ("tests/rollout/test_sglang_run.py", "stack"): "the local stack with SGLang",
+    ("tests/trainer/test_broadcast_abort.py", "trainer"): "a trainer service process",
+    ("tests/trainer/test_trainer_server.py", "server"): "a trainer service process",
+    ("tests/trainer/test_trainer_server.py", "parity_server"): "a trainer service process",
+}
+
+# Tests (path::name) or whole modules (path) that start one in their own body, or need the SGLang
+# virtualenv (`make sglang-venv`, which `make test-quick` does not build).
+STACK_TESTS = {
+    "tests/coordinator/test_scheduler.py": "runs the scheduler against a redis-server",
+    "tests/coordinator/test_store.py::test_appendonly_survives_server_restart": "restarts a redis-server",
+    "tests/deploy/test_metric_names.py::test_sglang_names_exist_in_sglang": "reads the SGLang virtualenv",
+    "tests/rollout/test_sglang_broadcast.py::test_broadcast_request_bodies_fit_sglangs_request_types":
+        "runs the SGLang virtualenv's Python",
+    "tests/rollout/test_sglang_lora.py::test_lora_request_bodies_fit_sglangs_request_types":
+        "runs the SGLang virtualenv's Python",
+}
+
+# Tests that start no stack but cost more than a few CPU-seconds each (process groups, compilers, long
+# computations): `make test-quick` leaves these out too, to stay an inner loop. Entries as in STACK_TESTS.
+SLOW_TESTS = {
+    "tests/kernels/test_logprob_check_targets.py": "compiles every kernel for MI300 and Hopper",
+    "tests/kernels/test_logprob_distributed.py": "a gloo group of forked processes",
+    "tests/kernels/test_logprob_linear_distributed.py": "gloo groups of forked processes",
+    "tests/kernels/test_logprob_native_source.py": "compiles the native kernel with g++",
+    "tests/trainer/test_data_parallel.py": "trainer ranks as processes",
+    "tests/trainer/test_lora_data_parallel.py": "trainer ranks as processes",
+    "tests/trainer/test_true_on_policy.py::test_a_data_parallel_group_scores_the_samplers_bits":
+        "trainer ranks as processes",
+    "tests/trainer/test_policy_loss_trainer.py::test_m2po_mask_spans_every_rank_of_a_group":
+        "trainer ranks as processes",
+    "tests/trainer/test_mixed_precision.py::test_compiled_layers_train_like_eager_and_rerun_bitwise":
+        "torch.compile",
+    "tests/recipes/test_tiny_arith.py::test_warm_start_is_deterministic_and_writes_a_loadable_dir":
+        "two warm starts as processes",
+    "tests/deploy/test_prometheus_rules.py::test_unit_tests_catch_a_loosened_rule": "promtool per rule",
+    "tests/trainer/test_parity_gate.py::test_reference_attention_passes_the_gate": "rounding bounds of a model",
+    "tests/kernels/test_logprob_linear.py::test_matches_unfused_path_and_fp64": "large float64 references",
+    "tests/kernels/test_logprob_linear.py::test_weight_gradient_accumulates_in_fp32_across_chunks":
+        "large float64 references",
+    "tests/kernels/test_logprob_linear.py::test_a_token_does_not_depend_on_the_rest_of_the_call":
+        "many calls of the fused head",
+    "tests/kernels/test_batch_invariant_triton.py::test_triton_decode_equals_triton_packed_at_every_position":
+        "a decode per position in Triton's interpreter",
+    "tests/common/test_weight_stream_buffers.py::"
+    "test_the_finite_check_finds_a_bad_value_wherever_chunks_cut_the_tensor": "one stream per cut",
+}
+
+# `python -m <module>` of these is a service process.
+SERVICE_MODULES = ("services.coordinator", "services.rollout", "services.trainer", "services.ray_stack")
+
+
+def _relative(path: str | os.PathLike) -> str:
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _listed(item: pytest.Item, table: dict[str, str]) -> str | None:
+    where = item.nodeid.split("[", 1)[0]
+    for key in (where, where.split("::", 1)[0]):
+        if key in table:
+            return table[key]
+    return None
+
+
+def _stack_reason(item: pytest.Item) -> str | None:
+    """Why `item` is a stack test, or None."""
+    if item.nodeid.startswith(STACK_DIRS):
+        return "lives in " + next(d for d in STACK_DIRS if item.nodeid.startswith(d))
+    if (reason := _listed(item, STACK_TESTS)) is not None:
+        return reason
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ()):
+            key = (_relative(inspect.getsourcefile(fixturedef.func) or ""), fixturedef.argname)
+            if key in STACK_FIXTURES:
+                return f"fixture {key[1]} ({key[0]}) starts {STACK_FIXTURES[key]}"
+    return None
+
+
+def _stale_entries() -> list[str]:
+    """Entries of the tables above that name no file, test or fixture (renamed or removed since)."""
+    entries = [(k.partition("::")[0], k.partition("::")[2]) for k in (*STACK_TESTS, *SLOW_TESTS)]
+    stale = []
+    for path, name in [*entries, *STACK_FIXTURES]:
+        source = REPO_ROOT / path
+        if not source.is_file() or (name and not re.search(rf"^def {re.escape(name)}\(", source.read_text(), re.M)):
+            stale.append(f"{path}::{name}" if name else path)
+    return stale
+
+
+def pytest_configure(config):
+    if stale := _stale_entries():
+        raise pytest.UsageError(f"tests/conftest.py's marker tables name what does not exist: {stale}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _stack_reason(item) is not None:
+            item.add_marker(pytest.mark.stack)
+        if _listed(item, SLOW_TESTS) is not None:
+            item.add_marker(pytest.mark.slow)
+
+
+def stack_process(argv) -> str | None:
+    """What a command line starts, if it is part of a stack: a service, Redis, SGLang, Prometheus or Ray."""
+    args = [os.fspath(a) for a in ([argv] if isinstance(argv, (str, bytes, os.PathLike)) else argv)]
+    args = [a.decode() if isinstance(a, bytes) else a for a in args]
+    if not args:
+        return None
+    program = Path(args[0]).name
+    if program.startswith("redis-server"):
+        return "a redis-server"
+    if program == "prometheus":
+        return "a Prometheus server"
+    if program in ("raylet", "gcs_server") or "/ray/" in args[0] or program == "ray":
+        return "Ray"
+    from services.rollout.config import default_sglang_python
+    if ".venv-sglang" in args[0] or args[0] == default_sglang_python():
+        return "SGLang (its virtualenv's Python)"
+    if "-m" in args[:-1]:
+        module = args[args.index("-m") + 1]
+        if module in SERVICE_MODULES:
+            return f"the {module} service"
+        if module.split(".")[0] in ("sglang", "ray"):
+            return module
+    return None
+
+
+class _StackGuard:
+    """Fails a test that is not marked `stack` yet starts a stack process (seen through the audit hook
+    subprocess.Popen raises), so the marker cannot fall behind the tests."""
+
+    def __init__(self) -> None:
+        self.item: pytest.Item | None = None
+        self.started: list[str] = []
+
+    def audit(self, event: str, args: tuple) -> None:
+        if event != "subprocess.Popen" or self.item is None or self.item.get_closest_marker("stack"):
+            return
+        what = stack_process(args[1] if args[1] is not None else args[0])
+        if what is not None:
+            self.started.append(what)
+            raise RuntimeError(self.refusal(self.item, what))
+
+    @staticmethod
+    def refusal(item: pytest.Item, what: str) -> str:
+        return (f"{item.nodeid} starts {what} but is not marked `stack`: mark it (@pytest.mark.stack), or add it "
+                "or the fixture that starts it to STACK_TESTS / STACK_FIXTURES in tests/conftest.py")
+
+
+_GUARD = _StackGuard()
+sys.addaudithook(_GUARD.audit)  # audit hooks cannot be removed; outside a test's run it does nothing
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _GUARD.item, _GUARD.started = item, []
+    try:
+        yield
+    finally:
+        _GUARD.item = None
