@@ -100,6 +100,10 @@ STACK_TESTS = {
         "runs the SGLang virtualenv's Python",
     "tests/rollout/test_sglang_lora.py::test_lora_request_bodies_fit_sglangs_request_types":
         "runs the SGLang virtualenv's Python",
+    "tests/coordinator/test_fixed_lag.py::test_a_replica_reporting_another_version_is_refused_naming_the_step":
+        "drives the fleet against a redis-server",
+    "tests/rollout/test_tcpstore_bridge.py::test_a_tcpstore_client_is_served_every_operation_and_forms_a_gloo_group":
+        "runs a TCPStore client in the SGLang virtualenv's Python",
 }
 
 # Tests that start no stack but cost more than a few CPU-seconds each (process groups, compilers, long
