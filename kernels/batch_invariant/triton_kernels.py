@@ -16,6 +16,17 @@ through that block by selection (tl.where), not by arithmetic that happens to be
 packed program, which walks to the block of its last row, and the decode program, which stops
 at its own last block, produce the same bits for a token. Keys at or beyond a sequence's end
 are loaded as 0 (never read), so NaN in a cache tail cannot reach a result.
+
+INTERPRETED (Triton's interpreter, the CPU tests) changes three things. Dot operands go to fp32
+first: the interpreter keeps bf16 as raw uint16 and cannot multiply it (the cast is exact;
+products and fp32 sums then model the MMA). The cast is written inline under `if INTERPRETED:`
+(no code when compiled) because every call of a jit helper costs the interpreter a re-patch of
+triton.language, about as much as the rest of a key block. Loops are `while` loops: the
+interpreter cannot run `range` over a runtime bound, and the compiled kernels keep the `for`
+loops Triton software-pipelines. And tl.dot is numpy's matmul there, whose BLAS may order a row's
+K sum by the row's position in the tile (OpenBLAS does on AVX2-only CPUs), so interpreted rows
+are batch-invariant only with a dot that reduces every output alike: the CPU tests install one
+(tests/kernels/interpreted_dot.py; docs/testing.md, "Interpreted Triton kernels on CPU").
 """
 from __future__ import annotations
 
@@ -24,23 +35,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _operand(t, INTERPRETED: tl.constexpr):
-    """A dot operand as the GPU takes it. Triton's interpreter keeps bf16 as raw uint16 and cannot
-    multiply it, so there 16-bit operands go to fp32 first (exact; products and fp32 sums then
-    model the MMA). INTERPRETED also selects `while` loops: the interpreter cannot run `range`
-    over a runtime bound, and the compiled kernels keep the `for` loops Triton software-pipelines."""
-    if INTERPRETED:
-        return t.to(tl.float32)
-    else:
-        return t
-
-
-@triton.jit
 def _matmul_step(acc, x_ptrs, w_ptrs, kb, K, m_ok, n_ok, offs_k, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  INTERPRETED: tl.constexpr):
     k_ok = offs_k < K - kb * BLOCK_K
-    a = _operand(tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0), INTERPRETED)
-    b = _operand(tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), INTERPRETED)
+    a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if INTERPRETED:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
@@ -106,7 +108,10 @@ def _key_block(m_i, l_i, acc, q, k_base, v_base, stride_kn, n_valid, key_limit, 
     load_ok = offs_n < key_limit
     k = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None],
                 mask=load_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-    s = tl.dot(_operand(q, INTERPRETED), _operand(k, INTERPRETED), input_precision=DOT_PRECISION) * qk_scale
+    if INTERPRETED:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(offs_n[None, :] < n_valid[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -114,7 +119,11 @@ def _key_block(m_i, l_i, acc, q, k_base, v_base, stride_kn, n_valid, key_limit, 
     l_new = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
                 mask=load_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-    pv = tl.dot(_operand(p.to(v.dtype), INTERPRETED), _operand(v, INTERPRETED), input_precision=DOT_PRECISION)
+    p_v = p.to(v.dtype)  # the probabilities in v's dtype, as the MMA takes them
+    if INTERPRETED:
+        p_v = p_v.to(tl.float32)
+        v = v.to(tl.float32)
+    pv = tl.dot(p_v, v, input_precision=DOT_PRECISION)
     acc_new = acc * alpha[:, None] + pv
     active = n_valid > lo
     return (tl.where(active, m_new, m_i), tl.where(active, l_new, l_i), tl.where(active[:, None], acc_new, acc))

@@ -5,9 +5,15 @@ The interpreter runs each program in numpy (tens of ms each), so the shapes are 
 cross every boundary the kernels have: a K tail inside a BLOCK_K step, N and M tails, sequences of
 1, KEY_BLOCK-1, KEY_BLOCK+1 and 2*KEY_BLOCK+2 keys, GQA groups, NaN in cache tails. The same
 checks at the Qwen3-0.6B shape on a GPU are in test_batch_invariant_gpu.py.
+
+Interpreted, tl.dot is numpy's matmul, whose BLAS may sum a row's K in an order set by the row's
+place in the tile (OpenBLAS does on AVX2-only CPUs); the bitwise checks rest on the fixed-order
+interpreted dot that tests/kernels/conftest.py installs, and every test here runs with np.matmul
+replaced by one that orders each row's sum by the row's index, so none can pass by numpy's BLAS.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +24,7 @@ from tests.kernels.batch_invariant_support import (
     make_qkv,
     pack_lengths,
 )
+from tests.kernels.interpreted_dot import row_position_dependent_matmul
 
 # On a machine with CUDA the same tests run the compiled kernels on tiny GPU tensors.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -28,6 +35,13 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 ROWS = (1, 3, 17, 64, 200)
 LENGTHS = [1, KEY_BLOCK - 1, KEY_BLOCK + 1, 9]
+
+
+@pytest.fixture(autouse=True)
+def numpy_matmul_that_orders_each_row_by_its_index(monkeypatch):
+    """Interpreted kernels must be row-invariant whatever BLAS numpy has, so they run with the worst kind."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(np, "matmul", row_position_dependent_matmul)
 
 
 def _gen(seed):
