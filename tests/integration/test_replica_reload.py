@@ -73,7 +73,7 @@ def test_restarted_replica_is_reloaded_on_generate_and_on_weight_sync(tmp_path):
                     samples, dropped = await driver._rollout(problems, step=1, policy_version=0)
                     assert (len(samples), dropped) == (4, 0)
 
-                    trajectories = await driver._score(problems, samples, 1)
+                    trajectories = await driver._score(problems, samples, 1, policy_version=0)
                     header = pb.TrainStepHeader(run_id=run.id, step=1, policy_version=0,
                                                 num_trajectories=len(trajectories))
                     assert (await trainer.train_step(header, trajectories)).policy_version == 1
