@@ -104,6 +104,8 @@ STACK_TESTS = {
         "drives the fleet against a redis-server",
     "tests/rollout/test_tcpstore_bridge.py::test_a_tcpstore_client_is_served_every_operation_and_forms_a_gloo_group":
         "runs a TCPStore client in the SGLang virtualenv's Python",
+    "tests/rollout/test_sglang_command_line.py::test_sglangs_argparse_reads_each_command_line_as_the_config_says":
+        "runs SGLang's argument parser in its virtualenv's Python",
 }
 
 # Tests that start no stack but cost more than a few CPU-seconds each (process groups, compilers, long
