@@ -133,6 +133,9 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
             "--max-total-tokens", str(config.cpu_max_total_tokens),
             # Warm-up sends a text request; with input ids only (no tokenizer) it is pure start-up cost.
             "--skip-server-warmup",
+            # An idle scheduler otherwise polls its sockets in a busy loop: a whole core, on a host whose
+            # cores the trainer and the other services share. Asleep, it wakes on the next request.
+            "--sleep-on-idle",
         ]
         env_updates[SGLANG_CPU_PLUGIN_ENV] = "1"
         # Select the plugin by name: SGLang then fails at start-up, naming it,

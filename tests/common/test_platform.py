@@ -101,7 +101,8 @@ def test_cpu_flags_and_environment_exactly():
     plan = sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {"HIP_VISIBLE_DEVICES": "0"})
     assert plan.flags == (
         "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
-        "--dtype", "float32", "--max-total-tokens", "8192", "--skip-server-warmup", "--enable-metrics",
+        "--dtype", "float32", "--max-total-tokens", "8192", "--skip-server-warmup", "--sleep-on-idle",
+        "--enable-metrics",
     )
     assert plan.env_updates == {"LOCKSTEP_SGLANG_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "lockstep_cpu"}
     # GPU-only options don't leak into the CPU command.

@@ -121,7 +121,8 @@ def test_server_command_and_environment_exactly():
         "/v/bin/python", "-c", BOOTSTRAP, "4242", "--model-path", "/m", "--host", "127.0.0.1",
         "--port", "30001", "--weight-version", "5", "--tp-size", "1", "--skip-tokenizer-init",
         "--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph", "--dtype", "float32",
-        "--max-total-tokens", "8192", "--skip-server-warmup", "--enable-metrics", "--random-seed", "1",
+        "--max-total-tokens", "8192", "--skip-server-warmup", "--sleep-on-idle", "--enable-metrics",
+        "--random-seed", "1",
     ]
     env = server_env(plan, {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "HOME": "/root", "LOCKSTEP_AUTH_TOKEN": "t",
                             "LOCKSTEP_AUTH_TOKEN_FILE": "/run/secrets/t"}, "k" * 43)
