@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
-from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow
 
@@ -26,11 +25,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as stack:
-        c = stack.client()
-        yield c
-        c.close()
+def client(one_replica_stack):
+    c = one_replica_stack.client()  # the shared stack (tests/integration/conftest.py)
+    yield c
+    c.close()
 
 
 def spec(model_dir: Path, numerics: str, dtype: str) -> dict:
