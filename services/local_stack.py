@@ -48,22 +48,30 @@ class ServiceProcess:
     env: dict[str, str]
     log_path: Path
     proc: subprocess.Popen | None = None
+    _terminated: bool = field(default=False, init=False, repr=False)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(self.args, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
+        self._terminated = False
         log.close()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def terminate(self) -> None:
+        """Ask it to stop (SIGTERM) without waiting; stop() then waits for it."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout_s: float = 20.0) -> int | None:
         if self.proc is None:
             return None
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -184,7 +192,13 @@ class LocalStack:
         self.wait_ready(timeout_s)
 
     def stop(self) -> None:
-        for p in reversed(self.processes):
+        """The coordinator first, so that it sees none of the services it drives go away; then those
+        services all at once: each takes seconds to wind down, and none waits for another."""
+        self.coordinator.stop()
+        workers = [*reversed(self.rollouts), self.trainer]
+        for p in workers:
+            p.terminate()
+        for p in workers:
             p.stop()
 
     def __enter__(self) -> "LocalStack":

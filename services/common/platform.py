@@ -154,6 +154,9 @@ def sglang_launch_plan(platform: Platform, config: SGLangPlatformConfig, env: Ma
             "--dtype=float32",
             # Warm-up sends a text request; with input ids only (no tokenizer) it is pure start-up cost.
             "--skip-server-warmup",
+            # An idle scheduler otherwise polls its sockets in a busy loop: a whole core, on a host whose
+            # cores the trainer and the other services share. Asleep, it wakes on the next request.
+            "--sleep-on-idle",
         ]
         option("cpu_max_total_tokens")
         env_updates[SGLANG_CPU_PLUGIN_ENV] = "1"

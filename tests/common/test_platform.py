@@ -106,7 +106,7 @@ def test_cpu_flags_and_environment_exactly():
     plan = sglang_launch_plan(Platform.CPU, SGLangPlatformConfig(), {"HIP_VISIBLE_DEVICES": "0"})
     assert argv(plan) == (
         "--device=cpu", "--attention-backend=torch_native", "--disable-cuda-graph",
-        "--dtype=float32", "--skip-server-warmup", "--enable-metrics", "--max-total-tokens=8192",
+        "--dtype=float32", "--skip-server-warmup", "--sleep-on-idle", "--enable-metrics", "--max-total-tokens=8192",
     )
     assert plan.env_updates == {"LOCKSTEP_SGLANG_CPU_PLATFORM": "1", "SGLANG_PLATFORM": "lockstep_cpu"}
     # GPU-only options don't leak into the CPU command.

@@ -51,8 +51,10 @@ class LoneCoordinator:
         raise RuntimeError(f"coordinator not answering within {timeout_s}s:\n{self.process.tail()}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lone_coordinator(tmp_path_factory):
+    """One coordinator for every module here: a process start is most of what a module of REST-edge tests
+    costs, and they leave nothing behind that another reads (each counts runs before and after itself)."""
     c = LoneCoordinator(tmp_path_factory.mktemp("coordinator"), tmp_path_factory.getbasetemp()).start()
     try:
         yield c

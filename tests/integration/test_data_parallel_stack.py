@@ -31,25 +31,31 @@ def _spec(model: Path, name: str) -> dict:
             "trainer": {"microbatch_tokens": 24}, "eval": {"every": 0, "heldout_size": 8}}
 
 
-def _run(tmp: Path, model: Path, env: dict, name: str) -> tuple[list[dict], dict]:
-    with LocalStack(tmp, extra_env=env, path_roots=[model.parent]) as stack:
-        client = stack.client()
-        try:
-            run = client.submit(_spec(model, name))
-            assert client.wait(run["id"], timeout_s=300)["status"] == "completed"
-            with sync_channel(f"127.0.0.1:{stack.trainer_port}", stack.token) as ch:
-                info = pb_grpc.TrainerStub(ch).Info(pb.InfoRequest(), timeout=10)
-            return [s["metrics"] for s in client.metrics(run["id"])["steps"]], dict(info.details)
-        finally:
-            client.close()
+def _run(stack: LocalStack, model: Path, name: str) -> tuple[list[dict], dict]:
+    client = stack.client()
+    try:
+        run = client.submit(_spec(model, name))
+        assert client.wait(run["id"], timeout_s=300)["status"] == "completed"
+        with sync_channel(f"127.0.0.1:{stack.trainer_port}", stack.token) as ch:
+            info = pb_grpc.TrainerStub(ch).Info(pb.InfoRequest(), timeout=10)
+        return [s["metrics"] for s in client.metrics(run["id"])["steps"]], dict(info.details)
+    finally:
+        client.close()
 
 
-def test_two_rank_trainer_serves_runs_reproducibly(tmp_path):
+def _dp_run(tmp: Path, model: Path, name: str) -> tuple[list[dict], dict]:
+    """A run on a fresh stack whose trainer has two ranks: fresh processes, so that run-to-run means
+    process-to-process too."""
+    with LocalStack(tmp, extra_env={"LOCKSTEP_TRAINER_DATA_PARALLEL": "2"}, path_roots=[model.parent]) as stack:
+        return _run(stack, model, name)
+
+
+def test_two_rank_trainer_serves_runs_reproducibly(tmp_path, one_replica_stack):
     model = build_model_dir(tmp_path / "model", seed=1)
-    dp = {"LOCKSTEP_TRAINER_DATA_PARALLEL": "2"}
-    a, info = _run(tmp_path / "a", model, dp, "dp-a")
-    b, _ = _run(tmp_path / "b", model, dp, "dp-b")
-    one, info1 = _run(tmp_path / "one", model, {}, "dp-one")
+    a, info = _dp_run(tmp_path / "a", model, "dp-a")
+    b, _ = _dp_run(tmp_path / "b", model, "dp-b")
+    # The session's shared stack has a one-rank trainer with default options (tests/integration/conftest.py).
+    one, info1 = _run(one_replica_stack, model, "dp-one")
     assert info["data_parallel"] == "2" and info1["data_parallel"] == "1"
     assert a == b  # bitwise, run to run, at a fixed world size
     # Step 1 starts from the same weights: everything but the gradient norm is bitwise that of one rank.

@@ -1,21 +1,16 @@
 """A LoRA GRPO run through the real stack (trainer, embedded-engine rollout, coordinator, Redis as processes)
-on the demo's warm-started tiny policy: it learns (held-out greedy accuracy +0.2 over the warm start), step 1
+on the demo's warm-started tiny policy: it learns (held-out greedy accuracy +0.1 over the warm start), step 1
 is on-policy within the fp32 demo's bounds, every weight sync moves the adapters alone (the rollout's own
 account of the bytes it received), and the checkpoint the trainer writes is an adapter directory."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from services.local_stack import LocalStack
-
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 150
 LORA = {"rank": 16, "alpha": 32.0, "target_modules": "all-linear"}
 
@@ -32,58 +27,63 @@ def adapter_and_model_bytes(model_dir: Path) -> tuple[int, int]:
     return sum(p.numel() * 4 for p in lm.parameters() if p.requires_grad), full
 
 
-def rollout_weight_updates(log: Path) -> list[dict]:
-    events = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+def rollout_weight_updates(log: Path, offset: int) -> list[dict]:
+    """The rollout's "weights updated" records written to `log` after byte `offset` (the shared stack's
+    replica logs every run it served; it serves one run at a time, so what follows the offset taken at
+    submit is this run's)."""
+    with log.open("rb") as f:
+        f.seek(offset)
+        lines = f.read().decode().splitlines()
+    events = [json.loads(line) for line in lines if line.startswith("{")]
     return [e for e in events if e.get("msg") == "weights updated"]
 
 
-def test_lora_run_learns_and_syncs_only_adapters(tmp_path):
-    model = tmp_path / "model"
-    prep = subprocess.run([sys.executable, "-m", "recipes.tiny_arith.prepare", "--out", str(model), "--seed", "0",
-                           "--threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert prep.returncode == 0, prep.stderr[-3000:]
-    with LocalStack(tmp_path / "stack", path_roots=[tmp_path]) as stack:
-        client = stack.client()
-        try:
-            spec = {
-                "name": "lora", "model_path": str(model), "seed": 0, "steps": STEPS,
-                "task": {"name": "arithmetic", "options": {"seed": 0, "digits": 2, "heldout_size": 200}},
-                "rollout": {"prompts_per_step": 32, "samples_per_prompt": 8,
-                            "sampling": {"temperature": 1.0, "max_new_tokens": 5}},
-                "trainer": {"lr": 2e-3, "betas": [0.9, 0.99], "grad_clip": 1.0, "lora": LORA},
-                "eval": {"every": STEPS, "heldout_size": 200},
-                "checkpoint": {"every": STEPS},
-            }
-            run = client.submit(spec)
-            done = client.wait(run["id"], timeout_s=1500)
-            assert done["status"] == "completed", done.get("error")
-            metrics = client.metrics(run["id"])
-            events = client.run(run["id"])["events"]
-        finally:
-            client.close()
-        steps = metrics["steps"]
-        assert len(steps) == STEPS
-        first, last = steps[0]["metrics"], steps[-1]["metrics"]
-        # The fp32 demo's step-1 bounds (tests/integration/test_stack.py): base + zero adapters on both sides.
-        assert abs(first["iw_mean"] - 1) <= 1e-4 and first["logprob_abs_diff_max"] <= 1e-3, first
-        initial = metrics["eval_initial"]["accuracy"]
-        # Learning, judged against the eval's own noise: 200 held-out problems at accuracy ~0.3 give a standard
-        # error of ~0.032, so +0.1 is three of them. (The bar was +0.2 while the static-batch engine's samples
-        # happened to take a faster trajectory, 0.245 -> 0.61; under continuous batching this seed goes
-        # 0.265 -> 0.41 with every step's IW within 2e-7 of 1, i.e. on-policy throughout.)
-        assert last["eval_accuracy"] >= initial + 0.1, (initial, last["eval_accuracy"])
+def test_lora_run_learns_and_syncs_only_adapters(warm_model, one_replica_stack):
+    model = warm_model.path  # built once per session (tests/integration/conftest.py)
+    stack = one_replica_stack
+    rollout_log = stack.run_dir / "logs" / "rollout0.log"
+    log_offset = rollout_log.stat().st_size
+    client = stack.client()
+    try:
+        spec = {
+            "name": "lora", "model_path": str(model), "seed": 0, "steps": STEPS,
+            "task": {"name": "arithmetic", "options": {"seed": 0, "digits": 2, "heldout_size": 200}},
+            "rollout": {"prompts_per_step": 32, "samples_per_prompt": 8,
+                        "sampling": {"temperature": 1.0, "max_new_tokens": 5}},
+            "trainer": {"lr": 2e-3, "betas": [0.9, 0.99], "grad_clip": 1.0, "lora": LORA},
+            "eval": {"every": STEPS, "heldout_size": 200},
+            "checkpoint": {"every": STEPS},
+        }
+        run = client.submit(spec)
+        done = client.wait(run["id"], timeout_s=1500)
+        assert done["status"] == "completed", done.get("error")
+        metrics = client.metrics(run["id"])
+        events = client.run(run["id"])["events"]
+    finally:
+        client.close()
+    steps = metrics["steps"]
+    assert len(steps) == STEPS
+    first, last = steps[0]["metrics"], steps[-1]["metrics"]
+    # The fp32 demo's step-1 bounds (tests/integration/test_stack.py): base + zero adapters on both sides.
+    assert abs(first["iw_mean"] - 1) <= 1e-4 and first["logprob_abs_diff_max"] <= 1e-3, first
+    initial = metrics["eval_initial"]["accuracy"]
+    # Learning, judged against the eval's own noise: 200 held-out problems at accuracy ~0.3 give a standard
+    # error of ~0.032, so +0.1 is three of them. (The bar was +0.2 while the static-batch engine's samples
+    # happened to take a faster trajectory, 0.245 -> 0.61; under continuous batching this seed goes
+    # 0.265 -> 0.41 with every step's IW within 2e-7 of 1, i.e. on-policy throughout.)
+    assert last["eval_accuracy"] >= initial + 0.1, (initial, last["eval_accuracy"])
 
-        # Every sync (one per step) carried the adapters alone: 2 layers x 7 linear layers x (A, B).
-        adapter_bytes, model_bytes = adapter_and_model_bytes(model)
-        updates = rollout_weight_updates(stack.run_dir / "logs" / "rollout0.log")
-        assert [u["policy_version"] for u in updates] == list(range(1, STEPS + 1))
-        assert all(u["lora"] is True and u["tensors"] == 28 and u["bytes"] == adapter_bytes for u in updates)
-        assert adapter_bytes < model_bytes / 5, (adapter_bytes, model_bytes)
-        synced = [e for e in events if e["event"] == "weights_synced"]  # the coordinator's record of each sync
-        assert [e["policy_version"] for e in synced] == list(range(1, STEPS + 1))
-        assert all(e["bytes"] == adapter_bytes for e in synced)
+    # Every sync (one per step) carried the adapters alone: 2 layers x 7 linear layers x (A, B).
+    adapter_bytes, model_bytes = adapter_and_model_bytes(model)
+    updates = rollout_weight_updates(rollout_log, log_offset)
+    assert [u["policy_version"] for u in updates] == list(range(1, STEPS + 1))
+    assert all(u["lora"] is True and u["tensors"] == 28 and u["bytes"] == adapter_bytes for u in updates)
+    assert adapter_bytes < model_bytes / 5, (adapter_bytes, model_bytes)
+    synced = [e for e in events if e["event"] == "weights_synced"]  # the coordinator's record of each sync
+    assert [e["policy_version"] for e in synced] == list(range(1, STEPS + 1))
+    assert all(e["bytes"] == adapter_bytes for e in synced)
 
-        ckpt = stack.run_dir / "coordinator" / run["id"] / "checkpoints" / f"step_{STEPS:06d}"
-        names = {p.name for p in ckpt.iterdir()}
-        assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt"} <= names
-        assert "model.safetensors" not in names
+    ckpt = stack.run_dir / "coordinator" / run["id"] / "checkpoints" / f"step_{STEPS:06d}"
+    names = {p.name for p in ckpt.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "optimizer.pt"} <= names
+    assert "model.safetensors" not in names

@@ -1,5 +1,5 @@
-"""The only rollout replica dies mid-run and is restarted a few seconds later (holding no model): the
-run waits for it, gives it the run's model and current weights, and completes. Real processes throughout."""
+"""The only rollout replica dies mid-run and is restarted once the run has found it gone (holding no model):
+the run waits for it, gives it the run's model and current weights, and completes. Real processes throughout."""
 from __future__ import annotations
 
 import time
@@ -33,7 +33,10 @@ def test_single_replica_killed_and_restarted_is_reloaded_and_the_run_completes(t
             victim = stack.rollouts[0]
             victim.kill()  # SIGKILL: the run's only replica, its model and weights gone
             killed_at = client.run(run["id"])["step"]
-            time.sleep(3.0)
+            # The run finds its only replica gone (evicted) and waits for it: only then is it started again.
+            while not any(e["event"] == "replica_evicted" for e in client.run(run["id"])["events"]):
+                assert client.run(run["id"])["status"] == "running" and time.monotonic() < deadline, at
+                time.sleep(0.05)
             victim.start()  # same port, a fresh process with no model loaded
             done = client.wait(run["id"], timeout_s=300)
             assert done["status"] == "completed", done

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,21 +13,20 @@ from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import sync_channel
 from services.common.tiny_model import build_model_dir
-from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack2"), rollout_replicas=2, path_roots=[tmp_path_factory.getbasetemp()]) as s:
-        yield s
+def stack(two_replica_stack):
+    return two_replica_stack  # shared (tests/integration/conftest.py): these tests change nothing in it
 
 
 def cli(stack, *args: str) -> subprocess.CompletedProcess:
+    # Wide enough that `list` prints each run on one row, whatever other runs' errors the shared stack holds.
     return subprocess.run([sys.executable, "-m", "services.cli", "--url", stack.api_url,
                            "--token-file", str(stack.token_file), *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "250"})
 
 
 def test_cli_run_on_two_replicas_syncs_weights_to_both(stack, tmp_path):
@@ -42,9 +42,11 @@ def test_cli_run_on_two_replicas_syncs_weights_to_both(stack, tmp_path):
     out = cli(stack, "submit", str(recipe), "--set", "steps=2", "--watch")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "completed" in out.stdout
-    listed = cli(stack, "list")
-    assert listed.returncode == 0 and "two-replicas" in listed.stdout and "2/2" in listed.stdout
     run_id = next(line.split()[2] for line in out.stdout.splitlines() if line.startswith("submitted run"))
+    listed = cli(stack, "list")
+    # The run's own row (the shared stack lists other tests' runs too).
+    row = next((line for line in listed.stdout.splitlines() if run_id in line), "")
+    assert listed.returncode == 0 and "two-replicas" in row and "2/2" in row, listed.stdout
     metrics = json.loads(cli(stack, "metrics", run_id).stdout)
     assert [s["step"] for s in metrics["steps"]] == [1, 2]
     # 5 prompts split over two replicas (3 + 2); every sample trained, IW ~ 1 after a sync to both.

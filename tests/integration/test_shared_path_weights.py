@@ -17,7 +17,6 @@ from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import sync_channel
 from services.common.tiny_model import build_model_dir
-from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow
 
@@ -35,54 +34,54 @@ def _synced(client, run_id: str) -> list[tuple[int, str, int, list[str]]]:
             for e in client.run(run_id)["events"] if e["event"] == "weights_synced"]
 
 
-def test_shared_path_source_matches_the_grpc_source_bitwise(tmp_path):
+def test_shared_path_source_matches_the_grpc_source_bitwise(two_replica_stack, tmp_path):
     model = build_model_dir(tmp_path / "model", seed=2)
-    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[model.parent]) as stack:
-        client = stack.client(timeout_s=60)
-        outcomes = {}
-        for source in ("grpc", "shared_path"):
-            run = client.submit(_spec(model, f"sync-{source}", source))
-            done = client.wait(run["id"], timeout_s=600)
-            assert done["status"] == "completed", done
-            outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
-                                _synced(client, run["id"]))
-        (_, grpc_metrics, grpc_synced), (shared_id, shared_metrics, shared_synced) = outcomes.values()
-        assert len(shared_metrics) == 3 and shared_metrics == grpc_metrics
-        # Both replicas loaded versions 1 to 3 and report the digest the gRPC stream carries for them.
-        replicas = sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
-        assert [s[0] for s in shared_synced] == [1, 2, 3] and all(s[3] == replicas for s in shared_synced)
-        assert shared_synced == grpc_synced
-        # Each version was written once, as a complete model directory; the newest two are kept.
-        written = sorted((stack.run_dir / "coordinator" / shared_id / "weights").glob("v*"))
-        assert [p.name[:7] for p in written] == ["v000002", "v000003"], written
-        assert sorted(p.name for p in written[-1].iterdir()) == sorted(
-            p.name for p in model.iterdir())
+    stack = two_replica_stack  # shared (tests/integration/conftest.py): these runs change nothing in it
+    client = stack.client(timeout_s=60)
+    outcomes = {}
+    for source in ("grpc", "shared_path"):
+        run = client.submit(_spec(model, f"sync-{source}", source))
+        done = client.wait(run["id"], timeout_s=600)
+        assert done["status"] == "completed", done
+        outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
+                            _synced(client, run["id"]))
+    (_, grpc_metrics, grpc_synced), (shared_id, shared_metrics, shared_synced) = outcomes.values()
+    assert len(shared_metrics) == 3 and shared_metrics == grpc_metrics
+    # Both replicas loaded versions 1 to 3 and report the digest the gRPC stream carries for them.
+    replicas = sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
+    assert [s[0] for s in shared_synced] == [1, 2, 3] and all(s[3] == replicas for s in shared_synced)
+    assert shared_synced == grpc_synced
+    # Each version was written once, as a complete model directory; the newest two are kept.
+    written = sorted((stack.run_dir / "coordinator" / shared_id / "weights").glob("v*"))
+    assert [p.name[:7] for p in written] == ["v000002", "v000003"], written
+    assert sorted(p.name for p in written[-1].iterdir()) == sorted(
+        p.name for p in model.iterdir())
 
-        channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
-        try:
-            rollout = pb_grpc.RolloutStub(channel)
-            version, digest = shared_synced[-1][0], shared_synced[-1][1]
+    channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
+    try:
+        rollout = pb_grpc.RolloutStub(channel)
+        version, digest = shared_synced[-1][0], shared_synced[-1][1]
 
-            def load(**overrides) -> grpc.RpcError:
-                request = {"run_id": shared_id, "policy_version": version, "directory": str(written[-1]),
-                           "expected_sha256": digest, **overrides}
-                with pytest.raises(grpc.RpcError) as refused:
-                    rollout.LoadWeights(pb.LoadWeightsRequest(**request), timeout=60)
-                return refused.value
+        def load(**overrides) -> grpc.RpcError:
+            request = {"run_id": shared_id, "policy_version": version, "directory": str(written[-1]),
+                       "expected_sha256": digest, **overrides}
+            with pytest.raises(grpc.RpcError) as refused:
+                rollout.LoadWeights(pb.LoadWeightsRequest(**request), timeout=60)
+            return refused.value
 
-            outside = load(directory="/etc")
-            assert outside.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the allowed roots" in outside.details()
-            wrong = load(expected_sha256="0" * 64)
-            assert wrong.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert f"hash to {digest}, not {'0' * 64}" in wrong.details()
-            stale = load(policy_version=7)
-            assert stale.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "holds version 3, not 7" in stale.details()
-            assert rollout.Info(pb.InfoRequest(), timeout=10).policy_version == version
-            # The intact request is accepted (the loaded version again, identical weights: a no-op).
-            again = rollout.LoadWeights(pb.LoadWeightsRequest(run_id=shared_id, policy_version=version,
-                                                              directory=str(written[-1]), expected_sha256=digest),
-                                        timeout=60)
-            assert again.total_sha256 == digest and again.policy_version == version
-        finally:
-            channel.close()
+        outside = load(directory="/etc")
+        assert outside.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside the allowed roots" in outside.details()
+        wrong = load(expected_sha256="0" * 64)
+        assert wrong.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"hash to {digest}, not {'0' * 64}" in wrong.details()
+        stale = load(policy_version=7)
+        assert stale.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "holds version 3, not 7" in stale.details()
+        assert rollout.Info(pb.InfoRequest(), timeout=10).policy_version == version
+        # The intact request is accepted (the loaded version again, identical weights: a no-op).
+        again = rollout.LoadWeights(pb.LoadWeightsRequest(run_id=shared_id, policy_version=version,
+                                                          directory=str(written[-1]), expected_sha256=digest),
+                                    timeout=60)
+        assert again.total_sha256 == digest and again.policy_version == version
+    finally:
+        channel.close()

@@ -47,7 +47,10 @@ def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_i
             stack.trainer.kill()  # SIGKILL: weights, optimizer state and policy version are gone
             killed_at = client.run(run["id"])["step"]
             assert killed_at < STEPS, "run finished before the trainer could be killed; the test shows nothing"
-            time.sleep(2.0)  # the coordinator finds the trainer gone and waits
+            # The coordinator finds the trainer gone and waits for it: only then is it started again.
+            while not any(e["event"] == "trainer_lost" for e in client.run(run["id"])["events"]):
+                assert client.run(run["id"])["status"] == "running" and time.monotonic() < deadline
+                time.sleep(0.05)
             stack.trainer.start()  # same port, fresh process holding no run
             done = client.wait(run["id"], timeout_s=300)
             assert done["status"] == "completed", done

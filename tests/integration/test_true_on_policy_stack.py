@@ -25,7 +25,6 @@ import pytest
 from proto import lockstep_pb2 as pb
 from services.common.step_record import read_step_record
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
-from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow
 
@@ -37,9 +36,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as stack:
-        yield stack
+def stack(one_replica_stack):
+    return one_replica_stack  # the shared stack (tests/integration/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,12 @@
-"""Weights go trainer -> rollout directly: a > 1 GB policy synced to two replicas through the real stack.
+"""Weights go trainer -> rollout directly: a > 1 GB policy synced to two replicas through the real stack,
+by the gRPC source and by the broadcast source (gloo on CPU).
 
-The coordinator only tells each replica which version to pull from which trainer (SyncWeights); the
-replica streams GetWeights from the trainer itself. Checked here with real processes: the coordinator's
-peak RSS stays flat while two replicas each receive the whole model, both replicas report the digest the
-trainer computes over what it serves, and a replica refuses a trainer it was not configured to trust.
+The coordinator only tells each replica which version to pull from which trainer (SyncWeights), or asks
+the trainer to broadcast it to a group of the replicas; the weights never pass through the coordinator.
+Checked here with real processes: the coordinator's peak RSS stays flat while two replicas each receive
+the whole model, both replicas report the digest the trainer computes over what it serves, and a replica
+refuses a trainer it was not configured to trust. Both runs share one stack and one model: building and
+loading a gigabyte policy is most of what these tests cost.
 """
 from __future__ import annotations
 
@@ -59,16 +62,27 @@ def large_model(tmp_path_factory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("large") / "model", LARGE, seed=0)
 
 
-def test_a_gigabyte_policy_reaches_two_replicas_without_passing_the_coordinator(tmp_path, large_model):
-    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[large_model.parent]) as stack:
-        client = stack.client(timeout_s=120)
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, large_model):
+    """Its own stack, not the session's shared one: a trainer and two replicas that have served a gigabyte
+    policy hold several GB, which the rest of the session should not keep."""
+    with LocalStack(tmp_path_factory.mktemp("large-stack"), rollout_replicas=2,
+                    path_roots=[large_model.parent]) as s:
+        yield s
+
+
+def _large_run(stack: LocalStack, large_model: Path, name: str, weight_sync: str) -> tuple[dict, list[dict], int]:
+    """A one-step bfloat16 run of the large policy: (run, its weights_synced events, how much the
+    coordinator's peak RSS grew while it ran)."""
+    client = stack.client(timeout_s=120)
+    try:
         coordinator_pid = stack.coordinator.proc.pid
         before = _peak_rss_bytes(coordinator_pid)
         run = client.submit({
-            "name": "large-sync", "model_path": str(large_model), "seed": 1, "steps": 1,
+            "name": name, "model_path": str(large_model), "seed": 1, "steps": 1,
             "task": {"name": "arithmetic", "options": {"digits": 1, "heldout_size": 2}},
             "rollout": {"engine_options": {"dtype": "bfloat16"}, "prompts_per_step": 2, "samples_per_prompt": 2,
-                        "sampling": {"temperature": 1.0, "max_new_tokens": 2}},
+                        "sampling": {"temperature": 1.0, "max_new_tokens": 2}, "weight_sync": weight_sync},
             "trainer": {"lr": 1e-4, "temperature": 1.0, "dtype": "bfloat16",
                         "parity_gate": {"logprob_abs_diff_mean": 1.0, "iw_mean_tolerance": 1.0, "iw_max": 1e6}},
             "eval": {"every": 0, "heldout_size": 2},
@@ -76,30 +90,46 @@ def test_a_gigabyte_policy_reaches_two_replicas_without_passing_the_coordinator(
         done = client.wait(run["id"], timeout_s=900)
         assert done["status"] == "completed", done
         growth = _peak_rss_bytes(coordinator_pid) - before
-
         synced = [e for e in client.run(run["id"])["events"] if e["event"] == "weights_synced"]
-        version, digest, nbytes = _served_digest(stack, run["id"])
-        assert nbytes > 1_000_000_000
-        # Both replicas pulled version 1 and verified it against the trainer's own digest of it.
-        assert [(e["policy_version"], e["digest"], e["bytes"]) for e in synced] == [(1, digest, nbytes)], synced
-        assert version == 1
-        assert synced[0]["replicas"] == sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
-        # Relaying the stream would have held at least one whole copy of it in the coordinator.
-        assert growth < MAX_RSS_GROWTH_BYTES, f"coordinator peak RSS grew by {growth / 2**20:.0f} MiB"
+        return run, synced, growth
+    finally:
+        client.close()
 
-        # The replica trusts only its configured trainer: any other address is refused before a byte moves.
-        channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
-        try:
-            with pytest.raises(grpc.RpcError) as refused:
-                pb_grpc.RolloutStub(channel).SyncWeights(pb.SyncWeightsRequest(
-                    run_id=run["id"], policy_version=1, trainer_address="127.0.0.1:1"), timeout=30)
-            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            assert "weight_sources" in refused.value.details()
-            # And a version the trainer does not serve is refused, not applied.
-            with pytest.raises(grpc.RpcError) as stale:
-                pb_grpc.RolloutStub(channel).SyncWeights(pb.SyncWeightsRequest(
-                    run_id=run["id"], policy_version=7, trainer_address=f"127.0.0.1:{stack.trainer_port}"), timeout=300)
-            assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "serves version 1, not 7" in stale.value.details()
-        finally:
-            channel.close()
+
+def test_a_gigabyte_policy_reaches_two_replicas_without_passing_the_coordinator(stack, large_model):
+    run, synced, growth = _large_run(stack, large_model, "large-sync", "grpc")
+    version, digest, nbytes = _served_digest(stack, run["id"])
+    assert nbytes > 1_000_000_000
+    # Both replicas pulled version 1 and verified it against the trainer's own digest of it.
+    assert [(e["policy_version"], e["digest"], e["bytes"]) for e in synced] == [(1, digest, nbytes)], synced
+    assert version == 1
+    assert synced[0]["replicas"] == sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
+    # Relaying the stream would have held at least one whole copy of it in the coordinator.
+    assert growth < MAX_RSS_GROWTH_BYTES, f"coordinator peak RSS grew by {growth / 2**20:.0f} MiB"
+
+    # The replica trusts only its configured trainer: any other address is refused before a byte moves.
+    channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
+    try:
+        with pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.RolloutStub(channel).SyncWeights(pb.SyncWeightsRequest(
+                run_id=run["id"], policy_version=1, trainer_address="127.0.0.1:1"), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "weight_sources" in refused.value.details()
+        # And a version the trainer does not serve is refused, not applied.
+        with pytest.raises(grpc.RpcError) as stale:
+            pb_grpc.RolloutStub(channel).SyncWeights(pb.SyncWeightsRequest(
+                run_id=run["id"], policy_version=7, trainer_address=f"127.0.0.1:{stack.trainer_port}"), timeout=300)
+        assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "serves version 1, not 7" in stale.value.details()
+    finally:
+        channel.close()
+
+
+def test_a_gigabyte_policy_is_broadcast_to_two_replicas_without_passing_the_coordinator(stack, large_model):
+    run, synced, growth = _large_run(stack, large_model, "large-broadcast", "broadcast")
+    version, digest, nbytes = _served_digest(stack, run["id"])
+    assert nbytes > 1_000_000_000
+    # Both replicas received version 1 in one group and verified the trainer's digest of it.
+    assert [(e["policy_version"], e["digest"], e["bytes"]) for e in synced] == [(1, digest, nbytes)], synced
+    assert version == 1 and synced[0]["replicas"] == sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
+    assert growth < MAX_RSS_GROWTH_BYTES, f"coordinator peak RSS grew by {growth / 2**20:.0f} MiB"

@@ -1,7 +1,9 @@
 """The SGLang engine against a real SGLang server on loopback (CPU, float32).
 
-One server for the whole module (started by the `engine` fixture, stopped by
-PID in close()); the kill test makes the engine restart it once. Every check
+One server for this module and the other modules that import its fixtures
+(test_sglang_broadcast.py, test_sglang_shared_path.py): started once per session by
+tests/rollout/conftest.py, stopped by PID in close(); the kill test makes the engine
+restart it once. Each test takes the engine's weights and version as it finds them. Every check
 is against a float32 recompute in this process: the stock transformers Qwen3
 over prompt+response, scored by kernels.logprob.token_logprobs (the one
 log-prob definition) at the sampling temperature.
@@ -21,14 +23,10 @@ import httpx
 import pytest
 import torch
 
-from contract.engine_options import SGLangEngineConfig
 from kernels.logprob import token_logprobs
 from services.common.models import load_causal_lm
-from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.rollout.engine import EngineUnavailable, GenerationRequest, PromptSpec, SamplingConfig
-from services.rollout.sglang_config import SGLangHostConfig, default_python
 from services.rollout.sglang_weights import load_checkpoint_tensors
-from tests.conftest import require
 
 TOL = 1e-5  # mean |rollout log-prob - recompute| in float32 (acceptance criterion of issue 3)
 EOS = 2
@@ -36,28 +34,18 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    # initializer_range 0.2: far from uniform distributions, so a wrong
-    # temperature or position moves log-probs by much more than TOL.
-    return build_model_dir(tmp_path_factory.mktemp("tiny_qwen3"), TinyQwen3Config(initializer_range=0.2), seed=0)
+def model_dir(sglang_model_dir) -> Path:
+    return sglang_model_dir
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir, tmp_path_factory):
-    python = default_python()
-    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
-    from services.rollout.sglang_engine import SGLangEngine
-
-    eng = SGLangEngine(SGLangEngineConfig(platform="cpu"), SGLangHostConfig(weights_dir=str(tmp_path_factory.mktemp("sglang"))))
-    started = time.monotonic()
-    eng.load(str(model_dir), policy_version=0)
-    print(f"\nsglang server healthy after {time.monotonic() - started:.1f}s (pid {eng.server_pid})")
-    yield eng
-    pid = eng.server_pid
-    eng.close()
-    if pid is not None:
-        with pytest.raises(ProcessLookupError):  # close() returns once the server is gone and reaped
-            os.kill(pid, 0)
+def engine(sglang_engine, model_dir):
+    """The session's server, serving weights from a directory: what these tests score against and what a
+    restart reloads. A broadcast (test_sglang_broadcast.py) leaves it serving weights it holds no
+    directory of; then the model's weights are loaded again, as a newer version."""
+    if not sglang_engine.weights_path:
+        sglang_engine.update_weights(load_checkpoint_tensors(str(model_dir)), sglang_engine.policy_version + 1)
+    return sglang_engine
 
 
 _models: dict[str, torch.nn.Module] = {}

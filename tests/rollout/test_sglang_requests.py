@@ -121,7 +121,7 @@ def test_server_command_and_environment_exactly():
     assert cmd == [
         "/v/bin/python", "-c", BOOTSTRAP, "4242", "--host=127.0.0.1", "--port=30001", "--weight-version=5",
         "--skip-tokenizer-init", "--device=cpu", "--attention-backend=torch_native", "--disable-cuda-graph",
-        "--dtype=float32", "--skip-server-warmup", "--enable-metrics",
+        "--dtype=float32", "--skip-server-warmup", "--sleep-on-idle", "--enable-metrics",
         "--model-path=/m", "--max-total-tokens=8192", "--tp-size=1",  # the run's, one element each
         "--random-seed", "1",  # the operator's sglang_extra_args, as given
     ]

@@ -190,11 +190,22 @@ def causal_lm_logprob_bounds(model: torch.nn.Module, logits_of: Callable[[torch.
 def response_logprob_bounds(model: torch.nn.Module, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], *,
                             temperature: float = 1.0, only: torch.Tensor | None = None) -> torch.Tensor:
     """causal_lm_logprob_bounds for every response token of each (prompt, response), in order: the
-    float64 pass runs each sequence alone on sdpa (a packed evaluation computes the same function)."""
-    def logits_of(m: torch.nn.Module) -> torch.Tensor:
-        m.set_attn_implementation("sdpa")
-        return torch.cat([m(input_ids=torch.tensor([[*p, *r]]), use_cache=False).logits[0, len(p) - 1:-1]
-                          for p, r in pairs])
+    float64 pass runs each sequence alone on sdpa (a packed evaluation computes the same function).
 
-    targets = torch.tensor([t for _, r in pairs for t in r], dtype=torch.long)
-    return causal_lm_logprob_bounds(model, logits_of, targets, only=only, temperature=temperature)
+    Each sequence gets a graph of its own: a token's log-prob depends on its own sequence's sites only,
+    so the bound is the same sum as over one graph of all sequences (the other sequences' terms are
+    zeros), while each per-token backward pass runs through one sequence instead of all of them."""
+    def logits_of(prompt: Sequence[int], response: Sequence[int]) -> Callable[[torch.nn.Module], torch.Tensor]:
+        def run(m: torch.nn.Module) -> torch.Tensor:
+            m.set_attn_implementation("sdpa")
+            return m(input_ids=torch.tensor([[*prompt, *response]]), use_cache=False).logits[0, len(prompt) - 1:-1]
+        return run
+
+    bounds, start = [], 0
+    for prompt, response in pairs:
+        targets = torch.tensor(list(response), dtype=torch.long)
+        rows = None if only is None else only[start:start + len(response)]
+        bounds.append(causal_lm_logprob_bounds(model, logits_of(prompt, response), targets, only=rows,
+                                               temperature=temperature))
+        start += len(response)
+    return torch.cat(bounds) if bounds else torch.zeros(0, dtype=torch.float64)
