@@ -251,6 +251,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
         spec = json.loads(await store.get_spec_json(run_id) or "{}")
         latest = (await store.metrics(run_id))[-1:] or [None]
         return {**run.to_dict(), "spec": spec, "eval_initial": await store.get_aux(run_id, "eval_initial"),
+                "fingerprint": await store.get_aux(run_id, "fingerprint"),
                 "latest": latest[0], "events": await store.events(run_id)}
 
     @v1.get("/runs/{run_id}/metrics", response_model=RunMetricsBody, responses=NOT_FOUND, operation_id="run_metrics")

@@ -48,6 +48,7 @@ from contract.advantages import group_advantages
 from contract.wire_tensors import array_from_proto as from_proto
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
+from services.common.fingerprint import run_fingerprint
 from services.common.step_record import StepRecordMeta, write_step_record
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable
 from services.coordinator.dynamic_sampling import select_informative
@@ -390,7 +391,17 @@ class RunDriver:
         self._replicas_at = start
         await self.events.record("services_configured", "services configured", policy_version=version,
                                  rollouts=[c.address for c in live])
+        await self._record_fingerprint(live)
         return version
+
+    async def _record_fingerprint(self, live: Sequence[RolloutClient]) -> None:
+        """The platform the run trains on now (every configure: a recovered service may be another)."""
+        answers = await asyncio.gather(*(c.info() for c in live), return_exceptions=True)
+        # A replica lost since start_at is the fleet's to notice at the next step, not a reason to fail here.
+        replicas = [dict(a.details) for a in answers if not isinstance(a, BaseException)]
+        fingerprint = run_fingerprint(self.spec.model_dump(mode="json", by_alias=True), self.trainer.details,
+                                      replicas)
+        await self.store.set_aux(self.run_id, "fingerprint", fingerprint)
 
     async def _replicas_start_version(self, trainer_version: int) -> int:
         """fixed_lag: the version to start the replicas at. The trainer's, unless a step it has not trained

@@ -57,6 +57,8 @@ class TrainerSession:
         self.recovery_timeout_s = recovery_timeout_s
         self.check_cancelled = check_cancelled
         self.space_retry = space_retry
+        self.details: dict[str, str] = {}
+        """What the trainer reported of itself (ServiceInfo details) when the run was last configured."""
 
     @property
     def weights_address(self) -> str:
@@ -71,6 +73,7 @@ class TrainerSession:
             self.run_id, self.spec.model_path, self.spec.seed, self.spec.trainer.model_dump_json(),
             resume_checkpoint=checkpoint["path"] if checkpoint else "",
         )
+        self.details = dict(info.details)
         return info.policy_version
 
     async def recover(self, step: int, lost: TrainerUnavailable, reconfigure: Callable[[], Awaitable[int]]) -> int:

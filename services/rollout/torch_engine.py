@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from contract.engine_options import TorchEngineConfig
+from services.common.fingerprint import probe_platform_details
 from services.common.models import load_causal_lm
 from services.common.weight_files import FiniteTensors
 from services.common.weight_stream import LoraAdapterMeta
@@ -158,6 +159,7 @@ class TorchEngine(Engine):
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "logprob_backend": self.config.logprob_backend,
+            **probe_platform_details(str(self._device)),
             "prefill_attention": self._decoder.prefill_attention if self._decoder is not None else "",
             "decode_attention": self._decoder.decode_attention if self._decoder is not None else "",
         }

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from services.common.determinism import configure_determinism
+from services.common.fingerprint import probe_platform_details
 from services.common.metric_defs import STEP_METRIC_HELP
 from services.common.models import resolve_dtype
 from services.common.weight_stream import LoraAdapterMeta
@@ -275,15 +276,19 @@ class Trainer:
 
     def _backends_in_use(self, run: RunState) -> tuple[str, str]:
         from kernels.attention import REGISTRY
-        from kernels.logprob.api import resolved_backend
 
         if run.config.batching == "packed":
             attention = ",".join(sorted(REGISTRY.usage())) or "(none dispatched)"
         else:
             attention = f"hf:{run.config.attn_implementation} (padded)"
-        # The log-prob backend depends on the logits' dtype and device only.
+        return attention, self._logprob_backend(run)
+
+    def _logprob_backend(self, run: RunState) -> str:
+        from kernels.logprob.api import resolved_backend
+
+        # It depends on the logits' dtype and device only.
         probe = torch.empty(1, run.vocab_size, dtype=run.compute_dtype, device=self.device)
-        return attention, resolved_backend(probe, temperature=run.config.temperature, with_entropy=True)
+        return resolved_backend(probe, temperature=run.config.temperature, with_entropy=True)
 
     def _parity_verdict(self, run: RunState, microbatches: list[Microbatch], logps: list[torch.Tensor],
                         samples: list[TrainSample]) -> ParityVerdict:
@@ -581,8 +586,14 @@ class Trainer:
             "logprob": "kernels.logprob.token_logprobs (backend auto)",
             "num_threads": str(torch.get_num_threads()),
             "data_parallel": str(self.dp.world_size if self.dp else 1),
+            **probe_platform_details(str(self.device)),
         }
         if run is not None:
+            details.update(
+                attention_backend=(run.config.attention.backend or "auto") if run.config.batching == "packed"
+                else f"hf:{run.config.attn_implementation} (padded)",
+                logprob_backend=self._logprob_backend(run),
+            )
             details.update(
                 dtype=run.config.dtype,
                 master_dtype="float32",
