@@ -1,4 +1,5 @@
-"""`lockstep`: submit a recipe, list runs, watch one, cancel or resume one; prepare and launch a shipped recipe."""
+"""`lockstep`: submit a recipe, list runs, watch one, cancel or resume one; prepare and launch a shipped recipe;
+export, import and compare runs."""
 from __future__ import annotations
 
 import argparse
@@ -11,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from services.cli.client import ApiError, CoordinatorClient, load_recipe, parse_set_pairs
+from services.cli.exchange_commands import add_exchange_parsers, run_exchange
 from services.cli.recipe_commands import RecipeRequest, add_recipe_parser, run_recipe
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, AuthConfigError, load_token
 from services.cli.progress import RunProgress
@@ -40,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("metrics", help="Print a run's per-step metrics as JSON.")
     m.add_argument("run_id")
     add_recipe_parser(sub)
+    add_exchange_parsers(sub)
     return p
 
 
@@ -64,11 +67,23 @@ def _recipe(args: argparse.Namespace, console: Console) -> int:
         return 2
 
 
+def _exchange(args: argparse.Namespace, console: Console) -> int:
+    """export, import, compare: compare over bundles alone reads no token and opens no connection."""
+    try:
+        return run_exchange(args, lambda: CoordinatorClient(args.url, token=load_token(args.token_file)),
+                            emit=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    except (ValueError, OSError, RuntimeError, AuthConfigError, ApiError) as exc:
+        console.print(f"[red]error[/red] {escape(str(exc))}", highlight=False)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     if args.cmd == "recipe":
         return _recipe(args, console)
+    if args.cmd in ("export", "import", "compare"):
+        return _exchange(args, console)
     try:
         token = load_token(args.token_file)
     except AuthConfigError as exc:

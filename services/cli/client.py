@@ -57,6 +57,23 @@ class CoordinatorClient:
     def metrics(self, run_id: str) -> dict:
         return self._json(self._http.get(f"/v1/runs/{run_id}/metrics"))
 
+    def bundle(self, run_id: str) -> dict:
+        """Every document of the run's portable bundle, and the steps whose inputs were recorded."""
+        return self._json(self._http.get(f"/v1/runs/{run_id}/bundle"))
+
+    def step_record(self, run_id: str, step: int) -> bytes:
+        r = self._http.get(f"/v1/runs/{run_id}/step_records/{step}")
+        if r.status_code >= 400:
+            self._json(r)
+        return r.content
+
+    def import_bundle(self, manifest: dict, files: dict[str, str]) -> dict:
+        return self._json(self._http.post("/v1/runs/import", json={"manifest": manifest, "files": files}))
+
+    def compare(self, run_ids: list[str], window: int | None = None) -> dict:
+        params = {"runs": ",".join(run_ids), **({"window": window} if window is not None else {})}
+        return self._json(self._http.get("/v1/compare", params=params))
+
     def cancel(self, run_id: str) -> dict:
         return self._json(self._http.post(f"/v1/runs/{run_id}/cancel"))
 

@@ -45,6 +45,7 @@ from services.coordinator.run_spec import (
     parse_run_spec,
     validation_fields,
 )
+from services.coordinator.run_exchange import ImportBody, exchange_router
 from services.coordinator.scheduler import RunScheduler
 from services.coordinator.store import OUTAGE_ERRORS, RUN_ID_PATTERN, STATUSES, RunStore, is_run_id
 
@@ -284,6 +285,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
         request.app.state.scheduler.wake()
         return (await _store(request).get_run(run_id)).to_dict()  # type: ignore[union-attr]
 
+    v1.include_router(exchange_router(data_dir, NOT_FOUND, INVALID, _refused, _read_body))
     app.include_router(v1)
 
     @app.get("/healthz", operation_id="healthz")
@@ -324,6 +326,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
             schemas = doc.setdefault("components", {}).setdefault("schemas", {})
             schemas.update(spec_schema.pop("$defs", {}))
             schemas["RunSpec"] = spec_schema
+            schemas["ImportBody"] = ImportBody.model_json_schema(ref_template="#/components/schemas/{model}")
             app.openapi_schema = doc
         return app.openapi_schema
 

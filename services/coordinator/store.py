@@ -170,6 +170,33 @@ class RunStore:
             await p.execute()
         return await self.get_run(run_id)  # type: ignore[return-value]
 
+    async def import_run(self, run: dict, spec_json: str, steps: list[dict], events: list[dict],
+                         aux: dict[str, dict]) -> RunRecord:
+        """Store an ended run exported from another deployment under a new id, in one transaction.
+
+        Its status is the one it ended with (never active), so no scheduler ever drives it: an imported
+        run is a record to read and compare, not a run to continue."""
+        if run["status"] not in TERMINAL:
+            raise StoreError(f"status: an imported run must have ended, got {run['status']!r}")
+        run_id = uuid.uuid4().hex[:12]
+        now = time.time()
+        async with self._r.pipeline(transaction=True) as p:
+            p.set(self._run_key(run_id, "spec"), spec_json)
+            p.hset(self._run_key(run_id), mapping={
+                "name": run["name"], "status": run["status"], "step": run["step"], "steps": run["steps"],
+                "created_at": run["created_at"], "updated_at": now, "error": run["error"],
+            })
+            for s in steps:
+                p.hset(self._run_key(run_id, "metrics"), str(s["step"]), json.dumps(s["metrics"], sort_keys=True))
+                p.hset(self._run_key(run_id, "timings"), str(s["step"]), json.dumps(s["timings"], sort_keys=True))
+            for key, value in aux.items():
+                p.hset(self._run_key(run_id, "aux"), key, json.dumps(value, sort_keys=True))
+            for e in [*events, {"ts": now, "event": "imported", "source_run_id": run["id"]}]:
+                p.rpush(self._run_key(run_id, "events"), json.dumps(e))
+            p.zadd(self._k("runs"), {run_id: now})
+            await p.execute()
+        return await self.get_run(run_id)  # type: ignore[return-value]
+
     async def get_run(self, run_id: str) -> RunRecord | None:
         if not is_run_id(run_id):
             return None

@@ -66,7 +66,8 @@ def submittable_schema(lone_coordinator, tiny_model_dir):
 
 OPERATIONS = ["POST /v1/runs", "GET /v1/runs", "GET /v1/runs/{run_id}", "GET /v1/runs/{run_id}/metrics",
               "POST /v1/runs/{run_id}/cancel", "POST /v1/runs/{run_id}/resume", "GET /healthz", "GET /readyz",
-              "GET /metrics"]
+              "GET /metrics", "GET /v1/runs/{run_id}/bundle", "GET /v1/runs/{run_id}/step_records/{step}",
+              "POST /v1/runs/import", "GET /v1/compare"]
 
 
 def test_the_document_has_exactly_the_operations_tested(api_schema):
@@ -74,7 +75,7 @@ def test_the_document_has_exactly_the_operations_tested(api_schema):
 
 
 # Negative cases (inputs that violate the document) exist only for operations that take input.
-WITH_INPUT = [op for op in OPERATIONS if op.startswith("POST /v1/runs") or "{run_id}" in op]
+WITH_INPUT = [op for op in OPERATIONS if op.startswith("POST /v1/runs") or "{run_id}" in op or op == "GET /v1/compare"]
 
 
 @pytest.mark.parametrize("label, mode", [(op, GenerationMode.POSITIVE) for op in OPERATIONS]

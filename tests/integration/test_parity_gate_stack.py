@@ -5,16 +5,34 @@ parity gate, through the real services.
 The trainer loads a test-only attention plugin (tests.support.boundary_blind_plugin)
 that registers a boundary-blind backend *claiming* to honour boundaries, so the
 registry cannot refuse it: only the gate stands between it and a garbage update.
+
+The same stack serves the cross-run comparison at the end of this module: with the gate loosened,
+the boundary-blind run trains, and `lockstep compare` must tell it apart from a healthy run on IW while
+calling two healthy runs of different numerics within noise; the runs are exported as bundles and
+imported into a second coordinator with its own Redis, where the report must come out the same.
 """
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
+import torch
 
+from services.common.auth import TOKEN_FILE_ENV
+from services.common.run_bundle import DOCUMENTS
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.local_stack import LocalStack
 from tests.support.boundary_blind_attention import NAME as BLIND
+
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +45,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def stack(tmp_path_factory):
     env = {"LOCKSTEP_TRAINER_ATTENTION_PLUGINS": "tests.support.boundary_blind_plugin"}
     with LocalStack(tmp_path_factory.mktemp("stack"), extra_env=env, path_roots=[tmp_path_factory.getbasetemp()]) as stack:
-        c = stack.client()
-        yield c
-        c.close()
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    c = stack.client()
+    yield c
+    c.close()
 
 
 def spec(model_dir: Path, backend: str) -> dict:
@@ -70,3 +93,156 @@ def test_same_run_with_the_reference_attention_passes_the_gate(client, model_dir
     assert done["status"] == "completed", done
     first = client.metrics(run["id"])["steps"][0]["metrics"]
     assert abs(first["iw_mean"] - 1) <= 1e-4 and first["logprob_abs_diff_max"] <= 1e-3, first
+
+
+# ------------------------------------------------------------ comparing runs --
+# A: fast; B: the same seed in true_on_policy numerics; C: fast with the boundary-blind attention and the
+# gate loosened so far that it passes anything (the packed-boundary bug, trained on).
+LOOSE_GATE = {"iw_mean_tolerance": 1e6, "iw_max": 1e30, "logprob_abs_diff_mean": 1e6}
+COMPARE_STEPS = 3
+
+
+def compared_spec(model_dir: Path, name: str) -> dict:
+    s = spec(model_dir, "reference")
+    s.update(name=name, steps=COMPARE_STEPS, eval={"every": 2, "heldout_size": 8})
+    if name == "B":
+        s["numerics"] = "true_on_policy"
+        del s["trainer"]["attention"]  # true_on_policy runs its own batch-invariant attention
+    if name == "C":
+        s["trainer"]["attention"] = {"backend": BLIND}
+        s["trainer"]["parity_gate"] = LOOSE_GATE
+    if name == "A":
+        s["debug"] = {"record_trajectories": True}
+    return s
+
+
+@dataclass
+class Compared:
+    ids: dict[str, str]
+    report: dict
+
+
+@pytest.fixture(scope="module")
+def compared(client, model_dir) -> Compared:
+    ids = {}
+    for name in ("A", "B", "C"):
+        run = client.submit(compared_spec(model_dir, name))
+        done = client.wait(run["id"], timeout_s=300)
+        assert done["status"] == "completed", done
+        ids[name] = run["id"]
+    return Compared(ids, client.compare([ids["A"], ids["B"], ids["C"]]))
+
+
+def cli(stack_url: str, token_file: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "--url", stack_url, "--token-file", str(token_file),
+                           *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_each_run_records_its_platform_fingerprint(client, compared):
+    for name, numerics in (("A", "fast"), ("B", "true_on_policy"), ("C", "fast")):
+        f = client.run(compared.ids[name])["fingerprint"]
+        for service in (f["trainer"], *f["rollouts"]):
+            p = service["platform"]
+            assert p["device"] == "cpu" and p["arch"] == platform.machine(), p
+            assert p["torch"] == torch.__version__ and p["cuda"] == (torch.version.cuda or "absent")
+            assert p["transformers"] == importlib.metadata.version("transformers")
+        assert f["numerics"]["mode"] == numerics and f["trainer"]["numerics"] == numerics
+        assert f["world_sizes"] == {"trainer_data_parallel": 1, "rollout_replicas": 1, "rollout_engine": "torch"}
+        assert f["trainer"]["logprob_backend"]  # the resolved one, whatever this host picks
+    assert client.run(compared.ids["C"])["fingerprint"]["trainer"]["attention_backend"] == BLIND
+    assert client.run(compared.ids["A"])["fingerprint"]["trainer"]["attention_backend"] == "reference"
+
+
+def test_compare_calls_other_numerics_within_noise_and_the_boundary_bug_separable_on_iw(compared):
+    report = compared.report
+    print(json.dumps({m: {k: e[k] for k in ("mean", "noise_sd", "verdicts")} for m, e in report["metrics"].items()},
+                     indent=1))
+    a, b, c = (compared.ids[n] for n in "ABC")
+    assert report["reference"] == a and [r["label"] for r in report["runs"]] == [a, b, c]
+    assert report["separable"][b] == [], report["separable"]
+    assert "iw_mean" in report["separable"][c], report["metrics"]["iw_mean"]
+    assert "eval/heldout/avg@1" in report["metrics"]
+    assert [p[0] for p in report["metrics"]["eval/heldout/avg@1"]["series"][a]] == [0, 2, 3]
+    assert "noise_sd" in report["metrics"]["iw_mean"] and report["noise"]["method"]
+
+
+def test_cli_table_json_and_plot_are_the_reports(stack, compared, tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs matplotlib (requirements.lock)")
+    from PIL import Image
+
+    from services.cli.compare_plot import PANELS_KEY
+
+    ids = [compared.ids[n] for n in "ABC"]
+    done = cli(stack.api_url, stack.token_file, "compare", *ids, "--json", tmp_path / "r.json",
+               "--png", tmp_path / "r.png")
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert f"{ids[2]} vs {ids[0]}: separable on" in done.stdout and "iw_mean" in done.stdout
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report == compared.report
+    with Image.open(tmp_path / "r.png") as image:
+        panels = json.loads(image.text[PANELS_KEY])
+    assert [p["metric"] for p in panels] == list(report["metrics"])  # one panel per metric
+    for panel in panels:
+        assert panel["series"] == report["metrics"][panel["metric"]]["series"]
+
+
+@pytest.fixture(scope="module")
+def second_coordinator(tmp_path_factory):
+    """A coordinator of another deployment: its own data dir, embedded Redis and token."""
+    from tests.coordinator.conftest import LoneCoordinator
+
+    c = LoneCoordinator(tmp_path_factory.mktemp("second"), tmp_path_factory.getbasetemp()).start()
+    try:
+        yield c
+    finally:
+        c.process.stop()
+
+
+def test_exported_runs_imported_elsewhere_compare_the_same(stack, compared, second_coordinator, tmp_path):
+    bundles = []
+    for name in "ABC":
+        out = tmp_path / name
+        done = cli(stack.api_url, stack.token_file, "export", compared.ids[name], "--out", out)
+        assert done.returncode == 0, done.stderr + done.stdout
+        bundles.append(out)
+    assert sorted(p.name for p in (bundles[0] / "step_records").iterdir()) == [
+        f"step_{s:06d}.pb" for s in range(1, COMPARE_STEPS + 1)]  # A recorded its step inputs
+    assert json.loads((bundles[2] / "fingerprint.json").read_text())["trainer"]["attention_backend"] == BLIND
+
+    # Bundles alone: no coordinator involved.
+    done = cli("http://127.0.0.1:9", tmp_path / "no-token", "compare", *bundles, "--json", tmp_path / "b.json")
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert json.loads((tmp_path / "b.json").read_text()) == compared.report
+
+    second = second_coordinator
+    token_file = second.process.env[TOKEN_FILE_ENV]
+    imported = []
+    for bundle in bundles:
+        done = cli(second.url, token_file, "import", bundle)
+        assert done.returncode == 0, done.stderr + done.stdout
+        imported.append(done.stdout.split(" as run ")[1].split()[0])
+    http = httpx.Client(base_url=second.url, headers=second.headers, timeout=60)
+    assert http.get("/v1/compare", params={"runs": ",".join(imported)}).json() == compared.report
+    assert http.get(f"/v1/runs/{imported[0]}").json()["status"] == "completed"
+    assert http.get("/v1/compare", params={"runs": imported[0]}).status_code == 422
+    assert http.post("/v1/runs/import", json={"manifest": {}, "files": {}}).status_code == 422
+    assert httpx.post(f"{second.url}/v1/runs/import", json={}).status_code == 401
+
+    # A bundle whose trajectories were altered is refused by its digest, naming the file; nothing stored.
+    before = len(http.get("/v1/runs").json()["runs"])
+    altered = tmp_path / "altered"
+    shutil.copytree(bundles[0], altered)
+    record = altered / "step_records" / "step_000001.pb"
+    data = bytearray(record.read_bytes())
+    data[-5] ^= 0x01
+    record.write_bytes(bytes(data))
+    done = cli(second.url, token_file, "import", altered)
+    assert done.returncode == 2 and "step_records/step_000001.pb" in done.stdout and "sha256" in done.stdout, done
+    # The coordinator checks the documents itself, whoever sends them.
+    manifest = json.loads((bundles[0] / "manifest.json").read_text())
+    files = {n: (bundles[0] / n).read_text() for n in DOCUMENTS}
+    files["metrics.json"] = files["metrics.json"].replace('"iw_mean"', '"iw_mean" ', 1)
+    r = http.post("/v1/runs/import", json={"manifest": manifest, "files": files})
+    assert r.status_code == 422 and r.json()["fields"][0]["field"] == "files.metrics.json", r.text
+    assert len(http.get("/v1/runs").json()["runs"]) == before
+    http.close()
