@@ -26,6 +26,7 @@ ABSENT = "absent"
 
 NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")
 AMDGPU_DRIVER_FILE = Path("/sys/module/amdgpu/version")
+CPUINFO_FILE = Path("/proc/cpuinfo")
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,12 @@ def parse_nvidia_driver(text: str) -> str:
     return m.group(1) if m else ""
 
 
+def parse_cpu_model(text: str) -> str:
+    """The first 'model name' of /proc/cpuinfo ('AMD EPYC 9654 96-Core Processor'); '' when it has none."""
+    m = re.search(r"^model name\s*:\s*(.+?)\s*$", text, re.M)
+    return m.group(1) if m else ""
+
+
 def _package(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -121,7 +128,7 @@ def _static_facts(device: str) -> DeviceFacts:
         capability = tuple(torch.cuda.get_device_capability(index))
         gcn = getattr(torch.cuda.get_device_properties(index), "gcnArchName", "") or ""
     else:
-        name = host_platform.processor() or host_platform.machine()
+        name = parse_cpu_model(_read(CPUINFO_FILE)) or host_platform.machine()
     hip = getattr(torch.version, "hip", None)
     if hip:
         driver = _read(AMDGPU_DRIVER_FILE).strip()

@@ -10,6 +10,7 @@ from services.common.fingerprint import (
     PACKAGES,
     PREFIX,
     DeviceFacts,
+    parse_cpu_model,
     parse_nvidia_driver,
     platform_details,
     probe_platform_details,
@@ -48,6 +49,12 @@ def test_nvidia_driver_version_is_read_from_the_proc_file():
     assert parse_nvidia_driver(text) == "570.86.15"
     assert parse_nvidia_driver("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar") == "550.54.15"
     assert parse_nvidia_driver("") == ""
+
+
+def test_cpu_model_is_read_from_cpuinfo():
+    text = "processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9654 96-Core Processor\nflags\t: fpu\n"
+    assert parse_cpu_model(text) == "AMD EPYC 9654 96-Core Processor"
+    assert parse_cpu_model("processor\t: 0\n") == ""
 
 
 def test_this_host_probe_names_its_cpu_torch_and_determinism():

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from services.common.auth import TOKEN_FILE_ENV
+from services.common.fingerprint import CPUINFO_FILE, parse_cpu_model
 from services.common.run_bundle import DOCUMENTS
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.local_stack import LocalStack
@@ -144,6 +145,7 @@ def test_each_run_records_its_platform_fingerprint(client, compared):
         for service in (f["trainer"], *f["rollouts"]):
             p = service["platform"]
             assert p["device"] == "cpu" and p["arch"] == platform.machine(), p
+            assert p["device_name"] == (parse_cpu_model(CPUINFO_FILE.read_text()) or platform.machine())
             assert p["torch"] == torch.__version__ and p["cuda"] == (torch.version.cuda or "absent")
             assert p["transformers"] == importlib.metadata.version("transformers")
         assert f["numerics"]["mode"] == numerics and f["trainer"]["numerics"] == numerics
