@@ -68,7 +68,8 @@ def _recipe(args: argparse.Namespace, console: Console) -> int:
 
 
 def _exchange(args: argparse.Namespace, console: Console) -> int:
-    """export, import, compare: compare over bundles alone reads no token and opens no connection."""
+    """export, import, compare, replay-score: compare over bundles alone, and replay-score, read no token and
+    open no connection."""
     try:
         return run_exchange(args, lambda: CoordinatorClient(args.url, token=load_token(args.token_file)),
                             emit=lambda text: (sys.stdout.write(text), sys.stdout.flush()))
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if args.cmd == "recipe":
         return _recipe(args, console)
-    if args.cmd in ("export", "import", "compare"):
+    if args.cmd in ("export", "import", "compare", "replay-score"):
         return _exchange(args, console)
     try:
         token = load_token(args.token_file)

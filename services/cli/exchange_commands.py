@@ -1,4 +1,5 @@
-"""`lockstep export`, `import` and `compare`: runs moved between deployments as bundles, and compared.
+"""`lockstep export`, `import`, `compare` and `replay-score`: runs moved between deployments as bundles,
+compared, and a recorded step re-scored on this machine (services/trainer/replay_score.py).
 
 A bundle (services.common.run_bundle) is written from GET /v1/runs/{id}/bundle and the run's recorded
 steps; `import` checks every file against the manifest here, then the coordinator checks the documents'
@@ -14,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.cli.client import CoordinatorClient
-from services.common.run_bundle import DOCUMENTS, MANIFEST, load_bundle, verify_bundle, write_bundle
+from services.common.run_bundle import DOCUMENTS, MANIFEST, load_bundle, recorded_step, verify_bundle, write_bundle
 from services.common.run_compare import RunSeries, compare_runs, report_rows
 
 Emit = Callable[[str], None]
@@ -33,6 +34,17 @@ def add_exchange_parsers(sub) -> None:
     c.add_argument("--json", type=Path, default=None, help="Write the report as JSON here.")
     c.add_argument("--png", type=Path, default=None, help="Write the plot (one panel per metric) here; needs "
                    "matplotlib.")
+    r = sub.add_parser("replay-score", help="Re-score a bundle's recorded step on this machine's trainer (no "
+                       "coordinator): log-prob differences against the recorded rollout and trainer.")
+    r.add_argument("bundle", type=Path)
+    r.add_argument("--step", type=int, required=True)
+    r.add_argument("--checkpoint", default="", help="Checkpoint at policy version step - 1 on this machine "
+                   "(not needed for step 1).")
+    r.add_argument("--model", default="", help="The run's model directory on this machine (default: the "
+                   "recorded path).")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--num-threads", type=int, default=1, help="As the recording trainer's, for bitwise results.")
+    r.add_argument("--worst-tokens", type=int, default=8)
 
 
 def export_run(client: CoordinatorClient, run_id: str, out: Path) -> dict:
@@ -100,6 +112,16 @@ def run_exchange(args: argparse.Namespace, client_factory: Callable[[], Coordina
         finally:
             client.close()
         emit(f"imported {args.bundle} as run {run['id']} ({run['name']}, {run['status']})\n")
+        return 0
+    if args.cmd == "replay-score":
+        recorded_step(args.bundle, args.step)  # a refused bundle is refused before torch is loaded
+        # Imported here: the other commands are a REST client and must not pay for torch.
+        from services.trainer.replay_score import ReplayScoreConfig, json_safe, replay_score
+
+        result = replay_score(ReplayScoreConfig(
+            bundle=str(args.bundle), step=args.step, checkpoint=args.checkpoint, model=args.model,
+            device=args.device, num_threads=args.num_threads, worst_tokens=args.worst_tokens))
+        emit(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
         return 0
     report = compare(client_factory, args.runs, args.window)
     if args.json is not None:

@@ -220,3 +220,16 @@ def documents_from_upload(manifest: object, files: Mapping[str, str]) -> dict[st
     if extra:
         raise BundleError(extra[0][:80], "not a document of a run bundle (step records stay in the bundle)")
     return parse_documents(raw)
+
+
+def recorded_step(directory: Path, step: int) -> tuple[Bundle, Path, dict]:
+    """A verified bundle, its record of `step` and that step's recorded metrics; refused naming what lacks."""
+    bundle = load_bundle(directory)
+    record = bundle.records.get(step)
+    if record is None:
+        raise BundleError("step", f"the bundle holds no record of step {step} (recorded: "
+                                  f"{sorted(bundle.records) or 'none: the run did not set debug.record_trajectories'})")
+    metrics = next((s["metrics"] for s in bundle.metrics["steps"] if s["step"] == step), None)
+    if metrics is None:
+        raise BundleError("metrics.json", f"no metrics of step {step}")
+    return bundle, record, metrics

@@ -46,6 +46,20 @@ log = logging.getLogger("lockstep.trainer")
 TRAIN_STEP_METRIC_KEYS: tuple[str, ...] = tuple(k for k in STEP_METRIC_HELP if k != "eval_accuracy")
 
 
+@dataclass(frozen=True)
+class ScoredTokens:
+    """Every response token of a step as the trainer scores it, aligned with the rollout's log-probs."""
+
+    logp: torch.Tensor
+    rollout_logp: torch.Tensor
+    sample_index: torch.Tensor
+    positions: torch.Tensor
+    sample_ids: tuple[str, ...]
+    attention_backend: str
+    logprob_backend: str
+    numerics: str
+
+
 class StepFailed(RuntimeError):
     """The update could not be applied (e.g. non-finite gradients); nothing changed."""
 
@@ -306,6 +320,23 @@ class Trainer:
         """On-demand parity check: score the trajectories with the current weights, no update.
 
         Every rank of a group scores every microbatch (each forward is a collective of the shards)."""
+        run, microbatches, logps = self._score(request)
+        return self._parity_verdict(run, microbatches, logps, request.samples)
+
+    def score_tokens(self, request: StepRequest) -> ScoredTokens:
+        """The trainer's log-prob of every response token with the current weights, no update, beside the
+        rollout's, token by token (the tensors check_parity compares)."""
+        run, microbatches, logps = self._score(request)
+        return ScoredTokens(
+            logp=torch.cat(logps).detach().cpu(),
+            rollout_logp=torch.cat([mb.response_rollout_logprobs for mb in microbatches]).cpu(),
+            sample_index=torch.cat([mb.response_sample_index for mb in microbatches]).cpu(),
+            positions=torch.cat([mb.response_positions for mb in microbatches]).cpu(),
+            sample_ids=tuple(s.sample_id for s in canonical_order(request.samples)),
+            attention_backend=self._backends_in_use(run)[0], logprob_backend=self._logprob_backend(run),
+            numerics=run.config.numerics)
+
+    def _score(self, request: StepRequest):
         run = self.require_run(request.run_id)
         if not request.samples:
             raise InvalidRequest("header.num_trajectories: 0, a parity check needs trajectories")
@@ -313,7 +344,7 @@ class Trainer:
         microbatches = self._microbatches(run, request.samples)
         with torch.no_grad():
             logps = [run.policy(mb, temperature=run.config.temperature)[0] for mb in microbatches]
-        return self._parity_verdict(run, microbatches, logps, request.samples)
+        return run, microbatches, logps
 
     def _my_passes(self, num_microbatches: int) -> list[int | None]:
         """Indices of this rank's microbatches, padded with None to the count every rank runs.

@@ -112,7 +112,7 @@ def compared_spec(model_dir: Path, name: str) -> dict:
     if name == "C":
         s["trainer"]["attention"] = {"backend": BLIND}
         s["trainer"]["parity_gate"] = LOOSE_GATE
-    if name == "A":
+    if name in ("A", "B"):
         s["debug"] = {"record_trajectories": True}
     return s
 
@@ -200,13 +200,19 @@ def second_coordinator(tmp_path_factory):
         c.process.stop()
 
 
-def test_exported_runs_imported_elsewhere_compare_the_same(stack, compared, second_coordinator, tmp_path):
-    bundles = []
+@pytest.fixture(scope="module")
+def bundles(stack, compared, tmp_path_factory) -> list[Path]:
+    """A, B and C exported by the command line."""
+    out = []
     for name in "ABC":
-        out = tmp_path / name
-        done = cli(stack.api_url, stack.token_file, "export", compared.ids[name], "--out", out)
+        path = tmp_path_factory.mktemp("bundles") / name
+        done = cli(stack.api_url, stack.token_file, "export", compared.ids[name], "--out", path)
         assert done.returncode == 0, done.stderr + done.stdout
-        bundles.append(out)
+        out.append(path)
+    return out
+
+
+def test_exported_runs_imported_elsewhere_compare_the_same(compared, bundles, second_coordinator, tmp_path):
     assert sorted(p.name for p in (bundles[0] / "step_records").iterdir()) == [
         f"step_{s:06d}.pb" for s in range(1, COMPARE_STEPS + 1)]  # A recorded its step inputs
     assert json.loads((bundles[2] / "fingerprint.json").read_text())["trainer"]["attention_backend"] == BLIND
@@ -248,3 +254,39 @@ def test_exported_runs_imported_elsewhere_compare_the_same(stack, compared, seco
     assert r.status_code == 422 and r.json()["fields"][0]["field"] == "files.metrics.json", r.text
     assert len(http.get("/v1/runs").json()["runs"]) == before
     http.close()
+
+
+def replay_score(bundle: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "replay-score", str(bundle), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["A", "B"])
+def test_replay_score_reproduces_the_recorded_trainer_statistics(bundles, model_dir, name):
+    """The trainer service ran one thread (LocalStack); so does the replay: same machine, same bits."""
+    done = replay_score(bundles["AB".index(name)], "--step", "1", "--model", model_dir, "--num-threads", "1")
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = json.loads(done.stdout)
+    print(json.dumps(report["versus_recorded_trainer"], indent=1))
+    assert report["step"] == 1 and report["numerics"] == ("fast" if name == "A" else "true_on_policy")
+    assert report["recorded_trainer_reproduced_bitwise"], report["versus_recorded_trainer"]
+    assert set(report["versus_recorded_trainer"]) == {"iw_mean", "iw_min", "iw_max", "logprob_abs_diff_mean",
+                                                      "logprob_abs_diff_max"}
+    rollout = report["versus_rollout"]
+    assert rollout["tokens"] > 0 and len(rollout["worst_tokens"]) == 8
+    if name == "B":  # true_on_policy: the trainer's log-probs are the sampler's, token for token
+        assert rollout["bitwise_equal_tokens"] == rollout["tokens"] and rollout["abs_diff_max"] == 0.0
+    assert rollout["abs_diff_p99"] <= rollout["abs_diff_max"]
+
+
+def test_replay_score_refuses_altered_trajectories_naming_the_file(bundles, tmp_path):
+    altered = tmp_path / "altered"
+    shutil.copytree(bundles[1], altered)
+    record = altered / "step_records" / "step_000001.pb"
+    data = bytearray(record.read_bytes())
+    data[-3] ^= 0x01
+    record.write_bytes(bytes(data))
+    done = replay_score(altered, "--step", "1")
+    assert done.returncode == 2 and "step_records/step_000001.pb" in done.stdout and "sha256" in done.stdout, done
+    missing = replay_score(bundles[2], "--step", "1")  # C recorded no step
+    assert missing.returncode == 2 and "no record of step 1" in missing.stdout, missing
