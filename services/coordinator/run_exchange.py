@@ -65,7 +65,7 @@ def exchange_router(data_dir: Path, not_found: dict, invalid: dict, refused, rea
         run = await _run_or_404(request, run_id)
         store = _store(request)
         records = sorted(int(p.stem.removeprefix("step_")) for p in (data_dir / run_id / "trajectories").glob(
-            "step_[0-9][0-9][0-9][0-9][0-9][0-9].pb")) if is_run_id(run_id) else []
+            "step_[0-9][0-9][0-9][0-9][0-9][0-9].pb"))
         return {
             "run": run.to_dict(),
             "spec": json.loads(await store.get_spec_json(run_id) or "{}"),

@@ -336,7 +336,7 @@ class Trainer:
             attention_backend=self._backends_in_use(run)[0], logprob_backend=self._logprob_backend(run),
             numerics=run.config.numerics)
 
-    def _score(self, request: StepRequest):
+    def _score(self, request: StepRequest) -> tuple[RunState, list[Microbatch], list[torch.Tensor]]:
         run = self.require_run(request.run_id)
         if not request.samples:
             raise InvalidRequest("header.num_trajectories: 0, a parity check needs trajectories")
