@@ -160,6 +160,7 @@ class TorchEngine(Engine):
             "logprob_backend": self.config.logprob_backend,
             "prefill_attention": self._decoder.prefill_attention if self._decoder is not None else "",
             "decode_attention": self._decoder.decode_attention if self._decoder is not None else "",
+            "decode_forward": self._decoder.decode_forward if self._decoder is not None else "",
         }
 
     def _require_model(self) -> torch.nn.Module:
