@@ -1,6 +1,6 @@
 """Where one true_on_policy decode step's time goes: the captured step per forward path, kernel by kernel.
 
-    python3 bench/decode_step_profile.py --out decode_profile.json           # one H200: ~2 minutes
+    python3 bench/decode_step_profile.py --out decode_profile.json           # one H200: under a minute
     python3 bench/decode_step_profile.py --sweep attention,matmul --out p.json   # + tile/warp/stage sweeps
 
 Synthetic and short (no scheduler, no sampling): a random-init Qwen3 shape in bf16, a paged KV pool of
@@ -39,8 +39,8 @@ from bench.rollout_longtail import LONGTAIL_SHAPES, kv_bytes_per_token  # noqa: 
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("bi_attention_kernel",)),
     ("matmul", ("bi_matmul_kernel", "grouped_matmul_kernel", "gate_up_kernel")),
-    ("rms_norm", ("bi_rms_norm_kernel", "add_rms_norm_kernel")),
-    ("qk_norm_rope_kv_write", ("qk_norm_rope_store_kernel",)),
+    ("rms_norm", ("bi_rms_norm_kernel", "add_rms_norm_kernel", "head_rms_norm_kernel")),
+    ("rope_kv_write", ("rope_store_kernel",)),
     ("kv_write", ("index_put", "indexing", "scatter")),
     ("embedding", ("embedding", "index_select", "indexSelect")),
     ("copy", ("copy", "Copy", "cat", "Cat")),
@@ -269,37 +269,6 @@ def attention_probe(rows: int, context: int, seed: int) -> None:
     print("probe", rows, "rows", round(float(lengths.float().mean()), 1), "mean context")
 
 
-def host_split(model, rows: int, steps: int, seed: int) -> dict:
-    """A real decode (no stop tokens, 128-token prompts): the decoder's own forward / sampling / host split."""
-    import cProfile
-    import io
-    import pstats
-
-    from services.rollout.decoder import Decoder, DecoderOptions
-    from services.rollout.engine import SamplingConfig
-
-    g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(0, model.config.vocab_size, (rows, 128), generator=g).tolist()
-    decoder = Decoder(model, DecoderOptions(numerics="true_on_policy", max_batch_size=256, cuda_graphs=True,
-                                            max_context_tokens=128 + steps + 64))
-    decoder.decode(prompts, list(range(rows)), SamplingConfig(temperature=1.0, max_new_tokens=4))
-    prof = cProfile.Profile()
-    prof.enable()
-    decoder.decode(prompts, list(range(rows)), SamplingConfig(temperature=1.0, max_new_tokens=steps))
-    prof.disable()
-    st = decoder.stats
-    n = len(st.steps)
-    wall = sum(s[2] for s in st.steps)
-    fwd = sum(a for a, _ in st.device_steps)
-    dev = sum(b for _, b in st.device_steps)
-    text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(18)
-    decoder.release()
-    return {"rows": rows, "steps": n, "step_ms": round(1e3 * wall / n, 3), "forward_ms": round(1e3 * fwd / n, 3),
-            "sampling_ms": round(1e3 * (dev - fwd) / n, 3), "host_ms": round(1e3 * (wall - dev) / n, 3),
-            "cprofile_tottime": text.getvalue()[-6000:]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(LONGTAIL_SHAPES))
@@ -310,9 +279,6 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="comma-separated: attention, matmul")
     ap.add_argument("--attention-probe", action="store_true",
                     help="only run one layer's paged decode attention twice (for ncu --launch-skip 1)")
-    ap.add_argument("--host-steps", type=int, default=0,
-                    help="also decode --rows sequences of this many new tokens through Decoder.decode and report "
-                         "its forward / sampling / host split and the host's top functions (cProfile)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -328,8 +294,6 @@ def main() -> None:
             result = {"benchmark": "decode_step_profile", "gpu": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "hbm_copy_gb_per_s": round(copy, 1), **info,
                       **profile_paths(decoders, inputs, bucket, info, copy, args.reps)}
-            if args.host_steps:
-                result["host"] = host_split(model, args.rows, args.host_steps, args.seed)
             if "attention" in args.sweep:
                 result["sweep_attention"] = sweep_attention(decoders["hf"], inputs, bucket)
             if "matmul" in args.sweep:
@@ -346,9 +310,6 @@ def main() -> None:
             for kind, v in t["by_kind"].items():
                 print(f"   {kind:24s} {v['kernels']:7.1f} kernels {v['us']:9.1f} us")
     print("fused logits == hf logits bitwise:", result["fused_logits_equal_hf_bitwise"])
-    if "host" in result:
-        print({k: v for k, v in result["host"].items() if k != "cprofile_tottime"})
-        print(result["host"]["cprofile_tottime"][-3500:])
     for row in result.get("sweep_attention", []):
         print("attn", row)
     for row in result.get("sweep_matmul", []):
