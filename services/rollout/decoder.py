@@ -26,7 +26,9 @@ Numerics modes:
   key block, so the reduction order is that of packed attention over the whole sequence). A token's
   log-prob then has the same bits as the trainer's packed recompute of the whole sequence, whatever else
   is in the batch, however its prefill was chunked, whether its prompt's pages were shared, and whether
-  its K/V was written by decode steps or recomputed after a preemption.
+  its K/V was written by decode steps or recomputed after a preemption. Decode steps run the model's
+  parameters through fused kernels of the same bits (services.rollout.fused_step; `decode_forward` says
+  "fused", or "hf" for a model it does not cover or with `fused_step=False`).
   torch.compile is never used (fusion changes rounding).
 
 On CUDA the decode step can be captured as a CUDA graph per batch-size bucket (powers of two up to
@@ -97,6 +99,9 @@ class DecoderOptions:
     scheduler: str = "continuous"
     """'continuous' (admit as rows and pages free up) or 'static' (a batch at a time, finished rows kept until
     the batch ends: the baseline a benchmark compares against)."""
+    fused_step: bool = True
+    """true_on_policy: run decode steps on the fused batch-invariant kernels (services.rollout.fused_step), the
+    stock forward's bits in fewer launches, where the model allows; False: always the stock forward."""
 
 
 @dataclass
@@ -225,11 +230,15 @@ class Decoder:
         if options.numerics == "fast" and self.device.type == "cpu":
             # The batch-invariant CPU kernel walks key blocks in Python; fast mode promises no bits.
             self._paged_decode, self.decode_attention = _sdpa_paged_decode, "sdpa"
+        self._fused, self.decode_forward = None, "hf"
         if options.numerics == "true_on_policy":
             from kernels.batch_invariant.hf import make_batch_invariant
+            from services.rollout.fused_step import FusedDecodeStep, unsupported_reason
 
             make_batch_invariant(model)
             self._packed_attention, self.prefill_attention = None, "batch_invariant"
+            if options.fused_step and unsupported_reason(model) is None:
+                self._fused, self.decode_forward = FusedDecodeStep(model), "fused"
         else:
             self._packed_attention, self.prefill_attention = _fast_prefill_attention(model, self.device)
         self._base = getattr(model, model.base_model_prefix)
@@ -500,6 +509,12 @@ class Decoder:
         """Logits [B, V] of one decode step: ids/positions [B, 1] int64, lengths int32 [B] = positions + 1,
         tables int32 [B, table_width]."""
         paged = self._paged_decode
+        if self._fused is not None:
+            pool = self._pool
+            pages = tables.gather(1, (positions // PAGE_TOKENS))[:, 0].long()
+            hidden = self._fused(ids, positions, pool.keys, pool.values, pages, positions[:, 0] % PAGE_TOKENS,
+                                 lambda q, k_pool, v_pool, scale: paged(q, k_pool, v_pool, tables, lengths, scale))
+            return self._head(hidden)
 
         def attend(q, k, v, k_pool, v_pool, scale):
             return paged(q, k_pool, v_pool, tables, lengths, scale)

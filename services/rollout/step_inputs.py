@@ -40,6 +40,8 @@ class StepInputs:
         # its pages were written (0: nothing valid). Only rows of the previous step keep an entry.
         self._holder: list[Sequence | None] = [None] * rows
         self._written = [0] * rows
+        self._last = [SCRATCH_PAGE] * rows
+        """The last page written into each row (a copy on write replaces it without changing the count)."""
         self._rows = 0
 
     def reset(self) -> None:
@@ -56,15 +58,19 @@ class StepInputs:
             holder[b], written[b] = None, 0
         # Padded rows decode the pad token at position 0 of the scratch page, which nothing reads.
         tables[n:bucket, 0] = SCRATCH_PAGE
+        last = self._last
         for b, s in enumerate(rows):
             pages = s.pages
             if holder[b] is s:
-                # The same sequence as last step: entries before its last written page are unchanged.
+                # The same sequence as last step: entries before its last written page are unchanged, and
+                # most steps change none (the row stays in its page, which was not replaced).
+                if written[b] == len(pages) and last[b] == pages[-1]:
+                    continue
                 first = written[b] - 1
             else:
                 holder[b], first = s, 0
             tables[b, first:len(pages)] = pages[first:]
-            written[b] = len(pages)
+            written[b], last[b] = len(pages), pages[-1]
         self._rows = n
         pos = np.fromiter((s.computed for s in rows), dtype=np.int64, count=n)
         ids = np.fromiter((s.tokens[s.computed] if s.finish_reason is None else pad_token_id for s in rows),

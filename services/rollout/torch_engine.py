@@ -162,6 +162,7 @@ class TorchEngine(Engine):
             **probe_platform_details(str(self._device)),
             "prefill_attention": self._decoder.prefill_attention if self._decoder is not None else "",
             "decode_attention": self._decoder.decode_attention if self._decoder is not None else "",
+            "decode_forward": self._decoder.decode_forward if self._decoder is not None else "",
         }
 
     def _require_model(self) -> torch.nn.Module:

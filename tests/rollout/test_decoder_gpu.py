@@ -87,6 +87,45 @@ def test_true_on_policy_graphs_padding_and_packed_recompute_bitwise():
     assert [r.logprobs for r in fast] != fast_recomputed
 
 
+def _small(family: str) -> torch.nn.Module:
+    """SMALL in another family: Qwen2 (q/k/v biases), Llama with every attention bias; no q/k norms."""
+    if family == "qwen3":
+        return qwen3(SMALL)
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls, extra = {"qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+                                    "llama": (LlamaConfig, LlamaForCausalLM, {"attention_bias": True})}[family]
+    cfg = config_cls(vocab_size=SMALL["vocab"], hidden_size=SMALL["hidden"], intermediate_size=SMALL["intermediate"],
+                     num_hidden_layers=SMALL["layers"], num_attention_heads=SMALL["heads"],
+                     num_key_value_heads=SMALL["kv_heads"], head_dim=SMALL["head_dim"], max_position_embeddings=4096,
+                     tie_word_embeddings=True, **extra)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = model_cls(cfg)
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            torch.nn.init.normal_(p, std=0.5)  # HF zero-inits biases: make them count
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_fused_decode_step_equals_the_stock_step_bitwise(family):
+    """The fused decode forward (services.rollout.fused_step) against the stock HF forward, graphs on, three
+    rows padded into the bucket of eight: the same tokens and log-prob bits."""
+    model = _small(family)
+    batch = prompts(PROMPT_LENGTHS[:5], SMALL["vocab"])
+    cfg = SamplingConfig(temperature=1.0, max_new_tokens=40)
+    out = {}
+    for fused in (True, False):
+        decoder = Decoder(model, DecoderOptions(numerics="true_on_policy", cuda_graphs=True, max_batch_size=8,
+                                                fused_step=fused))
+        assert decoder.decode_forward == ("fused" if fused else "hf")
+        out[fused] = [(r.token_ids, r.logprobs) for r in decoder.decode(batch, [100 + i for i in range(5)], cfg)]
+        decoder.release()
+    assert out[True] == out[False]
+    assert len({tuple(t) for t, _ in out[True]}) == 5
+
+
 def test_throughput_at_the_qwen3_0_6b_shape():
     """256 sequences x 256 new tokens, 128-token prompts, bf16, graphs on: new tokens/s of both modes."""
     n, new, prompt_len = 256, 256, 128

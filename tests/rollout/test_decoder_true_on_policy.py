@@ -53,12 +53,44 @@ def test_logprobs_equal_a_packed_recompute_bitwise(decoder_model_dir, dtype):
     assert [t.float().tolist() for t in teacher] != recomputed
 
 
+def _tiny(family: str, **extra) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
+    cfg = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, max_position_embeddings=128, initializer_range=0.3,
+                     tie_word_embeddings=False, **extra)
+    torch.manual_seed(5)
+    return model_cls(cfg).to(torch.bfloat16).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("family,extra", [("qwen2", {}), ("llama", {"attention_bias": True})], ids=["qwen2", "llama"])
+def test_the_fused_decode_step_gives_the_stock_steps_bits(family, extra):
+    """Qwen2 (q/k/v biases) and Llama (all four attention biases), no q/k norms: the fused step's wiring against
+    the stock forward (Qwen3 is the decoder model of every other test here)."""
+    model = _tiny(family, **extra)
+    fused = Decoder(model, DecoderOptions(numerics="true_on_policy", max_batch_size=4))
+    stock = Decoder(model, DecoderOptions(numerics="true_on_policy", max_batch_size=4, fused_step=False))
+    assert (fused.decode_forward, stock.decode_forward) == ("fused", "hf")
+    cfg = sampling(max_new_tokens=10)
+    rows = fused.decode(PROMPTS, SEEDS, cfg)
+    assert [(r.token_ids, r.logprobs) for r in rows] == [(r.token_ids, r.logprobs) for r in stock.decode(PROMPTS, SEEDS,
+                                                                                                          cfg)]
+    assert len({tuple(r.token_ids) for r in rows}) > 1
+
+
+def test_a_model_the_fused_step_does_not_cover_decodes_on_the_stock_forward():
+    decoder = Decoder(_tiny("llama", mlp_bias=True), DecoderOptions(numerics="true_on_policy", max_batch_size=4))
+    assert decoder.decode_forward == "hf"
+    assert len(decoder.decode(PROMPTS[:2], SEEDS[:2], sampling(max_new_tokens=3))[0].token_ids) == 3
+
+
 def test_engine_in_true_on_policy_reports_the_recompute_bits(decoder_model_dir):
     engine = TorchEngine(TorchEngineConfig(dtype="bfloat16", numerics="true_on_policy", max_batch_size=3))
     engine.load(str(decoder_model_dir), 0)
     info = engine.info()
-    assert (info["numerics"], info["prefill_attention"], info["decode_attention"]) == (
-        "true_on_policy", "batch_invariant", "batch_invariant")
+    assert (info["numerics"], info["prefill_attention"], info["decode_attention"], info["decode_forward"]) == (
+        "true_on_policy", "batch_invariant", "batch_invariant", "fused")
     prompts = tuple(PromptSpec(f"g{i}", p, s) for i, (p, s) in enumerate(zip(PROMPTS, SEEDS)))
     samples = engine.generate(GenerationRequest(prompts=prompts, sampling=sampling(), samples_per_prompt=2))
     scorer = batch_invariant_scorer(loaded(decoder_model_dir, "bfloat16"))
