@@ -174,7 +174,7 @@ class RunDriver:
         """Sample, score, train, sync, record. A step the trainer applied already (before the previous
         coordinator died) is replayed: its recorded metrics, not a second update."""
         timer = PhaseTimer()
-        header = pb.TrainStepHeader(run_id=self.run_id, step=step, policy_version=step - 1)
+        header = self._header(step)
         if trainer_version == step:
             result, counts = await self.trainer.replay(header)
         elif trainer_version == step - 1:
@@ -206,8 +206,7 @@ class RunDriver:
         run just started), and meanwhile the replicas generate the rollouts of the steps that version s-1
         makes (s+K in steady state)."""
         timer, busy = PhaseTimer(), BusyIntervals()
-        header = pb.TrainStepHeader(run_id=self.run_id, step=step,
-                                    policy_version=behaviour_version(step, self.max_staleness))
+        header = self._header(step)
         train_span = None
         if trainer_version == step:
             result, counts = await self.trainer.replay(header)
@@ -321,6 +320,13 @@ class RunDriver:
                 raise RunFailed(str(exc)) from None
         return trajectories, counts
 
+    def _header(self, step: int) -> pb.TrainStepHeader:
+        """The TrainStep header of `step`: the oldest version its tokens may come from and the run's bound,
+        which the trainer enforces on every token."""
+        return pb.TrainStepHeader(run_id=self.run_id, step=step,
+                                  policy_version=behaviour_version(step, self.max_staleness),
+                                  max_staleness=self.max_staleness, streaming=self.spec.async_.mode == "streaming")
+
     async def _record(self, step: int, metrics: dict, timings: dict, counts: dict,
                       report: EvalReport | None) -> None:
         """Record the step exactly once; a step recorded before (recomputed after a trainer loss) is
@@ -425,7 +431,10 @@ class RunDriver:
                                       std_normalization=self.spec.trainer.advantage_std_normalization)
         return [
             pb.Trajectory(
-                run_id=self.run_id, step=step, policy_version=policy_version, group_id=s.group_id,
+                run_id=self.run_id, step=step, group_id=s.group_id,
+                # The replica's per-token versions, as reported: the trainer refuses any outside the bound.
+                policy_version=s.policy_versions[0] if s.policy_versions else policy_version,
+                token_policy_versions=s.policy_versions,
                 sample_id=s.sample_id, prompt_token_ids=ids_to_proto(self._encode(problems[i])),
                 response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
                 reward=float(r), advantage=float(a), finish_reason=s.finish_reason,
