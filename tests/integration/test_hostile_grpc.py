@@ -349,7 +349,8 @@ def test_trainer_refuses_token_versions_outside_the_bound_and_trains_nothing(tra
         (header(1, 1, True), [traj(1, [0, 0, 0]), traj(1, [0, 0, 1], 1)], PRECONDITION, r"outside \[0, 0\]"),
         (header(4, 1, True), [traj(4, [2, 3, 3]), traj(4, [3, 2, 3], 1)], INVALID, "versions decrease"),
         (header(4, 1, True), [traj(4, [2, 3, 3]), traj(4, [1, 2, 3], 1)], PRECONDITION, r"version 1 outside \[2, 3\]"),
-        (header(4, 1), [traj(4, [2, 2, 2]), traj(4, [2, 2, 3], 1)], PRECONDITION, "fixed_lag trains step 4 on version 2"),
+        (header(4, 1), [traj(4, [2, 2, 2]), traj(4, [2, 2, 3], 1)], PRECONDITION,
+         "fixed_lag trains step 4 on version 2"),
     ]
     for h, trajectories, code, fragment in cases:
         got, details = code_of(lambda: _train_step(trainer, h, trajectories))
