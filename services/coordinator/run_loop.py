@@ -424,6 +424,7 @@ class RunDriver:
                 counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
             except ValueError as exc:
                 raise RunFailed(str(exc)) from None
+            counts.update(token_staleness_metrics(step, trajectories))
         return trajectories, counts
 
     def _header(self, step: int) -> pb.TrainStepHeader:
