@@ -267,3 +267,42 @@ def test_streaming_trains_only_tokens_within_the_bound_with_their_versions_exact
             assert logp == rollout_logp, (version, key, logp, rollout_logp)
         checked += len(wanted)
     assert checked == sum(m["tokens_response"] for m in metrics)
+
+
+def test_streaming_coordinator_killed_after_a_train_step_trains_every_step_exactly_once(stack, model_dir):
+    """The coordinator dies right after the trainer applied step 2 of a streaming run (K = 1), with the
+    replicas generating ahead. The restarted one replays step 2 (its recorded metrics, no second update),
+    generates again whatever rollout was in flight, and the run ends with every step recorded once, every
+    trajectory of every step accounted for, and every trained token within the bound."""
+    s = lagged(model_dir, 1, "streaming-resume")
+    s["async"]["mode"] = "streaming"
+    per_step = s["rollout"]["prompts_per_step"] * s["rollout"]["samples_per_prompt"]
+    args = list(stack.coordinator.args)
+    stack.coordinator.stop()
+    stack.coordinator.args = [args[0], "-m", "tests.support.crashing_coordinator", "--crash-after-train-step", "2",
+                              *args[3:]]
+    stack.restart_coordinator()
+    c = stack.client()
+    try:
+        run = c.submit(s)
+        stack.coordinator.proc.wait(timeout=300)
+        assert stack.coordinator.proc.returncode == 137
+    finally:
+        c.close()
+        stack.coordinator.args = args
+        stack.restart_coordinator()
+    fresh = stack.client()
+    try:
+        done = fresh.wait(run["id"], timeout_s=600)
+        assert done["status"] == "completed", done
+        steps = fresh.metrics(run["id"])["steps"]
+        events = [e["event"] for e in fresh.run(run["id"])["events"]]
+    finally:
+        fresh.close()
+    assert [x["step"] for x in steps] == [1, 2, 3] and events.count("step_replayed") == 1
+    for x in steps:
+        m = x["metrics"]
+        accounted = m["trajectories_trained"] + m["trajectories_dropped"] + m.get("trajectories_dropped_stale", 0)
+        assert accounted == per_step and m["token_staleness_max"] <= 1, m
+    for step, trajectories in sent_trajectories(stack, run["id"]).items():
+        assert all(max(0, step - 2) <= v <= step - 1 for t in trajectories for v in t.token_policy_versions), step
