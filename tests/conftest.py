@@ -126,6 +126,8 @@ SLOW_TESTS = {
     "tests/recipes/test_tiny_arith.py::test_warm_start_is_deterministic_and_writes_a_loadable_dir":
         "two warm starts as processes",
     "tests/deploy/test_prometheus_rules.py::test_unit_tests_catch_a_loosened_rule": "promtool per rule",
+    "tests/coordinator/test_streaming.py::test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weights":
+        "a torch engine decode and two trainers scoring it",
     "tests/trainer/test_parity_gate.py::test_reference_attention_passes_the_gate": "rounding bounds of a model",
     "tests/kernels/test_logprob_linear.py::test_matches_unfused_path_and_fp64": "large float64 references",
     "tests/kernels/test_logprob_linear.py::test_weight_gradient_accumulates_in_fp32_across_chunks":

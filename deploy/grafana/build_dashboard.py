@@ -252,8 +252,11 @@ def build_panels() -> list[dict]:
         "Async staleness and overlap",
         "Runs with async.max_staleness K > 0: the last step's largest policy staleness (step - 1 - the version "
         "that made a trajectory) against K (LockstepStalenessAboveBound fires above it, and never should), "
-        "and the fraction of the step during which rollout and training were both busy.",
+        "its per-token 95th percentile, the trajectories async.mode streaming dropped for a token outside the "
+        "bound, and the fraction of the step during which rollout and training were both busy.",
         [(f'{step("staleness_max")}{{{RUN}}}', "{{run_id}} staleness max"),
+         (f'{step("token_staleness_p95")}{{{RUN}}}', "{{run_id}} token staleness p95"),
+         (f'{step("trajectories_dropped_stale")}{{{RUN}}}', "{{run_id}} dropped stale"),
          (f'{m("lockstep_run_max_staleness")}{{{RUN}}}', "{{run_id}} K"),
          (f'{m("lockstep_step_overlap_fraction")}{{{RUN}}}', "{{run_id}} overlap fraction")]))
     L.add(timeseries(

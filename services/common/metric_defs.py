@@ -60,6 +60,12 @@ ASYNC_STEP_METRIC_HELP: dict[str, str] = {
     "staleness_max": "Largest policy staleness (step - 1 - generating version) over the step's trajectories; "
     "never above the run's async.max_staleness.",
     "staleness_mean": "Mean policy staleness (step - 1 - generating version) over the step's trajectories.",
+    "token_staleness_p50": "Median policy staleness (step - 1 - the version that sampled it) over the step's "
+    "trained response tokens.",
+    "token_staleness_p95": "95th percentile (nearest rank) of the step's per-token policy staleness.",
+    "token_staleness_max": "Largest per-token policy staleness of the step; never above async.max_staleness.",
+    "trajectories_dropped_stale": "Trajectories of the step refused before training because a token's version "
+    "was outside [step - 1 - async.max_staleness, step - 1] (async.mode streaming).",
 }
 STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 

@@ -41,6 +41,11 @@ class RolloutClient:
     async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
         return await self._stub.Generate(request, timeout=self._timeout)
 
+    async def pause_generation(self, run_id: str) -> bool:
+        """Ask the replica's in-flight Generate to return at its next token boundary; whether one was in flight."""
+        return (await self._stub.PauseGeneration(pb.PauseGenerationRequest(run_id=run_id),
+                                                 timeout=self._timeout)).paused
+
     async def sync_weights(self, run_id: str, policy_version: int, trainer_address: str) -> pb.UpdateWeightsResponse:
         """The replica pulls `policy_version` from the trainer at `trainer_address` and applies it.
 

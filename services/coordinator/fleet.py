@@ -34,7 +34,9 @@ class Shard:
     """Prompts sent to one replica in one Generate call."""
 
     problems: list[Problem]
-    first_index: int  # index of problems[0] within the step
+    indices: list[int]  # index of each problem within the step (its group id and seed derive from it)
+    positions: list[int]  # position of each problem in the generate() call's list
+    resumed: list[pb.ResumedSample]  # paused samples of these problems, continued rather than started again
 
 
 class RolloutFleet:
@@ -252,15 +254,25 @@ class RolloutFleet:
 
     # ----------------------------------------------------------- generate --
     async def generate(self, problems: list[Problem], plan: SamplingPlan, encode: Encode, *, step: int,
-                       policy_version: int, first_index: int = 0) -> tuple[list[tuple[int, pb.Sample]], int]:
+                       policy_version: int, first_index: int = 0, indices: Sequence[int] | None = None,
+                       resumed: Sequence[pb.Sample] = ()) -> tuple[list[tuple[int, pb.Sample]], int]:
         """Samples as (index in `problems`, sample) in problem order; returns also the dropped count.
 
         `first_index` numbers the problems within the step (group ids and sampling seeds derive from
-        it), so further rounds of one step never reuse a group id or a seed."""
+        it), so further rounds of one step never reuse a group id or a seed; `indices` numbers them one
+        by one instead. `resumed`: paused samples of these problems, continued from their tokens."""
         await self.await_live(step, policy_version)
+        indices = list(range(first_index, first_index + len(problems))) if indices is None else list(indices)
         n = len(self.pool.live())
         size = -(-len(problems) // n)
-        shards = [Shard(problems[i:i + size], first_index + i) for i in range(0, len(problems), size)]
+        paused: dict[str, list[pb.ResumedSample]] = {}
+        for r in resumed:
+            paused.setdefault(r.group_id, []).append(pb.ResumedSample(
+                sample_id=r.sample_id, response_token_ids=r.response_token_ids, logprobs=r.logprobs,
+                policy_versions=r.policy_versions))
+        shards = [Shard(problems[i:i + size], indices[i:i + size], list(range(i, min(i + size, len(problems)))),
+                        [r for k in indices[i:i + size] for r in paused.get(group_id(step, k), [])])
+                  for i in range(0, len(problems), size)]
         exporter = self.events.exporter
         exporter.queue_depth(self.run_id, len(problems))
         results = await asyncio.gather(*(
@@ -274,8 +286,7 @@ class RolloutFleet:
             if res is None:
                 dropped += len(shard.problems) * plan.samples_per_prompt
                 continue
-            gids = {group_id(step, shard.first_index + j): shard.first_index - first_index + j
-                    for j in range(len(shard.problems))}
+            gids = {group_id(step, k): position for k, position in zip(shard.indices, shard.positions)}
             for s in res.samples:
                 out.append((gids[s.group_id], s))
         return out, dropped
@@ -296,13 +307,12 @@ class RolloutFleet:
     async def _generate_shard(self, shard: Shard, replica: int, plan: SamplingPlan, encode: Encode, *,
                               step: int, policy_version: int) -> pb.GenerateResponse | None:
         prompts = [
-            pb.Prompt(group_id=group_id(step, shard.first_index + j),
-                      token_ids=ids_to_proto(encode(p)), seed=plan.seed(shard.first_index + j))
-            for j, p in enumerate(shard.problems)
+            pb.Prompt(group_id=group_id(step, k), token_ids=ids_to_proto(encode(p)), seed=plan.seed(k))
+            for k, p in zip(shard.indices, shard.problems)
         ]
         request = pb.GenerateRequest(
             run_id=self.run_id, step=step, policy_version=policy_version, prompts=prompts,
-            samples_per_prompt=plan.samples_per_prompt, sampling=plan.params,
+            samples_per_prompt=plan.samples_per_prompt, sampling=plan.params, resumed=shard.resumed,
         )
         attempts = self.generate_retries + 1
         for attempt in range(attempts):

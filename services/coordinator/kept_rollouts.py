@@ -57,6 +57,12 @@ class KeptRollouts:
     def has(self, step: int) -> bool:
         return step in self._cache or self._paths(step)[0].is_file()
 
+    def drop(self, step: int) -> None:
+        """Forget step `step`'s kept rollout (to generate it again). Blocking (file I/O)."""
+        self._cache.pop(step, None)
+        for path in self._paths(step):
+            path.unlink(missing_ok=True)
+
     def drop_through(self, step: int) -> None:
         """Forget every kept rollout of steps <= `step`. Blocking (file I/O)."""
         for t in [t for t in self._cache if t <= step]:

@@ -15,7 +15,10 @@
 
 With async.max_staleness K > 0 (fixed_lag.py) step s samples with policy version max(0, s-1-K)
 instead: the replicas are synced to s-1 at the start of step s, and generate the rollouts of later
-steps while step s trains (_one_lagged_step).
+steps while step s trains (_one_lagged_step). With async.mode streaming they generate continuously
+(stream_generator.py): the sync to s-1 pauses the sequences in flight and continues them under the new
+weights, and step s trains on the trajectories whose every token is of a version >= s-1-K
+(_one_streaming_step).
 
 The collaborators: fleet.RolloutFleet (replicas, eviction, readmission, reload, weight sync),
 trainer_session.TrainerSession (configure, train, replay, checkpoint, recovery) and
@@ -63,6 +66,8 @@ from services.coordinator.replicas import NoLiveReplica, ReplicaPool
 from services.coordinator.run_errors import RunCancelled, RunFailed, RunPaused
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
+from services.coordinator.stream_generator import GenerationGate, StreamGenerator
+from services.coordinator.streaming import admit, token_staleness_metrics, token_versions
 from services.coordinator.tasks import Problem, Task, build_task
 from services.coordinator.trainer_session import SpaceRetry, TrainerSession
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
@@ -125,6 +130,15 @@ class RunDriver:
         # version that made it may be gone when a restarted coordinator needs it.
         self._rollouts = KeptRollouts(run_id, run_dir / "rollouts", model_path=spec.model_path, seed=spec.seed)
         self._replicas_at = 0  # fixed_lag: the version every live replica holds
+        self.streaming = spec.async_.mode == "streaming" and self.max_staleness > 0
+        self._gate = GenerationGate(self._pause_replicas)
+        self._busy = BusyIntervals()  # streaming: when the replicas generated during the current step
+        self._stream = StreamGenerator(
+            self.fleet, self._gate, self._rollouts, last_step=spec.steps,
+            problems_of=lambda t: step_problems(self.task.split("train"), seed=spec.seed, step=t,
+                                                count=spec.rollout.prompts_per_step),
+            plan_of=self._training_plan, encode=self._encode, score=self._score_streamed,
+            version=lambda: self._replicas_at, on_busy=lambda a, b: self._busy.add(a, b))
         self._prompt_ids: dict[str, list[int]] = {}
         self.evaluator = Evaluator(spec, self.task, build_eval_sets(spec, self.task), self._eval_rollout,
                                    self._decode, self._stop_ids())
@@ -138,6 +152,7 @@ class RunDriver:
         try:
             await self._run()
         finally:
+            await self._stream.stop()
             await asyncio.to_thread(self.task.close)
 
     async def _run(self) -> None:
@@ -156,8 +171,11 @@ class RunDriver:
         while (step := next_step(trainer_version, cursor)) <= self.spec.steps:
             await self._check_cancelled()
             try:
-                await self.fleet.readmit(step, trainer_version)
-                if self.max_staleness:
+                if not self.streaming:  # streaming readmits inside its weight sync, while nothing generates
+                    await self.fleet.readmit(step, trainer_version)
+                if self.streaming:
+                    await self._one_streaming_step(step, trainer_version)
+                elif self.max_staleness:
                     await self._one_lagged_step(step, trainer_version)
                 else:
                     await self._one_step(step, trainer_version)
@@ -175,7 +193,7 @@ class RunDriver:
         """Sample, score, train, sync, record. A step the trainer applied already (before the previous
         coordinator died) is replayed: its recorded metrics, not a second update."""
         timer = PhaseTimer()
-        header = pb.TrainStepHeader(run_id=self.run_id, step=step, policy_version=step - 1)
+        header = self._header(step)
         if trainer_version == step:
             result, counts = await self.trainer.replay(header)
         elif trainer_version == step - 1:
@@ -207,8 +225,7 @@ class RunDriver:
         run just started), and meanwhile the replicas generate the rollouts of the steps that version s-1
         makes (s+K in steady state)."""
         timer, busy = PhaseTimer(), BusyIntervals()
-        header = pb.TrainStepHeader(run_id=self.run_id, step=step,
-                                    policy_version=behaviour_version(step, self.max_staleness))
+        header = self._header(step)
         train_span = None
         if trainer_version == step:
             result, counts = await self.trainer.replay(header)
@@ -272,6 +289,94 @@ class RunDriver:
         timings["overlap"] = busy.overlap_with(train_span) if train_span else 0.0
         await self._record(step, metrics, timings, counts, report)
 
+    async def _one_streaming_step(self, step: int, trainer_version: int) -> None:
+        """_one_step in async.mode streaming: the replicas, generating the rollouts of the coming steps all
+        along, are brought to s-1 (their sequences in flight paused and then continued under it), and step s
+        trains on the trajectories of its rollout whose every token is of a version in [s-1-K, s-1]; the
+        others are dropped and counted (the rollout is made again if none is left)."""
+        timer, header, train_span, began_step = PhaseTimer(), self._header(step), None, time.monotonic()
+        if trainer_version == step:
+            result, counts = await self.trainer.replay(header)
+        elif trainer_version == step - 1:
+            with timer.phase("weight_sync"):
+                await self._sync_streaming(step - 1)
+            self._busy = BusyIntervals()
+            self._stream.start(step)
+            await self._stream.advance(step + self.max_staleness)
+            with timer.phase("rollout"):  # waiting for it: zero once the replicas run ahead
+                await self._stream.ready(step)
+            trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
+            trajectories, stale = admit(step, trajectories, self.max_staleness)
+            if not trajectories:  # kept from before a trainer recovery, say: generated again at s-1
+                await asyncio.to_thread(self._rollouts.drop, step)
+                with timer.phase("rollout"):
+                    await self._stream.regenerate(step)
+                trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
+                trajectories, _ = admit(step, trajectories, self.max_staleness)
+                if not trajectories:
+                    raise RunFailed(f"step {step}: no trajectory of its rollout is within async.max_staleness")
+            counts = {**counts, "trajectories_trained": len(trajectories), "trajectories_dropped_stale": stale}
+            try:
+                counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
+            except ValueError as exc:
+                raise RunFailed(str(exc)) from None
+            counts.update(token_staleness_metrics(step, trajectories))
+            header.num_trajectories = len(trajectories)
+            if self.spec.debug.record_trajectories:
+                await asyncio.to_thread(self._record_step_input, header, trajectories)
+            began = time.monotonic()
+            with timer.phase("train"):
+                result = await self.trainer.train(header, trajectories, counts)
+            train_span = (began, time.monotonic())
+            if self.spec.checkpoint.every == 0:
+                await asyncio.to_thread(self._rollouts.drop_through, step)
+        else:
+            raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
+        metrics = {**result.metrics, **counts}
+        report = None
+        if self._eval_due(step):
+            with timer.phase("weight_sync"):
+                await self._sync_streaming(step)
+            with timer.phase("eval"):
+                report = await self.evaluator.evaluate(step=step, policy_version=step)
+            metrics.update(report.metrics())
+        if self._checkpoint_due(step):
+            with timer.phase("checkpoint"):
+                await self.trainer.checkpoint(step)
+            await asyncio.to_thread(self._rollouts.drop_through, step)
+        timings = timer.finish()
+        if self._busy.spans:  # seconds the replicas generated within this step, as in fixed_lag
+            timings["rollout"] = self._busy.overlap_with((began_step, time.monotonic()))
+        timings["overlap"] = self._busy.overlap_with(train_span) if train_span else 0.0
+        await self._record(step, metrics, timings, counts, report)
+
+    async def _sync_streaming(self, version: int) -> None:
+        """Bring the replicas to `version`, pausing what they generate meanwhile (continued afterwards)."""
+        async with self._gate.syncing():
+            await self.fleet.readmit(version + 1, version)
+            await self.fleet.sync_weights(version)
+            self._replicas_at = version
+
+    def _drop_lost_versions(self, version: int) -> None:
+        """Streaming, the trainer (back) at `version`: a kept rollout with tokens of a later version was made
+        by weights the trainer no longer has (it resumed from an older checkpoint), so it is made again."""
+        for t in [t for t in range(version + 1, self.spec.steps + 1) if self._rollouts.has(t)]:
+            if max((v for traj in self._rollouts.get(t)[0] for v in token_versions(traj)), default=-1) > version:
+                self._rollouts.drop(t)
+
+    async def _pause_replicas(self) -> None:
+        """PauseGeneration on every live replica; one that does not answer is left to the Generate call's
+        own failure handling (eviction, re-dispatch)."""
+        async def pause(client: RolloutClient) -> None:
+            with contextlib.suppress(Exception):
+                await client.pause_generation(self.run_id)
+        await asyncio.gather(*(pause(c) for c in self.replicas.live()))
+
+    async def _score_streamed(self, step: int, samples: list[tuple[int, pb.Sample]],
+                              lost: int) -> tuple[list[pb.Trajectory], dict]:
+        trajectories = await self._score(self._stream.problems_of(step), samples, step, self._replicas_at)
+        return trajectories, {"trajectories_trained": len(trajectories), "trajectories_dropped": lost}
+
     async def _sync_and_roll_ahead(self, step: int, busy: BusyIntervals) -> None:
         """shared_path, while step `step` trains: the replicas load version step - 1 from the directory the
         trainer wrote (no trainer call), then generate the rollouts that version makes."""
@@ -320,7 +425,15 @@ class RunDriver:
                 counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
             except ValueError as exc:
                 raise RunFailed(str(exc)) from None
+            counts.update(token_staleness_metrics(step, trajectories))
         return trajectories, counts
+
+    def _header(self, step: int) -> pb.TrainStepHeader:
+        """The TrainStep header of `step`: the oldest version its tokens may come from and the run's bound,
+        which the trainer enforces on every token."""
+        return pb.TrainStepHeader(run_id=self.run_id, step=step,
+                                  policy_version=behaviour_version(step, self.max_staleness),
+                                  max_staleness=self.max_staleness, streaming=self.spec.async_.mode == "streaming")
 
     async def _record(self, step: int, metrics: dict, timings: dict, counts: dict,
                       report: EvalReport | None) -> None:
@@ -382,8 +495,12 @@ class RunDriver:
     # ------------------------------------------------------------- phases --
     async def _configure_services(self) -> int:
         """The trainer configured for the run and every replica brought to its version; that version."""
+        await self._stream.stop()  # streaming: what is in flight is generated again at the new start
         version = await self.trainer.configure()
-        start = await self._replicas_start_version(version) if self.max_staleness else version
+        if self.streaming:
+            await asyncio.to_thread(self._drop_lost_versions, version)
+        start = await self._replicas_start_version(version) if self.max_staleness and not self.streaming \
+            else version
         try:
             live = await self.fleet.start_at(start)
         except NoLiveReplica as exc:
@@ -436,7 +553,10 @@ class RunDriver:
                                       std_normalization=self.spec.trainer.advantage_std_normalization)
         return [
             pb.Trajectory(
-                run_id=self.run_id, step=step, policy_version=policy_version, group_id=s.group_id,
+                run_id=self.run_id, step=step, group_id=s.group_id,
+                # The replica's per-token versions, as reported: the trainer refuses any outside the bound.
+                policy_version=s.policy_versions[0] if s.policy_versions else policy_version,
+                token_policy_versions=s.policy_versions,
                 sample_id=s.sample_id, prompt_token_ids=ids_to_proto(self._encode(problems[i])),
                 response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
                 reward=float(r), advantage=float(a), finish_reason=s.finish_reason,

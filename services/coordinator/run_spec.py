@@ -220,16 +220,11 @@ class AsyncSpec(_Strict):
     mode: Literal["fixed_lag", "streaming"] = Field(
         "fixed_lag", description="'fixed_lag': the rollout of step s uses exactly policy version max(0, s-1-K), "
         "so which version produced each trajectory is arithmetic, not timing; the rollouts of later steps run "
-        "while a step trains. 'streaming' (continuous generation across weight updates) is not yet supported "
-        "and is refused.")
-
-    @field_validator("mode")
-    @classmethod
-    def _supported(cls, v: str) -> str:
-        if v == "streaming":
-            raise ValueError("'streaming' is not yet supported (it needs the rollout engines to pause and resume "
-                             "in-flight sequences across a weight update); use 'fixed_lag'")
-        return v
+        "while a step trains. 'streaming': the replicas generate continuously, a weight update pauses the "
+        "sequences in flight at a token boundary and continues them under the new weights, and a trajectory "
+        "trains step s only if every token's version is >= s-1-K (others are dropped and counted). Streaming "
+        "needs rollout.engine 'torch' and refuses dynamic sampling; it is not bitwise reproducible (which "
+        "version makes a token depends on timing).")
 
 
 class RunSpec(_Strict):
@@ -364,6 +359,14 @@ class RunSpec(_Strict):
             raise field_error("trainer.mismatch_correction.mode", f"'none' cannot train async.max_staleness "
                               f"{self.async_.max_staleness} (off-policy rollouts): set it to 'truncate' or 'mask' "
                               "(decoupled PPO with TIS/MIS weights) or use trainer.policy_loss.kind 'm2po'")
+        if self.async_.mode == "streaming":
+            if self.rollout.engine != "torch":
+                raise field_error("async.mode", f"'streaming' needs rollout.engine 'torch' (the engine whose "
+                                  f"in-flight sequences pause and resume); {self.rollout.engine!r} cannot: use "
+                                  "'fixed_lag'")
+            if self.rollout.dynamic_sampling.enabled:
+                raise field_error("async.mode", "'streaming' makes one rollout round per step; it cannot be "
+                                  "combined with rollout.dynamic_sampling.enabled (use 'fixed_lag')")
         if self.eval.every > 0:
             raise field_error("eval.every", f"{self.eval.every}: mid-run evaluations need the replicas at the "
                               f"trainer's version, which async.max_staleness {self.async_.max_staleness} keeps "

@@ -15,19 +15,16 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.tensors import from_proto
 from services.trainer.batching import TrainSample
+from services.trainer.token_versions import check_header_bound, check_token_versions
+from services.trainer.wire_errors import FailedPrecondition, InvalidRequest
+
+__all__ = ["FailedPrecondition", "InvalidRequest", "StepRequest", "check_header", "decode_trajectory",
+           "read_train_step", "step_metrics_message"]
 
 # Log-probs are <= 0 by construction (logit - logsumexp with the max inside
 # the sum). A positive value means the sender shipped something else (probs,
 # logits); the slack only absorbs a foreign implementation's rounding.
 LOGPROB_POSITIVE_SLACK = 1e-4
-
-
-class InvalidRequest(ValueError):
-    """The request itself is malformed; maps to INVALID_ARGUMENT."""
-
-
-class FailedPrecondition(RuntimeError):
-    """The request is well-formed but the trainer's state does not allow it; maps to FAILED_PRECONDITION."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +49,7 @@ def check_header(header: pb.TrainStepHeader) -> None:
     # trainer refuses 0 for a step it still has to apply).
     if header.num_trajectories < 0:
         raise InvalidRequest(f"header.num_trajectories: must be >= 0, got {header.num_trajectories}")
+    check_header_bound(header.step, header.policy_version, header.max_staleness)
 
 
 def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader) -> TrainSample:
@@ -92,6 +90,10 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
     if float(logprobs.max()) > LOGPROB_POSITIVE_SLACK:
         bad = int(logprobs.argmax())
         raise InvalidRequest(f"{where}.rollout_logprobs[{bad}]: {float(logprobs[bad])} > 0 is not a log-prob")
+    check_token_versions(msg.token_policy_versions, where=where, step=header.step,
+                         trajectory_version=msg.policy_version, num_tokens=response.numel(),
+                         header_version=header.policy_version, max_staleness=header.max_staleness,
+                         streaming=header.streaming)
     for name in ("reward", "advantage"):
         value = getattr(msg, name)
         if not math.isfinite(value):

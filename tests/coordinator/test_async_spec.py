@@ -1,5 +1,5 @@
-"""The run spec's `async` section is checked at submit: fixed_lag only for now, and a run whose rollouts
-lag its policy must train with an off-policy correction."""
+"""The run spec's `async` section is checked at submit: streaming only where the engine pauses and resumes,
+and a run whose rollouts lag its policy must train with an off-policy correction."""
 from __future__ import annotations
 
 import pytest
@@ -37,13 +37,23 @@ def test_a_stored_spec_reads_back_with_its_async_section(base):
     assert RunSpec.model_validate_json(stored).async_.max_staleness == 2
 
 
-def test_streaming_is_refused_as_not_yet_supported(base):
+def test_streaming_is_accepted_with_the_torch_engine(base):
+    spec = RunSpec.model_validate({**base, "async": {"max_staleness": 1, "mode": "streaming"}, "trainer": CORRECTED})
+    assert (spec.async_.max_staleness, spec.async_.mode, spec.rollout.engine) == (1, "streaming", "torch")
+
+
+@pytest.mark.parametrize("rollout, reason", [
+    ({"engine": "sglang"}, "needs rollout.engine 'torch'"),
+    ({"dynamic_sampling": {"enabled": True}}, "rollout.dynamic_sampling.enabled"),
+])
+def test_streaming_where_it_cannot_run_is_refused_naming_the_field(base, rollout, reason):
+    import json
+
     with pytest.raises(RunSpecError) as exc:
-        import json
         parse_run_spec(json.dumps({**base, "async": {"max_staleness": 1, "mode": "streaming"},
-                                   "trainer": CORRECTED}).encode())
+                                   "trainer": CORRECTED, "rollout": rollout}).encode())
     assert [f["field"] for f in exc.value.fields] == ["async.mode"]
-    assert "not yet supported" in exc.value.fields[0]["reason"]
+    assert reason in exc.value.fields[0]["reason"]
 
 
 @pytest.mark.parametrize("async_", [{"max_staleness": -1}, {"max_staleness": 65}, {"mode": "eager"},

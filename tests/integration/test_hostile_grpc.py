@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import sys
 import time
 import uuid
@@ -306,3 +307,54 @@ def test_trainer_load_checkpoint_of_corrupt_files_is_invalid_argument(trainer, m
                                           pb.LoadCheckpointResponse))
     assert got == INVALID and "directory" in details, (got, details)
     assert trainer.health().ok
+
+
+def _train_step(trainer, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory]) -> pb.StepMetrics:
+    call = trainer.channel.stream_unary(trainer.method("TrainStep"),
+                                        request_serializer=pb.TrainStepChunk.SerializeToString,
+                                        response_deserializer=pb.StepMetrics.FromString)
+    chunks = [pb.TrainStepChunk(header=header), *(pb.TrainStepChunk(trajectory=t) for t in trajectories)]
+    return call(iter(chunks), timeout=120)
+
+
+def _trainer_version(trainer) -> int:
+    return _unary(trainer, "Info", pb.InfoRequest(), pb.ServiceInfo).policy_version
+
+
+def test_trainer_refuses_token_versions_outside_the_bound_and_trains_nothing(trainer, model_dir):
+    """A replica that reports versions the step's bound does not admit (too old, from the future, falling
+    along a trajectory, or in fixed_lag another version than the step's) gets the step refused, naming
+    it, before the trainer applies anything: the version stays, and the honest step trains after."""
+    from services.common.tensors import ids_to_proto, logprobs_to_proto
+
+    run_id = f"versions-{uuid.uuid4().hex}"
+    # The log-probs below are made up: a gate this wide lets the honest step through to training.
+    gate = {"parity_gate": {"iw_mean_tolerance": 1e9, "iw_max": 1e9, "logprob_abs_diff_mean": 1e9}}
+    _unary(trainer, "ConfigureRun", pb.ConfigureRunRequest(run_id=run_id, model_path=str(model_dir), seed=0,
+                                                           trainer_config_json=json.dumps(gate)),
+           pb.ConfigureRunResponse)
+
+    def traj(step: int, versions: list[int], i: int = 0) -> pb.Trajectory:
+        return pb.Trajectory(run_id=run_id, step=step, policy_version=versions[0], group_id="g", sample_id=f"g/{i}",
+                             prompt_token_ids=ids_to_proto([1, 2]), response_token_ids=ids_to_proto([3, 4, 5]),
+                             rollout_logprobs=logprobs_to_proto([-1.0, -1.5, -2.0]), reward=1.0,
+                             advantage=1.0 - 2 * i, token_policy_versions=versions)
+
+    def header(step: int, k: int = 0, streaming: bool = False) -> pb.TrainStepHeader:
+        return pb.TrainStepHeader(run_id=run_id, step=step, policy_version=max(0, step - 1 - k), num_trajectories=2,
+                                  max_staleness=k, streaming=streaming)
+
+    cases = [
+        (header(1), [traj(1, [0, 0, 0]), traj(1, [0, 1, 1], 1)], PRECONDITION, r"version 1 outside \[0, 0\]"),
+        (header(1, 1, True), [traj(1, [0, 0, 0]), traj(1, [0, 0, 1], 1)], PRECONDITION, r"outside \[0, 0\]"),
+        (header(4, 1, True), [traj(4, [2, 3, 3]), traj(4, [3, 2, 3], 1)], INVALID, "versions decrease"),
+        (header(4, 1, True), [traj(4, [2, 3, 3]), traj(4, [1, 2, 3], 1)], PRECONDITION, r"version 1 outside \[2, 3\]"),
+        (header(4, 1), [traj(4, [2, 2, 2]), traj(4, [2, 2, 3], 1)], PRECONDITION,
+         "fixed_lag trains step 4 on version 2"),
+    ]
+    for h, trajectories, code, fragment in cases:
+        got, details = code_of(lambda: _train_step(trainer, h, trajectories))
+        assert got == code and f"step {h.step}" in details and re.search(fragment, details), (got, details)
+        assert _trainer_version(trainer) == 0, "a refused step changed the trainer's policy version"
+    metrics = _train_step(trainer, header(1), [traj(1, [0, 0, 0]), traj(1, [0, 0, 0], 1)])
+    assert (metrics.step, metrics.replayed, _trainer_version(trainer)) == (1, False, 1)

@@ -40,6 +40,23 @@ def test_valid_stream_decodes():
     assert s.rollout_logprobs.tolist() == [-0.5, -1.0, -2.0] and s.advantage == 0.5
 
 
+def test_token_versions_outside_the_bound_are_a_failed_precondition_naming_the_step():
+    from services.trainer.wire import FailedPrecondition
+
+    ok = read([header(1, step=4, policy_version=2, max_staleness=1, streaming=True),
+               traj(0, step=4, policy_version=2, token_policy_versions=[2, 3, 3])])
+    assert ok.samples[0].response_ids.tolist() == [3, 4, 5]
+    for h, t, message in (
+        (header(1, step=4, policy_version=2, max_staleness=1, streaming=True),
+         traj(0, step=4, policy_version=1, token_policy_versions=[1, 2, 2]), r"version 1 outside \[2, 3\]"),
+        (header(1, step=4, policy_version=2, max_staleness=1),
+         traj(0, step=4, policy_version=2, token_policy_versions=[2, 2, 3]), "fixed_lag trains step 4 on version 2"),
+        (header(1), traj(0, policy_version=0, token_policy_versions=[0, 1, 1]), r"version 1 outside \[0, 0\]"),
+    ):
+        with pytest.raises(FailedPrecondition, match=f"^step {h.header.step}: .*{message}"):
+            read([h, t])
+
+
 def test_replay_header_without_trajectories_is_well_formed():
     assert read([header(0)]).samples == []
 
@@ -77,6 +94,12 @@ def test_replay_header_without_trajectories_is_well_formed():
         ([header(1), traj(0), traj(1)], r"trajectory\[1\]: more trajectories than header.num_trajectories=1"),
         ([header(3), traj(0), traj(1)], "header.num_trajectories: 3 announced, 2 received"),
         ([header(1), traj(0, sample_id="")], r"trajectory\[0\]\.sample_id: empty"),
+        ([header(1), traj(0, token_policy_versions=[0, 0])],
+         r"trajectory\[0\]\.token_policy_versions: 2 versions for 3 response tokens"),
+        ([header(1, step=4, policy_version=2, max_staleness=1, streaming=True),
+          traj(0, step=4, policy_version=3, token_policy_versions=[3, 2, 3])],
+         r"trajectory\[0\]\.token_policy_versions\[1\]: 2 after 3: versions decrease"),
+        ([header(1, step=4, policy_version=2)], r"header.policy_version: 2, but step 4 with max_staleness 0 trains on versions from 3"),
     ],
 )
 def test_malformed_streams_name_the_field(chunks, message):
