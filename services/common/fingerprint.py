@@ -14,6 +14,7 @@ import functools
 import importlib.metadata
 import platform as host_platform
 import re
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,11 @@ def parse_cpu_model(text: str) -> str:
 
 
 def _package(name: str) -> str:
+    # A loaded module's own version first: it carries the build's local tag ('2.11.0+cu130'), which a
+    # wheel's distribution metadata may leave out, and it is the code this process actually runs.
+    module = sys.modules.get(name)
+    if isinstance(getattr(module, "__version__", None), str):
+        return module.__version__
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
