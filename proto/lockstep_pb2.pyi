@@ -318,7 +318,7 @@ class ConfigureRunResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason")
+    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason", "response_mask")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,7 @@ class Trajectory(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_MASK_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
@@ -341,7 +342,8 @@ class Trajectory(_message.Message):
     reward: float
     advantage: float
     finish_reason: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    response_mask: Tensor
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class TrainStepHeader(_message.Message):
     __slots__ = ("run_id", "step", "policy_version", "num_trajectories")

@@ -81,10 +81,20 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
     for name, ids in (("prompt_token_ids", prompt), ("response_token_ids", response)):
         if (ids < 0).any():
             raise InvalidRequest(f"{where}.{name}: negative token id {int(ids.min())}")
-    if logprobs.numel() != response.numel():
-        raise InvalidRequest(
-            f"{where}.rollout_logprobs: {logprobs.numel()} values for {response.numel()} response tokens"
-        )
+    mask = None
+    if msg.HasField("response_mask"):
+        try:
+            mask = from_proto(msg.response_mask, field=f"{where}.response_mask", dtype=torch.bool, ndim=1)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if mask.numel() != response.numel():
+            raise InvalidRequest(f"{where}.response_mask: {mask.numel()} values for {response.numel()} response tokens")
+        if not bool(mask.any()):
+            raise InvalidRequest(f"{where}.response_mask: no model token (nothing to train on)")
+    model_tokens = response.numel() if mask is None else int(mask.sum())
+    if logprobs.numel() != model_tokens:
+        what = "response tokens" if mask is None else "model tokens (response_mask true)"
+        raise InvalidRequest(f"{where}.rollout_logprobs: {logprobs.numel()} values for {model_tokens} {what}")
     finite = torch.isfinite(logprobs)
     if not bool(finite.all()):
         bad = int((~finite).nonzero()[0, 0])
@@ -104,6 +114,7 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
         rollout_logprobs=logprobs,
         reward=float(msg.reward),
         advantage=float(msg.advantage),
+        response_mask=mask,
     )
 
 
