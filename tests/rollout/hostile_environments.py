@@ -107,3 +107,25 @@ def register_hostile() -> None:
     for name, cls in HOSTILE.items():
         if name not in known:
             register_environment(name, NoOptions, cls)
+
+
+class Feedback(Environment):
+    """Well behaved: answers every turn with feedback naming the turn, never done (the episode ends at
+    max_turns), reward 0.25 a turn."""
+
+    def __init__(self, options: NoOptions):
+        self.turns = 0
+
+    def reset(self, problem: EpisodeProblem) -> str:
+        return problem.prompt
+
+    def step(self, model_turn: str) -> StepResult:
+        self.turns += 1
+        return StepResult(f" try {self.turns}: ", 0.25, False)
+
+
+def register_feedback() -> None:
+    from contract.environment import known_environments
+
+    if "test-feedback" not in known_environments():
+        register_environment("test-feedback", NoOptions, Feedback)
