@@ -181,7 +181,7 @@ def register_environment(name: str, options_model: type[BaseModel],
 def _load_builtins() -> None:
     # Built-in environments register themselves on import; imported here so any process (the coordinator, a
     # rollout, an environment's worker process) that asks for one finds it.
-    from contract import calculator_env  # noqa: F401
+    from contract import calculator_env, guess_env  # noqa: F401
 
 
 def known_environments() -> tuple[str, ...]:

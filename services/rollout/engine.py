@@ -106,6 +106,8 @@ class Engine(abc.ABC):
 
     name: str = "abstract"
     supports_resume: bool = False
+    supports_episodes: bool = False
+    """Runs multi-turn episodes (GenerateRequest.episode) through `run_episodes`."""
     """Whether generate() continues GenerationRequest.resumed samples (and request_pause() works)."""
 
     @classmethod

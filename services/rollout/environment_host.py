@@ -40,7 +40,7 @@ def _context() -> multiprocessing.context.BaseContext:
     with _CONTEXT_LOCK:
         if _CONTEXT is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["contract.environment", "contract.calculator_env"])
+            ctx.set_forkserver_preload(["contract.environment", "contract.calculator_env", "contract.guess_env"])
             _CONTEXT = ctx
         return _CONTEXT
 
