@@ -61,6 +61,15 @@ ASYNC_STEP_METRIC_HELP: dict[str, str] = {
     "never above the run's async.max_staleness.",
     "staleness_mean": "Mean policy staleness (step - 1 - generating version) over the step's trajectories.",
 }
+# Per-step numbers of a run whose task is multi-turn (services/coordinator/tasks/episodic.py); a single-turn
+# run has none.
+EPISODE_STEP_METRIC_HELP: dict[str, str] = {
+    "episode_turns_mean": "Mean model turns per episode of the step.",
+    "episode_turns_max": "Most model turns in one episode of the step.",
+    "episode_tokens_mean": "Mean tokens per episode of the step (prompt, model turns and observations).",
+    "episode_model_token_fraction": "Fraction of the step's response tokens the model sampled (the rest are "
+    "environment observations, outside the loss).",
+}
 STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 
 
@@ -71,6 +80,10 @@ def step_metric_name(key: str) -> str:
 COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in STEP_METRIC_HELP.items()),
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in ASYNC_STEP_METRIC_HELP.items()),
+    *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in EPISODE_STEP_METRIC_HELP.items()),
+    MetricDef("lockstep_step_episodes_ended", "gauge", "Episodes of the last step that ended as `outcome` "
+              "(done, max_turns, max_episode_tokens, or an environment failure: env_error, env_timeout, "
+              "env_crashed, observation_too_large, observation_not_utf8, bad_result).", ("run_id", "outcome")),
     MetricDef("lockstep_run_max_staleness", "gauge", "The run's async.max_staleness K (0 for a synchronous run).",
               ("run_id",)),
     MetricDef("lockstep_step_overlap_fraction", "gauge",

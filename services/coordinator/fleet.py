@@ -295,14 +295,21 @@ class RolloutFleet:
 
     async def _generate_shard(self, shard: Shard, replica: int, plan: SamplingPlan, encode: Encode, *,
                               step: int, policy_version: int) -> pb.GenerateResponse | None:
-        prompts = [
-            pb.Prompt(group_id=group_id(step, shard.first_index + j),
-                      token_ids=ids_to_proto(encode(p)), seed=plan.seed(shard.first_index + j))
-            for j, p in enumerate(shard.problems)
-        ]
+        if plan.episode is None:
+            prompts = [
+                pb.Prompt(group_id=group_id(step, shard.first_index + j),
+                          token_ids=ids_to_proto(encode(p)), seed=plan.seed(shard.first_index + j))
+                for j, p in enumerate(shard.problems)
+            ]
+        else:  # the environment writes the prompt from the problem (and rewards against its answer)
+            prompts = [
+                pb.Prompt(group_id=group_id(step, shard.first_index + j), seed=plan.seed(shard.first_index + j),
+                          problem=pb.EpisodeProblem(problem_id=p.problem_id, prompt=p.prompt, answer=p.answer))
+                for j, p in enumerate(shard.problems)
+            ]
         request = pb.GenerateRequest(
             run_id=self.run_id, step=step, policy_version=policy_version, prompts=prompts,
-            samples_per_prompt=plan.samples_per_prompt, sampling=plan.params,
+            samples_per_prompt=plan.samples_per_prompt, sampling=plan.params, episode=plan.episode,
         )
         attempts = self.generate_retries + 1
         for attempt in range(attempts):

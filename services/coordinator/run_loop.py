@@ -64,6 +64,7 @@ from services.coordinator.run_errors import RunCancelled, RunFailed, RunPaused
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.store import RunStore
 from services.coordinator.tasks import Problem, Task, build_task
+from services.coordinator.tasks.episodic import EpisodicTask, episode_metrics
 from services.coordinator.trainer_session import SpaceRetry, TrainerSession
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
@@ -311,7 +312,10 @@ class RunDriver:
             trajectories = await self._score(problems, samples, step, version)
         if not trajectories:
             raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
-        counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped}
+        counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped + len(samples)
+                  - len(trajectories)}
+        if isinstance(self.task, EpisodicTask):
+            counts.update(episode_metrics([s for _, s in samples]))
         if spec.rollout.dynamic_sampling.enabled:
             with timer.phase("dynamic_sampling"):
                 trajectories, counts = await self._informative_groups(step, trajectories, dropped)
@@ -417,7 +421,8 @@ class RunDriver:
         s = self.spec.rollout.sampling
         params = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                    max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop_ids(), greedy=False)
-        return SamplingPlan(params, self.spec.rollout.samples_per_prompt, ("sample", self.spec.seed, step))
+        episode = self.task.episode_settings() if isinstance(self.task, EpisodicTask) else None
+        return SamplingPlan(params, self.spec.rollout.samples_per_prompt, ("sample", self.spec.seed, step), episode)
 
     async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int,
                        plan: SamplingPlan | None = None,
@@ -430,19 +435,30 @@ class RunDriver:
 
     async def _score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
                      step: int, policy_version: int) -> list[pb.Trajectory]:
-        """`policy_version`: the version that generated `samples` (every replica reported it: fleet.generate)."""
-        rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
+        """`policy_version`: the version that generated `samples` (every replica reported it: fleet.generate).
+        An episode carries its own prompt, response mask and reward; one without a model token (its
+        environment failed in reset()) is dropped here, counted by its end reason in the step's metrics."""
+        if isinstance(self.task, EpisodicTask):
+            samples = [(i, s) for i, s in samples if s.response_token_ids.shape and s.response_token_ids.shape[0]]
+            rewards = [float(s.episode_reward) for _, s in samples]
+        else:
+            rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
         advantages = group_advantages(rewards, [s.group_id for _, s in samples],
                                       std_normalization=self.spec.trainer.advantage_std_normalization)
-        return [
-            pb.Trajectory(
+        out = []
+        for (i, s), r, a in zip(samples, rewards, advantages):
+            t = pb.Trajectory(
                 run_id=self.run_id, step=step, policy_version=policy_version, group_id=s.group_id,
-                sample_id=s.sample_id, prompt_token_ids=ids_to_proto(self._encode(problems[i])),
-                response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
+                sample_id=s.sample_id, response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
                 reward=float(r), advantage=float(a), finish_reason=s.finish_reason,
             )
-            for (i, s), r, a in zip(samples, rewards, advantages)
-        ]
+            if s.HasField("response_mask"):
+                t.prompt_token_ids.CopyFrom(s.prompt_token_ids)
+                t.response_mask.CopyFrom(s.response_mask)
+            else:
+                t.prompt_token_ids.CopyFrom(ids_to_proto(self._encode(problems[i])))
+            out.append(t)
+        return out
 
     async def _sync_weights(self, version: int) -> None:
         await self.fleet.sync_weights(version)
