@@ -86,3 +86,14 @@ def test_observations_are_checked_for_size_and_utf8():
         with pytest.raises(ObservationRefused) as refused:
             check_step_result(bad, 16)
         assert refused.value.reason is EndReason.BAD_RESULT
+
+
+def test_number_guess_gives_feedback_until_the_number_is_found():
+    from contract.guess_env import GuessEnvironment, GuessOptions
+
+    env = GuessEnvironment(GuessOptions())
+    assert env.reset(EpisodeProblem("p", "guess 0-99:", "42")) == "guess 0-99:"
+    assert env.step("maybe 17?") == StepResult(" higher: ", 0.0, False)
+    assert env.step("90") == StepResult(" lower: ", 0.0, False)
+    assert env.step("no idea") == StepResult(" no number: ", 0.0, False)
+    assert env.step("it is 42, then 7") == StepResult("", 1.0, True)
