@@ -117,10 +117,10 @@ class CalculatorEnvironment(Environment):
         if call is not None:
             self.tool_calls += 1
             try:
-                return StepResult(f"<result>{evaluate(call.group(1))}</result>", 0.0, False)
+                return StepResult(f"<result>{evaluate(call.group(1))}</result>", 0.0, False, tool_call=True)
             except CalculatorError as exc:
                 self.tool_errors += 1
-                return StepResult(f"<error>{exc}</error>", 0.0, False)
+                return StepResult(f"<error>{exc}</error>", 0.0, False, tool_call=True, tool_error=True)
         found = _INTEGER.search(model_turn)
         correct = found is not None and found.group(0) == self.problem.answer
         return StepResult("", self.options.correct_reward if correct else 0.0, True)

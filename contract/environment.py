@@ -90,6 +90,10 @@ class StepResult:
     observation: str
     reward: float
     done: bool
+    tool_call: bool = False
+    """The turn called a tool (counted per step: episode_tool_calls_mean)."""
+    tool_error: bool = False
+    """That call failed (a refused expression, an unknown tool; counted: episode_tool_errors)."""
 
 
 class Environment(abc.ABC):
@@ -143,8 +147,12 @@ def check_observation(value: object, max_bytes: int) -> str:
 
 def check_step_result(result: object, max_bytes: int) -> StepResult:
     """step()'s return value validated: (observation text, finite float reward, bool done)."""
+    tool_call = tool_error = False
     if isinstance(result, StepResult):
         observation, reward, done = result.observation, result.reward, result.done
+        tool_call, tool_error = result.tool_call, result.tool_error
+        if not isinstance(tool_call, bool) or not isinstance(tool_error, bool):
+            raise ObservationRefused(EndReason.BAD_RESULT, "tool_call and tool_error must be bool")
     elif isinstance(result, tuple) and len(result) == 3:
         observation, reward, done = result
     else:
@@ -155,7 +163,7 @@ def check_step_result(result: object, max_bytes: int) -> StepResult:
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ObservationRefused(EndReason.BAD_RESULT, f"reward {reward!r} is not a finite number")
     text = "" if done else check_observation(observation, max_bytes)
-    return StepResult(text, float(reward), done)
+    return StepResult(text, float(reward), done, tool_call, tool_error)
 
 
 # ---------------------------------------------------------------- registry

@@ -136,7 +136,7 @@ class ResumedSample(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions", "prompt_token_ids", "response_mask", "episode_reward", "turns", "end_reason")
+    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions", "prompt_token_ids", "response_mask", "episode_reward", "turns", "end_reason", "tool_calls", "tool_errors")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,8 @@ class Sample(_message.Message):
     EPISODE_REWARD_FIELD_NUMBER: _ClassVar[int]
     TURNS_FIELD_NUMBER: _ClassVar[int]
     END_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     sample_id: str
     index: int
@@ -161,7 +163,9 @@ class Sample(_message.Message):
     episode_reward: float
     turns: int
     end_reason: str
-    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode_reward: _Optional[float] = ..., turns: _Optional[int] = ..., end_reason: _Optional[str] = ...) -> None: ...
+    tool_calls: int
+    tool_errors: int
+    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode_reward: _Optional[float] = ..., turns: _Optional[int] = ..., end_reason: _Optional[str] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("samples", "policy_version", "engine")

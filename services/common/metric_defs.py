@@ -69,6 +69,8 @@ EPISODE_STEP_METRIC_HELP: dict[str, str] = {
     "episode_tokens_mean": "Mean tokens per episode of the step (prompt, model turns and observations).",
     "episode_model_token_fraction": "Fraction of the step's response tokens the model sampled (the rest are "
     "environment observations, outside the loss).",
+    "episode_tool_calls_mean": "Mean tool calls per episode of the step (turns the environment counted as one).",
+    "episode_tool_errors": "Tool calls of the step's episodes that failed (a refused calculator expression).",
 }
 STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 

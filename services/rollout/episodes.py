@@ -130,6 +130,8 @@ class Episode:
     """The model tokens' sampled log-probs, in order (one per True in response_mask)."""
     turn_rewards: list[float] = field(default_factory=list)
     turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
     end_reason: EndReason | None = None
     end_message: str = ""
 
@@ -211,6 +213,8 @@ def run_episodes(specs: Sequence[EpisodeSpec], *, environment: str, options: dic
                     _end(e, ended.reason, ended.message)
                     return
                 e.turn_rewards.append(result.reward)
+                e.tool_calls += int(result.tool_call)
+                e.tool_errors += int(result.tool_error)
                 if result.done:
                     _end(e, EndReason.DONE, "")
                 elif e.turns >= limits.max_turns:

@@ -70,21 +70,24 @@ def test_an_episodic_task_reads_no_eval_sets(model_dir, tmp_path):
         RunSpec.model_validate(spec)
 
 
-def _sample(prompt: int, mask: list[bool], turns: int, reason: EndReason) -> pb.Sample:
+def _sample(prompt: int, mask: list[bool], turns: int, reason: EndReason, tools: tuple[int, int] = (0, 0)
+            ) -> pb.Sample:
     import numpy as np
 
     s = pb.Sample(turns=turns, end_reason=reason.value, policy_versions=[0] * sum(mask),
+                  tool_calls=tools[0], tool_errors=tools[1],
                   prompt_token_ids=ids_to_proto([5] * prompt), response_token_ids=ids_to_proto([6] * len(mask)))
     s.response_mask.CopyFrom(pb.Tensor(dtype="bool", shape=[len(mask)], data=np.array(mask, dtype=bool).tobytes()))
     return s
 
 
 def test_episode_metrics_count_turns_tokens_and_end_reasons():
-    m = episode_metrics([_sample(3, [True, True, False, True], 2, EndReason.DONE),
-                         _sample(2, [True, False, False, True, True, True], 3, EndReason.MAX_TURNS),
+    m = episode_metrics([_sample(3, [True, True, False, True], 2, EndReason.DONE, (1, 0)),
+                         _sample(2, [True, False, False, True, True, True], 3, EndReason.MAX_TURNS, (2, 1)),
                          _sample(4, [], 0, EndReason.ENV_TIMEOUT)])
     assert m["episodes"] == 3 and m["episode_turns_mean"] == pytest.approx(5 / 3) and m["episode_turns_max"] == 3
     assert m["episode_tokens_mean"] == pytest.approx((7 + 8 + 4) / 3)
     assert m["episode_model_token_fraction"] == pytest.approx(7 / 10)
     assert (m["episodes_end_done"], m["episodes_end_max_turns"], m["episodes_end_env_timeout"]) == (1, 1, 1)
     assert m["episodes_end_env_error"] == 0
+    assert m["episode_tool_calls_mean"] == pytest.approx(1.0) and m["episode_tool_errors"] == 1

@@ -64,8 +64,9 @@ def test_the_expression_length_bound_is_checked_first():
 def test_an_episode_calls_the_tool_then_answers():
     env = CalculatorEnvironment(CalculatorOptions())
     assert env.reset(EpisodeProblem("p", "37*41=", "1517")) == "37*41="
-    assert env.step("let me see <calc>37*41</calc>") == StepResult("<result>1517</result>", 0.0, False)
-    assert env.step("<calc>37*</calc>") == StepResult("<error>not an arithmetic expression</error>", 0.0, False)
+    assert env.step("let me see <calc>37*41</calc>") == StepResult("<result>1517</result>", 0.0, False, True)
+    assert env.step("<calc>37*</calc>") == StepResult("<error>not an arithmetic expression</error>", 0.0, False,
+                                                      True, True)
     assert (env.tool_calls, env.tool_errors) == (2, 1)
     assert env.step("1517") == StepResult("", 1.0, True)
     env.reset(EpisodeProblem("p", "37*41=", "1517"))
@@ -82,6 +83,9 @@ def test_observations_are_checked_for_size_and_utf8():
             check_observation(value, 16)
         assert refused.value.reason is reason
     assert check_step_result(("ok", 1, False), 16) == StepResult("ok", 1.0, False)
+    assert check_step_result(StepResult("ok", 0.0, False, True, True), 16) == StepResult("ok", 0.0, False, True, True)
+    with pytest.raises(ObservationRefused, match="tool_call and tool_error must be bool"):
+        check_step_result(StepResult("ok", 0.0, False, 1), 16)
     for bad in [("ok", True, False), ("ok", float("inf"), False), ("ok", 0.0, 1), ("ok", 0.0)]:
         with pytest.raises(ObservationRefused) as refused:
             check_step_result(bad, 16)

@@ -62,13 +62,15 @@ def test_a_bad_episode_request_is_refused_naming_the_field(over, field):
 
 def test_an_episode_on_the_wire_carries_its_prompt_mask_reward_and_end():
     e = Episode("g0", 1, prompt_ids=[5, 6], response_ids=[7, 8, 30, 9], response_mask=[True, True, False, True],
-                logprobs=[-0.5, -0.25, -1.0], turn_rewards=[0.0, 1.0], turns=2, end_reason=EndReason.DONE)
+                logprobs=[-0.5, -0.25, -1.0], turn_rewards=[0.0, 1.0], turns=2, end_reason=EndReason.DONE,
+                tool_calls=1, tool_errors=1)
     failed = Episode("g0", 0, end_reason=EndReason.ENV_TIMEOUT, end_message="reset() ran past 5s")
     (s, f) = episodes_to_proto([e, failed], policy_version=3)
     assert from_proto(s.prompt_token_ids, field="p").tolist() == [5, 6]
     assert from_proto(s.response_mask, field="m", dtype=torch.bool).tolist() == [True, True, False, True]
     assert from_proto(s.logprobs, field="l").tolist() == [-0.5, -0.25, -1.0] and list(s.policy_versions) == [3, 3, 3]
     assert (s.episode_reward, s.turns, s.end_reason, s.sample_id) == (1.0, 2, "done", "g0/1")
+    assert (s.tool_calls, s.tool_errors) == (1, 1)
     assert from_proto(f.response_token_ids, field="r").numel() == 0 and f.end_reason == "env_timeout"
     with pytest.raises(RuntimeError, match="2 log-probs, 3 model tokens"):
         episodes_to_proto([Episode("g", 0, [1], [2, 3, 4], [True] * 3, [-1.0, -1.0], end_reason=EndReason.DONE)], 0)

@@ -39,7 +39,7 @@ LIMITS = EpisodeLimits(max_turns=3, max_episode_tokens=200, step_timeout_s=5.0)
 class AliasingTokenizer:
     """ids 4.. decode to ALPHABET[(id - 4) % len(ALPHABET)]; encode maps each character to its smallest id."""
 
-    ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 :"
+    ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 :<>/*"
 
     def __init__(self, vocab: int):
         self.vocab = vocab
@@ -182,3 +182,19 @@ def test_a_chat_template_wraps_observations_and_leaves_model_tokens_alone():
     # next assistant header, nothing of the model's turn.
     assert tok.decode(codec.observation_tokens("<result>42</result>")) == "[user]<result>42</result><|eos|>[assistant]"
     assert codec.turn_text(tok.encode("<calc>6*7</calc>") + [tok.eos_token_id]) == "<calc>6*7</calc>"
+
+
+def test_tool_calls_and_their_errors_are_counted_per_episode():
+    tokenizer = AliasingTokenizer(64)
+    limits = EpisodeLimits(max_turns=3)
+    episodes = run_episodes(_specs(1), environment="calculator", options={}, limits=limits,
+                            codec=PlainCodec(tokenizer), sample=_fixed_sampler(tokenizer.encode("<calc>6*</calc>")),
+                            sampling=SamplingConfig(max_new_tokens=16))
+    e = episodes[0]
+    assert (e.end_reason, e.turns, e.tool_calls, e.tool_errors) == (EndReason.MAX_TURNS, 3, 3, 3)
+    observations = [t for t, m in zip(e.response_ids, e.response_mask) if not m]
+    assert tokenizer.decode(observations).count("<error>") == 2  # no observation after the last turn
+    episodes = run_episodes(_specs(1), environment="calculator", options={}, limits=limits,
+                            codec=PlainCodec(tokenizer), sample=_fixed_sampler(tokenizer.encode("<calc>6*7</calc>")),
+                            sampling=SamplingConfig(max_new_tokens=16))
+    assert (episodes[0].tool_calls, episodes[0].tool_errors) == (3, 0)

@@ -155,7 +155,9 @@ def episode_metrics(samples: Sequence[pb.Sample]) -> dict[str, float]:
     response = sum(s.response_token_ids.shape[0] if s.response_token_ids.shape else 0 for s in samples)
     out = {"episodes": float(n), "episode_turns_mean": sum(turns) / max(n, 1),
            "episode_turns_max": float(max(turns, default=0)), "episode_tokens_mean": sum(tokens) / max(n, 1),
-           "episode_model_token_fraction": model / max(response, 1)}
+           "episode_model_token_fraction": model / max(response, 1),
+           "episode_tool_calls_mean": sum(s.tool_calls for s in samples) / max(n, 1),
+           "episode_tool_errors": float(sum(s.tool_errors for s in samples))}
     for reason in EndReason:
         out[f"episodes_end_{reason.value}"] = float(sum(1 for s in samples if s.end_reason == reason.value))
     return out
