@@ -312,13 +312,13 @@ class RunDriver:
             trajectories = await self._score(problems, samples, step, version)
         if not trajectories:
             raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
-        counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped + len(samples)
-                  - len(trajectories)}
-        if isinstance(self.task, EpisodicTask):
-            counts.update(episode_metrics([s for _, s in samples]))
+        dropped += len(samples) - len(trajectories)  # episodes that failed in reset(): no model token
+        counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped}
         if spec.rollout.dynamic_sampling.enabled:
             with timer.phase("dynamic_sampling"):
                 trajectories, counts = await self._informative_groups(step, trajectories, dropped)
+        if isinstance(self.task, EpisodicTask):  # the first round's episodes: what the policy does at this step
+            counts.update(episode_metrics([s for _, s in samples]))
         if self.max_staleness:
             try:
                 counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
@@ -352,8 +352,9 @@ class RunDriver:
             extra = step_problems(self.task.split("train"), seed=spec.seed, step=step, count=want, round=r)
             version = behaviour_version(step, self.max_staleness)
             samples, lost = await self._rollout(extra, step=step, policy_version=version, first_index=r * want)
-            dropped += lost
-            rounds.append(await self._score(extra, samples, step, version))
+            scored = await self._score(extra, samples, step, version)
+            dropped += lost + len(samples) - len(scored)
+            rounds.append(scored)
             selection = select_informative(rounds, want)
         kept = selection.kept
         if selection.groups < want:

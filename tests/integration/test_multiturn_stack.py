@@ -52,4 +52,6 @@ def test_three_turn_episodes_train_with_importance_weights_exactly_one(client, m
     assert m["episode_turns_max"] == 3 and m["episodes_end_max_turns"] >= 1
     assert m["episodes_end_max_turns"] + m["episodes_end_done"] + m["episodes_end_max_episode_tokens"] == 6
     assert 0 < m["episode_model_token_fraction"] < 1
+    # The held-out split is evaluated through episodes too, rewarded by the environment.
+    assert 0.0 <= m["eval_accuracy"] <= 1.0 and m["episode_tool_calls_mean"] == 0.0
 
