@@ -29,7 +29,7 @@ from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_boun
 from services.common.float32_fields import Float32
 from services.common.model_files import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
-from services.coordinator.tasks import EPISODIC_TASKS, build_task, known_tasks, read_eval_set, task_path_options
+from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
@@ -286,15 +286,6 @@ class RunSpec(_Strict):
             raise field_error("eval.k", f"{v.k} samples of each of up to {total} problems exceed "
                               f"{MAX_EVAL_SAMPLES} samples per evaluation")
         return v
-
-    @model_validator(mode="after")
-    def _episodes_run_on_the_torch_engine(self) -> "RunSpec":
-        # Multi-turn episodes run turn by turn in the embedded engine (services/rollout/episodes.py); the
-        # SGLang engine has no episode path yet, and would refuse every Generate of the run.
-        if self.task.name in EPISODIC_TASKS and self.rollout.engine != "torch":
-            raise field_error("task.name", f"{self.task.name!r} runs multi-turn episodes, which need "
-                              f"rollout.engine 'torch' (got {self.rollout.engine!r})")
-        return self
 
     @model_validator(mode="after")
     def _sglang_model_path_fits_a_command_line(self) -> "RunSpec":

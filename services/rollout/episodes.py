@@ -12,8 +12,8 @@ environment's observations in turn. What keeps the trainer's log-probs equal to 
   log-probs, environment tokens carry none.
 
 The loop is engine-agnostic: `TurnSampler` is whatever samples continuations of token-id contexts (the
-embedded engine's decoder; see TorchEngine.sample_turns). Environments run in processes of their own
-(environment_host.py), so a failing one ends its episode with a named reason and nothing else.
+embedded decoder, or one SGLang /generate; see Engine.sample_turns). Environments run in processes of
+their own (environment_host.py), so a failing one ends its episode with a named reason and nothing else.
 """
 from __future__ import annotations
 
@@ -97,6 +97,30 @@ class ChatTemplateCodec:
 
     def turn_text(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+class _HFText:
+    """A Hugging Face tokenizer as a TextTokenizer: no special tokens added on encode (the environment writes
+    the whole text), none written on decode (the environment reads the model's words)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def episode_codec(model_path: str) -> ObservationCodec:
+    """The codec of a model directory's tokenizer: its chat template when it has one, plain text otherwise."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if getattr(tokenizer, "chat_template", None):
+        return ChatTemplateCodec(tokenizer)
+    return PlainCodec(_HFText(tokenizer))
 
 
 @dataclass(frozen=True)

@@ -157,8 +157,6 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                     f"policy_version: request wants {request.policy_version}, engine holds {engine.policy_version}",
                 )
             if request.HasField("episode"):
-                if not engine.supports_episodes:
-                    raise ValueError(f"episode: the {self.engine_name} engine does not run multi-turn episodes")
                 episodes = await self._in_worker(engine.run_episodes, episode_request_from_proto(request))
                 version = engine.policy_version
                 out = episodes_to_proto(episodes, version)

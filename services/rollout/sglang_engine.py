@@ -95,6 +95,7 @@ _PORT_HOLDERS: "weakref.WeakValueDictionary[tuple[str, int], SGLangEngine]" = we
 
 class SGLangEngine(Engine):
     name = "sglang"
+    supports_episodes = True  # each turn is one /generate of the episodes' contexts as input_ids
 
     def __init__(self, config: SGLangEngineConfig | None = None, host: SGLangHostConfig | None = None):
         self.config = config or SGLangEngineConfig()

@@ -35,7 +35,6 @@ from services.common.weight_files import FiniteTensors
 from services.common.weight_stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.decoder import Decoder, DecoderOptions
-from services.rollout.episode_requests import EpisodeRequest
 from services.rollout.engine import (
     Engine,
     GeneratedSample,
@@ -43,9 +42,7 @@ from services.rollout.engine import (
     SamplingConfig,
     require_device,
 )
-from services.rollout.episodes import (
-    ChatTemplateCodec, Episode, ObservationCodec, PlainCodec, SampledTurn, run_episodes,
-)
+from services.rollout.episodes import SampledTurn
 from services.common.finite_check import all_finite
 from services.rollout.lora_adapter import merged_weight, module_adapters
 from services.rollout.sampling import truncate_logits
@@ -91,7 +88,6 @@ class TorchEngine(Engine):
         # Pause: set by request_pause (the server's thread), read by the decoder at each token boundary.
         self._pause = threading.Event()
         self._generating = threading.Event()
-        self._codec: tuple[str, ObservationCodec] | None = None  # (model path, its tokenizer's codec)
 
     @classmethod
     def from_config_json(cls, text: str, service: RolloutServiceConfig | None = None) -> "TorchEngine":
@@ -211,25 +207,6 @@ class TorchEngine(Engine):
         assert self._decoder is not None
         decoded = self._decoder.decode(contexts, seeds, sampling)
         return [SampledTurn(d.token_ids, d.logprobs, d.finish_reason) for d in decoded]
-
-    def run_episodes(self, request: "EpisodeRequest") -> list[Episode]:
-        """Every episode of `request`, each turn sampled by `sample_turns`; the model directory's tokenizer
-        encodes observations (through its chat template when it has one) and decodes turns for the
-        environment."""
-        self._require_model()
-        return run_episodes(request.specs, environment=request.environment, options=request.options,
-                            limits=request.limits, codec=self._episode_codec(), sample=self.sample_turns,
-                            sampling=request.sampling)
-
-    def _episode_codec(self) -> ObservationCodec:
-        if self._codec is None or self._codec[0] != self._model_path:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self._model_path)
-            codec: ObservationCodec = (ChatTemplateCodec(tokenizer) if getattr(tokenizer, "chat_template", None)
-                                       else PlainCodec(_HFText(tokenizer)))
-            self._codec = (self._model_path, codec)
-        return self._codec[1]
 
     def request_pause(self) -> bool:
         if not self._generating.is_set():
@@ -373,20 +350,6 @@ class TorchEngine(Engine):
                 weight = modules[name].weight.detach()
                 weight.copy_(merged_weight(base, adapters[name], meta.scale) if name in adapters else base)
         self._policy_version, self._adapter_digest = int(policy_version), digest
-
-
-class _HFText:
-    """A Hugging Face tokenizer as episodes.TextTokenizer: no special tokens added on encode (the environment
-    writes the whole text), none written on decode (the environment reads the model's words)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 def _adapter_digest(meta: LoraAdapterMeta, tensors: dict[str, torch.Tensor]) -> str:

@@ -51,8 +51,6 @@ def _math_eval_set(options: dict, path: str, field: str) -> list[Problem]:
 
 _REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math,
                                                 "calculator": _calculator, "number_guess": _number_guess}
-# Tasks whose samples are multi-turn episodes of an environment (tasks/episodic.py): the torch engine only.
-EPISODIC_TASKS = frozenset({"calculator", "number_guess"})
 _EVAL_SET_READERS: dict[str, Callable[[dict, str, str], list[Problem]]] = {
     "arithmetic": _arithmetic_eval_set, "math": _math_eval_set}
 # Options naming files the coordinator reads: each must lie inside the coordinator's data_roots.
@@ -110,4 +108,4 @@ def build_task(name: str, options: dict) -> Task:
         raise ValueError(options_error(name, exc)) from None
 
 
-__all__ = ["EPISODIC_TASKS", "Problem", "Task", "build_task", "known_tasks", "preload_tasks", "read_eval_set", "task_path_options"]
+__all__ = ["Problem", "Task", "build_task", "known_tasks", "preload_tasks", "read_eval_set", "task_path_options"]
