@@ -158,6 +158,10 @@ class Engine(abc.ABC):
         return [SampledTurn(g.token_ids, g.logprobs, g.finish_reason)
                 for g in self.generate(GenerationRequest(prompts=prompts, sampling=sampling))]
 
+    def max_sequence_tokens(self) -> int | None:
+        """Longest sequence (prompt plus new tokens) the loaded model serves; None: no bound known here."""
+        return None
+
     def run_episodes(self, request: "EpisodeRequest") -> list["Episode"]:
         """Every episode of `request` (services/rollout/episodes.py), each turn sampled by `sample_turns`;
         the model directory's tokenizer encodes observations (through its chat template when it has one)
@@ -166,6 +170,12 @@ class Engine(abc.ABC):
 
         if not self.supports_episodes:
             raise ValueError(f"episode: the {self.name} engine does not run multi-turn episodes")
+        longest = self.max_sequence_tokens()
+        if longest is not None and request.limits.max_episode_tokens > longest:
+            # Refused before any episode starts: a turn past the model's longest sequence would fail the whole
+            # request midway, every other episode with it.
+            raise ValueError(f"episode.limits_json: max_episode_tokens {request.limits.max_episode_tokens} exceeds "
+                             f"the longest sequence the {self.name} engine serves ({longest})")
         return run_episodes(request.specs, environment=request.environment, options=request.options,
                             limits=request.limits, codec=self._episode_codec(), sample=self.sample_turns,
                             sampling=request.sampling)

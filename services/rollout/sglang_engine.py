@@ -249,6 +249,9 @@ class SGLangEngine(Engine):
 
     # ------------------------------------------------------------- generate --
 
+    def max_sequence_tokens(self) -> int | None:
+        return self._max_len
+
     def validate_request(self, request: GenerationRequest) -> None:
         """Checks against the loaded model; ValueError names the field."""
         request.sampling.validate()

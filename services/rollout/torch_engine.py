@@ -200,6 +200,9 @@ class TorchEngine(Engine):
                                                                                            - len(before))))
         return out
 
+    def max_sequence_tokens(self) -> int | None:
+        return None if self._decoder is None else self._decoder.max_sequence_tokens
+
     def sample_turns(self, contexts: list[list[int]], seeds: list[int], sampling: SamplingConfig) -> list[SampledTurn]:
         """One model turn of each multi-turn episode (services/rollout/episodes.py): each context's
         continuation from its seed's stream, tokens and log-probs as sampled."""

@@ -198,3 +198,18 @@ def test_tool_calls_and_their_errors_are_counted_per_episode():
                             codec=PlainCodec(tokenizer), sample=_fixed_sampler(tokenizer.encode("<calc>6*7</calc>")),
                             sampling=SamplingConfig(max_new_tokens=16))
     assert (episodes[0].tool_calls, episodes[0].tool_errors) == (3, 0)
+
+
+def test_an_episode_budget_past_the_models_longest_sequence_is_refused_before_any_episode(model_dir):
+    from services.rollout.episode_requests import EpisodeRequest
+
+    engine = TorchEngine(TorchEngineConfig(dtype="float32", max_context_tokens=64))
+    engine.load(str(model_dir), 0)
+    assert engine.max_sequence_tokens() == 64
+    request = EpisodeRequest("test-feedback", {}, EpisodeLimits(max_episode_tokens=65), tuple(_specs(1)),
+                             SamplingConfig(max_new_tokens=4), 1)
+    with pytest.raises(ValueError, match=r"episode.limits_json: max_episode_tokens 65 exceeds .* \(64\)"):
+        engine.run_episodes(request)
+    episodes = engine.run_episodes(EpisodeRequest("test-feedback", {}, EpisodeLimits(max_turns=2, max_episode_tokens=64),
+                                                  tuple(_specs(2)), SamplingConfig(max_new_tokens=4), 1))
+    assert [e.turns for e in episodes] == [2, 2] and all(e.length <= 64 for e in episodes)
