@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -30,6 +31,7 @@ from services.common.float32_fields import Float32
 from services.common.model_files import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
+from services.coordinator.tasks.episodic import EpisodicTask
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
@@ -286,6 +288,27 @@ class RunSpec(_Strict):
             raise field_error("eval.k", f"{v.k} samples of each of up to {total} problems exceed "
                               f"{MAX_EVAL_SAMPLES} samples per evaluation")
         return v
+
+    @model_validator(mode="after")
+    def _episodes_fit_the_model(self) -> "RunSpec":
+        # An episode longer than the model's longest sequence would fail a later turn's Generate, and the
+        # run with it: refuse it here, where the field can be named. (The rollout checks its own engine's
+        # bound again, max_context_tokens included.)
+        task = build_task(self.task.name, self.task.options)
+        try:
+            if not isinstance(task, EpisodicTask):
+                return self
+            budget = task.episode.max_episode_tokens
+        finally:
+            task.close()
+        try:
+            longest = json.loads((Path(self.model_path) / "config.json").read_text()).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            return self  # the rollout refuses it at load, naming what is wrong
+        if isinstance(longest, int) and budget > longest:
+            raise field_error("task.options.episode.max_episode_tokens", f"{budget} exceeds the model's "
+                              f"max_position_embeddings {longest}")
+        return self
 
     @model_validator(mode="after")
     def _sglang_model_path_fits_a_command_line(self) -> "RunSpec":

@@ -56,14 +56,26 @@ def test_bad_options_are_refused_naming_the_option(options, field):
 
 @pytest.mark.parametrize("engine", ["torch", "sglang"])
 def test_an_episodic_task_runs_on_either_engine(model_dir, engine):
-    spec = {"name": "n", "model_path": str(model_dir), "steps": 1, "task": {"name": "calculator"},
+    spec = {"name": "n", "model_path": str(model_dir), "steps": 1,
+            "task": {"name": "calculator", "options": {"episode": {"max_episode_tokens": 128}}},
             "rollout": {"engine": engine}}
     assert RunSpec.model_validate(spec).task.name == "calculator"
 
 
+def test_an_episode_longer_than_the_model_is_refused_naming_the_field(model_dir):
+    # The tiny model's max_position_embeddings is 128; the default budget (4096) does not fit.
+    for options in ({}, {"episode": {"max_episode_tokens": 129}}):
+        spec = {"name": "n", "model_path": str(model_dir), "steps": 1, "task": {"name": "number_guess",
+                                                                                 "options": options}}
+        with pytest.raises(ValidationError) as exc:
+            RunSpec.model_validate(spec)
+        assert "task.options.episode.max_episode_tokens" in str(exc.value) and "128" in str(exc.value)
+
+
 def test_an_episodic_task_reads_no_eval_sets(model_dir, tmp_path):
     (tmp_path / "set.jsonl").write_text('{"a": 1, "b": 2}\n')
-    spec = {"name": "n", "model_path": str(model_dir), "steps": 1, "task": {"name": "number_guess"},
+    spec = {"name": "n", "model_path": str(model_dir), "steps": 1,
+            "task": {"name": "number_guess", "options": {"episode": {"max_episode_tokens": 64}}},
             "eval": {"sets": [{"name": "x", "path": str(tmp_path / "set.jsonl")}]}}
     with pytest.raises(ValidationError, match="reads no eval sets"):
         RunSpec.model_validate(spec)
