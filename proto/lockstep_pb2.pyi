@@ -136,7 +136,7 @@ class ResumedSample(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions", "prompt_token_ids", "response_mask", "episode_reward", "turns", "end_reason", "tool_calls", "tool_errors")
+    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions", "prompt_token_ids", "response_mask", "episode_reward", "turns", "end_reason", "tool_calls", "tool_errors", "turn_rewards")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class Sample(_message.Message):
     END_REASON_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     sample_id: str
     index: int
@@ -165,7 +166,8 @@ class Sample(_message.Message):
     end_reason: str
     tool_calls: int
     tool_errors: int
-    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode_reward: _Optional[float] = ..., turns: _Optional[int] = ..., end_reason: _Optional[str] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ...) -> None: ...
+    turn_rewards: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode_reward: _Optional[float] = ..., turns: _Optional[int] = ..., end_reason: _Optional[str] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., turn_rewards: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("samples", "policy_version", "engine")
@@ -356,7 +358,7 @@ class ConfigureRunResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason", "response_mask")
+    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason", "response_mask", "episode")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -369,6 +371,7 @@ class Trajectory(_message.Message):
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_MASK_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
@@ -381,7 +384,22 @@ class Trajectory(_message.Message):
     advantage: float
     finish_reason: str
     response_mask: Tensor
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    episode: EpisodeRecord
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode: _Optional[_Union[EpisodeRecord, _Mapping]] = ...) -> None: ...
+
+class EpisodeRecord(_message.Message):
+    __slots__ = ("turns", "turn_rewards", "tool_calls", "tool_errors", "end_reason")
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    END_REASON_FIELD_NUMBER: _ClassVar[int]
+    turns: int
+    turn_rewards: _containers.RepeatedScalarFieldContainer[float]
+    tool_calls: int
+    tool_errors: int
+    end_reason: str
+    def __init__(self, turns: _Optional[int] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., end_reason: _Optional[str] = ...) -> None: ...
 
 class TrainStepHeader(_message.Message):
     __slots__ = ("run_id", "step", "policy_version", "num_trajectories")

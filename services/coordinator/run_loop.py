@@ -456,6 +456,9 @@ class RunDriver:
             if s.HasField("response_mask"):
                 t.prompt_token_ids.CopyFrom(s.prompt_token_ids)
                 t.response_mask.CopyFrom(s.response_mask)
+                t.episode.CopyFrom(pb.EpisodeRecord(turns=s.turns, turn_rewards=s.turn_rewards,
+                                                    tool_calls=s.tool_calls, tool_errors=s.tool_errors,
+                                                    end_reason=s.end_reason))
             else:
                 t.prompt_token_ids.CopyFrom(ids_to_proto(self._encode(problems[i])))
             out.append(t)

@@ -106,5 +106,5 @@ def episodes_to_proto(episodes: list[Episode], policy_version: int) -> list[pb.S
             prompt_token_ids=ids_to_proto(e.prompt_ids),
             response_mask=to_proto(torch.tensor(e.response_mask, dtype=torch.bool)),
             episode_reward=e.reward, turns=e.turns, end_reason=e.end_reason.value, tool_calls=e.tool_calls,
-            tool_errors=e.tool_errors))
+            tool_errors=e.tool_errors, turn_rewards=e.turn_rewards))
     return out

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from services.common.step_record import read_step_record
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 
 
@@ -35,11 +37,12 @@ def _spec(model_dir: Path, **over) -> dict:
                     "sampling": {"temperature": 1.0, "max_new_tokens": 6}},
         "trainer": {"lr": 1e-3, "temperature": 1.0, "dtype": "float32", "batching": "packed"},
         "eval": {"every": 0, "heldout_size": 4},
+        "debug": {"record_trajectories": True},
         **over,
     }
 
 
-def test_three_turn_episodes_train_with_importance_weights_exactly_one(client, model_dir):
+def test_three_turn_episodes_train_with_importance_weights_exactly_one(client, model_dir, one_replica_stack):
     run = client.submit(_spec(model_dir))
     done = client.wait(run["id"], timeout_s=600)
     assert done["status"] == "completed", done
@@ -54,4 +57,14 @@ def test_three_turn_episodes_train_with_importance_weights_exactly_one(client, m
     assert 0 < m["episode_model_token_fraction"] < 1
     # The held-out split is evaluated through episodes too, rewarded by the environment.
     assert 0.0 <= m["eval_accuracy"] <= 1.0 and m["episode_tool_calls_mean"] == 0.0
+    # The step's record holds each episode: its mask, turns, per-turn rewards and end reason.
+    _, chunks = read_step_record(one_replica_stack.run_dir / "coordinator" / run["id"] / "trajectories"
+                                 / "step_000001.pb")
+    trajectories = [c.trajectory for c in chunks if c.WhichOneof("item") == "trajectory"]
+    assert len(trajectories) == 6
+    for t in trajectories:
+        mask = np.frombuffer(t.response_mask.data, dtype=bool)
+        assert mask.size == t.response_token_ids.shape[0] and mask.sum() == t.rollout_logprobs.shape[0]
+        assert len(t.episode.turn_rewards) == t.episode.turns and t.reward == pytest.approx(sum(t.episode.turn_rewards))
+        assert t.episode.end_reason in ("done", "max_turns", "max_episode_tokens")
 

@@ -70,7 +70,7 @@ def test_an_episode_on_the_wire_carries_its_prompt_mask_reward_and_end():
     assert from_proto(s.response_mask, field="m", dtype=torch.bool).tolist() == [True, True, False, True]
     assert from_proto(s.logprobs, field="l").tolist() == [-0.5, -0.25, -1.0] and list(s.policy_versions) == [3, 3, 3]
     assert (s.episode_reward, s.turns, s.end_reason, s.sample_id) == (1.0, 2, "done", "g0/1")
-    assert (s.tool_calls, s.tool_errors) == (1, 1)
+    assert (s.tool_calls, s.tool_errors, list(s.turn_rewards)) == (1, 1, [0.0, 1.0])
     assert from_proto(f.response_token_ids, field="r").numel() == 0 and f.end_reason == "env_timeout"
     with pytest.raises(RuntimeError, match="2 log-probs, 3 model tokens"):
         episodes_to_proto([Episode("g", 0, [1], [2, 3, 4], [True] * 3, [-1.0, -1.0], end_reason=EndReason.DONE)], 0)
