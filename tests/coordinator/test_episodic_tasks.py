@@ -102,3 +102,20 @@ def test_episode_metrics_count_turns_tokens_and_end_reasons():
     assert (m["episodes_end_done"], m["episodes_end_max_turns"], m["episodes_end_env_timeout"]) == (1, 1, 1)
     assert m["episodes_end_env_error"] == 0
     assert m["episode_tool_calls_mean"] == pytest.approx(1.0) and m["episode_tool_errors"] == 1
+
+
+def test_episode_views_summarise_the_episodes_of_a_record():
+    from services.coordinator.episode_views import episode_views
+
+    import numpy as np
+
+    t = pb.Trajectory(sample_id="s1-g0/1", reward=1.0, advantage=0.5, prompt_token_ids=ids_to_proto([5, 6, 7]),
+                      response_token_ids=ids_to_proto([1, 2, 3, 4, 5]))
+    t.response_mask.CopyFrom(pb.Tensor(dtype="bool", shape=[5], data=np.array([1, 1, 0, 0, 1], dtype=bool).tobytes()))
+    t.episode.CopyFrom(pb.EpisodeRecord(turns=2, turn_rewards=[0.0, 1.0], tool_calls=1, tool_errors=0,
+                                        end_reason="done"))
+    single_turn = pb.Trajectory(sample_id="s1-g1/0", reward=1.0)
+    assert episode_views([t, single_turn]) == [{
+        "sample_id": "s1-g0/1", "reward": 1.0, "advantage": 0.5, "turns": 2, "turn_rewards": [0.0, 1.0],
+        "tool_calls": 1, "tool_errors": 0, "end_reason": "done", "prompt_tokens": 3, "model_tokens": 3,
+        "environment_tokens": 2}]

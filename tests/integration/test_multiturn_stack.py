@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.cli.client import ApiError
 from services.common.step_record import read_step_record
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 
@@ -67,4 +68,15 @@ def test_three_turn_episodes_train_with_importance_weights_exactly_one(client, m
         assert mask.size == t.response_token_ids.shape[0] and mask.sum() == t.rollout_logprobs.shape[0]
         assert len(t.episode.turn_rewards) == t.episode.turns and t.reward == pytest.approx(sum(t.episode.turn_rewards))
         assert t.episode.end_reason in ("done", "max_turns", "max_episode_tokens")
+    # ... and the REST view reads them back (what `lockstep episodes RUN 1` prints).
+    view = client.episodes(run["id"], 1)
+    assert [e["sample_id"] for e in view["episodes"]] == [t.sample_id for t in trajectories]
+    for e, t in zip(view["episodes"], trajectories):
+        assert (e["turns"], e["turn_rewards"], e["end_reason"]) == (t.episode.turns, list(t.episode.turn_rewards),
+                                                                    t.episode.end_reason)
+        assert e["model_tokens"] == t.rollout_logprobs.shape[0]
+        assert e["model_tokens"] + e["environment_tokens"] == t.response_token_ids.shape[0]
+    with pytest.raises(ApiError) as missing:
+        client.episodes(run["id"], 2)
+    assert missing.value.status == 404 and "no trajectory record" in str(missing.value)
 
