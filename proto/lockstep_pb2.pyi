@@ -72,17 +72,39 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., greedy: _Optional[bool] = ...) -> None: ...
 
 class Prompt(_message.Message):
-    __slots__ = ("group_id", "token_ids", "seed")
+    __slots__ = ("group_id", "token_ids", "seed", "problem")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     token_ids: Tensor
     seed: int
-    def __init__(self, group_id: _Optional[str] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    problem: EpisodeProblem
+    def __init__(self, group_id: _Optional[str] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., seed: _Optional[int] = ..., problem: _Optional[_Union[EpisodeProblem, _Mapping]] = ...) -> None: ...
+
+class EpisodeSettings(_message.Message):
+    __slots__ = ("environment", "options_json", "limits_json")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_JSON_FIELD_NUMBER: _ClassVar[int]
+    environment: str
+    options_json: str
+    limits_json: str
+    def __init__(self, environment: _Optional[str] = ..., options_json: _Optional[str] = ..., limits_json: _Optional[str] = ...) -> None: ...
+
+class EpisodeProblem(_message.Message):
+    __slots__ = ("problem_id", "prompt", "answer")
+    PROBLEM_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    problem_id: str
+    prompt: str
+    answer: str
+    def __init__(self, problem_id: _Optional[str] = ..., prompt: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "prompts", "sampling", "samples_per_prompt", "resumed")
+    __slots__ = ("run_id", "step", "policy_version", "prompts", "sampling", "samples_per_prompt", "resumed", "episode")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +112,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
@@ -97,7 +120,8 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     samples_per_prompt: int
     resumed: _containers.RepeatedCompositeFieldContainer[ResumedSample]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., resumed: _Optional[_Iterable[_Union[ResumedSample, _Mapping]]] = ...) -> None: ...
+    episode: EpisodeSettings
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., resumed: _Optional[_Iterable[_Union[ResumedSample, _Mapping]]] = ..., episode: _Optional[_Union[EpisodeSettings, _Mapping]] = ...) -> None: ...
 
 class ResumedSample(_message.Message):
     __slots__ = ("sample_id", "response_token_ids", "logprobs", "policy_versions")
@@ -112,7 +136,7 @@ class ResumedSample(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions")
+    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions", "prompt_token_ids", "response_mask", "episode_reward", "turns", "end_reason", "tool_calls", "tool_errors", "turn_rewards")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +144,14 @@ class Sample(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_MASK_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_REWARD_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    END_REASON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     sample_id: str
     index: int
@@ -127,7 +159,15 @@ class Sample(_message.Message):
     logprobs: Tensor
     finish_reason: str
     policy_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_token_ids: Tensor
+    response_mask: Tensor
+    episode_reward: float
+    turns: int
+    end_reason: str
+    tool_calls: int
+    tool_errors: int
+    turn_rewards: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode_reward: _Optional[float] = ..., turns: _Optional[int] = ..., end_reason: _Optional[str] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., turn_rewards: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("samples", "policy_version", "engine")
@@ -318,7 +358,7 @@ class ConfigureRunResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason", "token_policy_versions")
+    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason", "token_policy_versions", "response_mask", "episode")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +371,8 @@ class Trajectory(_message.Message):
     ADVANTAGE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TOKEN_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_MASK_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
@@ -343,7 +385,23 @@ class Trajectory(_message.Message):
     advantage: float
     finish_reason: str
     token_policy_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., token_policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    response_mask: Tensor
+    episode: EpisodeRecord
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode: _Optional[_Union[EpisodeRecord, _Mapping]] = ...) -> None: ...
+
+class EpisodeRecord(_message.Message):
+    __slots__ = ("turns", "turn_rewards", "tool_calls", "tool_errors", "end_reason")
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    END_REASON_FIELD_NUMBER: _ClassVar[int]
+    turns: int
+    turn_rewards: _containers.RepeatedScalarFieldContainer[float]
+    tool_calls: int
+    tool_errors: int
+    end_reason: str
+    def __init__(self, turns: _Optional[int] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., end_reason: _Optional[str] = ...) -> None: ...
 
 class TrainStepHeader(_message.Message):
     __slots__ = ("run_id", "step", "policy_version", "num_trajectories", "max_staleness", "streaming")

@@ -100,6 +100,8 @@ STACK_TESTS = {
         "runs the SGLang virtualenv's Python",
     "tests/rollout/test_sglang_lora.py::test_lora_request_bodies_fit_sglangs_request_types":
         "runs the SGLang virtualenv's Python",
+    "tests/rollout/test_sglang_requests.py::test_a_turns_body_fits_sglangs_request_type":
+        "runs the SGLang virtualenv's Python",
     "tests/coordinator/test_fixed_lag.py::test_a_replica_reporting_another_version_is_refused_naming_the_step":
         "drives the fleet against a redis-server",
     "tests/rollout/test_tcpstore_bridge.py::test_a_tcpstore_client_is_served_every_operation_and_forms_a_gloo_group":

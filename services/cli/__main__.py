@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("run_id")
     m = sub.add_parser("metrics", help="Print a run's per-step metrics as JSON.")
     m.add_argument("run_id")
+    e = sub.add_parser("episodes", help="Print a recorded step's episodes (turns, rewards, end reasons) as JSON.")
+    e.add_argument("run_id")
+    e.add_argument("step", type=int)
     add_recipe_parser(sub)
     add_exchange_parsers(sub)
     return p
@@ -110,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "metrics":
             print(json.dumps(client.metrics(args.run_id), indent=2))
+            return 0
+        if args.cmd == "episodes":
+            print(json.dumps(client.episodes(args.run_id, args.step), indent=2))
             return 0
     except ApiError as exc:
         console.print(f"[red]error[/red] {exc}")

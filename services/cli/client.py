@@ -57,6 +57,9 @@ class CoordinatorClient:
     def metrics(self, run_id: str) -> dict:
         return self._json(self._http.get(f"/v1/runs/{run_id}/metrics"))
 
+    def episodes(self, run_id: str, step: int) -> dict:
+        return self._json(self._http.get(f"/v1/runs/{run_id}/steps/{step}/episodes"))
+
     def bundle(self, run_id: str) -> dict:
         """Every document of the run's portable bundle, and the steps whose inputs were recorded."""
         return self._json(self._http.get(f"/v1/runs/{run_id}/bundle"))

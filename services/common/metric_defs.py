@@ -67,6 +67,17 @@ ASYNC_STEP_METRIC_HELP: dict[str, str] = {
     "trajectories_dropped_stale": "Trajectories of the step refused before training because a token's version "
     "was outside [step - 1 - async.max_staleness, step - 1] (async.mode streaming).",
 }
+# Per-step numbers of a run whose task is multi-turn (services/coordinator/tasks/episodic.py); a single-turn
+# run has none.
+EPISODE_STEP_METRIC_HELP: dict[str, str] = {
+    "episode_turns_mean": "Mean model turns per episode of the step.",
+    "episode_turns_max": "Most model turns in one episode of the step.",
+    "episode_tokens_mean": "Mean tokens per episode of the step (prompt, model turns and observations).",
+    "episode_model_token_fraction": "Fraction of the step's response tokens the model sampled (the rest are "
+    "environment observations, outside the loss).",
+    "episode_tool_calls_mean": "Mean tool calls per episode of the step (turns the environment counted as one).",
+    "episode_tool_errors": "Tool calls of the step's episodes that failed (a refused calculator expression).",
+}
 STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 
 
@@ -77,6 +88,10 @@ def step_metric_name(key: str) -> str:
 COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in STEP_METRIC_HELP.items()),
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in ASYNC_STEP_METRIC_HELP.items()),
+    *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in EPISODE_STEP_METRIC_HELP.items()),
+    MetricDef("lockstep_step_episodes_ended", "gauge", "Episodes of the last step that ended as `outcome` "
+              "(done, max_turns, max_episode_tokens, or an environment failure: env_error, env_timeout, "
+              "env_crashed, observation_too_large, observation_not_utf8, bad_result).", ("run_id", "outcome")),
     MetricDef("lockstep_run_max_staleness", "gauge", "The run's async.max_staleness K (0 for a synchronous run).",
               ("run_id",)),
     MetricDef("lockstep_step_overlap_fraction", "gauge",

@@ -45,6 +45,7 @@ from services.coordinator.run_spec import (
     parse_run_spec,
     validation_fields,
 )
+from services.coordinator.episode_views import episodes_router
 from services.coordinator.run_exchange import ImportBody, exchange_router
 from services.coordinator.scheduler import RunScheduler
 from services.coordinator.store import OUTAGE_ERRORS, RUN_ID_PATTERN, STATUSES, RunStore, is_run_id
@@ -286,6 +287,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
         return (await _store(request).get_run(run_id)).to_dict()  # type: ignore[union-attr]
 
     v1.include_router(exchange_router(data_dir, NOT_FOUND, INVALID, _refused, _read_body))
+    v1.include_router(episodes_router(data_dir, NOT_FOUND[404]["description"], ErrorDetail))
     app.include_router(v1)
 
     @app.get("/healthz", operation_id="healthz")

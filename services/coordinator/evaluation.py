@@ -33,6 +33,7 @@ from proto import lockstep_pb2 as pb
 from services.coordinator.prompts import SamplingPlan
 from services.coordinator.run_spec import HELDOUT_SET, RunSpec
 from services.coordinator.tasks import Problem, Task, read_eval_set
+from services.coordinator.tasks.episodic import EpisodicTask
 
 EvalRollout = Callable[[list[Problem], int, SamplingPlan], Awaitable[list[tuple[int, pb.Sample]]]]
 """(problems, policy version, plan) -> every sample as (index in problems, sample); raises if any was lost."""
@@ -169,7 +170,12 @@ class Evaluator:
     async def _rewards(self, problems: Sequence[Problem], policy_version: int,
                        plan: SamplingPlan) -> list[list[float]]:
         problems = list(problems)
+        if isinstance(self.task, EpisodicTask):
+            plan = replace(plan, episode=self.task.episode_settings())
         samples = await self._rollout(problems, policy_version, plan)
-        rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
+        if isinstance(self.task, EpisodicTask):
+            rewards = [float(s.episode_reward) for _, s in samples]
+        else:
+            rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
         return rewards_by_problem(samples, rewards, len(problems), plan.samples_per_prompt)
 

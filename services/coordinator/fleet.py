@@ -306,13 +306,21 @@ class RolloutFleet:
 
     async def _generate_shard(self, shard: Shard, replica: int, plan: SamplingPlan, encode: Encode, *,
                               step: int, policy_version: int) -> pb.GenerateResponse | None:
-        prompts = [
-            pb.Prompt(group_id=group_id(step, k), token_ids=ids_to_proto(encode(p)), seed=plan.seed(k))
-            for k, p in zip(shard.indices, shard.problems)
-        ]
+        if plan.episode is None:
+            prompts = [
+                pb.Prompt(group_id=group_id(step, k), token_ids=ids_to_proto(encode(p)), seed=plan.seed(k))
+                for k, p in zip(shard.indices, shard.problems)
+            ]
+        else:  # the environment writes the prompt from the problem (and rewards against its answer)
+            prompts = [
+                pb.Prompt(group_id=group_id(step, k), seed=plan.seed(k),
+                          problem=pb.EpisodeProblem(problem_id=p.problem_id, prompt=p.prompt, answer=p.answer))
+                for k, p in zip(shard.indices, shard.problems)
+            ]
         request = pb.GenerateRequest(
             run_id=self.run_id, step=step, policy_version=policy_version, prompts=prompts,
             samples_per_prompt=plan.samples_per_prompt, sampling=plan.params, resumed=shard.resumed,
+            episode=plan.episode,
         )
         attempts = self.generate_retries + 1
         for attempt in range(attempts):

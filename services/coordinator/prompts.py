@@ -41,6 +41,8 @@ class SamplingPlan:
     params: pb.SamplingParams
     samples_per_prompt: int
     seed_parts: tuple[object, ...]
+    episode: pb.EpisodeSettings | None = None
+    """Set for an episodic task: every sample is a multi-turn episode of this environment."""
 
     def seed(self, index: int) -> int:
         return derived_seed(*self.seed_parts, index)

@@ -69,6 +69,7 @@ from services.coordinator.store import RunStore
 from services.coordinator.stream_generator import GenerationGate, StreamGenerator
 from services.coordinator.streaming import admit, token_staleness_metrics, token_versions
 from services.coordinator.tasks import Problem, Task, build_task
+from services.coordinator.tasks.episodic import EpisodicTask, episode_metrics
 from services.coordinator.trainer_session import SpaceRetry, TrainerSession
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
@@ -416,10 +417,13 @@ class RunDriver:
             trajectories = await self._score(problems, samples, step, version)
         if not trajectories:
             raise RunFailed(f"step {step}: every trajectory was dropped ({dropped} samples)")
+        dropped += len(samples) - len(trajectories)  # episodes that failed in reset(): no model token
         counts = {"trajectories_trained": len(trajectories), "trajectories_dropped": dropped}
         if spec.rollout.dynamic_sampling.enabled:
             with timer.phase("dynamic_sampling"):
                 trajectories, counts = await self._informative_groups(step, trajectories, dropped)
+        if isinstance(self.task, EpisodicTask):  # the first round's episodes: what the policy does at this step
+            counts.update(episode_metrics([s for _, s in samples]))
         if self.max_staleness:
             try:
                 counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
@@ -461,8 +465,9 @@ class RunDriver:
             extra = step_problems(self.task.split("train"), seed=spec.seed, step=step, count=want, round=r)
             version = behaviour_version(step, self.max_staleness)
             samples, lost = await self._rollout(extra, step=step, policy_version=version, first_index=r * want)
-            dropped += lost
-            rounds.append(await self._score(extra, samples, step, version))
+            scored = await self._score(extra, samples, step, version)
+            dropped += lost + len(samples) - len(scored)
+            rounds.append(scored)
             selection = select_informative(rounds, want)
         kept = selection.kept
         if selection.groups < want:
@@ -534,7 +539,8 @@ class RunDriver:
         s = self.spec.rollout.sampling
         params = pb.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                    max_new_tokens=s.max_new_tokens, stop_token_ids=self._stop_ids(), greedy=False)
-        return SamplingPlan(params, self.spec.rollout.samples_per_prompt, ("sample", self.spec.seed, step))
+        episode = self.task.episode_settings() if isinstance(self.task, EpisodicTask) else None
+        return SamplingPlan(params, self.spec.rollout.samples_per_prompt, ("sample", self.spec.seed, step), episode)
 
     async def _rollout(self, problems: list[Problem], *, step: int, policy_version: int,
                        plan: SamplingPlan | None = None,
@@ -547,22 +553,36 @@ class RunDriver:
 
     async def _score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
                      step: int, policy_version: int) -> list[pb.Trajectory]:
-        """`policy_version`: the version that generated `samples` (every replica reported it: fleet.generate)."""
-        rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
+        """`policy_version`: the version that generated `samples` (every replica reported it: fleet.generate).
+        An episode carries its own prompt, response mask and reward; one without a model token (its
+        environment failed in reset()) is dropped here, counted by its end reason in the step's metrics."""
+        if isinstance(self.task, EpisodicTask):
+            samples = [(i, s) for i, s in samples if s.response_token_ids.shape and s.response_token_ids.shape[0]]
+            rewards = [float(s.episode_reward) for _, s in samples]
+        else:
+            rewards = await self.task.score([(problems[i], self._decode(s)) for i, s in samples])
         advantages = group_advantages(rewards, [s.group_id for _, s in samples],
                                       std_normalization=self.spec.trainer.advantage_std_normalization)
-        return [
-            pb.Trajectory(
+        out = []
+        for (i, s), r, a in zip(samples, rewards, advantages):
+            t = pb.Trajectory(
                 run_id=self.run_id, step=step, group_id=s.group_id,
                 # The replica's per-token versions, as reported: the trainer refuses any outside the bound.
                 policy_version=s.policy_versions[0] if s.policy_versions else policy_version,
                 token_policy_versions=s.policy_versions,
-                sample_id=s.sample_id, prompt_token_ids=ids_to_proto(self._encode(problems[i])),
-                response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
+                sample_id=s.sample_id, response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
                 reward=float(r), advantage=float(a), finish_reason=s.finish_reason,
             )
-            for (i, s), r, a in zip(samples, rewards, advantages)
-        ]
+            if s.HasField("response_mask"):
+                t.prompt_token_ids.CopyFrom(s.prompt_token_ids)
+                t.response_mask.CopyFrom(s.response_mask)
+                t.episode.CopyFrom(pb.EpisodeRecord(turns=s.turns, turn_rewards=s.turn_rewards,
+                                                    tool_calls=s.tool_calls, tool_errors=s.tool_errors,
+                                                    end_reason=s.end_reason))
+            else:
+                t.prompt_token_ids.CopyFrom(ids_to_proto(self._encode(problems[i])))
+            out.append(t)
+        return out
 
     async def _sync_weights(self, version: int) -> None:
         await self.fleet.sync_weights(version)

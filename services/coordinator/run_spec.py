@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -30,6 +31,7 @@ from services.common.float32_fields import Float32
 from services.common.model_files import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
+from services.coordinator.tasks.episodic import EpisodicTask
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
@@ -283,6 +285,27 @@ class RunSpec(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _episodes_fit_the_model(self) -> "RunSpec":
+        # An episode longer than the model's longest sequence would fail a later turn's Generate, and the
+        # run with it: refuse it here, where the field can be named. (The rollout checks its own engine's
+        # bound again, max_context_tokens included.)
+        task = build_task(self.task.name, self.task.options)
+        try:
+            if not isinstance(task, EpisodicTask):
+                return self
+            budget = task.episode.max_episode_tokens
+        finally:
+            task.close()
+        try:
+            longest = json.loads((Path(self.model_path) / "config.json").read_text()).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            return self  # the rollout refuses it at load, naming what is wrong
+        if isinstance(longest, int) and budget > longest:
+            raise field_error("task.options.episode.max_episode_tokens", f"{budget} exceeds the model's "
+                              f"max_position_embeddings {longest}")
+        return self
+
+    @model_validator(mode="after")
     def _sglang_model_path_fits_a_command_line(self) -> "RunSpec":
         # The SGLang server is launched with --model-path=<this directory>: the path keeps the grammar of
         # every run-chosen command-line value (contract/command_line.py), as the rollout checks again at launch.
@@ -367,6 +390,15 @@ class RunSpec(_Strict):
             if self.rollout.dynamic_sampling.enabled:
                 raise field_error("async.mode", "'streaming' makes one rollout round per step; it cannot be "
                                   "combined with rollout.dynamic_sampling.enabled (use 'fixed_lag')")
+            task = build_task(self.task.name, self.task.options)
+            try:
+                episodic = isinstance(task, EpisodicTask)
+            finally:
+                task.close()
+            if episodic:
+                raise field_error("async.mode", f"'streaming' pauses single-turn samples mid-sequence; task "
+                                  f"{self.task.name!r} runs multi-turn episodes, which it cannot pause: use "
+                                  "'fixed_lag'")
         if self.eval.every > 0:
             raise field_error("eval.every", f"{self.eval.every}: mid-run evaluations need the replicas at the "
                               f"trainer's version, which async.max_staleness {self.async_.max_staleness} keeps "

@@ -255,6 +255,13 @@ class Decoder:
         self._inputs: StepInputs | None = None
         self.stats = DecodeStats()
 
+    @property
+    def max_sequence_tokens(self) -> int:
+        """Longest sequence (prompt plus new tokens) decode() accepts."""
+        longest = self.table_width * PAGE_TOKENS
+        cap = self.options.max_context_tokens
+        return longest if cap is None else min(cap, longest)
+
     def release(self) -> None:
         """Free the pool and the captured graphs (they are rebuilt on the next decode)."""
         self._pool, self._graphs, self._graph_pool, self._inputs = None, {}, None, None

@@ -16,6 +16,8 @@ import torch
 if TYPE_CHECKING:
     from services.common.weight_stream import LoraAdapterMeta
     from services.rollout.config import RolloutServiceConfig
+    from services.rollout.episode_requests import EpisodeRequest
+    from services.rollout.episodes import Episode, ObservationCodec, SampledTurn
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ class Engine(abc.ABC):
     name: str = "abstract"
     supports_resume: bool = False
     """Whether generate() continues GenerationRequest.resumed samples (and request_pause() works)."""
+    supports_episodes: bool = False
+    """Runs multi-turn episodes (GenerateRequest.episode) through `run_episodes`."""
 
     @classmethod
     @abc.abstractmethod
@@ -143,6 +147,48 @@ class Engine(abc.ABC):
         """Serve the base model with this LoRA adapter from `policy_version` on (replacing any earlier one);
         every tensor verified first, nothing applied on any error. Engines without LoRA support refuse."""
         raise ValueError(f"weights.lora: the {self.name} engine cannot apply LoRA adapters")
+
+    def sample_turns(self, contexts: list[list[int]], seeds: list[int],
+                     sampling: SamplingConfig) -> list["SampledTurn"]:
+        """One model turn of each multi-turn episode: each context's continuation from its seed's stream, as
+        one generate() call whose prompts are the contexts (token ids in, token ids out)."""
+        from services.rollout.episodes import SampledTurn
+
+        prompts = tuple(PromptSpec(f"turn{i}", tuple(c), s) for i, (c, s) in enumerate(zip(contexts, seeds)))
+        return [SampledTurn(g.token_ids, g.logprobs, g.finish_reason)
+                for g in self.generate(GenerationRequest(prompts=prompts, sampling=sampling))]
+
+    def max_sequence_tokens(self) -> int | None:
+        """Longest sequence (prompt plus new tokens) the loaded model serves; None: no bound known here."""
+        return None
+
+    def run_episodes(self, request: "EpisodeRequest") -> list["Episode"]:
+        """Every episode of `request` (services/rollout/episodes.py), each turn sampled by `sample_turns`;
+        the model directory's tokenizer encodes observations (through its chat template when it has one)
+        and decodes turns for the environment."""
+        from services.rollout.episodes import run_episodes
+
+        if not self.supports_episodes:
+            raise ValueError(f"episode: the {self.name} engine does not run multi-turn episodes")
+        longest = self.max_sequence_tokens()
+        if longest is not None and request.limits.max_episode_tokens > longest:
+            # Refused before any episode starts: a turn past the model's longest sequence would fail the whole
+            # request midway, every other episode with it.
+            raise ValueError(f"episode.limits_json: max_episode_tokens {request.limits.max_episode_tokens} exceeds "
+                             f"the longest sequence the {self.name} engine serves ({longest})")
+        return run_episodes(request.specs, environment=request.environment, options=request.options,
+                            limits=request.limits, codec=self._episode_codec(), sample=self.sample_turns,
+                            sampling=request.sampling)
+
+    def _episode_codec(self) -> "ObservationCodec":
+        """The codec of the loaded model's tokenizer, read once per model directory."""
+        from services.rollout.episodes import episode_codec
+
+        cached = getattr(self, "_codec_cache", None)
+        if cached is None or cached[0] != self.model_path:
+            cached = (self.model_path, episode_codec(self.model_path))
+            self._codec_cache = cached
+        return cached[1]
 
     def request_pause(self) -> bool:
         """Ask the in-flight generate() (another thread) to stop at its next token boundary, returning every

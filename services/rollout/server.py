@@ -80,6 +80,7 @@ from services.rollout.convert import (
     split_engine_config,
 )
 from services.rollout.engine import DeviceUnavailable, Engine, EngineUnavailable
+from services.rollout.episode_requests import episode_request_from_proto, episodes_to_proto
 from services.rollout.registry import build_engine
 from services.rollout.weight_broadcast import (
     BroadcastReceiveFailed,
@@ -155,14 +156,21 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                     grpc.StatusCode.FAILED_PRECONDITION,
                     f"policy_version: request wants {request.policy_version}, engine holds {engine.policy_version}",
                 )
-            gen = generation_request_from_proto(request)
-            if gen.resumed and not engine.supports_resume:
-                raise ValueError(f"resumed: the {self.engine_name} engine cannot continue paused samples")
-            samples = await self._in_worker(engine.generate, gen)
-            check_sample_order(gen, samples)
-            version = engine.policy_version
-            out = samples_to_proto(samples, version)
-        self.metrics["lockstep_rollout_generated_tokens_total"].labels(SERVICE).inc(sum(len(s.token_ids) for s in samples))
+            if request.HasField("episode"):
+                episodes = await self._in_worker(engine.run_episodes, episode_request_from_proto(request))
+                version = engine.policy_version
+                out = episodes_to_proto(episodes, version)
+                generated = sum(sum(e.response_mask) for e in episodes)
+            else:
+                gen = generation_request_from_proto(request)
+                if gen.resumed and not engine.supports_resume:
+                    raise ValueError(f"resumed: the {self.engine_name} engine cannot continue paused samples")
+                samples = await self._in_worker(engine.generate, gen)
+                check_sample_order(gen, samples)
+                version = engine.policy_version
+                out = samples_to_proto(samples, version)
+                generated = sum(len(s.token_ids) for s in samples)
+        self.metrics["lockstep_rollout_generated_tokens_total"].labels(SERVICE).inc(generated)
         self.metrics["lockstep_rollout_generate_seconds"].labels(SERVICE).observe(time.perf_counter() - started)
         return pb.GenerateResponse(samples=out, policy_version=version, engine=self.engine_name)
 

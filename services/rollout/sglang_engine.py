@@ -95,6 +95,7 @@ _PORT_HOLDERS: "weakref.WeakValueDictionary[tuple[str, int], SGLangEngine]" = we
 
 class SGLangEngine(Engine):
     name = "sglang"
+    supports_episodes = True  # each turn is one /generate of the episodes' contexts as input_ids
 
     def __init__(self, config: SGLangEngineConfig | None = None, host: SGLangHostConfig | None = None):
         self.config = config or SGLangEngineConfig()
@@ -247,6 +248,9 @@ class SGLangEngine(Engine):
         }
 
     # ------------------------------------------------------------- generate --
+
+    def max_sequence_tokens(self) -> int | None:
+        return self._max_len
 
     def validate_request(self, request: GenerationRequest) -> None:
         """Checks against the loaded model; ValueError names the field."""

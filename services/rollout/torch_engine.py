@@ -39,8 +39,10 @@ from services.rollout.engine import (
     Engine,
     GeneratedSample,
     GenerationRequest,
+    SamplingConfig,
     require_device,
 )
+from services.rollout.episodes import SampledTurn
 from services.common.finite_check import all_finite
 from services.rollout.lora_adapter import merged_weight, module_adapters
 from services.rollout.sampling import truncate_logits
@@ -70,6 +72,7 @@ class TorchEngine(Engine):
 
     name = "torch"
     supports_resume = True
+    supports_episodes = True
 
     def __init__(self, config: TorchEngineConfig | None = None) -> None:
         self.config = config or TorchEngineConfig()
@@ -197,6 +200,17 @@ class TorchEngine(Engine):
                                        policy_versions=before + [self._policy_version] * (len(d.token_ids)
                                                                                            - len(before))))
         return out
+
+    def max_sequence_tokens(self) -> int | None:
+        return None if self._decoder is None else self._decoder.max_sequence_tokens
+
+    def sample_turns(self, contexts: list[list[int]], seeds: list[int], sampling: SamplingConfig) -> list[SampledTurn]:
+        """One model turn of each multi-turn episode (services/rollout/episodes.py): each context's
+        continuation from its seed's stream, tokens and log-probs as sampled."""
+        self._require_model()
+        assert self._decoder is not None
+        decoded = self._decoder.decode(contexts, seeds, sampling)
+        return [SampledTurn(d.token_ids, d.logprobs, d.finish_reason) for d in decoded]
 
     def request_pause(self) -> bool:
         if not self._generating.is_set():

@@ -28,9 +28,12 @@ class TrainSample:
     group_id: str
     prompt_ids: torch.Tensor        # int64 [P], P >= 1
     response_ids: torch.Tensor      # int64 [R], R >= 1
-    rollout_logprobs: torch.Tensor  # float32 [R]
+    rollout_logprobs: torch.Tensor  # float32 [M]: the model tokens' (M = R without a response_mask)
     reward: float
     advantage: float
+    response_mask: torch.Tensor | None = None
+    """bool [R]: True at tokens the model sampled, False at environment tokens (a multi-turn episode's
+    observations), which are context only: never a loss, IW or parity term. None: all the model's."""
 
     @property
     def num_tokens(self) -> int:
@@ -39,6 +42,11 @@ class TrainSample:
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_ids.numel())
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Response tokens the model sampled: the ones the loss covers."""
+        return self.num_response_tokens if self.response_mask is None else int(self.response_mask.sum())
 
 
 class Microbatch(Protocol):
@@ -69,6 +77,9 @@ class Microbatch(Protocol):
 
     @property
     def response_positions(self) -> torch.Tensor: ...      # int64 [N], position in the token's sequence
+
+    @property
+    def response_ranks(self) -> torch.Tensor: ...          # int64 [N], index among its sequence's loss tokens
 
     def to(self, device: torch.device | str) -> Microbatch: ...
 
@@ -128,6 +139,17 @@ class ResponseSelection:
     @property
     def response_advantages(self) -> torch.Tensor:
         return self.advantages[self.loss_mask]
+
+    @property
+    def response_ranks(self) -> torch.Tensor:
+        """Index of each loss token among its own sequence's loss tokens (0, 1, ... per sequence). A
+        sequence's loss tokens are contiguous and in order in every layout, so a rank restarts where the
+        sample index changes."""
+        idx = self.response_sample_index
+        pos = torch.arange(idx.numel(), device=idx.device)
+        starts = torch.ones_like(idx, dtype=torch.bool)
+        starts[1:] = idx[1:] != idx[:-1]
+        return pos - torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), 0).values
 
 
 @dataclass(frozen=True)
@@ -195,10 +217,11 @@ def collate_padded(samples: list[TrainSample], *, pad_id: int = 0, first_index: 
         p = s.prompt_ids.numel()
         input_ids[row, :n] = full[:-1]
         targets[row, :n] = full[1:]
-        # Positions p-1 .. n-1 predict response tokens 0 .. R-1.
-        loss_mask[row, p - 1 : n] = True
-        rollout[row, p - 1 : n] = s.rollout_logprobs
-        adv[row, p - 1 : n] = s.advantage
+        # Positions p-1 .. n-1 predict response tokens 0 .. R-1; environment tokens are not scored.
+        model = torch.ones(n - p + 1, dtype=torch.bool) if s.response_mask is None else s.response_mask.bool()
+        loss_mask[row, p - 1 : n] = model
+        rollout[row, p - 1 : n][model] = s.rollout_logprobs
+        adv[row, p - 1 : n][model] = s.advantage
     return PaddedMicrobatch(input_ids, targets, loss_mask, rollout, adv, tuple(s.sample_id for s in samples),
                             torch.arange(first_index, first_index + b))
 

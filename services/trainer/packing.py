@@ -63,6 +63,16 @@ class SampleLike(Protocol):
     response_ids: Sequence[int] | torch.Tensor
     rollout_logprobs: Sequence[float] | torch.Tensor
     advantage: float
+    # Optional (getattr, default None): bool [R], False at environment tokens (see batching.TrainSample).
+    # response_mask: Sequence[bool] | torch.Tensor | None
+
+
+def model_token_mask(sample: SampleLike) -> torch.Tensor:
+    """bool [R]: True at the response tokens the model sampled (all of them without a response_mask)."""
+    mask = getattr(sample, "response_mask", None)
+    if mask is None:
+        return torch.ones(len(sample.response_ids), dtype=torch.bool)
+    return torch.as_tensor(mask, dtype=torch.bool).reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -72,9 +82,11 @@ class PackSample:
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
     rollout_logprobs: Sequence[float]
-    """fp32 log-prob of each response token under the distribution it was sampled from (len == response)."""
+    """fp32 log-prob of each model token under the distribution it was sampled from (len == model tokens)."""
     advantage: float
     sample_id: str = ""
+    response_mask: Sequence[bool] | None = None
+    """False at environment tokens (context only); None: every response token is the model's."""
 
 
 def fed_length(sample: SampleLike) -> int:
@@ -176,9 +188,15 @@ def _validate(i: int, s: SampleLike) -> None:
         raise ValueError(f"sample {i}: empty prompt (the first response token needs a position to be predicted from)")
     if len(s.response_ids) < 1:
         raise ValueError(f"sample {i}: empty response")
-    if len(s.rollout_logprobs) != len(s.response_ids):
+    mask = model_token_mask(s)
+    if mask.numel() != len(s.response_ids):
+        raise ValueError(f"sample {i}: response_mask of {mask.numel()} for {len(s.response_ids)} response tokens")
+    if not bool(mask.any()):
+        raise ValueError(f"sample {i}: no model token in the response")
+    if len(s.rollout_logprobs) != int(mask.sum()):
+        what = "response" if getattr(s, "response_mask", None) is None else "model"
         raise ValueError(f"sample {i}: {len(s.rollout_logprobs)} rollout log-probs for "
-                         f"{len(s.response_ids)} response tokens")
+                         f"{int(mask.sum())} {what} tokens")
     if not math.isfinite(float(s.advantage)):
         raise ValueError(f"sample {i}: advantage {s.advantage} is not finite")
 
@@ -212,8 +230,9 @@ def _build(samples: Sequence[SampleLike], members: list[int]) -> PackedMicrobatc
         input_ids[start:start + n] = full[:-1]
         targets[start:start + n] = full[1:]
         position_ids[start:start + n] = torch.arange(n)
-        # Response token j sits at sequence position p + j and is predicted by row p - 1 + j.
-        rows = slice(start + p - 1, start + p - 1 + r)
+        # Response token j sits at sequence position p + j and is predicted by row p - 1 + j. Environment
+        # tokens are read like any other but predicted by no loss row.
+        rows = torch.arange(start + p - 1, start + p - 1 + r)[model_token_mask(s)]
         loss_mask[rows] = True
         rollout[rows] = torch.as_tensor(s.rollout_logprobs, dtype=torch.float32).reshape(-1)
         adv[rows] = float(s.advantage)

@@ -191,27 +191,24 @@ class StepShape:
 
     Sequences are numbered in canonical order (batching.canonical_order), as `response_sample_index` is."""
 
-    sequence_lengths: torch.Tensor  # int64 [G]: response tokens of each sequence
-    prompt_lengths: torch.Tensor    # int64 [G]: prompt tokens of each sequence
+    sequence_lengths: torch.Tensor  # int64 [G]: loss tokens (the model's response tokens) of each sequence
 
     @property
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum())
 
-    def token_keys(self, sample_index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Each response token's index in the step's canonical token order (sequence by sequence, in
-        sequence order): the same whatever microbatch, rank or layout the token was trained in.
-        `positions` are positions in the sequence (the first response token sits at its prompt length)."""
+    def token_keys(self, sample_index: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+        """Each loss token's index in the step's canonical token order (sequence by sequence, in sequence
+        order): the same whatever microbatch, rank or layout the token was trained in. `ranks` index each
+        token among its own sequence's loss tokens (Microbatch.response_ranks)."""
         offsets = torch.cumsum(self.sequence_lengths, 0) - self.sequence_lengths
-        sample_index = sample_index.cpu()
-        return offsets[sample_index] + positions.cpu() - self.prompt_lengths[sample_index]
+        return offsets[sample_index.cpu()] + ranks.cpu()
 
 
 def step_shape(ordered_samples: list) -> StepShape:
-    """StepShape of samples already in canonical order (anything with prompt_ids and response_ids)."""
-    return StepShape(
-        sequence_lengths=torch.tensor([s.response_ids.numel() for s in ordered_samples], dtype=torch.int64),
-        prompt_lengths=torch.tensor([s.prompt_ids.numel() for s in ordered_samples], dtype=torch.int64))
+    """StepShape of samples already in canonical order (batching.TrainSample): environment tokens of a
+    multi-turn episode count in no length, since they are in no loss."""
+    return StepShape(sequence_lengths=torch.tensor([s.num_model_tokens for s in ordered_samples], dtype=torch.int64))
 
 
 def aggregate_loss(token_loss: torch.Tensor, sample_index: torch.Tensor, step: StepShape, *,

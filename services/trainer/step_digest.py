@@ -39,6 +39,8 @@ def sample_digest(sample: TrainSample) -> bytes:
     _field(h, _tensor_bytes(sample.response_ids, torch.int64))
     _field(h, _tensor_bytes(sample.rollout_logprobs, torch.float32))
     _field(h, struct.pack("<dd", sample.reward, sample.advantage))
+    if sample.response_mask is not None:  # absent for single-turn samples, whose digests stay as they were
+        _field(h, _tensor_bytes(sample.response_mask, torch.uint8))
     return h.digest()
 
 

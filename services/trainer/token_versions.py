@@ -47,7 +47,7 @@ def check_token_versions(versions: Sequence[int], *, where: str, step: int, traj
     """Refuse a trajectory of step `step` whose token versions break the bound (see the module doc)."""
     field = f"{where}.token_policy_versions"
     if versions and len(versions) != num_tokens:
-        raise InvalidRequest(f"{field}: {len(versions)} versions for {num_tokens} response tokens (step {step})")
+        raise InvalidRequest(f"{field}: {len(versions)} versions for {num_tokens} model tokens (step {step})")
     vs = token_versions(versions, trajectory_version, num_tokens)
     if vs[0] != trajectory_version:
         raise InvalidRequest(f"{where}.policy_version: {trajectory_version}, but its first token's version is "

@@ -378,7 +378,7 @@ class Trainer:
                 mb = microbatches[0 if k is None else k]
                 logp = run.policy(mb, temperature=cfg.temperature)[0]
                 if k is not None:
-                    local.append({"keys": shape.token_keys(mb.response_sample_index, mb.response_positions),
+                    local.append({"keys": shape.token_keys(mb.response_sample_index, mb.response_ranks),
                                   "delta": (logp - mb.response_rollout_logprobs).cpu()})
         delta = torch.empty(shape.num_tokens, dtype=torch.float32)
         for o in self._in_order(local, len(microbatches)):
@@ -438,7 +438,7 @@ class Trainer:
                     ref_logp = run.ref_model(mb, temperature=cfg.temperature)[0]
             mb_keep = None
             if keep is not None:
-                mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_positions)].to(logp.device)
+                mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_ranks)].to(logp.device)
             part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, mb.response_advantages,
                                    mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
             logp.retain_grad()  # d loss / d logp per token, for naming the tokens of a non-finite update

@@ -79,10 +79,20 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
     for name, ids in (("prompt_token_ids", prompt), ("response_token_ids", response)):
         if (ids < 0).any():
             raise InvalidRequest(f"{where}.{name}: negative token id {int(ids.min())}")
-    if logprobs.numel() != response.numel():
-        raise InvalidRequest(
-            f"{where}.rollout_logprobs: {logprobs.numel()} values for {response.numel()} response tokens"
-        )
+    mask = None
+    if msg.HasField("response_mask"):
+        try:
+            mask = from_proto(msg.response_mask, field=f"{where}.response_mask", dtype=torch.bool, ndim=1)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        if mask.numel() != response.numel():
+            raise InvalidRequest(f"{where}.response_mask: {mask.numel()} values for {response.numel()} response tokens")
+        if not bool(mask.any()):
+            raise InvalidRequest(f"{where}.response_mask: no model token (nothing to train on)")
+    model_tokens = response.numel() if mask is None else int(mask.sum())
+    if logprobs.numel() != model_tokens:
+        what = "response tokens" if mask is None else "model tokens (response_mask true)"
+        raise InvalidRequest(f"{where}.rollout_logprobs: {logprobs.numel()} values for {model_tokens} {what}")
     finite = torch.isfinite(logprobs)
     if not bool(finite.all()):
         bad = int((~finite).nonzero()[0, 0])
@@ -91,7 +101,7 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
         bad = int(logprobs.argmax())
         raise InvalidRequest(f"{where}.rollout_logprobs[{bad}]: {float(logprobs[bad])} > 0 is not a log-prob")
     check_token_versions(msg.token_policy_versions, where=where, step=header.step,
-                         trajectory_version=msg.policy_version, num_tokens=response.numel(),
+                         trajectory_version=msg.policy_version, num_tokens=model_tokens,
                          header_version=header.policy_version, max_staleness=header.max_staleness,
                          streaming=header.streaming)
     for name in ("reward", "advantage"):
@@ -106,6 +116,7 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
         rollout_logprobs=logprobs,
         reward=float(msg.reward),
         advantage=float(msg.advantage),
+        response_mask=mask,
     )
 
 

@@ -56,6 +56,22 @@ def test_streaming_where_it_cannot_run_is_refused_naming_the_field(base, rollout
     assert reason in exc.value.fields[0]["reason"]
 
 
+def test_streaming_multi_turn_episodes_is_refused_naming_the_field(base):
+    # Streaming pauses a sample mid-sequence and continues it; an episode's turns interleave environment
+    # steps the engine cannot pause. fixed_lag runs episodes (each trajectory at one version).
+    import json
+
+    task = {"name": "number_guess", "options": {"max_value": 99, "episode": {"max_episode_tokens": 64}}}
+    with pytest.raises(RunSpecError) as exc:
+        parse_run_spec(json.dumps({**base, "task": task, "async": {"max_staleness": 1, "mode": "streaming"},
+                                   "trainer": CORRECTED}).encode())
+    assert [f["field"] for f in exc.value.fields] == ["async.mode"]
+    assert "multi-turn episodes" in exc.value.fields[0]["reason"]
+    spec = parse_run_spec(json.dumps({**base, "task": task, "async": {"max_staleness": 1, "mode": "fixed_lag"},
+                                      "trainer": CORRECTED}).encode())
+    assert spec.async_.mode == "fixed_lag"
+
+
 @pytest.mark.parametrize("async_", [{"max_staleness": -1}, {"max_staleness": 65}, {"mode": "eager"},
                                     {"max_staleness": 1, "lag": 2}])
 def test_bad_values_are_refused_naming_the_field(base, async_):

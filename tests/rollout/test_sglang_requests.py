@@ -51,6 +51,70 @@ def test_generate_body_one_entry_per_sample_with_its_seed():
     }
 
 
+def _turn_body() -> dict:
+    # Engine.sample_turns: each episode's whole context (prompt, earlier turns, observations) as input_ids,
+    # seeded by the turn's seed; the reply's tokens are kept as sampled.
+    from services.rollout.engine import Engine
+
+    class Recording(Engine):
+        name = "recording"
+
+        def __init__(self):
+            self.requests = []
+
+        @classmethod
+        def from_config_json(cls, text, service=None):
+            return cls()
+
+        def load(self, model_path, policy_version):
+            pass
+
+        def generate(self, request):
+            self.requests.append(request)
+            return parse_generate_response(request, [_out([7, 8], [-0.5, -0.25], "0"), _out([9], [-1.0], "0")], "0")
+
+        def update_weights(self, tensors, policy_version, *, finite_checked=False):
+            pass
+
+        @property
+        def policy_version(self):
+            return 0
+
+    engine = Recording()
+    cfg = SamplingConfig(temperature=0.7, max_new_tokens=4, stop_token_ids=(2,))
+    turns = engine.sample_turns([[1, 5, 6, 30, 31], [1, 7]], [2**63 + 1, 5], cfg)
+    body = generate_body(engine.requests[0])
+    assert body["input_ids"] == [[1, 5, 6, 30, 31], [1, 7]]
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [1, 5]  # SGLang reads seeds mod 2**63
+    assert [t.token_ids for t in turns] == [[7, 8], [9]]
+    return body
+
+
+def test_a_turn_of_multi_turn_episodes_is_one_generate_of_their_contexts():
+    _turn_body()
+
+
+def test_a_turns_body_fits_sglangs_request_type():
+    import subprocess
+    from pathlib import Path
+
+    from services.rollout.sglang_config import default_python
+    from tests.conftest import require
+
+    python = default_python()
+    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
+    body = _turn_body()
+    # The body becomes the type SGLang's HTTP handler decodes /generate into: an unknown field is a TypeError.
+    script = ("import json, sys\n"
+              "from sglang.srt.managers.io_struct import GenerateReqInput\n"
+              "body = json.loads(sys.stdin.read())\n"
+              "obj = GenerateReqInput(**body)\n"
+              "print(sorted(k for k in body if getattr(obj, k) != body[k]))\n")
+    proc = subprocess.run([python, "-c", script], input=json.dumps(body), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "[]"  # every field kept its value
+
+
 def test_greedy_and_top_k_map_to_sglang_conventions():
     greedy = GenerationRequest(prompts=(PromptSpec("g", (1,), seed=0),),
                                sampling=SamplingConfig(greedy=True, top_k=5, max_new_tokens=1))

@@ -285,3 +285,21 @@ def test_a_spec_that_brings_its_own_server_flags_is_refused_before_anything_runs
         assert processes_of(rollout_pid) == children  # no server started (nor any other process)
         assert not any(str(evil).encode() in cmdline for cmdline in processes_of(rollout_pid).values())
         assert not (evil / "ran").exists()
+
+
+def test_a_multi_turn_run_goes_through_the_sglang_server(client, model_dir, stack):
+    # number_guess needs several turns of feedback: each turn is one /generate of the episodes' contexts as
+    # input_ids, and the trajectories keep the sampled tokens with the observations masked out of the loss.
+    body = spec(model_dir, "sglang-episodes", max_new_tokens=6, steps=1)
+    body["task"] = {"name": "number_guess", "options": {"heldout_size": 4, "episode": {
+        "max_turns": 3, "max_episode_tokens": 96, "step_timeout_s": 10.0}}}
+    body["eval"] = {"every": 0, "heldout_size": 4}
+    run = client.submit(body)
+    done = client.wait(run["id"], timeout_s=900)
+    assert done["status"] == "completed", (done, stack.rollouts[0].tail())
+    (step,) = client.metrics(run["id"])["steps"]
+    m = step["metrics"]
+    assert m["episodes"] == PROMPTS * SAMPLES and m["trajectories_trained"] == PROMPTS * SAMPLES
+    assert m["episode_turns_max"] == 3 and 0 < m["episode_model_token_fraction"] < 1
+    # Trainer and SGLang hold the same weights: over the model's tokens the log-probs agree to rounding.
+    assert abs(m["iw_mean"] - 1) <= 1e-4 and m["logprob_abs_diff_max"] <= 1e-4, m

@@ -348,7 +348,7 @@ def implementation(step: Step, cfg: dict, rng: np.random.Generator) -> Result:
     """microbatch_loss over a random split of the step's sequences, tokens shuffled within each microbatch."""
     config = TrainerRunConfig.model_validate(cfg)
     g, n = len(step.lengths), len(step.logp)
-    shape = StepShape(sequence_lengths=torch.tensor(step.lengths), prompt_lengths=torch.ones(g, dtype=torch.int64))
+    shape = StepShape(sequence_lengths=torch.tensor(step.lengths))
     logp = torch.tensor(step.logp, dtype=torch.float32, requires_grad=True)
     rollout = torch.tensor(step.rollout, dtype=torch.float32)
     adv = torch.tensor(step.adv, dtype=torch.float32)

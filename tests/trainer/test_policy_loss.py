@@ -108,7 +108,7 @@ def test_gspo_with_sequence_mean_aggregation_is_the_sequence_level_objective():
 
     logp = logp0.clone().requires_grad_()
     token = gspo_token_loss(logp, old, adv, index, clip_low=low, clip_high=high, log_ratio_bound=10.0)
-    shape = StepShape(sequence_lengths=torch.tensor([3, 2, 4]), prompt_lengths=torch.tensor([1, 1, 1]))
+    shape = StepShape(sequence_lengths=torch.tensor([3, 2, 4]))
     aggregate_loss(token.loss, index, shape, loss_agg="seq_mean_token_mean", loss_agg_tokens=None).backward()
 
     ref = logp0.clone().requires_grad_()
@@ -136,7 +136,7 @@ def test_sequence_mean_needs_no_adjacent_tokens():
 
 LOSSES = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
 INDEX = torch.tensor([0, 0, 0, 1, 2, 2])
-SHAPE = StepShape(sequence_lengths=torch.tensor([3, 1, 2]), prompt_lengths=torch.tensor([2, 2, 2]))
+SHAPE = StepShape(sequence_lengths=torch.tensor([3, 1, 2]))
 
 
 @pytest.mark.parametrize("loss_agg, tokens, expected", [
@@ -154,10 +154,10 @@ def test_aggregations_hand_computed_and_split_invariant(loss_agg, tokens, expect
 
 
 def test_token_keys_are_canonical_whatever_the_microbatch():
-    # Sequences with responses of 3, 1, 2 tokens after prompts of 2, 4, 1: canonical token order is
-    # seq 0 -> 0..2, seq 1 -> 3, seq 2 -> 4..5; the first response token sits at the prompt length.
-    shape = StepShape(sequence_lengths=torch.tensor([3, 1, 2]), prompt_lengths=torch.tensor([2, 4, 1]))
-    keys = shape.token_keys(torch.tensor([2, 2, 0, 0, 0, 1]), torch.tensor([1, 2, 2, 3, 4, 4]))
+    # Sequences of 3, 1, 2 loss tokens: canonical token order is seq 0 -> 0..2, seq 1 -> 3, seq 2 -> 4..5;
+    # a token's rank is its index among its own sequence's loss tokens.
+    shape = StepShape(sequence_lengths=torch.tensor([3, 1, 2]))
+    keys = shape.token_keys(torch.tensor([2, 2, 0, 0, 0, 1]), torch.tensor([0, 1, 0, 1, 2, 0]))
     assert keys.tolist() == [4, 5, 0, 1, 2, 3]
     assert shape.num_tokens == 6
 
@@ -239,7 +239,7 @@ def test_gspo_reproducer_clips_neither_token_and_grads_them_equally():
     assert 1 + 4e-4 - 4e-7 < s < 1 + 4e-4
     token = gspo_token_loss(logp, old, torch.ones(2), index, clip_low=3e-4, clip_high=4e-4, log_ratio_bound=10.0)
     assert token.clipped.tolist() == [False, False]
-    shape = StepShape(sequence_lengths=torch.tensor([2]), prompt_lengths=torch.tensor([1]))
+    shape = StepShape(sequence_lengths=torch.tensor([2]))
     aggregate_loss(token.loss, index, shape, loss_agg="seq_mean_token_mean", loss_agg_tokens=None).backward()
     assert logp.grad[0].item() == logp.grad[1].item() == pytest.approx(-s / 2, rel=1e-7)
     m = step_metrics(loss=0.0, logp=logp.detach(), rollout_logp=old, clipped=token.clipped, clamped=token.clamped,
@@ -304,7 +304,7 @@ def test_log_ratio_deltas_of_90_give_finite_losses_gradients_and_metrics(name, a
     rollout = logp - delta
     ref = logp + torch.tensor([0.0, 90, -90] * 5)
     adv = torch.tensor([1.0, -1.0, 0.0, 1.0, -1.0, 0.0]).repeat_interleave(torch.tensor(lengths))
-    shape = StepShape(sequence_lengths=torch.tensor(lengths), prompt_lengths=torch.ones(6, dtype=torch.int64))
+    shape = StepShape(sequence_lengths=torch.tensor(lengths))
     leaf = logp.clone().requires_grad_()
     keep = m2po_keep_mask(delta, cfg.policy_loss.m2po_threshold) if cfg.policy_loss.kind == "m2po" else None
     out = microbatch_loss(cfg, leaf, rollout, adv, index, shape, m2po_keep=keep,

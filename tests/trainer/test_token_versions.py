@@ -50,7 +50,7 @@ def test_synchronous_step_admits_only_the_previous_version():
 
 
 def test_count_and_first_token_must_match_the_trajectory():
-    with pytest.raises(InvalidRequest, match=r"token_policy_versions: 2 versions for 3 response tokens \(step 5\)"):
+    with pytest.raises(InvalidRequest, match=r"token_policy_versions: 2 versions for 3 model tokens \(step 5\)"):
         check([3, 3], num_tokens=3)
     with pytest.raises(InvalidRequest, match=r"trajectory\[0\]\.policy_version: 4, but its first token's version is 3"):
         check([3, 4], trajectory_version=4)

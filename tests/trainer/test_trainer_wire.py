@@ -95,7 +95,7 @@ def test_replay_header_without_trajectories_is_well_formed():
         ([header(3), traj(0), traj(1)], "header.num_trajectories: 3 announced, 2 received"),
         ([header(1), traj(0, sample_id="")], r"trajectory\[0\]\.sample_id: empty"),
         ([header(1), traj(0, token_policy_versions=[0, 0])],
-         r"trajectory\[0\]\.token_policy_versions: 2 versions for 3 response tokens"),
+         r"trajectory\[0\]\.token_policy_versions: 2 versions for 3 model tokens"),
         ([header(1, step=4, policy_version=2, max_staleness=1, streaming=True),
           traj(0, step=4, policy_version=3, token_policy_versions=[3, 2, 3])],
          r"trajectory\[0\]\.token_policy_versions\[1\]: 2 after 3: versions decrease"),

@@ -25,6 +25,18 @@ def _math(options: dict) -> Task:
     return MathTask(MathConfig.model_validate(options, strict=True))
 
 
+def _calculator(options: dict) -> Task:
+    from services.coordinator.tasks.episodic import CalculatorConfig, CalculatorTask
+
+    return CalculatorTask(CalculatorConfig.model_validate(options, strict=True))
+
+
+def _number_guess(options: dict) -> Task:
+    from services.coordinator.tasks.episodic import GuessConfig, GuessTask
+
+    return GuessTask(GuessConfig.model_validate(options, strict=True))
+
+
 def _arithmetic_eval_set(options: dict, path: str, field: str) -> list[Problem]:
     from services.coordinator.tasks.arithmetic import ArithmeticConfig, read_eval_set
 
@@ -37,7 +49,8 @@ def _math_eval_set(options: dict, path: str, field: str) -> list[Problem]:
     return read_eval_set(path, field, MathConfig.model_validate(options, strict=True))
 
 
-_REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math}
+_REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math,
+                                                "calculator": _calculator, "number_guess": _number_guess}
 _EVAL_SET_READERS: dict[str, Callable[[dict, str, str], list[Problem]]] = {
     "arithmetic": _arithmetic_eval_set, "math": _math_eval_set}
 # Options naming files the coordinator reads: each must lie inside the coordinator's data_roots.

@@ -1,0 +1,59 @@
+"""Hostile environments end their own episode with a named reason; the host and other episodes go on."""
+from __future__ import annotations
+
+import pytest
+
+from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
+from services.rollout.environment_host import EpisodeEnded, EpisodeEnvironment
+from tests.rollout.hostile_environments import register_hostile
+
+register_hostile()
+
+PROBLEM = EpisodeProblem("p0", "What is 6*7?", "42")
+# A short timeout keeps the hang cases fast; nothing here waits on it except those cases.
+LIMITS = EpisodeLimits(step_timeout_s=0.5, max_observation_bytes=4096)
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("test-raises", EndReason.ENV_ERROR),
+    ("test-hangs", EndReason.ENV_TIMEOUT),
+    ("test-huge", EndReason.OBSERVATION_TOO_LARGE),
+    ("test-huge-bytes", EndReason.OBSERVATION_TOO_LARGE),
+    ("test-not-utf8", EndReason.OBSERVATION_NOT_UTF8),
+    ("test-lone-surrogate", EndReason.OBSERVATION_NOT_UTF8),
+    ("test-dies", EndReason.ENV_CRASHED),
+    ("test-nan-reward", EndReason.BAD_RESULT),
+    ("test-wrong-shape", EndReason.BAD_RESULT),
+])
+def test_a_hostile_step_ends_the_episode_with_its_reason(name, reason):
+    with EpisodeEnvironment(name, {}, LIMITS) as env:
+        assert env.reset(PROBLEM) == "What is 6*7?"
+        assert env.step("fine").observation == "turn 1 ok"
+        with pytest.raises(EpisodeEnded) as ended:
+            env.step("now misbehave")
+        assert ended.value.reason is reason
+        # The episode stays ended: a further call answers the same reason and runs nothing.
+        with pytest.raises(EpisodeEnded) as again:
+            env.step("fine")
+        assert again.value.reason is reason
+        assert not env._process.is_alive()
+    # The host is not harmed: a well-behaved episode runs right after.
+    with EpisodeEnvironment("calculator", {}, LIMITS) as env:
+        assert env.reset(PROBLEM) == "What is 6*7?"
+        assert env.step("<calc>6*7</calc>").observation == "<result>42</result>"
+        result = env.step("42")
+        assert (result.reward, result.done) == (1.0, True)
+
+
+def test_a_hang_in_reset_is_stopped_too():
+    with EpisodeEnvironment("test-hangs-in-reset", {}, LIMITS) as env:
+        with pytest.raises(EpisodeEnded) as ended:
+            env.reset(PROBLEM)
+        assert ended.value.reason is EndReason.ENV_TIMEOUT
+
+
+def test_an_unknown_environment_or_bad_option_is_refused_before_any_process_starts():
+    with pytest.raises(ValueError, match="unknown environment 'nope'"):
+        EpisodeEnvironment("nope", {}, LIMITS)
+    with pytest.raises(ValueError, match="correct_reward"):
+        EpisodeEnvironment("calculator", {"correct_reward": 2.0}, LIMITS)
