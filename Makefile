@@ -24,11 +24,9 @@ sglang-venv:
 demo: venv
 	$(PY) -m recipes.tiny_arith.demo
 
-# The whole suite (CI runs this), then its 25 slowest tests. TEST_WORKERS pytest-xdist workers share
-# it out: a file's tests, and the files that share a session stack, stay in one worker (tests/conftest.py).
-TEST_WORKERS ?= 2
+# The whole suite (CI runs this), then its 25 slowest tests.
 test: venv sglang-venv
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not gpu and not docker" --durations=25 tests
+	$(PY) -m pytest -m "not gpu and not docker" --durations=25 tests
 
 # The inner loop: unit-level tests only, without the `stack` tests (service processes, Redis, SGLang,
 # Prometheus, Ray) and the `slow` ones (process groups, compilers); tests/conftest.py marks both.

@@ -180,7 +180,7 @@ def _stale_entries() -> list[str]:
     """Entries of the tables above that name no file, test or fixture (renamed or removed since)."""
     entries = [(k.partition("::")[0], k.partition("::")[2]) for k in (*STACK_TESTS, *SLOW_TESTS)]
     stale = []
-    for path, name in [*entries, *STACK_FIXTURES, *SHARED_SESSION_FIXTURES]:
+    for path, name in [*entries, *STACK_FIXTURES]:
         source = REPO_ROOT / path
         if not source.is_file() or (name and not re.search(rf"^def {re.escape(name)}\(", source.read_text(), re.M)):
             stale.append(f"{path}::{name}" if name else path)
@@ -198,49 +198,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.stack)
         if _listed(item, SLOW_TESTS) is not None:
             item.add_marker(pytest.mark.slow)
-    if config.pluginmanager.hasplugin("xdist"):
-        for item, group in zip(items, worker_groups(items)):
-            item.add_marker(pytest.mark.xdist_group(group))
-
-
-# Session fixtures that cost a stack, a server or a trained model to build: the tests using one run in one
-# xdist worker, so that it is built once. (Cheap session fixtures, such as a tiny model written in a second
-# or the kernels' interpreted dot, may be built once per worker and do not tie their tests together.)
-SHARED_SESSION_FIXTURES = {
-    ("tests/integration/conftest.py", "warm_model"),
-    ("tests/integration/conftest.py", "one_replica_stack"),
-    ("tests/integration/conftest.py", "two_replica_stack"),
-    ("tests/coordinator/conftest.py", "lone_coordinator"),
-    ("tests/rollout/conftest.py", "sglang_engine"),
-}
-
-
-def _shared_fixtures(item: pytest.Item) -> set[str]:
-    """The SHARED_SESSION_FIXTURES that `item` uses."""
-    used = set(getattr(item, "fixturenames", ()))
-    return {name for _, name in SHARED_SESSION_FIXTURES if name in used}
-
-
-def worker_groups(items) -> list[str]:
-    """Under pytest-xdist (`--dist loadgroup`), which worker-side group each test runs in: a file's tests stay
-    together (module fixtures start one stack per module, and stay one), and files that share a
-    session fixture (tests/integration/conftest.py's stacks, the lone coordinator, the SGLang server) form one
-    group, so that each such fixture is still started once, in one worker, not once per worker."""
-    parent: dict[str, str] = {}
-
-    def root(key: str) -> str:
-        while parent.setdefault(key, key) != key:
-            parent[key] = parent[parent[key]]
-            key = parent[key]
-        return key
-
-    files = [item.nodeid.split("::", 1)[0] for item in items]
-    for path, item in zip(files, items):
-        for fixture in _shared_fixtures(item):
-            a, b = root(path), root(f"fixture:{fixture}")
-            if a != b:
-                parent[max(a, b)] = min(a, b)
-    return [root(path) for path in files]
 
 
 def stack_process(argv) -> str | None:
