@@ -52,6 +52,18 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
+@pytest.fixture(autouse=True)
+def _restore_the_attention_policy():
+    """A Trainer sets the process-wide attention policy (its service process runs one run at a time); a test
+    that builds one in this process must not hand that policy to the tests after it, whatever their order."""
+    registry = sys.modules.get("kernels.attention.registry")
+    saved = registry.REGISTRY.policy if registry is not None else None
+    yield
+    registry = sys.modules.get("kernels.attention.registry")
+    if registry is not None and registry.REGISTRY.policy != (saved or registry.AttentionPolicy()):
+        registry.REGISTRY.set_policy(saved or registry.AttentionPolicy())
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Under LOCKSTEP_REQUIRE_ALL=1 no test may skip, whatever skipped it (importorskip included); a test
@@ -204,6 +216,8 @@ def stack_process(argv) -> str | None:
     """What a command line starts, if it is part of a stack: a service, Redis, SGLang, Prometheus or Ray."""
     args = [os.fspath(a) for a in ([argv] if isinstance(argv, (str, bytes, os.PathLike)) else argv)]
     args = [a.decode() if isinstance(a, bytes) else a for a in args]
+    from services.common.parent_death import wrapped_command
+    args = wrapped_command(args)  # a command started to die with its parent: what it runs
     if not args:
         return None
     program = Path(args[0]).name
