@@ -25,7 +25,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.common.parent_death import die_with_parent
+from services.common.parent_death import with_parent_death
 from services.common.ports import free_port
 from services.common.structured_logging import log_event
 
@@ -116,8 +116,8 @@ class EmbeddedRedis:
         # append-only file open, and a restarted coordinator would start a second one on the same data dir.
         # The signal follows the forking thread, so the supervisor forks from the event loop's thread.
         self._proc = subprocess.Popen(
-            [str(redis_server_binary()), "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, preexec_fn=die_with_parent(signal.SIGTERM),
+            with_parent_death([str(redis_server_binary()), "-"], signal.SIGTERM), stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         )
         assert self._proc.stdin is not None
         self._proc.stdin.write(server_config(port=self.port, data_dir=self.data_dir, password=self.password).encode())

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.parent_death import die_with_parent
+from services.common.parent_death import with_parent_death
 
 log = logging.getLogger("lockstep.ray_stack.supervisor")
 
@@ -51,8 +51,8 @@ class ServiceSupervisor:
     def _spawn(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as out:
-            proc = subprocess.Popen(self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, preexec_fn=die_with_parent(signal.SIGKILL))
+            proc = subprocess.Popen(with_parent_death(self.argv, signal.SIGKILL), env=self.env,
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         with self._lock:
             self._proc = proc
 
