@@ -35,17 +35,18 @@ class ReplayConfig(BaseModel):
         1, ge=0, description="torch CPU threads: equal to the trainer's for bitwise-equal results (0 = default).")
 
 
-async def _request(chunks) -> StepRequest:
+def recorded_request(chunks) -> StepRequest:
+    """A step record's chunks, read as the trainer reads a TrainStep stream (every wire check included)."""
     async def stream():
         for c in chunks:
             yield c
 
-    return await read_train_step(stream())
+    return asyncio.run(read_train_step(stream()))
 
 
 def replay(config: ReplayConfig) -> dict:
     meta, chunks = read_step_record(config.record)
-    request = asyncio.run(_request(chunks))
+    request = recorded_request(chunks)
     if config.checkpoint:
         version = ckpt.read_state(config.checkpoint).policy_version
         if version != meta.step - 1:

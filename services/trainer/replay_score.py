@@ -14,7 +14,6 @@ parse -> build -> run -> close, as services/trainer/replay.py.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import sys
@@ -29,8 +28,8 @@ from services.common.service_config import parse_service_config
 from services.common.step_record import read_step_record
 from services.trainer import checkpoint as ckpt
 from services.trainer.parity_gate import check_parity
+from services.trainer.replay import recorded_request
 from services.trainer.trainer import ScoredTokens, Trainer
-from services.trainer.wire import StepRequest, read_train_step
 
 # The step metrics that are the same statistics over the same tokens (services/trainer/grpo.mismatch_stats).
 RECORDED_STATS = ("iw_mean", "iw_min", "iw_max", "logprob_abs_diff_mean", "logprob_abs_diff_max")
@@ -93,21 +92,13 @@ def score_report(scored: ScoredTokens, recorded: dict[str, float], *, worst_toke
     }
 
 
-async def _request(chunks) -> StepRequest:
-    async def stream():
-        for c in chunks:
-            yield c
-
-    return await read_train_step(stream())
-
-
 def replay_score(config: ReplayScoreConfig) -> dict:
     # Every file against the manifest first: altered trajectories are refused before anything runs.
     _, record, recorded = recorded_step(Path(config.bundle), config.step)
     meta, chunks = read_step_record(record)
     if meta.step != config.step:
         raise BundleError(f"step_records/step_{config.step:06d}.pb", f"holds step {meta.step}")
-    request = asyncio.run(_request(chunks))
+    request = recorded_request(chunks)
     if config.checkpoint:
         version = ckpt.read_state(config.checkpoint).policy_version
         if version != meta.step - 1:
