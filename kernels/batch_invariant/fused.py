@@ -164,17 +164,18 @@ def _qk_norm_rope_store_unfused(qkv, n_heads, n_kv, d, q_norm, k_norm, eps, cos,
     c, s = cos[:, None], sin[:, None]
     q = (q * c) + (rotate_half(q) * s)
     k = (k * c) + (rotate_half(k) * s)
-    with _plain_index_put():
+    with unique_index_writes():
         k_pool[pages, :, slots] = k
         v_pool[pages, :, slots] = v
     return q.contiguous()
 
 
 @contextlib.contextmanager
-def _plain_index_put() -> Iterator[None]:
-    """Deterministic algorithms off around the pool write: a step's (page, slot) pairs are unique except the
-    padded rows' scratch slot, whose contents nothing reads, and the sort-based deterministic index_put_
-    would not capture in a CUDA graph."""
+def unique_index_writes() -> Iterator[None]:
+    """Deterministic algorithms off around a KV-pool write: every (page, slot) of a real token is unique
+    (padded rows all write the scratch slot, whose contents nothing reads), so the plain index_put_ kernel is
+    deterministic where it matters, and its sort-based deterministic variant would not capture in a CUDA
+    graph. The paged pool's own writes (services/rollout/kv_cache.py) use it too."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     if enabled:

@@ -24,13 +24,13 @@ anyway is refused.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernels.batch_invariant import KEY_BLOCK
+from kernels.batch_invariant.fused import unique_index_writes
 
 DECODER_ATTN_IMPLEMENTATION = "lockstep_decoder"
 PAGE_TOKENS = KEY_BLOCK
@@ -89,22 +89,6 @@ class KVStep:
         return cls(pool, pages, positions % PAGE_TOKENS, attend, decode=True)
 
 
-@contextlib.contextmanager
-def _unique_index_writes() -> Iterator[None]:
-    """Deterministic algorithms off around a pool write: every (page, slot) of a real token is unique (padded
-    rows all write the scratch page, whose contents nothing reads), so the plain index_put_ kernel is
-    deterministic where it matters, and its sort-based deterministic variant need not be graph-capturable."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    if enabled:
-        torch.use_deterministic_algorithms(False)
-    try:
-        yield
-    finally:
-        if enabled:
-            torch.use_deterministic_algorithms(True, warn_only=warn_only)
-
-
 def register_decoder_attention() -> str:
     """Register `decoder_attention_forward` with transformers' AttentionInterface (idempotent); returns its name."""
     from transformers import AttentionInterface
@@ -146,7 +130,7 @@ def decoder_attention_forward(
         if batch != 1:
             raise RuntimeError(f"{impl}: prefill is one packed [1, T] buffer, got batch {batch}")
         new_k, new_v, q = key[0].transpose(0, 1), value[0].transpose(0, 1), query[0].transpose(0, 1)  # [T, *, D]
-    with _unique_index_writes():
+    with unique_index_writes():
         k_pool[lockstep_kv.pages, :, lockstep_kv.slots] = new_k
         v_pool[lockstep_kv.pages, :, lockstep_kv.slots] = new_v
     out = lockstep_kv.attend(q.contiguous(), new_k.contiguous(), new_v.contiguous(), k_pool, v_pool, scale)
