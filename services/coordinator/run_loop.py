@@ -199,11 +199,7 @@ class RunDriver:
             result, counts = await self.trainer.replay(header)
         elif trainer_version == step - 1:
             trajectories, counts = await self._sample_and_score(step, timer)
-            header.num_trajectories = len(trajectories)
-            if self.spec.debug.record_trajectories:
-                await asyncio.to_thread(self._record_step_input, header, trajectories)
-            with timer.phase("train"):
-                result = await self.trainer.train(header, trajectories, counts)
+            result, _ = await self._train(header, trajectories, counts, timer)
         else:
             raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
         with timer.phase("weight_sync"):
@@ -252,13 +248,7 @@ class RunDriver:
                 ahead = asyncio.ensure_future(self._roll_ahead(step, busy))
             try:
                 trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
-                header.num_trajectories = len(trajectories)
-                if self.spec.debug.record_trajectories:
-                    await asyncio.to_thread(self._record_step_input, header, trajectories)
-                began = time.monotonic()
-                with timer.phase("train"):
-                    result = await self.trainer.train(header, trajectories, counts)
-                train_span = (began, time.monotonic())
+                result, train_span = await self._train(header, trajectories, counts, timer)
                 await ahead
             finally:
                 if not ahead.done():
@@ -322,13 +312,7 @@ class RunDriver:
             except ValueError as exc:
                 raise RunFailed(str(exc)) from None
             counts.update(token_staleness_metrics(step, trajectories))
-            header.num_trajectories = len(trajectories)
-            if self.spec.debug.record_trajectories:
-                await asyncio.to_thread(self._record_step_input, header, trajectories)
-            began = time.monotonic()
-            with timer.phase("train"):
-                result = await self.trainer.train(header, trajectories, counts)
-            train_span = (began, time.monotonic())
+            result, train_span = await self._train(header, trajectories, counts, timer)
             if self.spec.checkpoint.every == 0:
                 await asyncio.to_thread(self._rollouts.drop_through, step)
         else:
@@ -479,6 +463,18 @@ class RunDriver:
                   "trajectories_filtered": selection.filtered - (len(first) if kept is first else 0),
                   "trajectories_surplus": selection.surplus, "rollout_rounds": len(rounds)}
         return kept, counts
+
+    async def _train(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory], counts: dict[str, int],
+                     timer: PhaseTimer) -> tuple[pb.StepMetrics, tuple[float, float]]:
+        """Record the step's input when the run asks for it, then train it: the trainer's answer and the
+        (start, end) of the train call on the monotonic clock."""
+        header.num_trajectories = len(trajectories)
+        if self.spec.debug.record_trajectories:
+            await asyncio.to_thread(self._record_step_input, header, trajectories)
+        began = time.monotonic()
+        with timer.phase("train"):
+            result = await self.trainer.train(header, trajectories, counts)
+        return result, (began, time.monotonic())
 
     def _record_step_input(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory]) -> None:
         spec = self.spec
