@@ -1,6 +1,6 @@
 """Proof of portability without the hardware: compile every kernel for MI300 and H100/H200 here.
 
-    python -m kernels.check_targets [--skip-native] [--only-triton]
+    python -m kernels.check_targets [--skip-native] [--skip-triton] [--jobs N]
 
 Prints one JSON object and exits non-zero if anything failed:
   * every Triton kernel (kernels/logprob, kernels/batch_invariant), in the specializations the launchers use, compiled
@@ -153,12 +153,8 @@ def _batch_invariant_specs():
     return specs
 
 
-def check_triton() -> list[dict]:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    results = []
+def _all_triton_specs() -> list[tuple]:
+    """(kernel, signature, constexprs, options, label, 16-divisible args, platform) of every Triton kernel."""
     specs = []
     for fn, sig, const, num_warps, label in _triton_specs():
         # As the JIT specializes a Qwen3 call: the logits and gradient pointers 16-byte aligned and
@@ -167,31 +163,58 @@ def check_triton() -> list[dict]:
         div16 = tuple(n for n, t in sig.items()
                       if n in ("x_ptr", "g_ptr") or (t == "i32" and n not in fn.do_not_specialize))
         specs.append((fn, sig, const, {"num_warps": num_warps}, label, div16, None))
-    specs += _batch_invariant_specs()
-    for fn, sig, const, options, label, div16, platform in specs:
-        full_sig = dict(sig)
-        full_sig.update({name: "constexpr" for name in const})
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    return specs + _batch_invariant_specs()
+
+
+def _triton_work() -> list[tuple[int, tuple]]:
+    """(spec index, target) of every compile: each spec for each target its platform allows."""
+    work = []
+    for index, spec in enumerate(_all_triton_specs()):
+        platform = spec[6]
         for backend, arch, warp in TRITON_TARGETS:
-            if platform is not None and platform != {"hip": "rocm", "cuda": "cuda"}[backend]:
-                continue
-            target = GPUTarget(backend, arch, warp)
-            entry = {"kind": "triton", "kernel": fn.__name__, "spec": label, "target": f"{backend}:{arch}:w{warp}"}
-            t0 = time.perf_counter()
-            try:
-                src = ASTSource(fn, full_sig, constexprs=const, attrs=attrs)
-                compiled = triton.compile(src, target=target, options=dict(options))
-                binary = "hsaco" if backend == "hip" else "cubin"
-                blob = compiled.asm.get(binary)
-                if not blob:
-                    raise RuntimeError(f"no {binary} produced")
-                entry.update(ok=True, binary=binary, bytes=len(blob),
-                             shared=getattr(compiled.metadata, "shared", None))
-            except Exception as e:
-                entry.update(ok=False, error=f"{type(e).__name__}: {str(e)[-800:]}")
-            entry["seconds"] = round(time.perf_counter() - t0, 2)
-            results.append(entry)
-    return results
+            if platform is None or platform == {"hip": "rocm", "cuda": "cuda"}[backend]:
+                work.append((index, (backend, arch, warp)))
+    return work
+
+
+def _compile_one(index: int, target: tuple) -> dict:
+    """Compile spec `index` for `target` ahead of time; an entry of the report (ok or the error)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn, sig, const, options, label, div16, _ = _all_triton_specs()[index]
+    backend, arch, warp = target
+    full_sig = dict(sig)
+    full_sig.update({name: "constexpr" for name in const})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    entry = {"kind": "triton", "kernel": fn.__name__, "spec": label, "target": f"{backend}:{arch}:w{warp}"}
+    t0 = time.perf_counter()
+    try:
+        src = ASTSource(fn, full_sig, constexprs=const, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget(backend, arch, warp), options=dict(options))
+        binary = "hsaco" if backend == "hip" else "cubin"
+        blob = compiled.asm.get(binary)
+        if not blob:
+            raise RuntimeError(f"no {binary} produced")
+        entry.update(ok=True, binary=binary, bytes=len(blob), shared=getattr(compiled.metadata, "shared", None))
+    except Exception as e:
+        entry.update(ok=False, error=f"{type(e).__name__}: {str(e)[-800:]}")
+    entry["seconds"] = round(time.perf_counter() - t0, 2)
+    return entry
+
+
+def check_triton(jobs: int = 1) -> list[dict]:
+    """Every compile of _triton_work(), in that order; `jobs` > 1 compiles in that many spawned processes
+    (each compile is independent and single-threaded, so a 2-core host halves the wall time)."""
+    work = _triton_work()
+    if jobs <= 1:
+        return [_compile_one(index, target) for index, target in work]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_compile_one, *zip(*work)))
 
 
 def _find_nvcc() -> str | None:
@@ -260,13 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-native", action="store_true", help="only the Triton AOT compiles (CI must not use it)")
     ap.add_argument("--skip-triton", action="store_true", help="only the native compiles")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                    help="Triton compiles at once, each in its own process (default: one per CPU)")
     args = ap.parse_args(argv)
     import triton
 
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         started = [] if args.skip_native else start_native(tmp)
-        results = [] if args.skip_triton else check_triton()
+        results = [] if args.skip_triton else check_triton(args.jobs)
         results += finish_native(started, t0)
     failed = [r for r in results if r.get("ok") is False]
     report = {
