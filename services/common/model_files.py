@@ -10,6 +10,7 @@ wraps, so prompt ids and decoded text are the ones it would give.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,18 @@ def check_model_dir(path: str | Path) -> Path:
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"model_path: {p} has no config.json (not a Hugging Face model directory)")
     return p
+
+
+def layout_digest(path: str | Path) -> str:
+    """sha256 over the name and bytes of every top-level file of a model directory except its weights
+    (*.safetensors, *.bin and their shard indexes): two directories with one digest describe the same
+    architecture, tokenizer and generation settings, whatever their weights."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).iterdir()):
+        if not f.is_file() or f.name.endswith((".safetensors", ".bin", ".index.json")):
+            continue
+        h.update(f.name.encode() + b"\0" + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
 
 
 class ModelTokenizer:

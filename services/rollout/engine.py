@@ -123,6 +123,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load(self, model_path: str, policy_version: int) -> None: ...
 
+    def reload(self, config_json: str, model_path: str, policy_version: int) -> bool:
+        """Serve a new run's model with what this engine already runs, when the run's options and the model's
+        files other than its weights are the same as the loaded ones: True once it serves `model_path` at
+        `policy_version`; False, with nothing changed, when it cannot (then the caller builds and loads a
+        new engine). By default an engine never can."""
+        return False
+
     @abc.abstractmethod
     def generate(self, request: GenerationRequest) -> list[GeneratedSample]:
         """Samples in prompt order, then sample index order."""

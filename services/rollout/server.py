@@ -187,21 +187,32 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         name, options = split_engine_config(request.engine_config_json, self.config.engine)
         model_path = str(resolve_inside(request.model_path, self.config.model_roots, "model_path"))
         async with self._lock:
-            # Build and load completely before swapping: a failed load leaves
-            # the previously loaded engine serving, untouched.
-            engine = await self._in_worker(build_engine, name, options, self.config)
+            old = self.engine
             try:
-                await self._in_worker(engine.load, model_path, request.policy_version)
+                # The loaded engine takes the new run itself when nothing but the weights differ.
+                reloaded = old is not None and self.engine_name == name and await self._in_worker(
+                    old.reload, options, model_path, request.policy_version)
             except MODEL_LOAD_ERRORS as exc:
-                await self._in_worker(engine.close)
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"model_path: cannot load {request.model_path!r}: {exc}") from None
-            old, self.engine = self.engine, engine
+            if reloaded:
+                engine = old
+            else:
+                # Build and load completely before swapping: a failed load leaves
+                # the previously loaded engine serving, untouched.
+                engine = await self._in_worker(build_engine, name, options, self.config)
+                try:
+                    await self._in_worker(engine.load, model_path, request.policy_version)
+                except MODEL_LOAD_ERRORS as exc:
+                    await self._in_worker(engine.close)
+                    raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"model_path: cannot load {request.model_path!r}: {exc}") from None
+                self.engine = engine
+                if old is not None:
+                    await self._in_worker(old.close)
             self.engine_name, self.run_id = name, request.run_id
-            if old is not None:
-                await self._in_worker(old.close)
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(engine.policy_version)
-        log_event(log, "model loaded", engine=name, model_path=model_path,
+        log_event(log, "model loaded", engine=name, model_path=model_path, reloaded=reloaded,
                   run_id=request.run_id, policy_version=engine.policy_version)
         return pb.LoadModelResponse(info=self._info())
 

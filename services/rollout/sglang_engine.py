@@ -54,7 +54,7 @@ import torch
 from contract.command_line import check_arg_value, render_spec_options
 from contract.engine_options import SGLangEngineConfig
 from proto import lockstep_pb2 as pb
-from services.common.model_files import check_model_dir
+from services.common.model_files import check_model_dir, layout_digest
 from services.common.rendezvous_store import BlockingStore
 from services.common.weight_broadcast import TensorSpec
 from services.common.weight_stream import LoraAdapterMeta
@@ -127,6 +127,7 @@ class SGLangEngine(Engine):
         self._weights_path = ""  # the directory the server's current weights came from
         self._lora: tuple[str, str] | None = None  # (name, directory) of the adapter served with the base
         self._specs: dict = {}
+        self._layout = ""  # layout_digest of the loaded model directory
         self._tied = False
         self._eos: set[int] = set()
         self._vocab = 0
@@ -150,6 +151,7 @@ class SGLangEngine(Engine):
     def load(self, model_path: str, policy_version: int) -> None:
         path = check_model_dir(model_path)
         self._specs = checkpoint_specs(path)
+        self._layout = layout_digest(path)
         self._tied = tied_embeddings(path)
         self._eos = eos_token_ids(path)
         hf = json.loads((path / "config.json").read_text())
@@ -186,6 +188,28 @@ class SGLangEngine(Engine):
         self._version = policy_version
         self._check_version(self._client)
         log.info("sglang engine loaded %s at version %d (%s)", path, policy_version, self.url)
+
+    def reload(self, config_json: str, model_path: str, policy_version: int) -> bool:
+        """A new run on the server this engine launched, instead of a new server: when the run's options equal
+        this engine's and the model directory differs from the served one only in its weights (same files
+        otherwise, same tensors), the server's command line would be the same, so its start (tens of seconds
+        on a CPU, minutes for a large model on a GPU) is saved. The weights come from disk as a synced
+        version's do (SGLang flushes its prefix cache with them) and any adapter is dropped."""
+        if self.host.url or self._server is None or self._restart is not None or self._unavailable:
+            return False
+        try:
+            config = SGLangEngineConfig.from_json(config_json)
+        except ValueError:
+            return False  # building the new engine reports it, naming the field
+        path = check_model_dir(model_path)
+        if (config != self.config or layout_digest(path) != self._layout
+                or checkpoint_specs(path) != self._specs):
+            return False
+        check_arg_value(str(path), "model_path")  # a restart may launch with it
+        self.update_weights_from_path(str(path), policy_version)
+        self._model_path = str(path)
+        log.info("sglang engine reloaded %s at version %d on its running server (%s)", path, policy_version, self.url)
+        return True
 
     def _new_server(self) -> SGLangServer:
         host = self.host

@@ -14,6 +14,7 @@ user's machine without it, failed under LOCKSTEP_REQUIRE_ALL=1.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -159,6 +160,34 @@ def test_update_weights_from_disk_changes_logprobs_to_the_new_weights(engine):
     print(f"\nafter update: mean |dlogp| vs new weights {now.mean():.3e}, vs old weights {before.mean():.3e}")
     assert now.mean().item() <= TOL
     assert before.mean().item() > 100 * TOL
+
+
+def test_a_new_run_with_the_same_options_and_layout_reuses_the_running_server(engine, model_dir, tmp_path):
+    """reload(): another model directory that differs only in its weights is served by the same server
+    process (no start), at the version given, and generation follows its weights; other options or
+    another layout (here a generation_config of its own) leave everything as it was."""
+    from services.common.tiny_model import TinyQwen3Config, build_model_dir
+
+    pid, v, served = engine.server_pid, engine.policy_version, engine.weights_path
+    options = engine.config.model_dump_json()
+    other = build_model_dir(tmp_path / "other", TinyQwen3Config(initializer_range=0.2), seed=11)
+    changed = tmp_path / "changed"
+    shutil.copytree(other, changed)
+    (changed / "generation_config.json").write_text('{"eos_token_id": [2, 5]}')
+
+    assert not engine.reload(engine.config.model_copy(update={"request_timeout_s": 7.0}).model_dump_json(),
+                             str(other), v + 1)
+    assert not engine.reload(options, str(changed), v + 1)
+    assert (engine.server_pid, engine.policy_version, engine.weights_path) == (pid, v, served)
+
+    assert engine.reload(options, str(other), v + 1)
+    assert (engine.server_pid, engine.policy_version, engine.model_path) == (pid, v + 1, str(other))
+    req = make_request(n=4)
+    samples = engine.generate(req)
+    now, before = gaps(str(other), req, samples, 0.7), gaps(served, req, samples, 0.7)
+    assert now.mean().item() <= TOL and before.mean().item() > 100 * TOL, (now.mean(), before.mean())
+    assert engine.reload(options, str(model_dir), v + 2)  # the session's model again, for the other tests
+    assert engine.server_pid == pid and engine.weights_path == str(model_dir)
 
 
 def test_server_killed_mid_batch_raises_unavailable_then_recovers_with_current_weights(engine):

@@ -5,7 +5,8 @@ service); the rollout service launches its SGLang server from the SGLang
 virtualenv. The runs share the stack: a clean 3-step run whose run-chosen
 server values sit at the edge of the command-line grammar, one whose weights
 are broadcast over a gloo group into the SGLang server, and one whose SGLang
-server is SIGKILLed while a Generate is in flight. A spec that would put its
+server is SIGKILLed while a Generate is in flight; a multi-turn run then reuses
+the server the previous run with the same options left. A spec that would put its
 own flags on the server's command line is refused before any process starts.
 """
 from __future__ import annotations
@@ -61,7 +62,7 @@ def client(stack):
     c.close()
 
 
-KILL_STEPS = 8
+KILL_STEPS = 4
 
 
 def spec(model_dir: Path, name: str, max_new_tokens: int = 4, steps: int = STEPS, server: dict | None = None) -> dict:
@@ -290,6 +291,10 @@ def test_a_spec_that_brings_its_own_server_flags_is_refused_before_anything_runs
 def test_a_multi_turn_run_goes_through_the_sglang_server(client, model_dir, stack):
     # number_guess needs several turns of feedback: each turn is one /generate of the episodes' contexts as
     # input_ids, and the trajectories keep the sampled tokens with the observations masked out of the loss.
+    try:  # the server an earlier run with the same options left (none when this test runs alone)
+        left = sglang_server_of(stack.rollouts[0].proc.pid)[0]
+    except LookupError:
+        left = None
     body = spec(model_dir, "sglang-episodes", max_new_tokens=6, steps=1)
     body["task"] = {"name": "number_guess", "options": {"heldout_size": 4, "episode": {
         "max_turns": 3, "max_episode_tokens": 96, "step_timeout_s": 10.0}}}
@@ -303,3 +308,5 @@ def test_a_multi_turn_run_goes_through_the_sglang_server(client, model_dir, stac
     assert m["episode_turns_max"] == 3 and 0 < m["episode_model_token_fraction"] < 1
     # Trainer and SGLang hold the same weights: over the model's tokens the log-probs agree to rounding.
     assert abs(m["iw_mean"] - 1) <= 1e-4 and m["logprob_abs_diff_max"] <= 1e-4, m
+    # Same options, same model: the run was served by that server, not by a new one.
+    assert left is None or sglang_server_of(stack.rollouts[0].proc.pid)[0] == left
