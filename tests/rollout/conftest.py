@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,30 +33,84 @@ def decoder_model_dir(tmp_path_factory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny"), TINY, seed=3)
 
 
-@pytest.fixture(scope="session")
-def sglang_model_dir(tmp_path_factory) -> Path:
-    # initializer_range 0.2: far from uniform distributions, so a wrong
-    # temperature or position moves log-probs by much more than the SGLang tests' TOL.
-    return build_model_dir(tmp_path_factory.mktemp("tiny_qwen3"), TinyQwen3Config(initializer_range=0.2), seed=0)
+class SessionSGLang:
+    """The session's SGLang server, started in a thread of its own: a start is tens of seconds of work
+    in the server's own processes, so the suite starts it as soon as collection ends (when a selected
+    test uses it) and goes on with other tests meanwhile; the first test that needs it waits for it."""
+
+    def __init__(self) -> None:
+        from services.rollout.sglang_engine import SGLangEngine
+
+        self._root = tempfile.TemporaryDirectory(prefix="sglang-session-")
+        root = Path(self._root.name)
+        # initializer_range 0.2: far from uniform distributions, so a wrong
+        # temperature or position moves log-probs by much more than the SGLang tests' TOL.
+        self.model_dir = build_model_dir(root / "tiny_qwen3", TinyQwen3Config(initializer_range=0.2), seed=0)
+        self.engine = SGLangEngine(SGLangEngineConfig(platform="cpu"), SGLangHostConfig(weights_dir=str(root / "sglang")))
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._load, name="session-sglang-start", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        started = time.monotonic()
+        try:
+            self.engine.load(str(self.model_dir), policy_version=0)
+        except BaseException as exc:  # re-raised in the test that asks for the engine
+            self._error = exc
+        self.seconds = time.monotonic() - started
+
+    def ready(self):
+        """The loaded engine, once its server is healthy; the start's error otherwise."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self.engine
+
+    def close(self) -> None:
+        self._thread.join()
+        pid = self.engine.server_pid
+        self.engine.close()
+        self._root.cleanup()
+        if pid is not None:
+            with pytest.raises(ProcessLookupError):  # close() returns once the server is gone and reaped
+                os.kill(pid, 0)
+
+
+SESSION_SGLANG = pytest.StashKey[SessionSGLang]()
+
+
+def _session_sglang(session: pytest.Session) -> SessionSGLang:
+    python = default_python()
+    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
+    if SESSION_SGLANG not in session.stash:
+        session.stash[SESSION_SGLANG] = SessionSGLang()
+    return session.stash[SESSION_SGLANG]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly or not Path(default_python()).is_file():
+        return
+    if any("sglang_engine" in getattr(item, "fixturenames", ()) for item in session.items):
+        _session_sglang(session)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    started = session.stash.get(SESSION_SGLANG, None)
+    if started is not None:
+        started.close()
 
 
 @pytest.fixture(scope="session")
-def sglang_engine(sglang_model_dir, tmp_path_factory):
+def sglang_model_dir(request) -> Path:
+    return _session_sglang(request.session).model_dir
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(request):
     """One real SGLang server (CPU, float32) for every module that drives the engine directly
     (test_sglang_engine.py and the modules importing its fixtures): a server start is most of what
     such a module costs. Its tests read the weights and version they find and leave it serving."""
-    python = default_python()
-    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
-    from services.rollout.sglang_engine import SGLangEngine
-
-    eng = SGLangEngine(SGLangEngineConfig(platform="cpu"),
-                       SGLangHostConfig(weights_dir=str(tmp_path_factory.mktemp("sglang"))))
-    started = time.monotonic()
-    eng.load(str(sglang_model_dir), policy_version=0)
-    print(f"\nsglang server healthy after {time.monotonic() - started:.1f}s (pid {eng.server_pid})")
-    yield eng
-    pid = eng.server_pid
-    eng.close()
-    if pid is not None:
-        with pytest.raises(ProcessLookupError):  # close() returns once the server is gone and reaped
-            os.kill(pid, 0)
+    started = _session_sglang(request.session)
+    eng = started.ready()
+    print(f"\nsglang server healthy after {started.seconds:.1f}s of its start (pid {eng.server_pid})")
+    return eng
