@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 
 # Long samples (the tiny model's vocabulary is 100 wide, so a sample rarely stops early): the call is still
 # decoding when the pause reaches the server, which happens within a few of its decode steps.
-PROMPTS = tuple(PromptSpec(f"q{i}", (1, 30 + i, 31 + i), seed=100 * i) for i in range(4))
-SAMPLING = SamplingConfig(temperature=0.8, max_new_tokens=120, stop_token_ids=(EOS,))
+PROMPTS = tuple(PromptSpec(f"q{i}", (1, 30 + i, 31 + i), seed=100 * i) for i in range(2))
+SAMPLING = SamplingConfig(temperature=0.8, max_new_tokens=64, stop_token_ids=(EOS,))
 
 
 def generate_paused(engine) -> list:  # noqa: F811
@@ -45,8 +45,13 @@ def generate_paused(engine) -> list:  # noqa: F811
 def test_a_paused_generate_continues_under_new_weights_with_exact_per_token_versions(engine):  # noqa: F811
     assert engine.request_pause() is False  # nothing in flight: nothing to pause
     old_dir, v = engine.weights_path, engine.policy_version
-    first = generate_paused(engine)
-    paused = [s for s in first if s.finish_reason == "paused" and s.token_ids]
+    # A pause that reaches the server before the first token (or after the last) leaves nothing to continue;
+    # the coordinator then starts those samples again, and so does this test.
+    for _ in range(5):
+        first = generate_paused(engine)
+        paused = [s for s in first if s.finish_reason == "paused" and s.token_ids]
+        if paused:
+            break
     assert paused, [(s.finish_reason, len(s.token_ids)) for s in first]
     for s in first:
         assert s.policy_versions == [v] * len(s.token_ids)

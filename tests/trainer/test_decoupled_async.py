@@ -15,7 +15,6 @@ that each alternative gives a loss far outside its tolerance.
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
