@@ -328,8 +328,10 @@ class SGLangEngine(Engine):
         self._pause_asked.set()
         client = self._client_for(self.url)
         try:
-            client.pause_generation("abort")
-            client.continue_generation()
+            try:
+                client.pause_generation("abort")
+            finally:  # a server left paused would hold every later call
+                client.continue_generation()
         except SGLangConnectionError:
             return False  # the server is gone: the call in flight fails and the engine restarts it
         finally:
