@@ -69,6 +69,7 @@ from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, 
 from services.rollout.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter
 from services.rollout.sglang_client import (
     SGLangClient,
+    check_request,
     SGLangConnectionError,
     SGLangRequestError,
     generate_body,
@@ -263,36 +264,7 @@ class SGLangEngine(Engine):
 
     def validate_request(self, request: GenerationRequest) -> None:
         """Checks against the loaded model; ValueError names the field."""
-        request.sampling.validate()
-        if request.samples_per_prompt < 1:
-            raise ValueError(f"samples_per_prompt: must be >= 1, got {request.samples_per_prompt}")
-        if not request.prompts:
-            raise ValueError("prompts: empty")
-        for i, p in enumerate(request.prompts):
-            if not p.token_ids:
-                raise ValueError(f"prompts[{i}].token_ids: empty")
-            bad = [t for t in p.token_ids if not 0 <= t < self._vocab]
-            if bad:
-                raise ValueError(f"prompts[{i}].token_ids: id {bad[0]} outside the vocabulary [0, {self._vocab})")
-            if self._max_len is not None and len(p.token_ids) + request.sampling.max_new_tokens > self._max_len:
-                raise ValueError(
-                    f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
-                    f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={self._max_len}"
-                )
-        for i, r in enumerate(request.resumed):
-            bad = [t for t in r.token_ids if not 0 <= t < self._vocab]
-            if bad:
-                raise ValueError(f"resumed[{i}].response_token_ids: id {bad[0]} outside the vocabulary [0, {self._vocab})")
-        # SGLang stops on the model's eos ids by itself and has no switch for
-        # that alone (ignore_eos also disables stop_token_ids). A request that
-        # leaves them out would get shorter samples than the torch engine
-        # gives: refuse it rather than differ silently.
-        missing = sorted(self._eos - set(request.sampling.stop_token_ids))
-        if missing:
-            raise ValueError(
-                f"sampling.stop_token_ids: the sglang engine always stops at the model's eos ids {sorted(self._eos)}; "
-                f"include {missing}"
-            )
+        check_request(request, vocab=self._vocab, max_len=self._max_len, eos=self._eos)
 
     def generate(self, request: GenerationRequest) -> list[GeneratedSample]:
         if self._unavailable:

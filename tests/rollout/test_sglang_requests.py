@@ -20,6 +20,7 @@ from services.common.platform import Platform, SGLangPlatformConfig, sglang_laun
 from services.rollout.engine import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 from services.rollout.sglang_client import (
     SGLangRequestError,
+    check_request,
     continuation_seed,
     generate_body,
     init_weights_update_group_body,
@@ -174,6 +175,14 @@ def test_a_resumed_sample_is_sent_with_its_tokens_and_continued_from_them():
     outs = [_out([4], [-1.0]), _out([2], [-0.5], finish="stop"), _out([3], [-2.0]), _out([2], [-0.1], finish="stop")]
     s = parse_generate_response(req, outs, "3")[3]
     assert (s.token_ids, s.logprobs, s.policy_versions) == ([9, 10, 2], [-0.5, -0.25, -0.1], [1, 2, 3])
+
+
+def test_a_resumed_sample_with_a_token_outside_the_vocabulary_is_refused():
+    req = GenerationRequest(prompts=REQ.prompts, sampling=REQ.sampling, samples_per_prompt=2, resumed=(
+        ResumedSample("a/0", (9, 64), (-0.5, -0.5), (1, 1)),))
+    with pytest.raises(ValueError, match=r"resumed\[0\].response_token_ids: id 64 outside the vocabulary \[0, 64\)"):
+        check_request(req, vocab=64, max_len=None, eos={2})
+    check_request(req, vocab=65, max_len=None, eos={2})
 
 
 @pytest.mark.parametrize("resumed, field", [
