@@ -52,15 +52,28 @@ def overlap_seconds(a: tuple[float, float], b: tuple[float, float]) -> float:
 
 @dataclass
 class BusyIntervals:
-    """When the replicas were generating during one step (monotonic clock), for the overlap metric."""
+    """When the replicas were generating (monotonic clock), for the overlap metric. A call still in flight
+    counts as busy up to the end of whatever window is asked about: a streamed rollout may still be running
+    when the step it overlapped is recorded (it is paused only at the next sync)."""
 
     spans: list[tuple[float, float]] = field(default_factory=list)
+    in_flight: list[float] = field(default_factory=list)  # start times of calls not returned yet
+
+    def begin(self, start: float) -> None:
+        self.in_flight.append(start)
 
     def add(self, start: float, end: float) -> None:
+        if start in self.in_flight:
+            self.in_flight.remove(start)
         self.spans.append((start, end))
+
+    def forget_before(self, t: float) -> None:
+        """Drop the spans that ended before `t` (no window from `t` on can overlap them)."""
+        self.spans = [s for s in self.spans if s[1] > t]
 
     def busy_seconds(self) -> float:
         return sum(end - start for start, end in self.spans)
 
     def overlap_with(self, span: tuple[float, float]) -> float:
-        return sum(overlap_seconds(s, span) for s in self.spans)
+        return (sum(overlap_seconds(s, span) for s in self.spans)
+                + sum(overlap_seconds((start, span[1]), span) for start in self.in_flight))

@@ -133,13 +133,14 @@ class RunDriver:
         self._replicas_at = 0  # fixed_lag: the version every live replica holds
         self.streaming = spec.async_.mode == "streaming" and self.max_staleness > 0
         self._gate = GenerationGate(self._pause_replicas)
-        self._busy = BusyIntervals()  # streaming: when the replicas generated during the current step
+        self._busy = BusyIntervals()  # streaming: when the replicas generated (this step's window and later)
         self._stream = StreamGenerator(
             self.fleet, self._gate, self._rollouts, last_step=spec.steps,
             problems_of=lambda t: step_problems(self.task.split("train"), seed=spec.seed, step=t,
                                                 count=spec.rollout.prompts_per_step),
             plan_of=self._training_plan, encode=self._encode, score=self._score_streamed,
-            version=lambda: self._replicas_at, on_busy=lambda a, b: self._busy.add(a, b))
+            version=lambda: self._replicas_at,
+            on_busy=lambda a, b: self._busy.begin(a) if b is None else self._busy.add(a, b))
         self._prompt_ids: dict[str, list[int]] = {}
         self.evaluator = Evaluator(spec, self.task, build_eval_sets(spec, self.task), self._eval_rollout,
                                    self._decode, self._stop_ids())
@@ -291,7 +292,7 @@ class RunDriver:
         elif trainer_version == step - 1:
             with timer.phase("weight_sync"):
                 await self._sync_streaming(step - 1)
-            self._busy = BusyIntervals()
+            self._busy.forget_before(began_step)
             self._stream.start(step)
             await self._stream.advance(step + self.max_staleness)
             with timer.phase("rollout"):  # waiting for it: zero once the replicas run ahead
@@ -330,7 +331,7 @@ class RunDriver:
                 await self.trainer.checkpoint(step)
             await asyncio.to_thread(self._rollouts.drop_through, step)
         timings = timer.finish()
-        if self._busy.spans:  # seconds the replicas generated within this step, as in fixed_lag
+        if self._busy.spans or self._busy.in_flight:  # seconds the replicas generated within this step
             timings["rollout"] = self._busy.overlap_with((began_step, time.monotonic()))
         timings["overlap"] = self._busy.overlap_with(train_span) if train_span else 0.0
         await self._record(step, metrics, timings, counts, report)

@@ -225,7 +225,7 @@ class AsyncSpec(_Strict):
         "while a step trains. 'streaming': the replicas generate continuously, a weight update pauses the "
         "sequences in flight at a token boundary and continues them under the new weights, and a trajectory "
         "trains step s only if every token's version is >= s-1-K (others are dropped and counted). Streaming "
-        "needs rollout.engine 'torch' and refuses dynamic sampling; it is not bitwise reproducible (which "
+        "runs with either engine and refuses dynamic sampling; it is not bitwise reproducible (which "
         "version makes a token depends on timing).")
 
 
@@ -383,10 +383,6 @@ class RunSpec(_Strict):
                               f"{self.async_.max_staleness} (off-policy rollouts): set it to 'truncate' or 'mask' "
                               "(decoupled PPO with TIS/MIS weights) or use trainer.policy_loss.kind 'm2po'")
         if self.async_.mode == "streaming":
-            if self.rollout.engine != "torch":
-                raise field_error("async.mode", f"'streaming' needs rollout.engine 'torch' (the engine whose "
-                                  f"in-flight sequences pause and resume); {self.rollout.engine!r} cannot: use "
-                                  "'fixed_lag'")
             if self.rollout.dynamic_sampling.enabled:
                 raise field_error("async.mode", "'streaming' makes one rollout round per step; it cannot be "
                                   "combined with rollout.dynamic_sampling.enabled (use 'fixed_lag')")

@@ -74,11 +74,12 @@ ScoreRollout = Callable[[int, list[tuple[int, pb.Sample]], int], Awaitable[tuple
 class StreamGenerator:
     """The background task of a streaming run. `problems_of(step)` gives a step's prompts, `plan_of(step)`
     its sampling plan, `score(step, samples, lost)` its trajectories and counts; `version()` the version
-    the replicas hold (read only inside the gate, where it cannot change)."""
+    the replicas hold (read only inside the gate, where it cannot change); `on_busy(start, None)` when a
+    Generate round begins and `on_busy(start, end)` when it returned."""
 
     def __init__(self, fleet: RolloutFleet, gate: GenerationGate, kept: KeptRollouts, *, last_step: int,
                  problems_of, plan_of, encode, score: ScoreRollout, version: Callable[[], int],
-                 on_busy: Callable[[float, float], None]) -> None:
+                 on_busy: Callable[[float, float | None], None]) -> None:
         self.fleet, self.gate, self.kept, self.last_step = fleet, gate, kept, last_step
         self.problems_of, self.plan_of, self.encode, self.score = problems_of, plan_of, encode, score
         self.version, self.on_busy = version, on_busy
@@ -142,10 +143,13 @@ class StreamGenerator:
         while pending:
             async with self.gate.generating():
                 began = asyncio.get_running_loop().time()
-                got, _ = await self.fleet.generate(
-                    [problems[i] for i in pending], plan, self.encode, step=step, policy_version=self.version(),
-                    indices=pending, resumed=[s for s in paused.values() if index_of[s.group_id] in pending])
-                self.on_busy(began, asyncio.get_running_loop().time())
+                self.on_busy(began, None)
+                try:
+                    got, _ = await self.fleet.generate(
+                        [problems[i] for i in pending], plan, self.encode, step=step, policy_version=self.version(),
+                        indices=pending, resumed=[s for s in paused.values() if index_of[s.group_id] in pending])
+                finally:
+                    self.on_busy(began, asyncio.get_running_loop().time())
             answered = {pending[i] for i, _ in got}
             lost += (len(pending) - len(answered)) * spp  # a replica that never answered: dropped, as in sync
             merge_round(done, paused, [s for _, s in got])

@@ -180,7 +180,8 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         # Not under the lock: the Generate it stops holds it until it returns.
         engine = self._loaded()
         self._check_run(request.run_id, "PauseGeneration")
-        return pb.PauseGenerationResponse(paused=engine.request_pause())
+        # In a thread: an engine's pause may wait on its server (SGLang's waits for the aborted requests).
+        return pb.PauseGenerationResponse(paused=await asyncio.to_thread(engine.request_pause))
 
     @rpc_handler(ERRORS, "LoadModel")
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.LoadModelResponse:

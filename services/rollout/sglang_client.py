@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import httpx
 
-from services.rollout.engine import GeneratedSample, GenerationRequest, SamplingConfig
+from services.rollout.engine import GeneratedSample, GenerationRequest, ResumedSample, SamplingConfig
 
 
 class SGLangConnectionError(RuntimeError):
@@ -69,17 +69,68 @@ def sampling_params(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
     return params
 
 
+def check_request(request: GenerationRequest, *, vocab: int, max_len: int | None, eos: set[int]) -> None:
+    """What the SGLang engine can serve exactly, checked against its model (`vocab` ids, `max_len`
+    positions, `eos` ids); ValueError names the field."""
+    request.sampling.validate()
+    if request.samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt: must be >= 1, got {request.samples_per_prompt}")
+    if not request.prompts:
+        raise ValueError("prompts: empty")
+    for i, p in enumerate(request.prompts):
+        if not p.token_ids:
+            raise ValueError(f"prompts[{i}].token_ids: empty")
+        bad = [t for t in p.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompts[{i}].token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
+        if max_len is not None and len(p.token_ids) + request.sampling.max_new_tokens > max_len:
+            raise ValueError(
+                f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
+                f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={max_len}"
+            )
+    for i, r in enumerate(request.resumed):
+        bad = [t for t in r.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"resumed[{i}].response_token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
+    # SGLang stops on the model's eos ids by itself and has no switch for
+    # that alone (ignore_eos also disables stop_token_ids). A request that
+    # leaves them out would get shorter samples than the torch engine
+    # gives: refuse it rather than differ silently.
+    missing = sorted(eos - set(request.sampling.stop_token_ids))
+    if missing:
+        raise ValueError(
+            f"sampling.stop_token_ids: the sglang engine always stops at the model's eos ids {sorted(eos)}; "
+            f"include {missing}"
+        )
+
+
+def continuation_seed(seed: int, resumed_tokens: int) -> int:
+    """The seed of a paused sample's continuation: not its first request's, whose stream would otherwise
+    restart at the continuation's first token and repeat the draws the sample already used."""
+    return seed if resumed_tokens == 0 else (seed * 1_000_003 + resumed_tokens) % 2**63
+
+
 def generate_body(request: GenerationRequest, lora_name: str | None = None) -> dict[str, Any]:
     """One batched /generate body: sample i of prompt p is its own entry, seeded p.seed + i.
 
+    A sample listed in `request.resumed` (paused earlier, see `parse_generate_response`) is continued: its
+    entry is the prompt followed by the tokens it has, with the new-token budget they leave. SGLang prefills
+    that whole context under the weights it holds now, so every continued token is sampled from the current
+    version conditioned on K/V of that version, as the trainer scores it.
+
     `lora_name`: every sample is served through that loaded adapter (GenerateReqInput.lora_path takes
     the name /load_lora_adapter registered)."""
+    resumed = resumed_by_id(request)
     input_ids: list[list[int]] = []
     params: list[dict[str, Any]] = []
     for prompt in request.prompts:
         for i in range(request.samples_per_prompt):
-            input_ids.append(list(prompt.token_ids))
-            params.append(sampling_params(request.sampling, prompt.seed + i))
+            prefix = resumed.get(f"{prompt.group_id}/{i}")
+            have = list(prefix.token_ids) if prefix else []
+            input_ids.append(list(prompt.token_ids) + have)
+            p = sampling_params(request.sampling, continuation_seed(prompt.seed + i, len(have)))
+            p["max_new_tokens"] = request.sampling.max_new_tokens - len(have)
+            params.append(p)
     body: dict[str, Any] = {
         "input_ids": input_ids,
         "sampling_params": params,
@@ -95,14 +146,40 @@ def generate_body(request: GenerationRequest, lora_name: str | None = None) -> d
     return body
 
 
+def resumed_by_id(request: GenerationRequest) -> dict[str, ResumedSample]:
+    """The request's paused samples by sample id; ValueError naming the field for one it cannot continue."""
+    known = {f"{p.group_id}/{i}" for p in request.prompts for i in range(request.samples_per_prompt)}
+    out: dict[str, ResumedSample] = {}
+    for k, r in enumerate(request.resumed):
+        if r.sample_id not in known or r.sample_id in out:
+            raise ValueError(f"resumed[{k}].sample_id: {r.sample_id!r} is not a sample of this request, or is twice")
+        if not 0 < len(r.token_ids) < request.sampling.max_new_tokens:
+            raise ValueError(f"resumed[{k}].response_token_ids: {len(r.token_ids)} tokens; a paused sample has "
+                             f"1 to sampling.max_new_tokens - 1 = {request.sampling.max_new_tokens - 1}")
+        if not len(r.logprobs) == len(r.policy_versions) == len(r.token_ids):
+            raise ValueError(f"resumed[{k}]: {len(r.token_ids)} tokens, {len(r.logprobs)} log-probs, "
+                             f"{len(r.policy_versions)} policy versions")
+        out[r.sample_id] = r
+    return out
+
+
 def parse_generate_response(
-    request: GenerationRequest, outputs: Any, expected_weight_version: str
+    request: GenerationRequest, outputs: Any, expected_weight_version: str, *, pause_asked: bool = False
 ) -> list[GeneratedSample]:
     """Samples in prompt order, then sample index; every one checked against the contract.
 
-    A sample produced under another weight_version than the engine's policy
-    version is an error (the server holds weights the run does not expect).
+    Every token must come from the engine's policy version: SGLang lists the weight versions a request's
+    tokens were generated under (meta_info.weight_versions: spans of output positions, recorded by its
+    scheduler when a weight update lands on a live request); a span, or a final weight_version, of another
+    version is an error. Per-token versions are therefore exact: a continued sample's earlier tokens keep
+    the versions they were reported with, and every token of this call is of this version.
+
+    `pause_asked`: the engine aborted this call's requests to pause them (request_pause). A sample that
+    SGLang returns aborted then comes back with finish_reason 'paused' and its tokens so far; without a
+    pause, an abort is an error like any other finish reason.
     """
+    resumed = resumed_by_id(request)
+    version = int(expected_weight_version)
     seqs = [(p, i) for p in request.prompts for i in range(request.samples_per_prompt)]
     if isinstance(outputs, dict):
         outputs = [outputs]
@@ -112,11 +189,13 @@ def parse_generate_response(
     samples = []
     for (prompt, index), out in zip(seqs, outputs, strict=True):
         meta = out.get("meta_info") or {}
-        version = meta.get("weight_version")
-        if version != expected_weight_version:
+        spans = meta.get("weight_versions") or []
+        other = [v for v in [meta.get("weight_version"), *(s.get("version") for s in spans)]
+                 if v != expected_weight_version]
+        if other:
             raise SGLangRequestError(
                 "/generate", 200,
-                f"sample {prompt.group_id}/{index} was generated with weight_version {version!r}, "
+                f"sample {prompt.group_id}/{index} was generated with weight_version {other[0]!r}, "
                 f"the engine holds policy version {expected_weight_version!r}",
             )
         token_ids = [int(t) for t in out.get("output_ids", [])]
@@ -129,17 +208,21 @@ def parse_generate_response(
                 f"do not match output_ids {token_ids[:8]}...",
             )
         finish = (meta.get("finish_reason") or {}).get("type")
-        if finish not in ("stop", "length"):
+        if finish == "abort" and pause_asked:
+            finish = "paused"
+        if finish not in ("stop", "length", "paused"):
             raise SGLangRequestError(
                 "/generate", 200, f"sample {prompt.group_id}/{index}: finish_reason {meta.get('finish_reason')!r}"
             )
+        earlier = resumed.get(f"{prompt.group_id}/{index}")
         samples.append(
             GeneratedSample(
                 group_id=prompt.group_id,
                 index=index,
-                token_ids=token_ids,
-                logprobs=[float(t[0]) for t in triples],
+                token_ids=(list(earlier.token_ids) if earlier else []) + token_ids,
+                logprobs=(list(earlier.logprobs) if earlier else []) + [float(t[0]) for t in triples],
                 finish_reason=finish,
+                policy_versions=(list(earlier.policy_versions) if earlier else []) + [version] * len(token_ids),
             )
         )
     return samples

@@ -6,6 +6,12 @@
   seed; per-token log-probs come from meta_info.output_token_logprobs and are
   those of the temperature-scaled distribution (sglang_client.py says where).
   Every sample's weight_version is checked against the policy version.
+- request_pause (async.mode streaming): /pause_generation in "abort" mode, then
+  /continue_generation; the aborted /generate returns each unfinished sample
+  with its tokens so far as 'paused', and a later generate continues it with
+  prompt + those tokens as input (sglang_client.generate_body). Every /generate
+  runs under one weight version (checked per token span), so each token's
+  version is the version of the call that made it.
 - update_weights: the tensors are verified against the checkpoint, written as a
   Hugging Face directory under `weights_dir`, then loaded with
   /update_weights_from_disk between /pause_generation and /continue_generation.
@@ -63,6 +69,7 @@ from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, 
 from services.rollout.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter
 from services.rollout.sglang_client import (
     SGLangClient,
+    check_request,
     SGLangConnectionError,
     SGLangRequestError,
     generate_body,
@@ -96,6 +103,7 @@ _PORT_HOLDERS: "weakref.WeakValueDictionary[tuple[str, int], SGLangEngine]" = we
 class SGLangEngine(Engine):
     name = "sglang"
     supports_episodes = True  # each turn is one /generate of the episodes' contexts as input_ids
+    supports_resume = True  # paused by aborting the call's requests; continued from their tokens
 
     def __init__(self, config: SGLangEngineConfig | None = None, host: SGLangHostConfig | None = None):
         self.config = config or SGLangEngineConfig()
@@ -132,6 +140,8 @@ class SGLangEngine(Engine):
         self._eos: set[int] = set()
         self._vocab = 0
         self._max_len: int | None = None
+        self._generating = threading.Event()  # a generate() call is in flight (read by request_pause)
+        self._pause_asked = threading.Event()  # request_pause aborted that call's requests
         self._dir = Path(self.host.weights_dir) / f"engine-{uuid.uuid4().hex[:12]}"
         # A restarted server loads a synced version from under this directory with --model-path=<it>.
         check_arg_value(str(self._dir), "sglang_weights_dir")
@@ -278,32 +288,7 @@ class SGLangEngine(Engine):
 
     def validate_request(self, request: GenerationRequest) -> None:
         """Checks against the loaded model; ValueError names the field."""
-        request.sampling.validate()
-        if request.samples_per_prompt < 1:
-            raise ValueError(f"samples_per_prompt: must be >= 1, got {request.samples_per_prompt}")
-        if not request.prompts:
-            raise ValueError("prompts: empty")
-        for i, p in enumerate(request.prompts):
-            if not p.token_ids:
-                raise ValueError(f"prompts[{i}].token_ids: empty")
-            bad = [t for t in p.token_ids if not 0 <= t < self._vocab]
-            if bad:
-                raise ValueError(f"prompts[{i}].token_ids: id {bad[0]} outside the vocabulary [0, {self._vocab})")
-            if self._max_len is not None and len(p.token_ids) + request.sampling.max_new_tokens > self._max_len:
-                raise ValueError(
-                    f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
-                    f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={self._max_len}"
-                )
-        # SGLang stops on the model's eos ids by itself and has no switch for
-        # that alone (ignore_eos also disables stop_token_ids). A request that
-        # leaves them out would get shorter samples than the torch engine
-        # gives: refuse it rather than differ silently.
-        missing = sorted(self._eos - set(request.sampling.stop_token_ids))
-        if missing:
-            raise ValueError(
-                f"sampling.stop_token_ids: the sglang engine always stops at the model's eos ids {sorted(self._eos)}; "
-                f"include {missing}"
-            )
+        check_request(request, vocab=self._vocab, max_len=self._max_len, eos=self._eos)
 
     def generate(self, request: GenerationRequest) -> list[GeneratedSample]:
         if self._unavailable:
@@ -313,8 +298,11 @@ class SGLangEngine(Engine):
         self.validate_request(request)
         client = self._ready_client()
         n = len(request.prompts) * request.samples_per_prompt
+        body = generate_body(request, self._lora[0] if self._lora else None)
+        self._pause_asked.clear()
+        self._generating.set()
         try:
-            out = client.generate(generate_body(request, self._lora[0] if self._lora else None))
+            out = client.generate(body)
         except SGLangConnectionError as exc:
             self._lost(exc, f"{n} samples lost")
         except SGLangRequestError as exc:
@@ -323,7 +311,28 @@ class SGLangEngine(Engine):
             if exc.status == 400:
                 raise ValueError(f"sglang rejected the request: {exc}") from None
             raise
-        return parse_generate_response(request, out, str(self._version))
+        finally:
+            self._generating.clear()
+        return parse_generate_response(request, out, str(self._version), pause_asked=self._pause_asked.is_set())
+
+    def request_pause(self) -> bool:
+        """Abort the requests of the generate() in flight (it returns them as 'paused' with their tokens so
+        far) and let the server take requests again at once. Blocks for the server's pause, which waits
+        until every aborted request returned. Its own connection: the call in flight holds the engine's."""
+        if not self._generating.is_set():
+            return False
+        self._pause_asked.set()
+        client = self._client_for(self.url)
+        try:
+            try:
+                client.pause_generation("abort")
+            finally:  # a server left paused would hold every later call
+                client.continue_generation()
+        except SGLangConnectionError:
+            return False  # the server is gone: the call in flight fails and the engine restarts it
+        finally:
+            client.close()
+        return True
 
     # ------------------------------------------------------- update weights --
 

@@ -37,13 +37,15 @@ def test_a_stored_spec_reads_back_with_its_async_section(base):
     assert RunSpec.model_validate_json(stored).async_.max_staleness == 2
 
 
-def test_streaming_is_accepted_with_the_torch_engine(base):
-    spec = RunSpec.model_validate({**base, "async": {"max_staleness": 1, "mode": "streaming"}, "trainer": CORRECTED})
-    assert (spec.async_.max_staleness, spec.async_.mode, spec.rollout.engine) == (1, "streaming", "torch")
+@pytest.mark.parametrize("engine", ["torch", "sglang"])
+def test_streaming_is_accepted_with_either_engine(base, engine):
+    # Both engines pause a Generate in flight and continue its samples (SGLang through /pause_generation).
+    spec = RunSpec.model_validate({**base, "async": {"max_staleness": 1, "mode": "streaming"}, "trainer": CORRECTED,
+                                   "rollout": {"engine": engine}})
+    assert (spec.async_.max_staleness, spec.async_.mode, spec.rollout.engine) == (1, "streaming", engine)
 
 
 @pytest.mark.parametrize("rollout, reason", [
-    ({"engine": "sglang"}, "needs rollout.engine 'torch'"),
     ({"dynamic_sampling": {"enabled": True}}, "rollout.dynamic_sampling.enabled"),
 ])
 def test_streaming_where_it_cannot_run_is_refused_naming_the_field(base, rollout, reason):

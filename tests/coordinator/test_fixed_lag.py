@@ -62,6 +62,14 @@ def test_overlap_of_busy_intervals():
     busy.add(0, 1)
     busy.add(2, 4)
     assert busy.busy_seconds() == 3 and busy.overlap_with((0.5, 3)) == 1.5
+    # A call still in flight is busy up to the end of the window asked about (a streamed rollout may be
+    # paused only after the step it overlapped was recorded), and only its own span once it returned.
+    busy.begin(5)
+    assert busy.overlap_with((4.5, 8)) == 3 and busy.overlap_with((0, 4.5)) == 3
+    busy.add(5, 6)
+    assert busy.in_flight == [] and busy.overlap_with((4.5, 8)) == 1
+    busy.forget_before(3)
+    assert busy.spans == [(2, 4), (5, 6)]
 
 
 class _LyingRollout(pb_grpc.RolloutServicer):

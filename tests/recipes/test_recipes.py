@@ -78,6 +78,8 @@ def test_launcher_recipes_are_valid_specs_once_prepare_passes(name, tmp_path):
         "qwen3_8b_m2po": ["math500", "amc", "aime24", "minerva"], "qwen3_4b_lora_grpo": ["aime24"]}[name]
     if name == "qwen3_8b_m2po":
         assert parsed.trainer.policy_loss.kind == "m2po" and parsed.eval.k == 4
+        # Asynchronous, as the source: fixed_lag (reproducible) at AReaL's lowest recommended staleness.
+        assert (parsed.async_.max_staleness, parsed.async_.mode, parsed.eval.every) == (2, "fixed_lag", 0)
         assert parsed.trainer.lora is None  # full fine-tune
     else:
         lora = parsed.trainer.lora

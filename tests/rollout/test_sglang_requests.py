@@ -17,9 +17,11 @@ import torch
 
 from contract.engine_options import SGLangEngineConfig
 from services.common.platform import Platform, SGLangPlatformConfig, sglang_launch_plan
-from services.rollout.engine import GenerationRequest, PromptSpec, SamplingConfig
+from services.rollout.engine import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 from services.rollout.sglang_client import (
     SGLangRequestError,
+    check_request,
+    continuation_seed,
     generate_body,
     init_weights_update_group_body,
     load_lora_adapter_body,
@@ -139,6 +141,59 @@ def test_parse_response_refuses_another_weight_version():
     outs = [_out([4], [-1.0])] * 3 + [_out([4], [-1.0], version="2")]
     with pytest.raises(SGLangRequestError, match="b/1 was generated with weight_version '2'"):
         parse_generate_response(REQ, outs, "3")
+
+
+def test_parse_response_refuses_a_token_span_of_another_weight_version():
+    # SGLang lists the versions a request's tokens came from; the final weight_version alone can hide an
+    # update that landed mid-request.
+    outs = [_out([4], [-1.0])] * 4
+    outs[2] = {**outs[2], "meta_info": {**outs[2]["meta_info"], "weight_versions": [
+        {"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 1}]}}
+    with pytest.raises(SGLangRequestError, match="b/0 was generated with weight_version '2'"):
+        parse_generate_response(REQ, outs, "3")
+
+
+def test_an_abort_is_a_pause_only_when_the_engine_asked_for_one():
+    outs = [_out([4], [-1.0]), _out([], [], finish="abort"), _out([3, 3], [-2.0, -2.5]), _out([8], [-0.1])]
+    with pytest.raises(SGLangRequestError, match="a/1: finish_reason"):
+        parse_generate_response(REQ, outs, "3")
+    samples = parse_generate_response(REQ, outs, "3", pause_asked=True)
+    assert samples[1].finish_reason == "paused" and samples[1].token_ids == []
+    assert samples[2].policy_versions == [3, 3]
+
+
+RESUMED = (ResumedSample("b/1", (9, 10), (-0.5, -0.25), (1, 2)),)
+
+
+def test_a_resumed_sample_is_sent_with_its_tokens_and_continued_from_them():
+    req = GenerationRequest(prompts=REQ.prompts, sampling=REQ.sampling, samples_per_prompt=2, resumed=RESUMED)
+    body = generate_body(req)
+    assert body["input_ids"][3] == [1, 7, 9, 10] and body["input_ids"][2] == [1, 7]
+    assert body["sampling_params"][3]["max_new_tokens"] == 2 and body["sampling_params"][2]["max_new_tokens"] == 4
+    # Not the seed of its first request (whose draws the two tokens already used), and not another sample's.
+    assert body["sampling_params"][3]["sampling_seed"] == continuation_seed(100, 2) not in (100, 99, 10, 11)
+    outs = [_out([4], [-1.0]), _out([2], [-0.5], finish="stop"), _out([3], [-2.0]), _out([2], [-0.1], finish="stop")]
+    s = parse_generate_response(req, outs, "3")[3]
+    assert (s.token_ids, s.logprobs, s.policy_versions) == ([9, 10, 2], [-0.5, -0.25, -0.1], [1, 2, 3])
+
+
+def test_a_resumed_sample_with_a_token_outside_the_vocabulary_is_refused():
+    req = GenerationRequest(prompts=REQ.prompts, sampling=REQ.sampling, samples_per_prompt=2, resumed=(
+        ResumedSample("a/0", (9, 64), (-0.5, -0.5), (1, 1)),))
+    with pytest.raises(ValueError, match=r"resumed\[0\].response_token_ids: id 64 outside the vocabulary \[0, 64\)"):
+        check_request(req, vocab=64, max_len=None, eos={2})
+    check_request(req, vocab=65, max_len=None, eos={2})
+
+
+@pytest.mark.parametrize("resumed, field", [
+    (ResumedSample("c/0", (9,), (-0.5,), (1,)), "resumed[0].sample_id"),
+    (ResumedSample("a/0", (9, 9, 9, 9), (-0.5,) * 4, (1,) * 4), "resumed[0].response_token_ids"),
+    (ResumedSample("a/0", (9,), (-0.5,), (1, 1)), "resumed[0]: 1 tokens"),
+])
+def test_a_resumed_sample_the_request_cannot_continue_is_refused(resumed, field):
+    req = GenerationRequest(prompts=REQ.prompts, sampling=REQ.sampling, samples_per_prompt=2, resumed=(resumed,))
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        generate_body(req)
 
 
 def test_parse_response_refuses_wrong_count_and_mismatched_logprob_ids():

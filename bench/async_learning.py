@@ -1,0 +1,162 @@
+"""Async RL learning band: does the CPU demo learn as well with stale rollouts as synchronously?
+
+Runs the tiny_arith demo's recipe (recipes/tiny_arith/recipe.yaml: warm-started model, 32 prompts x 8
+samples, its learning rate and clip) through the real services (trainer, rollout replica and coordinator
+as separate processes, one LocalStack for every run) once per configuration and seed:
+
+- sync: async.max_staleness 0, the recipe as it is;
+- fixed_lag K = 1, 2 and streaming K = 1, 2: the same recipe with that `async` section and
+  trainer.mismatch_correction 'truncate' (decoupled PPO with TIS, which a run with K > 0 needs).
+
+Every run trains the same number of steps on the same batch, so equal samples; mid-run evaluations are
+off in every run (a run with K > 0 refuses them), and the held-out greedy accuracy after the last step
+(the task's 200 held-out problems) is the figure compared. Each seed warm-starts its own model
+(recipes.tiny_arith.demo, cached under runs/models) and seeds the run.
+
+The synchronous band is [min, max] of the sync runs' final accuracies over the seeds. A configuration is
+within the band when the mean of its seeds' accuracies lies in it; each seed's own in-band flag is kept
+too. With one seed the band is a single point, so a smoke run says little beyond that everything runs.
+
+    python bench/async_learning.py --seeds 0,1,2 --out bench/results/async_learning_cpu.json
+
+Writes one JSON object (to --out, and prints it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from recipes.tiny_arith.demo import RECIPE, prepare_model, warm_start_fingerprint
+from services.cli.client import load_recipe
+from services.local_stack import LocalStack
+
+CONFIGS = ("sync", "fixed_lag:1", "fixed_lag:2", "streaming:1", "streaming:2")
+
+
+def parse_config(text: str) -> tuple[str, int]:
+    """'sync' -> (fixed_lag, 0); 'mode:K' -> (mode, K)."""
+    if text == "sync":
+        return "fixed_lag", 0
+    mode, _, k = text.partition(":")
+    if mode not in ("fixed_lag", "streaming") or not k.isdigit() or int(k) < 1:
+        raise SystemExit(f"--configs: {text!r} is not 'sync', 'fixed_lag:K' or 'streaming:K' with K >= 1")
+    return mode, int(k)
+
+
+def run_spec(model: Path, seed: int, steps: int, mode: str, k: int) -> dict:
+    spec = load_recipe(str(RECIPE), {"seed": seed, "steps": steps})
+    spec["model_path"] = str(model)
+    spec["name"] = f"async-learning-{mode}-k{k}-seed{seed}"
+    spec["eval"]["every"] = 0  # the same for every configuration: K > 0 refuses mid-run evaluations
+    spec["async"] = {"max_staleness": k, "mode": mode}
+    if k > 0:
+        spec["trainer"]["mismatch_correction"] = {"mode": "truncate"}
+    return spec
+
+
+def train(client, spec: dict) -> dict:
+    began = time.monotonic()
+    run = client.submit(spec)
+    done = client.wait(run["id"], timeout_s=7200)
+    if done["status"] != "completed":
+        raise SystemExit(f"{spec['name']}: run ended {done['status']}: {done.get('error')}")
+    metrics = client.metrics(run["id"])
+    steps = [s["metrics"] for s in metrics["steps"]]
+    final = steps[-1].get("eval_accuracy")
+    if final is None:
+        raise SystemExit(f"{spec['name']}: the last step recorded no eval_accuracy")
+    return {
+        "final_accuracy": final,
+        "initial_accuracy": (metrics.get("eval_initial") or {}).get("accuracy"),
+        "trajectories_trained": sum(m.get("trajectories_trained", 0) for m in steps),
+        "trajectories_dropped_stale": sum(m.get("trajectories_dropped_stale", 0) for m in steps),
+        "token_staleness_max": max((m.get("token_staleness_max", 0.0) for m in steps), default=0.0),
+        "run_wall_s": round(time.monotonic() - began, 1),
+    }
+
+
+def band_report(results: dict[str, dict[int, dict]]) -> dict:
+    """The sync band and, per configuration, its mean and whether it (and each seed) lies inside it."""
+    sync = [r["final_accuracy"] for r in results["sync"].values()]
+    low, high = min(sync), max(sync)
+    out = {"sync_band": [low, high], "rule": "a configuration is within the band when the mean of its seeds' "
+           "final accuracies lies in [min, max] of the sync seeds' final accuracies", "configs": {}}
+    for name, by_seed in results.items():
+        accs = [r["final_accuracy"] for r in by_seed.values()]
+        mean = statistics.mean(accs)
+        out["configs"][name] = {
+            "final_accuracy_mean": round(mean, 4),
+            "final_accuracy_by_seed": {str(s): r["final_accuracy"] for s, r in by_seed.items()},
+            "within_sync_band": low <= mean <= high,
+            "seeds_within_sync_band": {str(s): low <= r["final_accuracy"] <= high for s, r in by_seed.items()},
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated run (and warm-start) seeds")
+    parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: sync, fixed_lag:K, "
+                        "streaming:K (sync is required: it makes the band)")
+    parser.add_argument("--models-dir", type=Path, default=Path("runs/models"),
+                        help="where the warm-started models are cached (as make demo caches them)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each service")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--note", default="", help="free text kept in the output (e.g. how loaded the host was)")
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    configs = args.configs.split(",")
+    if "sync" not in configs:
+        raise SystemExit("--configs: must include 'sync' (the band every other configuration is compared with)")
+    parsed = {c: parse_config(c) for c in configs}
+    recipe = load_recipe(str(RECIPE))
+    steps = args.steps or recipe["steps"]
+    batch = recipe["rollout"]["prompts_per_step"] * recipe["rollout"]["samples_per_prompt"]
+    console = Console(stderr=True)
+    began = time.monotonic()
+    models = {}
+    for seed in seeds:
+        models[seed] = (args.models_dir.resolve() / f"tiny_arith-{warm_start_fingerprint(seed)}")
+        prepare_model(models[seed], seed, console)
+    results: dict[str, dict[int, dict]] = {c: {} for c in configs}
+    with tempfile.TemporaryDirectory(prefix="bench-async-learning-") as tmp:
+        with LocalStack(Path(tmp) / "stack", path_roots=[args.models_dir.resolve()],
+                        num_threads=args.threads) as stack:
+            client = stack.client()
+            try:
+                for seed in seeds:
+                    for name, (mode, k) in parsed.items():
+                        r = train(client, run_spec(models[seed], seed, steps, mode, k))
+                        console.print(f"{name} seed {seed}: final accuracy {r['final_accuracy']:.3f} "
+                                      f"({r['run_wall_s']:.0f}s)")
+                        results[name][seed] = r
+            finally:
+                client.close()
+    out = {
+        "bench": "async_learning", "note": args.note, "device": "cpu", "host": platform.node(),
+        "cpus": os.cpu_count(), "threads_per_service": args.threads, "recipe": "recipes/tiny_arith/recipe.yaml",
+        "steps": steps, "seeds": seeds, "samples_per_run": steps * batch,
+        "async_correction": "trainer.mismatch_correction truncate (K > 0)",
+        "wall_s": round(time.monotonic() - began, 1), "loadavg_end": os.getloadavg(),
+        "runs": {name: {str(s): r for s, r in by_seed.items()} for name, by_seed in results.items()},
+        **band_report(results),
+    }
+    text = json.dumps(out, indent=2)
+    if args.out:
+        args.out.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
