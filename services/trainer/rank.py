@@ -1,0 +1,40 @@
+"""`python -m services.trainer.rank`: one worker rank (1..N-1) of a multi-rank trainer, started apart from
+rank 0 (the Ray launcher places each as an actor, on any node). It serves nothing: it joins rank 0's
+store at --rendezvous, takes the group's spec from there, and runs what rank 0 broadcasts until rank 0
+stops the group. It exits with 70 when the group loses a rank (its supervisor restarts it, and it joins
+rank 0's next store)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from services.common.service_config import parse_service_config, split_host_port
+from services.trainer.worker_group import run_rank
+
+
+class TrainerRankConfig(BaseModel):
+    """A worker rank of a multi-rank trainer (rank 0 is `python -m services.trainer`)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    rank: int = Field(..., ge=1, le=1023, description="This process's rank in the group (rank 0 serves gRPC).")
+    rendezvous: str = Field(
+        ..., description="host:port of rank 0's store: its --host and --rank-rendezvous-port.")
+    host: str = Field("", description="Address of this rank's node (logged; the launcher passes it).")
+    join_timeout_s: float = Field(
+        600.0, gt=0, description="How long to wait for rank 0 to serve a fresh store before exiting non-zero.")
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _host_port(cls, v: str) -> str:
+        split_host_port(v, "rendezvous")
+        return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_service_config(TrainerRankConfig, env_prefix="LOCKSTEP_TRAINER_RANK", argv=argv)
+    run_rank(config.rank, config.rendezvous, config.join_timeout_s)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
