@@ -8,7 +8,6 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.common.service_config import parse_service_config, split_host_port
-from services.trainer.worker_group import run_rank
 
 
 class TrainerRankConfig(BaseModel):
@@ -32,6 +31,8 @@ class TrainerRankConfig(BaseModel):
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_service_config(TrainerRankConfig, env_prefix="LOCKSTEP_TRAINER_RANK", argv=argv)
+    from services.trainer.worker_group import run_rank  # torch and the model code: after the flags are checked
+
     run_rank(config.rank, config.rendezvous, config.join_timeout_s)
     return 0
 

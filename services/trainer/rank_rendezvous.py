@@ -77,6 +77,16 @@ def join_store(address: str, rank: int, timeout_s: float) -> tuple[dist.TCPStore
     raise TimeoutError(f"rendezvous: no fresh trainer group at {address} within {timeout_s:g} s ({last})")
 
 
+def _hang_up(conn: socket.socket) -> None:
+    """Close `conn` so that its peer reads EOF now: a plain close() while this process's watcher thread
+    blocks in recv() on it would leave the connection open until that recv returned."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
+
+
 def _lost(on_lost: Callable[[str], None], who: str, closing: threading.Event) -> None:
     if not closing.is_set():
         on_lost(who)
@@ -108,7 +118,12 @@ class LivenessHub:
         for rank, conn in self._conns.items():
             sel.register(conn, selectors.EVENT_READ, rank)
         while True:
-            for key, _ in sel.select():
+            try:
+                ready = sel.select()
+            except (OSError, ValueError):  # a connection closed under the selector: only close() does that
+                _lost(self.on_lost, "a rank", self.closing)
+                return
+            for key, _ in ready:
                 try:
                     data = key.fileobj.recv(1)
                 except OSError:
@@ -120,7 +135,7 @@ class LivenessHub:
     def close(self) -> None:
         self.closing.set()
         for conn in self._conns.values():
-            conn.close()
+            _hang_up(conn)
 
 
 class LivenessLink:
@@ -143,4 +158,4 @@ class LivenessLink:
 
     def close(self) -> None:
         self.closing.set()
-        self._conn.close()
+        _hang_up(self._conn)

@@ -160,6 +160,11 @@ def test_stack_with_two_trainer_ranks_on_two_ray_nodes_survives_a_killed_rank_an
             assert resumed.is_relative_to(tmp_path / "data") and resumed.name.startswith("step_"), recovered
             # Every step recorded once, in order: none lost, none trained twice.
             assert [s["step"] for s in client.metrics(run["id"])["steps"]] == list(range(1, 7))
+            # The gRPC source from the two-rank trainer: rank 0 streams the gathered weights; both replicas
+            # report the digest the trainer serves for the last version.
+            synced = [e for e in events if e["event"] == "weights_synced"]
+            assert synced[-1]["policy_version"] == 6 and synced[-1]["replicas"] == sorted(ready["rollouts"]), synced
+            assert _served_weights(ready["trainer"], token, run["id"]) == (6, synced[-1]["digest"])
 
             # The broadcast source: every sync one gloo group of the trainer (rank 0) and both replicas,
             # formed at the trainer's rendezvous, which each replica was placed trusting.
