@@ -47,8 +47,9 @@ class RayStackConfig(BaseModel):
     )
     trainer_gpus_per_rank: float = Field(
         0, ge=0,
-        description="GPUs of each trainer rank's bundle. 0: the ranks train on CPU (gloo); more: on CUDA "
-        "(nccl; rccl on ROCm), each rank on the first GPU Ray gives it, so 1 is what FSDP uses.",
+        description="GPUs of each trainer rank's bundle. With trainer_world_size > 1, 0: the ranks train on CPU "
+        "(gloo); more: on CUDA (nccl; rccl on ROCm), each rank on the first GPU Ray gives it, so 1 is what FSDP "
+        "uses. A one-rank trainer takes its device from trainer_args ('--device cuda') as before.",
     )
     trainer_placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK",

@@ -134,10 +134,6 @@ def run_rank(rank: int, rendezvous: str, join_timeout_s: float) -> None:
     dist.destroy_process_group()
 
 
-def _local_rank_main(rank: int, rendezvous: str, join_timeout_s: float) -> None:
-    run_rank(rank, rendezvous, join_timeout_s)
-
-
 class GroupTrainer:
     """Rank 0's face of the group: the Trainer interface the gRPC servicer uses."""
 
@@ -154,7 +150,7 @@ class GroupTrainer:
         self.workers = []
         if not spec.ranks_elsewhere:
             ctx = multiprocessing.get_context("spawn")  # fork would copy gRPC and torch threads mid-flight
-            self.workers = [ctx.Process(target=_local_rank_main, args=(r, rendezvous, spec.timeout_s),
+            self.workers = [ctx.Process(target=run_rank, args=(r, rendezvous, spec.timeout_s),
                                         name=f"trainer-rank{r}", daemon=True) for r in range(1, spec.world_size)]
             for w in self.workers:
                 w.start()

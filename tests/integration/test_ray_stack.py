@@ -158,8 +158,11 @@ def test_stack_with_two_trainer_ranks_on_two_ray_nodes_survives_a_killed_rank_an
             # From the checkpoint the trainer wrote on the shared storage the stack names (data_dir).
             resumed = Path(recovered[0]["resumed_from"])
             assert resumed.is_relative_to(tmp_path / "data") and resumed.name.startswith("step_"), recovered
-            # Every step recorded once, in order: none lost, none trained twice.
+            # Every step recorded once, in order: none lost, none trained twice. A recorded step after the
+            # checkpoint is computed again by the restarted group, bit for bit (checked, never re-recorded).
             assert [s["step"] for s in client.metrics(run["id"])["steps"]] == list(range(1, 7))
+            recomputed = [e for e in events if e["event"] == "step_recomputed"]
+            assert all(e["matches_recorded"] for e in recomputed), recomputed
             # The gRPC source from the two-rank trainer: rank 0 streams the gathered weights; both replicas
             # report the digest the trainer serves for the last version.
             synced = [e for e in events if e["event"] == "weights_synced"]
