@@ -187,6 +187,9 @@ class ServiceActor:
             placed["weight_broadcast_address"] = f"{self.ip}:{self.plan.broadcast_port}"
         return {**placed, **status}
 
+    def hold(self) -> None:
+        self.supervisor.hold()
+
     def stop(self, grace_s: float = 20.0) -> int | None:
         return self.supervisor.stop(grace_s)
 
@@ -307,6 +310,13 @@ class RayStack:
 
     def close(self) -> None:
         ray = self.ray
+        # No restarts from here on: trainer rank 0 stopping ends its other ranks, which would otherwise be
+        # started again only to be stopped.
+        for name, actor in self.actors.items():
+            try:
+                ray.get(actor.hold.remote(), timeout=60)
+            except Exception as exc:  # noqa: BLE001 - a dead actor has nothing to restart
+                log.warning("holding %s: %s", name, exc)
         # Coordinator first, so no run is driven against services going away.
         for name in ["coordinator", *[n for n in self.actors if n != "coordinator"]]:
             actor = self.actors.pop(name, None)
