@@ -1,9 +1,10 @@
 """The stack on a real two-node Ray cluster (two raylets on this machine), the trainer as FSDP ranks placed
 across both: four ranks two per raylet, and two ranks one per raylet, train three fixed steps like one
 rank; the two-rank stack serves a run through REST, survives a SIGKILLed rank (the group fails closed,
-is restarted, and the run resumes from its last checkpoint with no step lost or trained twice), serves a
-run whose weights rank 0 broadcasts (gloo on CPU) at the rendezvous on its node to every replica, and is
-gone after SIGTERM. `python -m services.ray_stack` as a real process, the services as real processes in
+is restarted, and the run resumes from its last checkpoint with no step lost or trained twice), serves
+runs whose weights rank 0 streams (gRPC), writes (shared path) and broadcasts (gloo on CPU, at the
+rendezvous on its node), every replica reporting the digest the trainer serves, and is gone after
+SIGTERM. `python -m services.ray_stack` as a real process, the services as real processes in
 Ray actors. One cluster for every test here."""
 from __future__ import annotations
 
@@ -169,20 +170,23 @@ def test_stack_with_two_trainer_ranks_on_two_ray_nodes_survives_a_killed_rank_an
             assert synced[-1]["policy_version"] == 6 and synced[-1]["replicas"] == sorted(ready["rollouts"]), synced
             assert _served_weights(ready["trainer"], token, run["id"]) == (6, synced[-1]["digest"])
 
-            # The broadcast source: every sync one gloo group of the trainer (rank 0) and both replicas,
-            # formed at the trainer's rendezvous, which each replica was placed trusting.
-            run = client.submit(broadcast_spec(model, "on-ray-broadcast", "broadcast"))
-            done = client.wait(run["id"], timeout_s=300)
-            assert done["status"] == "completed", done
-            assert [s["step"] for s in client.metrics(run["id"])["steps"]] == [1, 2, 3]
-            synced = [e for e in client.run(run["id"])["events"] if e["event"] == "weights_synced"]
-            assert [e["policy_version"] for e in synced] == [1, 2, 3], synced
-            assert all(e["replicas"] == sorted(ready["rollouts"]) for e in synced), synced
-            # The digest both replicas reported for the last version is the one the trainer's own stream
-            # carries for the weights it holds.
-            assert _served_weights(ready["trainer"], token, run["id"]) == (3, synced[-1]["digest"])
+            # The shared-path source (rank 0 writes the gathered weights under data_dir, each replica reads
+            # them) and the broadcast source (every sync one gloo group of rank 0 and both replicas, formed
+            # at the rendezvous on rank 0's node, which each replica was placed trusting), two steps each.
+            for source in ("shared_path", "broadcast"):
+                run = client.submit({**broadcast_spec(model, f"on-ray-{source}", source), "steps": 2})
+                done = client.wait(run["id"], timeout_s=300)
+                assert done["status"] == "completed", (source, done)
+                assert [s["step"] for s in client.metrics(run["id"])["steps"]] == [1, 2]
+                synced = [e for e in client.run(run["id"])["events"] if e["event"] == "weights_synced"]
+                assert [e["policy_version"] for e in synced] == [1, 2], synced
+                assert all(e["replicas"] == sorted(ready["rollouts"]) for e in synced), synced
+                # The digest both replicas reported for the last version is the one the trainer's own
+                # stream carries for the weights it holds.
+                assert _served_weights(ready["trainer"], token, run["id"]) == (2, synced[-1]["digest"]), source
             trainer_log = (tmp_path / "data" / "logs" / "trainer.log").read_text()
-            assert trainer_log.count('"weights broadcast"') == 3 and '"world_size": 3' in trainer_log
+            assert trainer_log.count('"weights broadcast"') == 2 and '"world_size": 3' in trainer_log
+            assert trainer_log.count('"weights written"') == 2
         finally:
             client.close()
 
