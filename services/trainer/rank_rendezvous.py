@@ -1,6 +1,7 @@
 """Where the ranks of a multi-rank trainer meet, and how each learns that the group lost a rank.
 
-Rank 0 serves a torch TCPStore at its `rendezvous` address (host:port); ranks 1..N-1 connect to it,
+Rank 0 serves a torch TCPStore on the port of its `rendezvous` address (host:port; torch listens on every
+interface of the host) and ranks 1..N-1 dial that address,
 wherever they run (processes rank 0 started on its host, or Ray actors on other nodes). The store holds
 what the ranks must agree on before the process group forms:
 
