@@ -92,9 +92,23 @@ def plan_trainer(config: RayStackConfig) -> list[ServicePlan]:
          data_dir, *group, *config.trainer_args),
         config.trainer_port, config.trainer_cpus, gpus, 0, config.trainer_broadcast_port, env,
     )
-    ranks = [ServicePlan(f"trainer-rank-{r}", "services.trainer.rank", ("--rank", str(r)), 0,
+    # The ranks import what rank 0's group names only when started allowing it: rank 0's own plugins.
+    plugins = flag_value(config.trainer_args, "--attention-plugins")
+    allowed = ("--attention-plugins", plugins) if plugins else ()
+    ranks = [ServicePlan(f"trainer-rank-{r}", "services.trainer.rank", ("--rank", str(r), *allowed), 0,
                          config.trainer_cpus, gpus, r, 0, env) for r in range(1, n)]
     return [rank0, *ranks]
+
+
+def flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
+    """The value `args` give `flag` ('--flag v' or '--flag=v'; the last one wins, as argparse has it)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(f"{flag}="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def with_rendezvous(ranks: list[ServicePlan], rank0_ip: str, port: int) -> list[ServicePlan]:

@@ -19,8 +19,19 @@ class TrainerRankConfig(BaseModel):
     rendezvous: str = Field(
         ..., description="host:port of rank 0's store: its --host and --rank-rendezvous-port.")
     host: str = Field("", description="Address of this rank's node (logged; the launcher passes it).")
+    attention_plugins: list[str] = Field(
+        default_factory=list,
+        description="Comma-separated modules this rank may import because rank 0's group names them (rank 0's "
+        "--attention-plugins). The store is not authenticated: a module it names that is not listed here is "
+        "refused, nothing imported.",
+    )
     join_timeout_s: float = Field(
         600.0, gt=0, description="How long to wait for rank 0 to serve a fresh store before exiting non-zero.")
+
+    @field_validator("attention_plugins", mode="before")
+    @classmethod
+    def _split_plugins(cls, v: object) -> object:
+        return [m.strip() for m in v.split(",") if m.strip()] if isinstance(v, str) else v
 
     @field_validator("rendezvous")
     @classmethod
@@ -33,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_service_config(TrainerRankConfig, env_prefix="LOCKSTEP_TRAINER_RANK", argv=argv)
     from services.trainer.worker_group import run_rank  # torch and the model code: after the flags are checked
 
-    run_rank(config.rank, config.rendezvous, config.join_timeout_s)
+    run_rank(config.rank, config.rendezvous, config.join_timeout_s, tuple(config.attention_plugins))
     return 0
 
 

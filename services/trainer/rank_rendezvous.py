@@ -20,7 +20,7 @@ restart every rank, they meet at the new rank 0's fresh store, and the coordinat
 its last checkpoint. A node that vanishes without closing its sockets is caught by the collective timeout.
 
 Nothing here is authenticated (as torch's own rendezvous stores are not): keep the port on the cluster
-network.
+network. A rank imports only the plugin modules it was started allowing, whatever the spec names.
 """
 from __future__ import annotations
 

@@ -95,9 +95,12 @@ def _join(spec: GroupSpec, rank: int, store: dist.Store) -> DataParallel:
     return DataParallel(rank, spec.world_size, control)
 
 
-def run_rank(rank: int, rendezvous: str, join_timeout_s: float) -> None:
+def run_rank(rank: int, rendezvous: str, join_timeout_s: float, allowed_plugins: tuple[str, ...] = ()) -> None:
     """Rank `rank` (>= 1) of the group whose rank 0 serves its store at `rendezvous`: join, then run what
-    rank 0 broadcasts until it says stop. Exits the process (WORKER_LOST_EXIT) when rank 0 is lost."""
+    rank 0 broadcasts until it says stop. Exits the process (WORKER_LOST_EXIT) when rank 0 is lost.
+
+    The store is not authenticated, so the modules it names to import must be among `allowed_plugins`
+    (what this rank was started with); any other is refused before anything is imported."""
     from services.common.structured_logging import configure_logging
 
     from services.trainer.plugins import import_attention_plugins
@@ -106,6 +109,10 @@ def run_rank(rank: int, rendezvous: str, join_timeout_s: float) -> None:
     spec = GroupSpec.from_dict(spec_dict)
     if not 1 <= rank < spec.world_size:
         raise ValueError(f"rank: {rank} is not a worker rank of a group of {spec.world_size}")
+    foreign = sorted(set(spec.attention_plugins) - set(allowed_plugins))
+    if foreign:
+        raise ValueError(f"attention_plugins: rank 0's group imports {foreign}, which this rank was not started "
+                         f"with (--attention-plugins {','.join(allowed_plugins) or '(none)'})")
     configure_logging(f"trainer-rank{rank}", spec.log_level)
     import_attention_plugins(list(spec.attention_plugins))
     link = LivenessLink(store.get(LIVENESS_KEY).decode(), rank, _lost_exit, spec.timeout_s)
@@ -150,7 +157,7 @@ class GroupTrainer:
         self.workers = []
         if not spec.ranks_elsewhere:
             ctx = multiprocessing.get_context("spawn")  # fork would copy gRPC and torch threads mid-flight
-            self.workers = [ctx.Process(target=run_rank, args=(r, rendezvous, spec.timeout_s),
+            self.workers = [ctx.Process(target=run_rank, args=(r, rendezvous, spec.timeout_s, spec.attention_plugins),
                                         name=f"trainer-rank{r}", daemon=True) for r in range(1, spec.world_size)]
             for w in self.workers:
                 w.start()

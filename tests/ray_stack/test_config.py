@@ -101,6 +101,11 @@ def test_a_multi_rank_trainer_is_one_bundle_per_rank_meeting_at_rank_0s_node(tmp
         "py", "-m", "services.trainer.rank", "--host", "10.0.0.4", "--rank", "2", "--rendezvous", "10.0.0.9:29400"]
     cpu = plan_trainer(RayStackConfig(trainer_world_size=2, trainer_rendezvous_port=29400))
     assert cpu[0].args[-2:] == ("--device", "cpu") and bundles(cpu) == [{"CPU": 1}] * 2
+    assert cpu[1].args == ("--rank", "1")
+    # The other ranks may import the plugins rank 0 was started with, and only those.
+    plugins = plan_trainer(RayStackConfig(trainer_world_size=2, trainer_rendezvous_port=29400,
+                                          trainer_args="--attention-plugins=a.b,c.d --log-level debug"))
+    assert plugins[1].args == ("--rank", "1", "--attention-plugins", "a.b,c.d")
     # NCCL_NVLS_ENABLE stays off unless the operator names it.
     assert RayStackConfig(trainer_env="NCCL_NVLS_ENABLE=1").rank_env() == {"NCCL_NVLS_ENABLE": "1"}
 

@@ -70,3 +70,16 @@ def test_the_rank_entry_point_names_a_bad_flag(argv, message):
     out = subprocess.run([sys.executable, "-m", "services.trainer.rank", *argv], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and f"configuration error: {message}" in out.stderr, out.stderr
+
+
+def test_a_rank_imports_no_module_the_store_names_unless_started_allowing_it():
+    from services.trainer.worker_group import GroupSpec, run_rank
+
+    address = f"127.0.0.1:{free_port()}"
+    spec = GroupSpec(world_size=2, device="cpu", num_threads=1, timeout_s=10, rendezvous=address,
+                     attention_plugins=("tests.support.boundary_blind_plugin",))
+    store = serve_store(address, 2, spec.as_dict(), timeout_s=10)
+    with pytest.raises(ValueError, match=r"attention_plugins: .*boundary_blind_plugin.* not started with"):
+        run_rank(1, address, join_timeout_s=10, allowed_plugins=("other.module",))
+    assert "tests.support.boundary_blind_plugin" not in sys.modules
+    del store
