@@ -1,21 +1,26 @@
 """Place a Lockstep stack on a Ray cluster.
 
-The trainer and every rollout replica get one bundle of a placement group (its
-strategy decides how they spread over nodes) and one named Ray actor in it; the
-actor runs the service's own entry point (`python -m services.trainer`, ...)
-under a ServiceSupervisor, bound to its node's address on a fixed port. The
-coordinator runs the same way on the node of the process that launched the
-stack, and dials the others by those addresses. The rollouts are started once
-the trainer is placed, allowed to pull weights from its address and, with
-trainer_broadcast_port set, to join the broadcast rendezvous the trainer then
-serves on its node's address.
+Each trainer rank and each rollout replica gets one bundle of a placement group
+(the trainer's ranks one group, the rollouts another; their strategies decide
+how they spread over nodes) and one named Ray actor in it; the actor runs the
+service's own entry point (`python -m services.trainer`, ...) under a
+ServiceSupervisor, bound to its node's address on a fixed port. Trainer rank 0
+('trainer') is placed first: it serves gRPC and, with several ranks, the
+ranks' store on its node's address; ranks 1..N-1 are then started pointed at
+that address. The coordinator runs the same way on the node of the process
+that launched the stack, and dials the others by those addresses. The rollouts
+are started once the trainer is placed, allowed to pull weights from rank 0's
+address and, with trainer_broadcast_port set, to join the broadcast rendezvous
+rank 0 then serves on its node's address.
 
 Two layers of restart, so a crash anywhere is survived without a new address:
 the supervisor restarts a service process that exits, and Ray restarts an
 actor that dies (max_restarts) in the same bundle, hence on the same node with
 the same ports. What a restart loses the services already recover from: the
 coordinator evicts and re-admits rollout replicas and resumes a lost trainer
-from the run's last checkpoint.
+from the run's last checkpoint. A trainer rank that dies takes every rank of
+its group down with it (services/trainer/worker_group.py); their supervisors
+restart them, they meet again at rank 0's store, and the coordinator resumes.
 """
 from __future__ import annotations
 
@@ -56,8 +61,9 @@ class ServicePlan:
     port: int          # the port other services dial
     num_cpus: float
     num_gpus: float
-    bundle: int | None  # None: the launching node, outside the placement group
+    bundle: int | None  # None: the launching node, outside the placement groups
     broadcast_port: int = 0  # the trainer's weight-broadcast rendezvous on its node (0: none)
+    env: tuple[tuple[str, str], ...] = ()  # set on top of the node's environment
 
 
 def node_argv(plan: ServicePlan, node_ip: str, python: str) -> list[str]:
@@ -69,24 +75,58 @@ def node_argv(plan: ServicePlan, node_ip: str, python: str) -> list[str]:
     return argv
 
 
-def plan_workers(config: RayStackConfig) -> list[ServicePlan]:
-    """Trainer and rollout replicas, bundle i for plan i. Pure: a test can pin it."""
-    threads = ("--num-threads", str(config.num_threads))
-    roots = config.roots()
+def plan_trainer(config: RayStackConfig) -> list[ServicePlan]:
+    """Trainer rank r in bundle r of the trainer's placement group: rank 0 serves gRPC (and, with several
+    ranks, their store); ranks 1..N-1 still lack the store's address (`with_rendezvous`). Pure."""
+    n, gpus = config.trainer_world_size, config.trainer_rank_gpus()
     data_dir = str(Path(config.data_dir).resolve())
-    plans = [ServicePlan(
+    group: tuple[str, ...] = ()
+    if n > 1:
+        group = ("--data-parallel", str(n), "--rank-rendezvous-port", str(config.trainer_rendezvous_port),
+                 "--device", "cuda" if gpus else "cpu")
+    env = tuple(config.rank_env().items())
+    rank0 = ServicePlan(
         "trainer", "services.trainer",
         ("--grpc-port", str(config.trainer_port), "--metrics-port", str(config.trainer_metrics_port),
-         *threads, "--model-roots", roots, "--checkpoint-roots", data_dir, *config.trainer_args),
-        config.trainer_port, config.trainer_cpus, config.trainer_gpus, 0, config.trainer_broadcast_port,
-    )]
+         "--num-threads", str(config.num_threads), "--model-roots", config.roots(), "--checkpoint-roots",
+         data_dir, *group, *config.trainer_args),
+        config.trainer_port, config.trainer_cpus, gpus, 0, config.trainer_broadcast_port, env,
+    )
+    # The ranks import what rank 0's group names only when started allowing it: rank 0's own plugins.
+    plugins = flag_value(config.trainer_args, "--attention-plugins")
+    allowed = ("--attention-plugins", plugins) if plugins else ()
+    ranks = [ServicePlan(f"trainer-rank-{r}", "services.trainer.rank", ("--rank", str(r), *allowed), 0,
+                         config.trainer_cpus, gpus, r, 0, env) for r in range(1, n)]
+    return [rank0, *ranks]
+
+
+def flag_value(args: tuple[str, ...] | list[str], flag: str) -> str | None:
+    """The value `args` give `flag` ('--flag v' or '--flag=v'; the last one wins, as argparse has it)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(f"{flag}="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def with_rendezvous(ranks: list[ServicePlan], rank0_ip: str, port: int) -> list[ServicePlan]:
+    """Ranks 1..N-1, pointed at the store rank 0 serves on its node (known once it is placed)."""
+    return [replace(p, args=(*p.args, "--rendezvous", f"{rank0_ip}:{port}")) for p in ranks]
+
+
+def plan_rollouts(config: RayStackConfig) -> list[ServicePlan]:
+    """Rollout replica i in bundle i of the rollouts' placement group. Pure: a test can pin it."""
+    threads = ("--num-threads", str(config.num_threads))
+    plans = []
     for i in range(config.rollout_replicas):
         metrics = config.rollout_metrics_port_base + i if config.rollout_metrics_port_base else 0
         plans.append(ServicePlan(
             f"rollout-{i}", "services.rollout",
             ("--grpc-port", str(config.rollout_port_base + i), "--metrics-port", str(metrics),
-             *threads, "--model-roots", roots, *config.rollout_args),
-            config.rollout_port_base + i, config.rollout_cpus, config.rollout_gpus, i + 1,
+             *threads, "--model-roots", config.roots(), *config.rollout_args),
+            config.rollout_port_base + i, config.rollout_cpus, config.rollout_gpus, i,
         ))
     return plans
 
@@ -146,7 +186,7 @@ class ServiceActor:
         argv = node_argv(plan, self.ip, sys.executable)
         # The token travels as the path of its file on shared storage, never as a value through Ray.
         self.supervisor = ServiceSupervisor(
-            argv, env={**service_env(os.environ), TOKEN_FILE_ENV: token_file},
+            argv, env={**service_env(os.environ), **dict(plan.env), TOKEN_FILE_ENV: token_file},
             log_path=Path(log_dir) / f"{plan.name}.log",
             max_restarts=max_restarts, restart_delay_s=restart_delay_s,
         )
@@ -155,10 +195,14 @@ class ServiceActor:
     def describe(self) -> dict:
         status = asdict(self.supervisor.status())
         status["exit_codes"] = list(status["exit_codes"])  # the same as in the JSON line
-        placed = {"address": f"{self.ip}:{self.plan.port}", "node_id": self.node_id, "actor_pid": os.getpid()}
+        address = f"{self.ip}:{self.plan.port}" if self.plan.port else self.ip  # a trainer rank > 0 serves nothing
+        placed = {"address": address, "node_id": self.node_id, "actor_pid": os.getpid()}
         if self.plan.broadcast_port:
             placed["weight_broadcast_address"] = f"{self.ip}:{self.plan.broadcast_port}"
         return {**placed, **status}
+
+    def hold(self) -> None:
+        self.supervisor.hold()
 
     def stop(self, grace_s: float = 20.0) -> int | None:
         return self.supervisor.stop(grace_s)
@@ -171,7 +215,7 @@ class RayStack:
         self.config = config
         self.ray = import_ray()
         self.actors: dict[str, object] = {}
-        self.placement_group = None
+        self.placement_groups: list = []
         self.api_url = ""
         self.token_file = config.token_path()
 
@@ -186,50 +230,74 @@ class RayStack:
 
     def start(self) -> dict:
         cfg, ray = self.config, self.ray
-        if not ray.is_initialized():
-            self.connect()
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        ensure_token_file(self.token_file)
-        workers = plan_workers(cfg)
-        self.placement_group = ray.util.placement_group(bundles(workers), strategy=cfg.placement_strategy,
-                                                        name=f"{cfg.namespace}-stack")
-        try:
-            ray.get(self.placement_group.ready(), timeout=cfg.ready_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"placement_strategy: {cfg.placement_strategy} placement of {bundles(workers)} not possible within "
-                f"{cfg.ready_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
-            ) from None
-        log_dir = str(Path(cfg.data_dir).resolve() / "logs")
-        remote = ray.remote(ServiceActor)
-        trainer, rollouts = workers[0], workers[1:]
-        self.actors[trainer.name] = self._spawn(remote, trainer, log_dir, PlacementGroupSchedulingStrategy(
-            self.placement_group, placement_group_bundle_index=trainer.bundle))
-        placed = {trainer.name: ray.get(self.actors[trainer.name].describe.remote(), timeout=cfg.ready_timeout_s)}
-        broadcast_address = placed[trainer.name].get("weight_broadcast_address", "")
-        for plan in with_weight_source(rollouts, placed[trainer.name]["address"], broadcast_address):
-            self.actors[plan.name] = self._spawn(remote, plan, log_dir, PlacementGroupSchedulingStrategy(
-                self.placement_group, placement_group_bundle_index=plan.bundle))
-        placed.update({p.name: ray.get(self.actors[p.name].describe.remote(), timeout=cfg.ready_timeout_s)
-                       for p in rollouts})
-        coordinator = plan_coordinator(cfg, placed["trainer"]["address"],
-                                       [placed[p.name]["address"] for p in workers[1:]])
+        placed = self.place_trainer()
+        rollouts = plan_rollouts(cfg)
+        rollout_pg = self._placement_group(rollouts, cfg.placement_strategy, "placement_strategy",
+                                           f"{cfg.namespace}-rollouts")
+        broadcast_address = placed["trainer"].get("weight_broadcast_address", "")
+        for plan in with_weight_source(rollouts, placed["trainer"]["address"], broadcast_address):
+            self._spawn_in(plan, rollout_pg)
+        placed.update(self._describe(rollouts))
+        coordinator = plan_coordinator(cfg, placed["trainer"]["address"], [placed[p.name]["address"] for p in rollouts])
         here = ray.get_runtime_context().get_node_id()
-        self.actors["coordinator"] = self._spawn(remote, coordinator, log_dir,
-                                                 NodeAffinitySchedulingStrategy(node_id=here, soft=False))
+        self.actors["coordinator"] = self._spawn(coordinator, NodeAffinitySchedulingStrategy(node_id=here, soft=False))
         placed["coordinator"] = ray.get(self.actors["coordinator"].describe.remote(), timeout=cfg.ready_timeout_s)
         self.api_url = f"http://{placed['coordinator']['address']}"
         self._wait_ready()
         ready = {"api_url": self.api_url, "token_file": str(self.token_file), "trainer": placed["trainer"]["address"],
-                 "rollouts": [placed[p.name]["address"] for p in workers[1:]], "services": self.describe()}
+                 "rollouts": [placed[p.name]["address"] for p in rollouts], "services": self.describe()}
         if broadcast_address:
             ready["weight_broadcast_address"] = broadcast_address
         return ready
 
-    def _spawn(self, remote, plan: ServicePlan, log_dir: str, strategy):
+    def place_trainer(self) -> dict[str, dict]:
+        """Place and start the trainer's ranks (rank 0 first: the others need its node's address); what each
+        rank's actor describes, by actor name. start() begins with it; on its own it is a trainer without
+        rollouts or coordinator."""
+        cfg, ray = self.config, self.ray
+        if not ray.is_initialized():
+            self.connect()
+        ensure_token_file(self.token_file)
+        ranks = plan_trainer(cfg)
+        pg = self._placement_group(ranks, cfg.trainer_placement_strategy, "trainer_placement_strategy",
+                                   f"{cfg.namespace}-trainer")
+        self._spawn_in(ranks[0], pg)
+        placed = self._describe(ranks[:1])
+        rank0_ip = placed["trainer"]["address"].rsplit(":", 1)[0]
+        for plan in with_rendezvous(ranks[1:], rank0_ip, cfg.trainer_rendezvous_port):
+            self._spawn_in(plan, pg)
+        placed.update(self._describe(ranks[1:]))
+        return placed
+
+    def _describe(self, plans: list[ServicePlan]) -> dict[str, dict]:
+        return {p.name: self.ray.get(self.actors[p.name].describe.remote(), timeout=self.config.ready_timeout_s)
+                for p in plans}
+
+    def _spawn_in(self, plan: ServicePlan, placement_group) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.actors[plan.name] = self._spawn(plan, PlacementGroupSchedulingStrategy(
+            placement_group, placement_group_bundle_index=plan.bundle))
+
+    def _placement_group(self, plans: list[ServicePlan], strategy: str, field: str, name: str):
+        ray = self.ray
+        pg = ray.util.placement_group(bundles(plans), strategy=strategy, name=name)
+        self.placement_groups.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=self.config.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"{field}: {strategy} placement of {bundles(plans)} not possible within "
+                f"{self.config.ready_timeout_s:.0f} s; the cluster has {ray.cluster_resources()}"
+            ) from None
+        return pg
+
+    def _spawn(self, plan: ServicePlan, strategy):
         cfg = self.config
-        return remote.options(
+        log_dir = str(Path(cfg.data_dir).resolve() / "logs")
+        return self.ray.remote(ServiceActor).options(
             name=plan.name, num_cpus=plan.num_cpus, num_gpus=plan.num_gpus, scheduling_strategy=strategy,
             max_restarts=cfg.service_restarts, max_task_retries=-1,
         ).remote(plan, log_dir, cfg.service_restarts, cfg.restart_delay_s, str(self.token_file))
@@ -256,6 +324,13 @@ class RayStack:
 
     def close(self) -> None:
         ray = self.ray
+        # No restarts from here on: trainer rank 0 stopping ends its other ranks, which would otherwise be
+        # started again only to be stopped.
+        for name, actor in self.actors.items():
+            try:
+                ray.get(actor.hold.remote(), timeout=60)
+            except Exception as exc:  # noqa: BLE001 - a dead actor has nothing to restart
+                log.warning("holding %s: %s", name, exc)
         # Coordinator first, so no run is driven against services going away.
         for name in ["coordinator", *[n for n in self.actors if n != "coordinator"]]:
             actor = self.actors.pop(name, None)
@@ -266,8 +341,7 @@ class RayStack:
             except Exception as exc:  # a dead actor's service died with it (PDEATHSIG)
                 log.warning("stopping %s: %s", name, exc)
             ray.kill(actor, no_restart=True)
-        if self.placement_group is not None:
-            ray.util.remove_placement_group(self.placement_group)
-            self.placement_group = None
+        while self.placement_groups:
+            ray.util.remove_placement_group(self.placement_groups.pop())
         if ray.is_initialized():
             ray.shutdown()

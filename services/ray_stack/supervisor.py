@@ -85,6 +85,10 @@ class ServiceSupervisor:
                 restarts=self._restarts, exit_codes=tuple(self._exit_codes), gave_up=self._gave_up,
             )
 
+    def hold(self) -> None:
+        """Restart the service no more: when it exits from now on, it stays down (stop() still ends it)."""
+        self._stopping.set()
+
     def stop(self, grace_s: float = 20.0) -> int | None:
         """SIGTERM the service (its own graceful shutdown), SIGKILL after `grace_s`; no restart after."""
         self._stopping.set()

@@ -50,6 +50,14 @@ class TrainerServiceConfig(AuthSetting):
         "every step's microbatches (gradients reduce-scattered and summed). With device 'cuda', rank r uses "
         "cuda:r (NCCL); with 'cpu', gloo.",
     )
+    rank_rendezvous_port: int = Field(
+        0, ge=0, le=65535,
+        description="With data_parallel > 1: 0 = this process starts ranks 1..N-1 on this host. A port = they "
+        "are started elsewhere, one process each with devices of its own (`python -m services.trainer.rank "
+        "--rank R --rendezvous <host>:<port>`; the Ray launcher places them across nodes), and meet at the "
+        "TCP store this process serves on this port, dialling host:port (torch's store listens on every "
+        "interface of the host). Unauthenticated, as torch's own stores: keep the port on the cluster network.",
+    )
     collective_timeout_s: float = Field(
         600.0, gt=0, description="A data-parallel collective that waits longer than this fails the step.")
 
@@ -58,7 +66,13 @@ class TrainerServiceConfig(AuthSetting):
         if self.data_parallel > 1 and self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: {self.device!r} names one device; with data_parallel {self.data_parallel} "
                              "use 'cuda' (rank r takes cuda:r) or 'cpu'")
+        if self.rank_rendezvous_port and self.data_parallel == 1:
+            raise ValueError("rank_rendezvous_port: set, but data_parallel is 1 (no other ranks to meet)")
         return self
+
+    def rank_rendezvous(self) -> str:
+        """host:port of the store ranks started elsewhere join; empty when rank 0 starts them itself."""
+        return f"{self.host}:{self.rank_rendezvous_port}" if self.rank_rendezvous_port else ""
 
     weight_chunk_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="Default chunk size of GetWeights streams (a request may override)."

@@ -380,7 +380,8 @@ def build_trainer(config: TrainerServiceConfig) -> Trainer | GroupTrainer:
         return Trainer(device=config.device, num_threads=config.num_threads)
     return GroupTrainer(GroupSpec(world_size=config.data_parallel, device=config.device,
                                   num_threads=config.num_threads, timeout_s=config.collective_timeout_s,
-                                  log_level=config.log_level, attention_plugins=tuple(config.attention_plugins)))
+                                  log_level=config.log_level, attention_plugins=tuple(config.attention_plugins),
+                                  rendezvous=config.rank_rendezvous()))
 
 
 async def serve(config: TrainerServiceConfig, token: BearerToken) -> None:

@@ -16,8 +16,8 @@ path for one rank and for N:
   collective is a copy: the update is bitwise the one a plain module gets.
 
 A single trainer process forms a world of one in-process (a HashStore, no
-port); a data-parallel group joins its ranks over TCP
-(services/trainer/worker_group.py). Either way the default process group is
+port); a data-parallel group joins its ranks at rank 0's TCP store
+(services/trainer/worker_group.py, rank_rendezvous.py). Either way the default process group is
 the trainer's: one trainer per process.
 """
 from __future__ import annotations
@@ -65,12 +65,13 @@ def ensure_single_process_group(device: torch.device) -> None:
     setattr(dist, _SINGLE_PROCESS_MARK, True)
 
 
-def join_group(backend: str, *, init_method: str, rank: int, world_size: int, timeout_s: float) -> None:
-    """Join a multi-rank group, leaving a world of one this process formed earlier (one trainer per process)."""
+def join_group(backend: str, *, store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Join a multi-rank group at `store`, leaving a world of one this process formed earlier (one trainer
+    per process)."""
     if dist.is_initialized() and getattr(dist, _SINGLE_PROCESS_MARK, False):
         dist.destroy_process_group()
     setattr(dist, _SINGLE_PROCESS_MARK, False)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 

@@ -1,4 +1,9 @@
-"""A multi-rank (FSDP) trainer on one host: the serving process is rank 0, it starts ranks 1..N-1.
+"""A multi-rank (FSDP) trainer: the serving process is rank 0; ranks 1..N-1 run `run_rank`.
+
+Where ranks 1..N-1 run: on this host, started by rank 0 as processes (the default), or anywhere,
+started by someone else (`python -m services.trainer.rank`; the Ray launcher places them as actors
+across nodes). Either way they meet at rank 0's store (services/trainer/rank_rendezvous.py), read the
+group's spec from it, and run the same loop below.
 
 Rank 0 answers every RPC. Every rank holds 1/N of each master weight, so
 whatever touches the weights (ConfigureRun, TrainStep, CheckParity,
@@ -9,9 +14,11 @@ rank that failed where rank 0 did not leaves the shards out of step, so the
 group is marked broken and refuses everything after (fail closed). Info
 runs on rank 0 alone.
 
-A worker process that dies takes the service down (exit code 70): a group
-missing a rank cannot step, and the supervisor restarting the trainer plus
-the coordinator resuming it from the run's last checkpoint is the recovery.
+A rank that dies takes the group down: rank 0 exits with WORKER_LOST_EXIT and
+the other ranks exit with it (each learns of the loss from its liveness
+connection, or from a collective that fails). A group missing a rank cannot
+step; the supervisors restarting the ranks plus the coordinator resuming the
+run from its last checkpoint is the recovery.
 """
 from __future__ import annotations
 
@@ -20,13 +27,15 @@ import logging
 import multiprocessing
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
 from services.common.ports import free_port
 from services.trainer import sharding
 from services.trainer.data_parallel import DataParallel
+from services.trainer.rank_rendezvous import (LIVENESS_KEY, LivenessHub, LivenessLink, join_store, serve_store,
+                                              split_address)
 from services.trainer.trainer import Trainer
 
 log = logging.getLogger("lockstep.trainer.group")
@@ -39,42 +48,83 @@ REPLICATED = ("configure", "train_step", "check_parity", "weight_tensors", "save
 @dataclass(frozen=True)
 class GroupSpec:
     world_size: int
-    device: str          # 'cpu' or 'cuda' (rank r uses cuda:r)
+    device: str          # 'cpu' or 'cuda'
     num_threads: int
     timeout_s: float     # collective timeout: a rank stuck longer fails the step
     log_level: str = "info"
     attention_plugins: tuple[str, ...] = ()  # imported by every rank, as the service imports them
+    rendezvous: str = ""
+    """host:port of rank 0's store. Empty: rank 0 starts ranks 1..N-1 on its host and they meet at a free
+    port of 127.0.0.1. Set: ranks 1..N-1 are started elsewhere, one per process with devices of its own
+    (each sees its GPU as cuda:0), and join there."""
 
     @property
     def backend(self) -> str:
         return "nccl" if self.device == "cuda" else "gloo"
 
+    @property
+    def ranks_elsewhere(self) -> bool:
+        return bool(self.rendezvous)
+
     def rank_device(self, rank: int) -> str:
-        return f"cuda:{rank}" if self.device == "cuda" else "cpu"
+        if self.device != "cuda":
+            return "cpu"
+        return "cuda:0" if self.ranks_elsewhere else f"cuda:{rank}"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "attention_plugins": list(self.attention_plugins)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GroupSpec":
+        return cls(**{**d, "attention_plugins": tuple(d["attention_plugins"])})
 
 
-def _join(spec: GroupSpec, rank: int, init_method: str) -> DataParallel:
+def _lost_exit(who: str) -> None:
+    log.critical("trainer worker lost: %s; exiting so the group is restarted and the run resumed", who)
+    logging.shutdown()
+    os._exit(WORKER_LOST_EXIT)
+
+
+def _join(spec: GroupSpec, rank: int, store: dist.Store) -> DataParallel:
     if spec.device == "cuda":
         import torch
 
-        torch.cuda.set_device(rank)
-    sharding.join_group(spec.backend, init_method=init_method, rank=rank, world_size=spec.world_size,
-                        timeout_s=spec.timeout_s)
+        torch.cuda.set_device(spec.rank_device(rank))
+    sharding.join_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout_s=spec.timeout_s)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=spec.timeout_s))
     return DataParallel(rank, spec.world_size, control)
 
 
-def _worker_main(spec: GroupSpec, rank: int, init_method: str) -> None:
+def run_rank(rank: int, rendezvous: str, join_timeout_s: float, allowed_plugins: tuple[str, ...] = ()) -> None:
+    """Rank `rank` (>= 1) of the group whose rank 0 serves its store at `rendezvous`: join, then run what
+    rank 0 broadcasts until it says stop. Exits the process (WORKER_LOST_EXIT) when rank 0 is lost.
+
+    The store is not authenticated, so the modules it names to import must be among `allowed_plugins`
+    (what this rank was started with); any other is refused before anything is imported."""
     from services.common.structured_logging import configure_logging
 
     from services.trainer.plugins import import_attention_plugins
 
+    store, spec_dict = join_store(rendezvous, rank, join_timeout_s)
+    spec = GroupSpec.from_dict(spec_dict)
+    if not 1 <= rank < spec.world_size:
+        raise ValueError(f"rank: {rank} is not a worker rank of a group of {spec.world_size}")
+    foreign = sorted(set(spec.attention_plugins) - set(allowed_plugins))
+    if foreign:
+        raise ValueError(f"attention_plugins: rank 0's group imports {foreign}, which this rank was not started "
+                         f"with (--attention-plugins {','.join(allowed_plugins) or '(none)'})")
     configure_logging(f"trainer-rank{rank}", spec.log_level)
     import_attention_plugins(list(spec.attention_plugins))
-    dp = _join(spec, rank, init_method)
+    link = LivenessLink(store.get(LIVENESS_KEY).decode(), rank, _lost_exit, spec.timeout_s)
+    dp = _join(spec, rank, store)
+    log.info("trainer rank joined", extra={"fields": {"rank": rank, "world_size": spec.world_size,
+                                                       "rendezvous": rendezvous, "backend": spec.backend}})
     trainer = Trainer(device=spec.rank_device(rank), num_threads=spec.num_threads, dp=dp)
     while True:
-        command = dp.broadcast_command(None)
+        try:
+            command = dp.broadcast_command(None)
+        except Exception as exc:  # noqa: BLE001 - rank 0 gone mid-collective: the group is over
+            _lost_exit(f"rank 0 ({type(exc).__name__}: {exc})")
         if command is None:
             break
         name, kwargs = command
@@ -83,7 +133,11 @@ def _worker_main(spec: GroupSpec, rank: int, init_method: str) -> None:
             status = (True, result if isinstance(result, str) else "")
         except Exception as exc:  # noqa: BLE001 - reported to rank 0, which decides
             status = (False, f"{type(exc).__name__}: {exc}")
-        dp.gather_status(status)
+        try:
+            dp.gather_status(status)
+        except Exception as exc:  # noqa: BLE001
+            _lost_exit(f"a peer ({type(exc).__name__}: {exc})")
+    link.close()
     dist.destroy_process_group()
 
 
@@ -95,20 +149,30 @@ class GroupTrainer:
             raise ValueError(f"world_size: a group needs 2 or more ranks, got {spec.world_size}")
         self.spec = spec
         self.broken = ""
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        ctx = multiprocessing.get_context("spawn")  # fork would copy gRPC and torch threads mid-flight
-        self.workers = [ctx.Process(target=_worker_main, args=(spec, r, init_method), name=f"trainer-rank{r}",
-                                    daemon=True) for r in range(1, spec.world_size)]
         self._closing = False
-        for w in self.workers:
-            w.start()
-        # Watch from the start: a rank that dies before the rendezvous (an import error on that
-        # rank, say) would otherwise leave rank 0 waiting out the whole collective timeout.
-        threading.Thread(target=self._watch_workers, name="trainer-group-watch", daemon=True).start()
-        self.dp = _join(spec, 0, init_method)
+        rendezvous = spec.rendezvous or f"127.0.0.1:{free_port()}"
+        self.store = serve_store(rendezvous, spec.world_size, spec.as_dict(), spec.timeout_s)
+        self.liveness = LivenessHub(split_address(rendezvous)[0], spec.world_size, _lost_exit)
+        self.store.set(LIVENESS_KEY, self.liveness.address)
+        self.workers = []
+        if not spec.ranks_elsewhere:
+            ctx = multiprocessing.get_context("spawn")  # fork would copy gRPC and torch threads mid-flight
+            self.workers = [ctx.Process(target=run_rank, args=(r, rendezvous, spec.timeout_s, spec.attention_plugins),
+                                        name=f"trainer-rank{r}", daemon=True) for r in range(1, spec.world_size)]
+            for w in self.workers:
+                w.start()
+            # Watch from the start: a rank that dies before the rendezvous (an import error on that
+            # rank, say) would otherwise leave rank 0 waiting out the whole collective timeout.
+            threading.Thread(target=self._watch_workers, name="trainer-group-watch", daemon=True).start()
+        else:
+            log.info("waiting for trainer ranks", extra={"fields": {
+                "world_size": spec.world_size, "rendezvous": rendezvous}})
+        self.dp = _join(spec, 0, self.store)
+        self.liveness.accept_all(spec.timeout_s)
         self.trainer = Trainer(device=spec.rank_device(0), num_threads=spec.num_threads, dp=self.dp)
         log.info("data-parallel trainer group up", extra={"fields": {
-            "world_size": spec.world_size, "backend": spec.backend, "device": spec.device}})
+            "world_size": spec.world_size, "backend": spec.backend, "device": spec.device,
+            "rendezvous": rendezvous}})
 
     def _watch_workers(self) -> None:
         from multiprocessing.connection import wait
@@ -117,8 +181,7 @@ class GroupTrainer:
         if self._closing:
             return
         dead = [f"rank {i + 1} (exit {w.exitcode})" for i, w in enumerate(self.workers) if not w.is_alive()]
-        log.critical("trainer worker lost: %s; exiting so the service is restarted and resumed", ", ".join(dead))
-        os._exit(WORKER_LOST_EXIT)
+        _lost_exit(", ".join(dead) or "a rank process")
 
     def _replicated(self, name: str, **kwargs):
         return self._on_all_ranks(name, **kwargs)[0]
@@ -132,13 +195,19 @@ class GroupTrainer:
         raised, the group is not broken."""
         if self.broken:
             raise RuntimeError(f"trainer group is broken ({self.broken}); restart the trainer service")
-        self.dp.broadcast_command((name, kwargs))
+        try:
+            self.dp.broadcast_command((name, kwargs))
+        except Exception as exc:  # noqa: BLE001 - a rank gone: the group cannot go on
+            _lost_exit(f"a rank ({type(exc).__name__}: {exc})")
         error: BaseException | None = None
         try:
             result = getattr(self.trainer, name)(**kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised after the ranks have compared notes
             error, result = exc, None
-        statuses = self.dp.gather_status((error is None, "" if error is None else f"{type(error).__name__}: {error}"))
+        try:
+            statuses = self.dp.gather_status((error is None, "" if error is None else f"{type(error).__name__}: {error}"))
+        except Exception as exc:  # noqa: BLE001 - a rank gone mid-command: the group cannot go on
+            _lost_exit(f"a rank ({type(exc).__name__}: {exc})")
         diverged = [f"rank {r}: {msg or 'ok'}" for r, (ok, msg) in enumerate(statuses) if ok != (error is None)]
         if diverged and rank0_alone_writes and error is not None and all(ok for ok, _ in statuses[1:]):
             raise error
@@ -183,10 +252,12 @@ class GroupTrainer:
 
     def close(self) -> None:
         self._closing = True
+        self.liveness.closing.set()
         if not self.broken:
             self.dp.broadcast_command(None)
         for w in self.workers:
             w.join(timeout=30)
             if w.is_alive():
                 w.kill()
+        self.liveness.close()
         dist.destroy_process_group()

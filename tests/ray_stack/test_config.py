@@ -12,9 +12,15 @@ from services.ray_stack.launcher import (
     ensure_token_file,
     node_argv,
     plan_coordinator,
-    plan_workers,
+    plan_rollouts,
+    plan_trainer,
+    with_rendezvous,
     with_weight_source,
 )
+
+
+def plan_workers(cfg: RayStackConfig):
+    return [*plan_trainer(cfg), *plan_rollouts(cfg)]
 
 
 def test_plan_gives_each_service_its_fixed_ports_and_bundle():
@@ -22,7 +28,7 @@ def test_plan_gives_each_service_its_fixed_ports_and_bundle():
                          rollout_port_base=6000, rollout_metrics_port_base=7000, num_threads=2)
     plans = plan_workers(cfg)
     assert [p.name for p in plans] == ["trainer", "rollout-0", "rollout-1", "rollout-2"]
-    assert [p.bundle for p in plans] == [0, 1, 2, 3]
+    assert [p.bundle for p in plans] == [0, 0, 1, 2]  # the trainer's placement group, the rollouts' one
     assert [p.port for p in plans] == [50052, 6000, 6001, 6002]
     runs = str(Path("runs").resolve())
     assert plans[0].args == ("--grpc-port", "50052", "--metrics-port", "9102", "--num-threads", "2",
@@ -47,6 +53,7 @@ def test_without_a_broadcast_port_the_services_get_no_broadcast_settings():
 def test_a_broadcast_port_puts_the_rendezvous_on_the_trainers_node_and_in_every_rollouts_sources():
     cfg = RayStackConfig(rollout_replicas=2, trainer_broadcast_port=29500, trainer_args="--device cpu")
     trainer, *rollouts = plan_workers(cfg)
+    assert trainer.env == (("NCCL_NVLS_ENABLE", "0"),)
     assert trainer.broadcast_port == 29500 and all(p.broadcast_port == 0 for p in rollouts)
     # The address is the node's, known only where the actor runs: it joins --host there.
     argv = node_argv(trainer, "10.0.0.7", "/venv/bin/python")
@@ -76,7 +83,44 @@ def test_coordinator_plan_dials_the_placed_addresses(tmp_path):
     assert (tmp_path / "auth_token").stat().st_mode & 0o077 == 0
 
 
+def test_a_multi_rank_trainer_is_one_bundle_per_rank_meeting_at_rank_0s_node(tmp_path):
+    cfg = RayStackConfig(trainer_world_size=3, trainer_gpus_per_rank=1, trainer_rendezvous_port=29400,
+                         trainer_cpus=2, data_dir=str(tmp_path), trainer_env="NCCL_SOCKET_IFNAME=eth0,eth1")
+    rank0, *ranks = plan_trainer(cfg)
+    assert [p.name for p in (rank0, *ranks)] == ["trainer", "trainer-rank-1", "trainer-rank-2"]
+    assert [p.bundle for p in (rank0, *ranks)] == [0, 1, 2]
+    assert bundles([rank0, *ranks]) == [{"CPU": 2, "GPU": 1}] * 3
+    # Rank 0 serves gRPC and the ranks' store; the device follows the bundle's GPUs.
+    assert rank0.args[-6:] == ("--data-parallel", "3", "--rank-rendezvous-port", "29400", "--device", "cuda")
+    assert rank0.port == 50052 and all(p.port == 0 and p.module == "services.trainer.rank" for p in ranks)
+    env = {"NCCL_NVLS_ENABLE": "0", "NCCL_SOCKET_IFNAME": "eth0,eth1"}
+    assert all(dict(p.env) == env for p in (rank0, *ranks))
+    # The others learn the store's address once rank 0 is placed: its node's address.
+    placed = with_rendezvous(ranks, "10.0.0.9", 29400)
+    assert node_argv(placed[1], "10.0.0.4", "py") == [
+        "py", "-m", "services.trainer.rank", "--host", "10.0.0.4", "--rank", "2", "--rendezvous", "10.0.0.9:29400"]
+    cpu = plan_trainer(RayStackConfig(trainer_world_size=2, trainer_rendezvous_port=29400))
+    assert cpu[0].args[-2:] == ("--device", "cpu") and bundles(cpu) == [{"CPU": 1}] * 2
+    assert cpu[1].args == ("--rank", "1")
+    # The other ranks may import the plugins rank 0 was started with, and only those.
+    plugins = plan_trainer(RayStackConfig(trainer_world_size=2, trainer_rendezvous_port=29400,
+                                          trainer_args="--attention-plugins=a.b,c.d --log-level debug"))
+    assert plugins[1].args == ("--rank", "1", "--attention-plugins", "a.b,c.d")
+    # NCCL_NVLS_ENABLE stays off unless the operator names it.
+    assert RayStackConfig(trainer_env="NCCL_NVLS_ENABLE=1").rank_env() == {"NCCL_NVLS_ENABLE": "1"}
+
+
 @pytest.mark.parametrize("fields, field, reason", [
+    ({"trainer_world_size": 2}, "trainer_rendezvous_port", "required with trainer_world_size 2"),
+    ({"trainer_world_size": 2, "trainer_rendezvous_port": 29400, "trainer_gpus": 1}, "trainer_gpus",
+     "give trainer_gpus_per_rank instead"),
+    ({"trainer_world_size": 2, "trainer_rendezvous_port": 29400, "trainer_args": "--device cuda"}, "trainer_args",
+     "--device is set by the launcher"),
+    ({"trainer_world_size": 2, "trainer_rendezvous_port": 50052}, "trainer_rendezvous_port",
+     "port 50052 is also trainer_port's"),
+    ({"trainer_env": "LD_PRELOAD=/x.so"}, "trainer_env", "NCCL_*, GLOO_* or TORCH_NCCL_*"),
+    ({"trainer_env": "NCCL_DEBUG"}, "trainer_env", "is not NAME=VALUE"),
+    ({"trainer_placement_strategy": "RANDOM"}, "trainer_placement_strategy", "PACK"),
     ({"trainer_port": 8000}, "trainer_port", "port 8000 is also coordinator_port's"),
     ({"rollout_replicas": 3, "rollout_port_base": 50050}, "rollout_port_base", "port 50052 is also trainer_port's"),
     ({"rollout_replicas": 2, "rollout_port_base": 65535}, "rollout_port_base", "above 65535"),

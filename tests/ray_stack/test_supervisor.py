@@ -46,6 +46,20 @@ def test_a_killed_service_is_restarted_and_its_exit_recorded(tmp_path):
     assert sup.status().restarts == 1  # stopping is not an exit to restart from
 
 
+def test_a_held_service_that_exits_stays_down(tmp_path):
+    # What the launcher does to every service before stopping the stack: trainer rank 0 stopping ends
+    # its other ranks, and those must not be started again.
+    sup = _supervisor(tmp_path, "import time; time.sleep(60)", max_restarts=3)
+    sup.start()
+    pid = sup.status().pid
+    sup.hold()
+    os.kill(pid, signal.SIGKILL)
+    sup._thread.join(timeout=20)  # the watcher ends rather than restarting
+    st = sup.status()
+    assert not sup._thread.is_alive() and not st.alive and st.pid == pid and st.restarts == 0
+    assert sup.stop() == -signal.SIGKILL
+
+
 def test_restart_budget_is_finite_and_then_it_gives_up(tmp_path):
     sup = _supervisor(tmp_path, "import sys; print('boom', flush=True); sys.exit(3)", max_restarts=2)
     sup.start()
