@@ -52,12 +52,17 @@ class WarmStartConfig:
     are context, never targets, exactly as in RL)."""
 
     steps: int = 300
-    """Optimizer steps (a fixed count: the warm start is deterministic per seed)."""
+    """Optimizer steps (a fixed count: the warm start is deterministic per seed). Measured with seed 0:
+    after 150 steps with a 0.1 tool share the model could not yet write a call (prompted with `<`, it
+    copied the operands into `<calc>..</calc>` for none of the held-out problems); after 300 steps with
+    0.25 it copies them exactly for 86% and copies a given result for 56%, while greedy decoding calls
+    the tool in only 23% of held-out episodes: the format is there, the habit and the precision are not."""
     batch_size: int = 64
     """Episodes per optimizer step."""
     tool_fraction: float = 0.25
     """Share of scripted episodes that call the tool; the rest answer directly with the product. Low on
-    purpose: the warm start teaches the call's format, not the habit of calling."""
+    purpose: the warm start teaches the call's format, not the habit of calling (the greedy first token
+    stays a digit for most problems)."""
     lr: float = 2e-3
     """AdamW peak learning rate, constant after warmup."""
     betas: tuple[float, float] = (0.9, 0.99)
