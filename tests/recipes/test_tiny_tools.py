@@ -5,6 +5,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from contract.calculator_env import evaluate
@@ -84,3 +85,46 @@ def test_warm_start_settings_are_valid():
     WARM_START.validate()
     with pytest.raises(ValueError, match="tool_fraction"):
         type(WARM_START)(tool_fraction=1.5).validate()
+
+
+class _ScriptedPolicy(torch.nn.Module):
+    """A 'model' whose greedy turn is a Python function of the episode so far (one-hot logits): pure
+    logic, to check what the greedy check counts."""
+
+    def __init__(self, tok, turn):
+        super().__init__()
+        self.tok, self.turn = tok, turn
+
+    def forward(self, input_ids):
+        logits = torch.zeros(*input_ids.shape, len(self.tok))
+        for row, ids in enumerate(input_ids.tolist()):
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            prompt, _, after = text.partition("=")
+            # What the model has written of its current turn: after its last eos and the observation.
+            done = after.rsplit("<|eos|>", 1)[-1].rsplit("</result>", 1)[-1]
+            # The intended turn, minus what of it the model has already written.
+            intended = self.turn(prompt, after)
+            nxt = intended[len(done)] if len(done) < len(intended) else None
+            logits[row, -1, self.tok.encode(nxt)[0] if nxt else EOS_ID] = 1.0
+        return type("Out", (), {"logits": logits})()
+
+
+@pytest.mark.parametrize("name,turn,expected", [
+    # Call the tool right, then copy its result: everything counts.
+    ("calls", lambda prompt, after: (f"<calc>{prompt}</calc>" if "<result>" not in after
+                                     else after.split("<result>")[1].split("</result>")[0]), (1.0, 1.0, 1.0)),
+    # Call it with the wrong expression and copy that result: a call, not a correct one, and a wrong answer.
+    ("wrong call", lambda prompt, after: (f"<calc>{prompt}+1</calc>" if "<result>" not in after
+                                          else after.split("<result>")[1].split("</result>")[0]), (0.0, 1.0, 0.0)),
+    # Answer directly with a number: no call, a wrong answer.
+    ("direct", lambda prompt, after: "12345", (0.0, 0.0, 0.0)),
+])
+def test_the_greedy_check_counts_calls_correct_calls_and_answers(name, turn, expected):
+    from recipes.tiny_tools.episodes import greedy_tool_use
+
+    tok = build_char_tokenizer()
+    problems = _task().split("heldout")[:4]
+    report = greedy_tool_use(_ScriptedPolicy(tok, turn), tok, problems, max_turns=3, max_new_tokens=24,
+                             max_episode_tokens=96)
+    assert (report.accuracy, report.tool_call_rate, report.correct_tool_call_rate) == expected, name
+    assert report.episodes == 4
