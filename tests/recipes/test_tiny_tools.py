@@ -128,3 +128,27 @@ def test_the_greedy_check_counts_calls_correct_calls_and_answers(name, turn, exp
                              max_episode_tokens=96)
     assert (report.accuracy, report.tool_call_rate, report.correct_tool_call_rate) == expected, name
     assert report.episodes == 4
+
+
+def test_warm_start_is_deterministic_per_seed(tmp_path):
+    """Two warm starts of one seed, concurrently (each pins one thread), write bitwise-identical weights."""
+    import hashlib
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, "-m", "recipes.tiny_tools.prepare", "--out", str(tmp_path / name),
+                               "--seed", "5", "--steps", "3", "--batch-size", "8", "--heldout-size", "4"],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name in ("a", "b")]
+    infos = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, stderr[-3000:]
+        infos.append(json.loads(stdout.strip().splitlines()[-1]))
+    digest = [hashlib.sha256((tmp_path / n / "model.safetensors").read_bytes()).hexdigest() for n in ("a", "b")]
+    assert digest[0] == digest[1]
+    strip = lambda info: {k: v for k, v in info.items() if k not in ("model_dir", "seconds")}  # noqa: E731
+    assert strip(infos[0]) == strip(infos[1]) and infos[0]["warm_start_steps"] == 3 and infos[0]["heldout_size"] == 4
