@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv sglang-venv demo test test-quick proto clean
+.PHONY: venv sglang-venv demo demo-tools test test-quick proto clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,10 @@ sglang-venv:
 
 demo: venv
 	$(PY) -m recipes.tiny_arith.demo
+
+# The multi-turn demo: the tiny policy learns to call a calculator tool (recipes/tiny_tools).
+demo-tools: venv
+	$(PY) -m recipes.tiny_tools.demo
 
 # The whole suite (CI runs this), then its 25 slowest tests.
 test: venv sglang-venv

@@ -139,6 +139,7 @@ SLOW_TESTS = {
         "torch.compile",
     "tests/recipes/test_tiny_arith.py::test_warm_start_is_deterministic_and_writes_a_loadable_dir":
         "two warm starts as processes",
+    "tests/recipes/test_tiny_tools.py::test_warm_start_is_deterministic_per_seed": "two warm starts as processes",
     "tests/deploy/test_prometheus_rules.py::test_unit_tests_catch_a_loosened_rule": "promtool per rule",
     "tests/coordinator/test_streaming.py::test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weights":
         "a torch engine decode and two trainers scoring it",
