@@ -85,6 +85,32 @@ class GeneratedSample:
         return f"{self.group_id}/{self.index}"
 
 
+def check_request_fits_model(request: "GenerationRequest", *, vocab: int, max_len: int | None) -> None:
+    """What every engine checks against its model: the sampling settings, at least one prompt and one
+    sample, every prompt and resumed token id inside the `vocab`, and every prompt plus its new tokens
+    within `max_len` positions (None: no limit). ValueError names the field."""
+    request.sampling.validate()
+    if request.samples_per_prompt < 1:
+        raise ValueError(f"samples_per_prompt: must be >= 1, got {request.samples_per_prompt}")
+    if not request.prompts:
+        raise ValueError("prompts: empty")
+    for i, p in enumerate(request.prompts):
+        if not p.token_ids:
+            raise ValueError(f"prompts[{i}].token_ids: empty")
+        bad = [t for t in p.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompts[{i}].token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
+        if max_len is not None and len(p.token_ids) + request.sampling.max_new_tokens > max_len:
+            raise ValueError(
+                f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
+                f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={max_len}"
+            )
+    for i, r in enumerate(request.resumed):
+        bad = [t for t in r.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"resumed[{i}].response_token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
+
+
 class DeviceUnavailable(RuntimeError):
     """The device an engine's options name does not exist on this host (`cuda:99`, CUDA on a CPU host)."""
 

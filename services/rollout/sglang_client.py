@@ -23,7 +23,13 @@ from typing import Any, Literal
 
 import httpx
 
-from services.rollout.engine import GeneratedSample, GenerationRequest, ResumedSample, SamplingConfig
+from services.rollout.engine import (
+    GeneratedSample,
+    GenerationRequest,
+    ResumedSample,
+    SamplingConfig,
+    check_request_fits_model,
+)
 
 
 class SGLangConnectionError(RuntimeError):
@@ -72,26 +78,7 @@ def sampling_params(sampling: SamplingConfig, seed: int) -> dict[str, Any]:
 def check_request(request: GenerationRequest, *, vocab: int, max_len: int | None, eos: set[int]) -> None:
     """What the SGLang engine can serve exactly, checked against its model (`vocab` ids, `max_len`
     positions, `eos` ids); ValueError names the field."""
-    request.sampling.validate()
-    if request.samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt: must be >= 1, got {request.samples_per_prompt}")
-    if not request.prompts:
-        raise ValueError("prompts: empty")
-    for i, p in enumerate(request.prompts):
-        if not p.token_ids:
-            raise ValueError(f"prompts[{i}].token_ids: empty")
-        bad = [t for t in p.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompts[{i}].token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
-        if max_len is not None and len(p.token_ids) + request.sampling.max_new_tokens > max_len:
-            raise ValueError(
-                f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
-                f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={max_len}"
-            )
-    for i, r in enumerate(request.resumed):
-        bad = [t for t in r.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"resumed[{i}].response_token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
+    check_request_fits_model(request, vocab=vocab, max_len=max_len)
     # SGLang stops on the model's eos ids by itself and has no switch for
     # that alone (ignore_eos also disables stop_token_ids). A request that
     # leaves them out would get shorter samples than the torch engine

@@ -40,6 +40,7 @@ from services.rollout.engine import (
     GeneratedSample,
     GenerationRequest,
     SamplingConfig,
+    check_request_fits_model,
     require_device,
 )
 from services.rollout.episodes import SampledTurn
@@ -221,24 +222,9 @@ class TorchEngine(Engine):
     def validate_request(self, request: GenerationRequest) -> None:
         """Checks that need the model (vocabulary, context length); ValueError names the field."""
         model = self._require_model()
-        request.sampling.validate()
-        if request.samples_per_prompt < 1:
-            raise ValueError(f"samples_per_prompt: must be >= 1, got {request.samples_per_prompt}")
-        if not request.prompts:
-            raise ValueError("prompts: empty")
         vocab = model.get_input_embeddings().num_embeddings
-        max_len = getattr(model.config, "max_position_embeddings", None)
+        check_request_fits_model(request, vocab=vocab, max_len=getattr(model.config, "max_position_embeddings", None))
         for i, p in enumerate(request.prompts):
-            if not p.token_ids:
-                raise ValueError(f"prompts[{i}].token_ids: empty")
-            bad = [t for t in p.token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompts[{i}].token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
-            if max_len is not None and len(p.token_ids) + request.sampling.max_new_tokens > max_len:
-                raise ValueError(
-                    f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
-                    f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={max_len}"
-                )
             cap = self.config.max_context_tokens
             if cap is not None and len(p.token_ids) + request.sampling.max_new_tokens > cap:
                 raise ValueError(
@@ -251,10 +237,6 @@ class TorchEngine(Engine):
                     f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
                     f"{request.sampling.max_new_tokens} new tokens exceeds engine_config.kv_cache_tokens={pool}"
                 )
-        for i, r in enumerate(request.resumed):
-            bad = [t for t in r.token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"resumed[{i}].response_token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
         bad_stop = [t for t in request.sampling.stop_token_ids if not 0 <= t < vocab]
         if bad_stop:
             raise ValueError(f"sampling.stop_token_ids: id {bad_stop[0]} outside the vocabulary [0, {vocab})")
