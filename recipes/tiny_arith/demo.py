@@ -138,19 +138,26 @@ def main(argv: list[str] | None = None) -> int:
         metrics = client.metrics(run["id"])
         client.close()
     summary = summarize(run, metrics, time.monotonic() - t0, rl_seconds)
+    path = write_outputs(run, metrics, summary, run_dir, console)
+    print(path)
+    return 0 if run["status"] == "completed" else 1
+
+
+
+def write_outputs(run: dict, metrics: dict, summary: dict, run_dir: Path, console: Console) -> Path:
+    """metrics.json, the plot and summary.json in `run_dir`, the table and the summary on the console;
+    the path of summary.json."""
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     if metrics["steps"]:
         plot(metrics, run_dir / "plot.png")
         console.print(table(summary, metrics))
-    summary["plot"] = str(run_dir / "plot.png")
+        summary["plot"] = str(run_dir / "plot.png")
     path = run_dir / "summary.json"
     path.write_text(json.dumps(summary, indent=2))
     if run["status"] != "completed":
         console.print(f"[red]run {run['status']}: {run.get('error')}[/red]")
     console.print_json(json.dumps(summary))
-    print(path)
-    return 0 if run["status"] == "completed" else 1
-
+    return path
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from recipes.tiny_arith.demo import plot, table
+from recipes.tiny_arith.demo import write_outputs
 from recipes.tiny_tools.check import check
 from services.cli.client import load_recipe
 from services.cli.progress import RunProgress
@@ -146,17 +146,7 @@ def run_on(stack: LocalStack, spec: dict, *, prep: dict, cached: bool, console: 
         "cpu_count": os.cpu_count(),
         f"s_to_accuracy_gain_{GAIN}": gain.seconds,
     })
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    if metrics["steps"]:
-        plot(metrics, run_dir / "plot.png")
-        console.print(table(summary, metrics))
-        summary["plot"] = str(run_dir / "plot.png")
-    path = run_dir / "summary.json"
-    path.write_text(json.dumps(summary, indent=2))
-    if run["status"] != "completed":
-        console.print(f"[red]run {run['status']}: {run.get('error')}[/red]")
-    console.print_json(json.dumps(summary))
-    return path, summary
+    return write_outputs(run, metrics, summary, run_dir, console), summary
 
 
 def main(argv: list[str] | None = None) -> int:
