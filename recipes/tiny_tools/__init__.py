@@ -25,17 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.tiny_model import TinyQwen3Config
-
-MODEL = TinyQwen3Config(
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    intermediate_size=384,
-    max_position_embeddings=128,
-)
+from recipes.tiny_arith import MODEL  # the same tiny Qwen3 shape as the single-turn demo
 
 EPISODE_LIMITS: dict = {"max_turns": 3, "max_episode_tokens": 96, "step_timeout_s": 10.0}
 """Prompt (8) + call (20 + eos) + result (<= 23) + answer (<= 6 + eos) = 59 tokens at most on the
