@@ -4,17 +4,16 @@ the rollout's log-probs whenever it holds the behaviour version (test_true_on_po
 same on CPU in float32; this is the GPU's batch-invariant kernels on the same path)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.local_stack import LocalStack
-from tests.integration.test_true_on_policy_stack import (
+from tests.integration.test_true_on_policy_stack import (  # noqa: F401 - client and model_dir are fixtures
     LAG_STEPS,
+    client,
     final_weights_sha256,
     lagged,
+    model_dir,
     run_to_end,
     sent_trajectories,
     without_run_id,
@@ -24,24 +23,12 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("model") / "tiny", TinyQwen3Config(initializer_range=0.2), seed=0)
-
-
-@pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA/ROCm GPU")
     with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()],
                     extra_env={"LOCKSTEP_TRAINER_DEVICE": "cuda"}) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(stack):
-    c = stack.client()
-    yield c
-    c.close()
 
 
 def on_gpu(spec: dict) -> dict:
