@@ -12,6 +12,9 @@ import yaml
 from services.common.auth import BearerToken
 
 TERMINAL = ("completed", "failed", "cancelled")
+# A paused run goes on only once an operator resumes it (its checkpoint disk was full): waiting for it to
+# end would wait forever, so `wait` returns it too, its reason in `error`.
+NEEDS_OPERATOR = ("paused",)
 
 
 class RecipeLoader(yaml.SafeLoader):
@@ -85,15 +88,15 @@ class CoordinatorClient:
         return self._json(self._http.post(f"/v1/runs/{run_id}/resume"))
 
     def wait(self, run_id: str, *, poll_s: float = 0.25, timeout_s: float | None = None, on_update=None) -> dict:
-        """The run once it ends (or TimeoutError after `timeout_s`), reading it every `poll_s`: polled every quarter
-        second, a run is seen ended 0.125 s after it ends on average (0.5 s at one second), for one small
+        """The run once it ends or is paused for the operator (or TimeoutError after `timeout_s`), reading it
+        every `poll_s`: polled every quarter second, a run is seen ended 0.125 s after it ends on average (0.5 s at one second), for one small
         read of Redis per poll."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             run = self.run(run_id)
             if on_update:
                 on_update(run)
-            if run["status"] in TERMINAL:
+            if run["status"] in TERMINAL + NEEDS_OPERATOR:
                 return run
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"run {run_id} still {run['status']} at step {run['step']} after {timeout_s}s")

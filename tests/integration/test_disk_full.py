@@ -129,7 +129,9 @@ def test_a_full_checkpoint_disk_is_retried_then_paused_and_the_runs_complete_onc
         stack.restart_coordinator()
         ballast = fill(data_dir)
         paused = client.submit(_spec(model, "disk-full-paused"))["id"]
-        run = _wait_for(client, paused, "paused", lambda r: r["status"] == "paused")
+        # The client's wait returns a paused run: it would otherwise wait for an operator forever.
+        run = client.wait(paused, timeout_s=300)
+        assert run["status"] == "paused", run
         (refused,) = _events(run, "checkpoint_out_of_space")
         assert refused["then"] == "pause" and refused["retry_in_s"] is None and refused["step"] == CHECKPOINT_EVERY
         assert run["step"] == CHECKPOINT_EVERY - 1 and refused["path"] in run["error"], run
