@@ -598,8 +598,8 @@ class RunDriver:
         return step == self.spec.steps or (every > 0 and step % every == 0)
 
     def _checkpoint_due(self, step: int) -> bool:
-        every = self.spec.checkpoint.every
-        return step == self.spec.steps or (every > 0 and step % every == 0)
+        every, final = self.spec.checkpoint.every, self.spec.checkpoint.final
+        return (final and step == self.spec.steps) or (every > 0 and step % every == 0)
 
     async def _check_cancelled(self) -> None:
         run = await self.store.get_run(self.run_id)

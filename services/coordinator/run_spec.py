@@ -201,7 +201,11 @@ def fields_error(fields: list[tuple[str, str]]) -> PydanticCustomError:
 
 
 class CheckpointSpec(_Strict):
-    every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and after the last step); 0 = only after the last step.")
+    every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and after the last step, unless "
+                       "`final` is false); 0 = only after the last step.")
+    final: bool = Field(True, description="Save a checkpoint after the last step. False for a run whose weights "
+                        "are not kept (a benchmark, a smoke test): on a large policy the last checkpoint (weights "
+                        "and optimizer state) can take longer to write than the run took to train.")
 
 
 class DebugSpec(_Strict):
