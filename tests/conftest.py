@@ -197,20 +197,38 @@ def _stale_entries() -> list[str]:
         source = REPO_ROOT / path
         if not source.is_file() or (name and not re.search(rf"^def {re.escape(name)}\(", source.read_text(), re.M)):
             stale.append(f"{path}::{name}" if name else path)
+    from tests.worker_groups import SHARED_SESSION_FIXTURES
+    conftests = "".join(c.read_text() for c in (REPO_ROOT / "tests").glob("*/conftest.py"))
+    stale += [f"tests/worker_groups.py::{name}" for name in SHARED_SESSION_FIXTURES
+              if not re.search(rf"^def {re.escape(name)}\(", conftests, re.M)]
     return stale
+
+
+def in_worker_groups(config) -> bool:
+    """The suite runs in pytest-xdist workers, grouped as tests/worker_groups.py says."""
+    return config.getoption("dist", "no") == "loadgroup"
 
 
 def pytest_configure(config):
     if stale := _stale_entries():
         raise pytest.UsageError(f"tests/conftest.py's marker tables name what does not exist: {stale}")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        # Each worker, and every service it starts, hands out ports from its own slice of the range, so
+        # two workers never pick one port in the moment before its server binds it (services/common/ports.py).
+        os.environ["LOCKSTEP_PORT_SLICE"] = f"{int(worker[2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks given here
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _stack_reason(item) is not None:
             item.add_marker(pytest.mark.stack)
         if _listed(item, SLOW_TESTS) is not None:
             item.add_marker(pytest.mark.slow)
+    if in_worker_groups(config):
+        from tests.worker_groups import assign, shared_fixtures
+        items[:] = assign(items, lambda item: shared_fixtures(getattr(item, "fixturenames", ())))
 
 
 def stack_process(argv) -> str | None:
