@@ -33,7 +33,7 @@ demo-tools: venv
 # alone on the host, the tests marked `alone` (the gigabyte policy's stack holds 14 GB).
 TEST_WORKERS ?= 2
 test: venv sglang-venv
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 		-m "not gpu and not docker and not alone" --durations=25 tests
 	$(PY) -m pytest -m "alone and not gpu and not docker" --durations=5 tests
 

@@ -205,8 +205,15 @@ def _stale_entries() -> list[str]:
 
 
 def in_worker_groups(config) -> bool:
-    """The suite runs in pytest-xdist workers, grouped as tests/worker_groups.py says."""
-    return config.getoption("dist", "no") == "loadgroup"
+    """The suite runs in pytest-xdist workers (this process is one, or their controller), grouped as
+    tests/worker_groups.py says."""
+    return hasattr(config, "workerinput") or config.getoption("dist", "no") != "no"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's, absent without it
+def pytest_xdist_make_scheduler(config, log):
+    from tests.worker_groups import scheduler, source_groups
+    return scheduler(config, log, source_groups(REPO_ROOT))
 
 
 def pytest_configure(config):
@@ -219,7 +226,6 @@ def pytest_configure(config):
         os.environ["LOCKSTEP_PORT_SLICE"] = f"{int(worker[2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks given here
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if _stack_reason(item) is not None:
@@ -227,8 +233,13 @@ def pytest_collection_modifyitems(config, items):
         if _listed(item, SLOW_TESTS) is not None:
             item.add_marker(pytest.mark.slow)
     if in_worker_groups(config):
-        from tests.worker_groups import assign, shared_fixtures
-        items[:] = assign(items, lambda item: shared_fixtures(getattr(item, "fixturenames", ())))
+        from tests.worker_groups import ordered, shared_fixtures, source_groups, unnamed_uses
+        if missing := unnamed_uses(items, REPO_ROOT, lambda item: shared_fixtures(getattr(item, "fixturenames", ()))):
+            raise pytest.UsageError(
+                "these test files use a shared session fixture through another fixture without naming it, so "
+                f"tests/worker_groups.py cannot keep them in that fixture's worker: {missing}; name it in the "
+                "file (a test's or a fixture's parameter, or a comment)")
+        items[:] = ordered(items, source_groups(REPO_ROOT))
 
 
 def stack_process(argv) -> str | None:
