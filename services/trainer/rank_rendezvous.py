@@ -204,7 +204,10 @@ class LivenessHub:
                 self._drop(sel, pending, conn, peer, "the group formed without it")
             sel.close()
             self._server.close()
-        threading.Thread(target=self._watch, name="trainer-rank-liveness", daemon=True).start()
+        watched = selectors.DefaultSelector()  # filled here: a close() right after this finds them watched
+        for rank, conn in self._conns.items():
+            watched.register(conn, selectors.EVENT_READ, rank)
+        threading.Thread(target=self._watch, args=(watched,), name="trainer-rank-liveness", daemon=True).start()
 
     def _accept(self, sel: selectors.BaseSelector, pending: dict) -> None:
         try:
@@ -266,10 +269,7 @@ class LivenessHub:
         del pending[conn]
         _hang_up(conn)
 
-    def _watch(self) -> None:
-        sel = selectors.DefaultSelector()
-        for rank, conn in self._conns.items():
-            sel.register(conn, selectors.EVENT_READ, rank)
+    def _watch(self, sel: selectors.BaseSelector) -> None:
         while True:
             try:
                 ready = sel.select()
