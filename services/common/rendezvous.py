@@ -11,6 +11,9 @@ it plans a sync and closes it when the sync ends; closing deletes the group's ke
 naming why, so a rank still asking about the group learns the reason (`GroupClosed`) rather than waiting.
 Any other key is refused (a check finds it not set). `RendezvousLimits` bounds what the table holds,
 whoever writes it: a write that would pass a limit is refused (`StoreFull`) and stores nothing.
+
+The ranks of a multi-rank trainer meet the same way, at a KeyTable of their own that rank 0 serves with
+one group open for the group's lifetime (services/trainer/rank_rendezvous.py).
 """
 from __future__ import annotations
 
@@ -42,6 +45,10 @@ class RendezvousLimits:
 
 class RendezvousError(RuntimeError):
     """A store operation was refused; torch.distributed callers see it as the RuntimeError it is."""
+
+
+class Unauthenticated(RendezvousError):
+    """The rendezvous refused the caller before reading its request: no token, or not the deployment's."""
 
 
 class KeyRefused(RendezvousError):

@@ -3,7 +3,8 @@
 `LocalStore` is the trainer's own rank's view of its KeyTable (services/common/rendezvous.py), no network
 in between. `RendezvousClient` is a replica's: every operation one call of the trainer's Rendezvous
 service (services/common/rendezvous_service.py) carrying the deployment's token; a refusal raises
-RendezvousError, GroupClosed when the trainer closed the group (with its reason). Both wait for keys as
+RendezvousError, GroupClosed when the trainer closed the group (with its reason), Unauthenticated when
+the token is not the deployment's. Both wait for keys as
 torch stores do (get waits for its key; wait raises DistStoreError at the timeout); a client's waits are
 long polls of at most WAIT_SLICE_S each.
 
@@ -24,7 +25,8 @@ from proto import rendezvous_pb2 as rpb
 from proto import rendezvous_pb2_grpc as rpb_grpc
 from services.common.auth import BearerToken
 from services.common.grpc_options import sync_channel
-from services.common.rendezvous import GroupClosed, KeyRefused, KeyTable, RendezvousError, StoreFull, group_of
+from services.common.rendezvous import (GroupClosed, KeyRefused, KeyTable, RendezvousError, StoreFull,
+                                        Unauthenticated, group_of)
 from services.common.rendezvous_service import CALL_TIMEOUT_S, CLOSED_REASON_KEY, WAIT_SLICE_S
 
 
@@ -120,6 +122,8 @@ class RendezvousClient(BlockingStore):
             if key == CLOSED_REASON_KEY and keys:
                 return GroupClosed(group_of(keys[0]), bytes(value).decode(errors="replace"))
         message = f"rendezvous {self.address}: {method}: {code.name if code else 'error'}: {exc.details()}"
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return Unauthenticated(message)
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
             return StoreFull(message)
         if code == grpc.StatusCode.FAILED_PRECONDITION:

@@ -59,9 +59,9 @@ class RayStackConfig(BaseModel):
     )
     trainer_rendezvous_port: int = Field(
         0, ge=0, le=65535,
-        description="Port of the ranks' TCP store on rank 0's node (required with trainer_world_size > 1); the "
-        "other ranks dial it at that node's address, and torch's store listens on every interface of the node. "
-        "Not authenticated, as torch's own stores: keep the port on the cluster network.",
+        description="Port of the ranks' rendezvous on rank 0's node (required with trainer_world_size > 1): gRPC "
+        "on that node's address only, the stack's token on every call; the other ranks dial it there. The "
+        "collectives that follow are not authenticated: keep the port on the cluster network.",
     )
     trainer_env: list[str] = Field(
         default_factory=list,

@@ -55,8 +55,9 @@ class TrainerServiceConfig(AuthSetting):
         description="With data_parallel > 1: 0 = this process starts ranks 1..N-1 on this host. A port = they "
         "are started elsewhere, one process each with devices of its own (`python -m services.trainer.rank "
         "--rank R --rendezvous <host>:<port>`; the Ray launcher places them across nodes), and meet at the "
-        "TCP store this process serves on this port, dialling host:port (torch's store listens on every "
-        "interface of the host). Unauthenticated, as torch's own stores: keep the port on the cluster network.",
+        "rendezvous this process serves on host:port only (gRPC, the deployment's token on every call; a rank "
+        "without it is refused). The collectives that follow are not authenticated: keep the port on the "
+        "cluster network.",
     )
     collective_timeout_s: float = Field(
         600.0, gt=0, description="A data-parallel collective that waits longer than this fails the step.")

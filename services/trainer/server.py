@@ -354,7 +354,7 @@ class TrainerServer:
         import_attention_plugins(config.attention_plugins)
         registry = CollectorRegistry()
         collectors = build_collectors(TRAINER_METRICS, registry)
-        self.trainer = build_trainer(config)
+        self.trainer = build_trainer(config, token)
         broadcaster = WeightBroadcaster(self.trainer, address=config.weight_broadcast_address, token=token,
                                         bucket_bytes=config.weight_broadcast_bucket_bytes,
                                         timeout_s=config.weight_broadcast_timeout_s, logger=log,
@@ -375,13 +375,14 @@ class TrainerServer:
             await asyncio.to_thread(self.trainer.close)
 
 
-def build_trainer(config: TrainerServiceConfig) -> Trainer | GroupTrainer:
+def build_trainer(config: TrainerServiceConfig, token: BearerToken) -> Trainer | GroupTrainer:
+    """`token`: the deployment's, which the ranks of a group present at rank 0's rendezvous."""
     if config.data_parallel == 1:
         return Trainer(device=config.device, num_threads=config.num_threads)
     return GroupTrainer(GroupSpec(world_size=config.data_parallel, device=config.device,
                                   num_threads=config.num_threads, timeout_s=config.collective_timeout_s,
                                   log_level=config.log_level, attention_plugins=tuple(config.attention_plugins),
-                                  rendezvous=config.rank_rendezvous()))
+                                  rendezvous=config.rank_rendezvous()), token)
 
 
 async def serve(config: TrainerServiceConfig, token: BearerToken) -> None:

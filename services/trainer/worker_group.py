@@ -2,8 +2,8 @@
 
 Where ranks 1..N-1 run: on this host, started by rank 0 as processes (the default), or anywhere,
 started by someone else (`python -m services.trainer.rank`; the Ray launcher places them as actors
-across nodes). Either way they meet at rank 0's store (services/trainer/rank_rendezvous.py), read the
-group's spec from it, and run the same loop below.
+across nodes). Either way they meet at rank 0's rendezvous (services/trainer/rank_rendezvous.py: gRPC,
+the deployment's token on every call), read the group's spec from it, and run the same loop below.
 
 Rank 0 answers every RPC. Every rank holds 1/N of each master weight, so
 whatever touches the weights (ConfigureRun, TrainStep, CheckParity,
@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
+from services.common.auth import BearerToken, generate_token
 from services.common.ports import free_port
 from services.trainer import sharding
 from services.trainer.data_parallel import DataParallel
@@ -54,9 +55,9 @@ class GroupSpec:
     log_level: str = "info"
     attention_plugins: tuple[str, ...] = ()  # imported by every rank, as the service imports them
     rendezvous: str = ""
-    """host:port of rank 0's store. Empty: rank 0 starts ranks 1..N-1 on its host and they meet at a free
-    port of 127.0.0.1. Set: ranks 1..N-1 are started elsewhere, one per process with devices of its own
-    (each sees its GPU as cuda:0), and join there."""
+    """host:port of rank 0's rendezvous (gRPC, that host only). Empty: rank 0 starts ranks 1..N-1 on its
+    host and they meet at a free port of 127.0.0.1. Set: ranks 1..N-1 are started elsewhere, one per
+    process with devices of its own (each sees its GPU as cuda:0), and join there."""
 
     @property
     def backend(self) -> str:
@@ -95,18 +96,29 @@ def _join(spec: GroupSpec, rank: int, store: dist.Store) -> DataParallel:
     return DataParallel(rank, spec.world_size, control)
 
 
-def run_rank(rank: int, rendezvous: str, join_timeout_s: float, allowed_plugins: tuple[str, ...] = ()) -> None:
-    """Rank `rank` (>= 1) of the group whose rank 0 serves its store at `rendezvous`: join, then run what
-    rank 0 broadcasts until it says stop. Exits the process (WORKER_LOST_EXIT) when rank 0 is lost.
+def run_rank(rank: int, rendezvous: str, token: BearerToken, join_timeout_s: float,
+             allowed_plugins: tuple[str, ...] = ()) -> None:
+    """Rank `rank` (>= 1) of the group whose rank 0 serves its rendezvous at `rendezvous`, reached with
+    `token`: join, then run what rank 0 broadcasts until it says stop. Exits the process
+    (WORKER_LOST_EXIT) when rank 0 is lost. A rendezvous that refuses `token` raises RendezvousRefused.
 
-    The store is not authenticated, so the modules it names to import must be among `allowed_plugins`
-    (what this rank was started with); any other is refused before anything is imported."""
+    Only token holders write the spec, and still a rank imports only what it was started allowing: the
+    modules the spec names must be among `allowed_plugins`; any other is refused before anything is
+    imported."""
+    ranks, spec_dict = join_store(rendezvous, rank, token, join_timeout_s)
+    try:
+        _run_joined(rank, rendezvous, token, ranks.store, GroupSpec.from_dict(spec_dict), allowed_plugins)
+    finally:
+        ranks.close()
+
+
+def _run_joined(rank: int, rendezvous: str, token: BearerToken, store: dist.Store, spec: GroupSpec,
+                allowed_plugins: tuple[str, ...]) -> None:
+    """run_rank once joined: check the spec, form the group, run rank 0's commands until it says stop."""
     from services.common.structured_logging import configure_logging
 
     from services.trainer.plugins import import_attention_plugins
 
-    store, spec_dict = join_store(rendezvous, rank, join_timeout_s)
-    spec = GroupSpec.from_dict(spec_dict)
     if not 1 <= rank < spec.world_size:
         raise ValueError(f"rank: {rank} is not a worker rank of a group of {spec.world_size}")
     foreign = sorted(set(spec.attention_plugins) - set(allowed_plugins))
@@ -115,7 +127,7 @@ def run_rank(rank: int, rendezvous: str, join_timeout_s: float, allowed_plugins:
                          f"with (--attention-plugins {','.join(allowed_plugins) or '(none)'})")
     configure_logging(f"trainer-rank{rank}", spec.log_level)
     import_attention_plugins(list(spec.attention_plugins))
-    link = LivenessLink(store.get(LIVENESS_KEY).decode(), rank, _lost_exit, spec.timeout_s)
+    link = LivenessLink(store.get(LIVENESS_KEY).decode(), rank, token, _lost_exit, spec.timeout_s)
     dp = _join(spec, rank, store)
     log.info("trainer rank joined", extra={"fields": {"rank": rank, "world_size": spec.world_size,
                                                        "rendezvous": rendezvous, "backend": spec.backend}})
@@ -144,20 +156,27 @@ def run_rank(rank: int, rendezvous: str, join_timeout_s: float, allowed_plugins:
 class GroupTrainer:
     """Rank 0's face of the group: the Trainer interface the gRPC servicer uses."""
 
-    def __init__(self, spec: GroupSpec) -> None:
+    def __init__(self, spec: GroupSpec, token: BearerToken | None = None) -> None:
+        """`token`: what rank 0's rendezvous admits (the deployment's). Ranks started elsewhere need it;
+        without one, the ranks this process starts get a fresh token of the group's own."""
         if spec.world_size < 2:
             raise ValueError(f"world_size: a group needs 2 or more ranks, got {spec.world_size}")
+        if token is None and spec.ranks_elsewhere:
+            raise ValueError("token: ranks started elsewhere join with the deployment's token; none was given")
+        token = token or BearerToken(generate_token())
         self.spec = spec
         self.broken = ""
         self._closing = False
         rendezvous = spec.rendezvous or f"127.0.0.1:{free_port()}"
-        self.store = serve_store(rendezvous, spec.world_size, spec.as_dict(), spec.timeout_s)
-        self.liveness = LivenessHub(split_address(rendezvous)[0], spec.world_size, _lost_exit)
-        self.store.set(LIVENESS_KEY, self.liveness.address)
+        self.ranks = serve_store(rendezvous, spec.world_size, spec.as_dict(), token, spec.timeout_s)
+        self.store = self.ranks.store
+        self.liveness = LivenessHub(split_address(rendezvous)[0], spec.world_size, _lost_exit, token)
+        self.store.set(LIVENESS_KEY, self.liveness.published())
         self.workers = []
         if not spec.ranks_elsewhere:
             ctx = multiprocessing.get_context("spawn")  # fork would copy gRPC and torch threads mid-flight
-            self.workers = [ctx.Process(target=run_rank, args=(r, rendezvous, spec.timeout_s, spec.attention_plugins),
+            self.workers = [ctx.Process(target=run_rank,
+                                        args=(r, rendezvous, token, spec.timeout_s, spec.attention_plugins),
                                         name=f"trainer-rank{r}", daemon=True) for r in range(1, spec.world_size)]
             for w in self.workers:
                 w.start()
@@ -261,3 +280,4 @@ class GroupTrainer:
                 w.kill()
         self.liveness.close()
         dist.destroy_process_group()
+        self.ranks.close()
