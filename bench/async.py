@@ -211,6 +211,10 @@ def main() -> None:
                     for k in (0, 1, 2):
                         results.append(measure(client, model, mode, k, args.steps, args.seed, args))
                         print(json.dumps(results[-1]), flush=True)
+            except BaseException:
+                for p in stack.processes:  # the run directory goes with the temporary directory
+                    print(f"--- {p.name} log tail\n{p.tail(60)}", flush=True)
+                raise
             finally:
                 client.close()
     base = {r["mode"]: r["samples_per_s"] for r in results if r["max_staleness"] == 0}
