@@ -17,7 +17,13 @@ The synchronous band is [min, max] of the sync runs' final accuracies over the s
 within the band when the mean of its seeds' accuracies lies in it; each seed's own in-band flag is kept
 too. With one seed the band is a single point, so a smoke run says little beyond that everything runs.
 
+`--jobs N` runs up to N (configuration, seed) runs at once, each in its own LocalStack (run_dir, ports and
+embedded Redis of its own), after every seed's model is warm-started (once per seed, those in parallel
+too): a run's result does not depend on what runs beside it, only its wall time does. With --jobs 1 (the
+default) every run goes through one LocalStack in turn.
+
     python bench/async_learning.py --seeds 0,1,2 --out bench/results/async_learning_cpu.json
+    python bench/async_learning.py --jobs 15 --out bench/results/async_learning_cpu.json   # 16 cores
 
 Writes one JSON object (to --out, and prints it).
 """
@@ -31,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rich.console import Console
@@ -84,6 +91,12 @@ def train(client, spec: dict) -> dict:
     }
 
 
+def report(console: Console, name: str, seed: int, r: dict) -> None:
+    """One line per finished run, then its record as JSON: a log cut short still holds every finished run."""
+    console.print(f"{name} seed {seed}: final accuracy {r['final_accuracy']:.3f} ({r['run_wall_s']:.0f}s)")
+    console.print(json.dumps({"config": name, "seed": seed, **r}), soft_wrap=True, highlight=False, markup=False)
+
+
 def band_report(results: dict[str, dict[int, dict]]) -> dict:
     """The sync band and, per configuration, its mean and whether it (and each seed) lies inside it."""
     sync = [r["final_accuracy"] for r in results["sync"].values()]
@@ -111,9 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models-dir", type=Path, default=Path("runs/models"),
                         help="where the warm-started models are cached (as make demo caches them)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each service")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, each in its own LocalStack")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--note", default="", help="free text kept in the output (e.g. how loaded the host was)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs: must be >= 1, got {args.jobs}")
     seeds = [int(s) for s in args.seeds.split(",")]
     configs = args.configs.split(",")
     if "sync" not in configs:
@@ -124,29 +140,48 @@ def main(argv: list[str] | None = None) -> int:
     batch = recipe["rollout"]["prompts_per_step"] * recipe["rollout"]["samples_per_prompt"]
     console = Console(stderr=True)
     began = time.monotonic()
-    models = {}
-    for seed in seeds:
-        models[seed] = (args.models_dir.resolve() / f"tiny_arith-{warm_start_fingerprint(seed)}")
-        prepare_model(models[seed], seed, console)
-    results: dict[str, dict[int, dict]] = {c: {} for c in configs}
+    models_dir = args.models_dir.resolve()
+    models = {seed: models_dir / f"tiny_arith-{warm_start_fingerprint(seed)}" for seed in seeds}
+    with ThreadPoolExecutor(max_workers=max(1, min(args.jobs, len(seeds)))) as pool:  # one process per seed
+        list(pool.map(lambda seed: prepare_model(models[seed], seed, console), seeds))
+    warm_start_s = time.monotonic() - began
+    runs = [(name, seed) for seed in seeds for name in configs]
+    done: dict[tuple[str, int], dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-async-learning-") as tmp:
-        with LocalStack(Path(tmp) / "stack", path_roots=[args.models_dir.resolve()],
-                        num_threads=args.threads) as stack:
-            client = stack.client()
-            try:
-                for seed in seeds:
-                    for name, (mode, k) in parsed.items():
-                        r = train(client, run_spec(models[seed], seed, steps, mode, k))
-                        console.print(f"{name} seed {seed}: final accuracy {r['final_accuracy']:.3f} "
-                                      f"({r['run_wall_s']:.0f}s)")
-                        results[name][seed] = r
-            finally:
-                client.close()
+        if args.jobs == 1:
+            with LocalStack(Path(tmp) / "stack", path_roots=[models_dir], num_threads=args.threads) as stack:
+                client = stack.client()
+                try:
+                    for name, seed in runs:
+                        done[name, seed] = train(client, run_spec(models[seed], seed, steps, *parsed[name]))
+                        report(console, name, seed, done[name, seed])
+                finally:
+                    client.close()
+        else:
+            def one(run: tuple[str, int]) -> None:
+                name, seed = run
+                stack = LocalStack(Path(tmp) / f"{name.replace(':', '-')}-seed{seed}", path_roots=[models_dir],
+                                   num_threads=args.threads)
+                try:
+                    stack.start(timeout_s=600)  # N stacks importing torch at once start slower than one
+                    client = stack.client()
+                    try:
+                        done[run] = train(client, run_spec(models[seed], seed, steps, *parsed[name]))
+                    finally:
+                        client.close()
+                finally:
+                    stack.stop()
+                report(console, name, seed, done[run])
+
+            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                list(pool.map(one, runs))  # re-raises the first run's failure
+    results = {name: {seed: done[name, seed] for seed in seeds} for name in configs}
     out = {
         "bench": "async_learning", "note": args.note, "device": "cpu", "host": platform.node(),
         "cpus": os.cpu_count(), "threads_per_service": args.threads, "recipe": "recipes/tiny_arith/recipe.yaml",
         "steps": steps, "seeds": seeds, "samples_per_run": steps * batch,
         "async_correction": "trainer.mismatch_correction truncate (K > 0)",
+        "jobs": args.jobs, "warm_start_s": round(warm_start_s, 1),
         "wall_s": round(time.monotonic() - began, 1), "loadavg_end": os.getloadavg(),
         "runs": {name: {str(s): r for s, r in by_seed.items()} for name, by_seed in results.items()},
         **band_report(results),
