@@ -124,6 +124,7 @@ def run_spec(model: Path, mode: str, k: int, steps: int, seed: int, args) -> dic
         "eval": {"every": 0, "heldout_size": 8},
         "async": {"max_staleness": k, "mode": mode},
     }
+    spec["rollout"]["weight_sync"] = args.weight_sync
     if longtail:
         # One cache capacity for every step: the prompts are <= 8 tokens, the shape's context cap + 64.
         spec["numerics"] = "true_on_policy"
@@ -176,6 +177,9 @@ def main() -> None:
     parser.add_argument("--stop-tokens", type=int, default=1216,
                         help="long tail: eos probability per step is this / vocab (mean length ~ vocab / this)")
     parser.add_argument("--microbatch-tokens", type=int, default=16384, help="long tail: the trainer's microbatch")
+    parser.add_argument("--weight-sync", default="grpc", choices=("grpc", "shared_path", "broadcast"),
+                        help="rollout.weight_sync of every run ('shared_path' lets fixed_lag overlap the sync with "
+                        "training)")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each service")
@@ -221,7 +225,7 @@ def main() -> None:
     out = {
         "bench": "async", "note": args.note, "warmup_steps": args.warmup_steps, "device": args.device,
         "host": platform.node(), "cpus": os.cpu_count(), "threads_per_service": args.threads,
-        "shape": f"{args.shape} (random init)",
+        "shape": f"{args.shape} (random init)", "weight_sync": args.weight_sync,
         "batch": {"prompts": PROMPTS, "samples_per_prompt": SAMPLES,
                   "max_new_tokens": args.cap if longtail else NEW_TOKENS},
         "results": results,
