@@ -28,14 +28,9 @@ demo: venv
 demo-tools: venv
 	$(PY) -m recipes.tiny_tools.demo
 
-# The whole suite (CI runs this), each part then its slowest tests: first in TEST_WORKERS pytest-xdist
-# workers, tests sharing a file or a costly session fixture in one worker (tests/worker_groups.py); then,
-# alone on the host, the tests marked `alone` (the gigabyte policy's stack holds 14 GB).
-TEST_WORKERS ?= 2
+# The whole suite (CI runs this), then its 25 slowest tests.
 test: venv sglang-venv
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
-		-m "not gpu and not docker and not alone" --durations=25 tests
-	$(PY) -m pytest -m "alone and not gpu and not docker" --durations=5 tests
+	$(PY) -m pytest -m "not gpu and not docker" --durations=25 tests
 
 # The inner loop: unit-level tests only, without the `stack` tests (service processes, Redis, SGLang,
 # Prometheus, Ray) and the `slow` ones (process groups, compilers); tests/conftest.py marks both.

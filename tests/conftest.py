@@ -197,33 +197,12 @@ def _stale_entries() -> list[str]:
         source = REPO_ROOT / path
         if not source.is_file() or (name and not re.search(rf"^def {re.escape(name)}\(", source.read_text(), re.M)):
             stale.append(f"{path}::{name}" if name else path)
-    from tests.worker_groups import SHARED_SESSION_FIXTURES
-    conftests = "".join(c.read_text() for c in (REPO_ROOT / "tests").glob("*/conftest.py"))
-    stale += [f"tests/worker_groups.py::{name}" for name in SHARED_SESSION_FIXTURES
-              if not re.search(rf"^def {re.escape(name)}\(", conftests, re.M)]
     return stale
-
-
-def in_worker_groups(config) -> bool:
-    """The suite runs in pytest-xdist workers (this process is one, or their controller), grouped as
-    tests/worker_groups.py says."""
-    return hasattr(config, "workerinput") or config.getoption("dist", "no") != "no"
-
-
-@pytest.hookimpl(optionalhook=True)  # a hook of xdist's, absent without it
-def pytest_xdist_make_scheduler(config, log):
-    from tests.worker_groups import scheduler, source_groups
-    return scheduler(config, log, source_groups(REPO_ROOT))
 
 
 def pytest_configure(config):
     if stale := _stale_entries():
         raise pytest.UsageError(f"tests/conftest.py's marker tables name what does not exist: {stale}")
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw"):
-        # Each worker, and every service it starts, hands out ports from its own slice of the range, so
-        # two workers never pick one port in the moment before its server binds it (services/common/ports.py).
-        os.environ["LOCKSTEP_PORT_SLICE"] = f"{int(worker[2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -232,14 +211,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.stack)
         if _listed(item, SLOW_TESTS) is not None:
             item.add_marker(pytest.mark.slow)
-    if in_worker_groups(config):
-        from tests.worker_groups import ordered, shared_fixtures, source_groups, unnamed_uses
-        if missing := unnamed_uses(items, REPO_ROOT, lambda item: shared_fixtures(getattr(item, "fixturenames", ()))):
-            raise pytest.UsageError(
-                "these test files use a shared session fixture through another fixture without naming it, so "
-                f"tests/worker_groups.py cannot keep them in that fixture's worker: {missing}; name it in the "
-                "file (a test's or a fixture's parameter, or a comment)")
-        items[:] = ordered(items, source_groups(REPO_ROOT))
 
 
 def stack_process(argv) -> str | None:

@@ -7,14 +7,9 @@ machine can take it ("Address already in use" in a CI run). The ports handed
 out here come from below that range (and above Ray's worker ports,
 10002-19999), which the kernel never assigns on its own; each is checked
 bindable, and one process never hands out the same port twice.
-
-Several independent groups of processes on one host (test-suite workers) can keep apart:
-LOCKSTEP_PORT_SLICE=i/n makes a process, and the processes it starts, draw from the i-th of n equal
-slices of that range only.
 """
 from __future__ import annotations
 
-import os
 import random
 import socket
 import threading
@@ -42,28 +37,17 @@ def _bindable(host: str, port: int) -> bool:
     return True
 
 
-def port_slice(low: int, high: int, spec: str) -> tuple[int, int]:
-    """[low, high) narrowed to slice i of n, from LOCKSTEP_PORT_SLICE's 'i/n' ('' is the whole range)."""
-    if not spec:
-        return low, high
-    i, sep, n = spec.partition("/")
-    if not (sep and i.isdigit() and n.isdigit() and 0 <= int(i) < int(n)):
-        raise ValueError(f"LOCKSTEP_PORT_SLICE: {spec!r} is not 'i/n' with 0 <= i < n")
-    width = (high - low) // int(n)
-    return low + int(i) * width, low + (int(i) + 1) * width
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     return free_port_run(1, host)
 
 
 def free_port_run(n: int, host: str = "127.0.0.1") -> int:
     """A port p with p .. p+n-1 all free (for services numbered from a base port)."""
-    low, high = port_slice(_LOW, _ephemeral_low(), os.environ.get("LOCKSTEP_PORT_SLICE", ""))
+    high = _ephemeral_low()
     with _lock:
-        if high - low >= 1000 + n:
+        if high - _LOW >= 1000 + n:
             for _ in range(200):
-                base = _rng.randrange(low, high - n)
+                base = _rng.randrange(_LOW, high - n)
                 run = range(base, base + n)
                 if not _handed_out.intersection(run) and all(_bindable(host, p) for p in run):
                     _handed_out.update(run)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.ports import free_port, free_port_run, port_slice
+from services.common.ports import free_port, free_port_run
 
 
 def test_ports_are_below_the_ephemeral_range_distinct_and_bindable():
@@ -43,20 +43,3 @@ def test_a_run_of_ports_is_free_as_a_whole_and_not_handed_out_again():
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
     assert not set(range(base, base + 5)) & {free_port() for _ in range(100)}
-
-
-def test_a_port_slice_keeps_a_process_to_its_part_of_the_range(monkeypatch):
-    assert port_slice(20000, 32768, "") == (20000, 32768)
-    assert [port_slice(20000, 32768, f"{i}/2") for i in range(2)] == [(20000, 26384), (26384, 32768)]
-    for bad in ("2/2", "1", "a/2", "1/", "-1/2"):
-        with pytest.raises(ValueError, match="LOCKSTEP_PORT_SLICE"):
-            port_slice(20000, 32768, bad)
-    try:
-        high = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except OSError:
-        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range (not Linux): free_port falls back to the kernel's pick")
-    for spec in ("0/2", "1/2"):
-        monkeypatch.setenv("LOCKSTEP_PORT_SLICE", spec)
-        low, top = port_slice(20000, high, spec)
-        ports = [free_port() for _ in range(20)] + [free_port_run(3)]
-        assert all(low <= p < top for p in ports), (spec, ports)

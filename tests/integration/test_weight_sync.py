@@ -22,8 +22,7 @@ from services.common.grpc_options import sync_channel
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.local_stack import LocalStack
 
-# The stack holds about 9 GB while it trains (weights, gradients and AdamW state in the trainer): alone.
-pytestmark = [pytest.mark.slow, pytest.mark.alone]
+pytestmark = pytest.mark.slow
 
 # 5 layers of a 2048-wide SwiGLU block: 315M parameters, 1.26 GB as float32 (the runs' dtype: on a CPU without
 # bf16 matrix units a float32 step is several times faster than a bfloat16 one).

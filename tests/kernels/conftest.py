@@ -6,15 +6,14 @@ import os
 
 import pytest
 
-from tests.conftest import REPO_ROOT, in_worker_groups
+from tests.conftest import REPO_ROOT
 from tests.kernels.target_compile import STARTED, TEST_FILE, CheckTargetsProcess, can_start
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the AOT compile check now when it is among the tests to run, leaving one core to the suite:
     it overlaps the rest of the suite on what the suite leaves idle (target_compile.py)."""
-    # In xdist workers every worker collects every test, and only one runs the check: there it starts it.
-    if session.config.option.collectonly or not can_start() or in_worker_groups(session.config):
+    if session.config.option.collectonly or not can_start():
         return
     if any(item.nodeid.startswith(TEST_FILE) for item in session.items):
         session.stash[STARTED] = CheckTargetsProcess.start(REPO_ROOT, jobs=max(1, (os.cpu_count() or 2) - 1))

@@ -13,7 +13,7 @@ import torch
 from contract.engine_options import SGLangEngineConfig
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
 from services.rollout.sglang_config import SGLangHostConfig, default_python
-from tests.conftest import in_worker_groups, require
+from tests.conftest import require
 from tests.rollout.decoder_support import TINY
 
 
@@ -88,9 +88,7 @@ def _session_sglang(session: pytest.Session) -> SessionSGLang:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    # In xdist workers every worker collects every test, and only one runs those that use the server:
-    # there the first of them starts it.
-    if session.config.option.collectonly or not Path(default_python()).is_file() or in_worker_groups(session.config):
+    if session.config.option.collectonly or not Path(default_python()).is_file():
         return
     if any("sglang_engine" in getattr(item, "fixturenames", ()) for item in session.items):
         _session_sglang(session)

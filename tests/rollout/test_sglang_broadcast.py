@@ -41,7 +41,6 @@ from services.rollout.sglang_weights import load_checkpoint_tensors
 from services.rollout.weight_broadcast import BroadcastReceiveFailed
 from tests.conftest import require
 from tests.support.rendezvous import HostedRendezvous
-# The fixtures engine and model_dir are the session's SGLang server (sglang_engine, sglang_model_dir).
 from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow

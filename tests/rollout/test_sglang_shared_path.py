@@ -11,7 +11,6 @@ import torch
 
 from services.common.weight_files import read_weight_dir, write_weight_dir
 from services.rollout.sglang_weights import load_checkpoint_tensors
-# The fixtures engine and model_dir are the session's SGLang server (sglang_engine, sglang_model_dir).
 from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow

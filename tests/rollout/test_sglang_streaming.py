@@ -17,7 +17,6 @@ import torch
 
 from services.rollout.engine import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 from services.rollout.sglang_weights import load_checkpoint_tensors
-# The fixtures engine and model_dir are the session's SGLang server (sglang_engine, sglang_model_dir).
 from tests.rollout.test_sglang_engine import EOS, TOL, engine, model_dir, recompute  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
