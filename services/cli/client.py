@@ -89,8 +89,8 @@ class CoordinatorClient:
 
     def wait(self, run_id: str, *, poll_s: float = 0.25, timeout_s: float | None = None, on_update=None) -> dict:
         """The run once it ends or is paused for the operator (or TimeoutError after `timeout_s`), reading it
-        every `poll_s`: polled every quarter second, a run is seen ended 0.125 s after it ends on average (0.5 s at one second), for one small
-        read of Redis per poll."""
+        every `poll_s`: polled every quarter second, a run is seen ended 0.125 s after it ends on average
+        (0.5 s at one second), for one small read of Redis per poll."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             run = self.run(run_id)
