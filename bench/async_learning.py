@@ -6,7 +6,8 @@ as separate processes, one LocalStack for every run) once per configuration and 
 
 - sync: async.max_staleness 0, the recipe as it is;
 - fixed_lag K = 1, 2 and streaming K = 1, 2: the same recipe with that `async` section and
-  trainer.mismatch_correction 'truncate' (decoupled PPO with TIS, which a run with K > 0 needs).
+  trainer.mismatch_correction 'truncate' (decoupled PPO with TIS, which a run with K > 0 needs), or
+  another correction named as `fixed_lag:2:m2po` (CORRECTIONS).
 
 Every run trains the same number of steps on the same batch, so equal samples; mid-run evaluations are
 off in every run (a run with K > 0 refuses them), and the held-out greedy accuracy after the last step
@@ -49,24 +50,36 @@ from services.local_stack import LocalStack
 CONFIGS = ("sync", "fixed_lag:1", "fixed_lag:2", "streaming:1", "streaming:2")
 
 
-def parse_config(text: str) -> tuple[str, int]:
-    """'sync' -> (fixed_lag, 0); 'mode:K' -> (mode, K)."""
+# How a K > 0 configuration corrects for its stale rollouts: `mode:K:NAME`; without NAME, 'truncate'.
+CORRECTIONS = {
+    "truncate": {"mismatch_correction": {"mode": "truncate"}},  # decoupled PPO, token-level TIS (cap 2)
+    "mask": {"mismatch_correction": {"mode": "mask"}},  # decoupled PPO, token-level MIS ([1/2, 2])
+    "geo": {"mismatch_correction": {"mode": "truncate", "level": "geometric"}},  # TIS on each sequence's geometric mean
+    "m2po": {"policy_loss": {"kind": "m2po"}},  # M2PO's own objective against the behaviour policy
+}
+
+
+def parse_config(text: str) -> tuple[str, int, str]:
+    """'sync' -> (fixed_lag, 0, none); 'mode:K[:correction]' -> (mode, K, correction)."""
     if text == "sync":
-        return "fixed_lag", 0
-    mode, _, k = text.partition(":")
-    if mode not in ("fixed_lag", "streaming") or not k.isdigit() or int(k) < 1:
-        raise SystemExit(f"--configs: {text!r} is not 'sync', 'fixed_lag:K' or 'streaming:K' with K >= 1")
-    return mode, int(k)
+        return "fixed_lag", 0, "none"
+    mode, _, rest = text.partition(":")
+    k, _, correction = rest.partition(":")
+    correction = correction or "truncate"
+    if mode not in ("fixed_lag", "streaming") or not k.isdigit() or int(k) < 1 or correction not in CORRECTIONS:
+        raise SystemExit(f"--configs: {text!r} is not 'sync' or 'fixed_lag:K[:C]' / 'streaming:K[:C]' with K >= 1 "
+                         f"and C one of {sorted(CORRECTIONS)}")
+    return mode, int(k), correction
 
 
-def run_spec(model: Path, seed: int, steps: int, mode: str, k: int) -> dict:
+def run_spec(model: Path, seed: int, steps: int, mode: str, k: int, correction: str) -> dict:
     spec = load_recipe(str(RECIPE), {"seed": seed, "steps": steps})
     spec["model_path"] = str(model)
-    spec["name"] = f"async-learning-{mode}-k{k}-seed{seed}"
+    spec["name"] = f"async-learning-{mode}-k{k}-{correction}-seed{seed}"
     spec["eval"]["every"] = 0  # the same for every configuration: K > 0 refuses mid-run evaluations
     spec["async"] = {"max_staleness": k, "mode": mode}
     if k > 0:
-        spec["trainer"]["mismatch_correction"] = {"mode": "truncate"}
+        spec["trainer"].update(CORRECTIONS[correction])
     return spec
 
 
@@ -87,8 +100,26 @@ def train(client, spec: dict) -> dict:
         "trajectories_trained": sum(m.get("trajectories_trained", 0) for m in steps),
         "trajectories_dropped_stale": sum(m.get("trajectories_dropped_stale", 0) for m in steps),
         "token_staleness_max": max((m.get("token_staleness_max", 0.0) for m in steps), default=0.0),
+        "diagnostics": step_diagnostics(steps, spec["trainer"].get("grad_clip")),
         "run_wall_s": round(time.monotonic() - began, 1),
     }
+
+
+def step_diagnostics(steps: list[dict], grad_clip: float | None) -> dict:
+    """Means over the run's steps of what tells a stale run's updates from a synchronous one's: how far the
+    trainer's policy is from the behaviour policy (IW, k3), how much of the step the correction or M2PO
+    changed, and how often the gradient was clipped; the reward of the first and last 25 steps."""
+    def mean(key: str, rows: list[dict] = steps) -> float | None:
+        values = [m[key] for m in rows if key in m]
+        return round(statistics.mean(values), 6) if values else None
+    out = {key: mean(key) for key in ("iw_mean", "iw_max", "approx_kl_k3", "is_weight_mean", "is_affected_fraction",
+                                      "m2po_masked_fraction", "clip_fraction", "grad_norm")}
+    if grad_clip:
+        out["grad_clipped_steps_fraction"] = round(statistics.mean(
+            float(m.get("grad_norm", 0.0) > grad_clip) for m in steps), 4)
+    out["reward_mean_first_25"] = mean("reward_mean", steps[:25])
+    out["reward_mean_last_25"] = mean("reward_mean", steps[-25:])
+    return out
 
 
 def report(console: Console, name: str, seed: int, r: dict) -> None:
@@ -119,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run (and warm-start) seeds")
     parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's)")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: sync, fixed_lag:K, "
-                        "streaming:K (sync is required: it makes the band)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: sync, fixed_lag:K[:C], "
+                        "streaming:K[:C], C a correction of CORRECTIONS, truncate by default (sync is required: it "
+                        "makes the band)")
     parser.add_argument("--models-dir", type=Path, default=Path("runs/models"),
                         help="where the warm-started models are cached (as make demo caches them)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each service")
@@ -158,12 +190,28 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     client.close()
         else:
+            def started(name: str, seed: int) -> LocalStack:
+                """A started stack of its own. Each stack's services pick some ports in their own processes
+                (the coordinator its Redis's, the trainer its rendezvous'), so with N stacks starting at once
+                two processes can pick the same one: such a start is retried in a fresh directory, with fresh
+                ports. Nothing has run on it yet, so a retry changes no result."""
+                for attempt in range(3):
+                    stack = LocalStack(Path(tmp) / f"{name.replace(':', '-')}-seed{seed}-start{attempt}",
+                                       path_roots=[models_dir], num_threads=args.threads)
+                    try:
+                        stack.start(timeout_s=600)  # N stacks importing torch at once start slower than one
+                        return stack
+                    except RuntimeError as exc:
+                        stack.stop()
+                        if "Address already in use" not in str(exc) or attempt == 2:
+                            raise
+                        console.print(f"{name} seed {seed}: a port was taken during the start; starting again")
+                raise AssertionError("unreachable")
+
             def one(run: tuple[str, int]) -> None:
                 name, seed = run
-                stack = LocalStack(Path(tmp) / f"{name.replace(':', '-')}-seed{seed}", path_roots=[models_dir],
-                                   num_threads=args.threads)
+                stack = started(name, seed)
                 try:
-                    stack.start(timeout_s=600)  # N stacks importing torch at once start slower than one
                     client = stack.client()
                     try:
                         done[run] = train(client, run_spec(models[seed], seed, steps, *parsed[name]))
@@ -180,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "async_learning", "note": args.note, "device": "cpu", "host": platform.node(),
         "cpus": os.cpu_count(), "threads_per_service": args.threads, "recipe": "recipes/tiny_arith/recipe.yaml",
         "steps": steps, "seeds": seeds, "samples_per_run": steps * batch,
-        "async_correction": "trainer.mismatch_correction truncate (K > 0)",
+        "async_corrections": {name: CORRECTIONS[parsed[name][2]] for name in configs if parsed[name][1] > 0},
         "jobs": args.jobs, "warm_start_s": round(warm_start_s, 1),
         "wall_s": round(time.monotonic() - began, 1), "loadavg_end": os.getloadavg(),
         "runs": {name: {str(s): r for s, r in by_seed.items()} for name, by_seed in results.items()},
