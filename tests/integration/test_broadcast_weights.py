@@ -52,86 +52,98 @@ def _synced(client, run_id: str) -> list[tuple[int, str, int, list[str]]]:
             for e in _events(client, run_id, "weights_synced")]
 
 
-def test_broadcast_source_matches_the_grpc_source_bitwise(tmp_path):
+def _log_from(path: Path, offset: int) -> str:
+    """What the service wrote to its log after byte `offset` (the shared stack's services log every run they
+    served)."""
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read().decode()
+
+
+def test_broadcast_source_matches_the_grpc_source_bitwise(tmp_path, two_replica_stack):
     model = build_model_dir(tmp_path / "model", seed=2)
-    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[model.parent]) as stack:
-        client = stack.client(timeout_s=60)
-        rendezvous = f"127.0.0.1:{stack.broadcast_port}"
-        assert listening_ips(stack.trainer.proc.pid, stack.broadcast_port) == ["127.0.0.1"]
-        outcomes = {}
-        for source in ("grpc", "broadcast"):
-            # Without the token it cannot learn the groups' names; it tries a name's every key anyway.
-            intruder = Intruder(rendezvous, ["lockstep-weights-000000000000"])
-            if source == "broadcast":
-                intruder.start()
-            try:
-                run = client.submit(_spec(model, f"sync-{source}", source))
-                done = client.wait(run["id"], timeout_s=600)
-            finally:
-                intruder.stop()
-            assert done["status"] == "completed", done
-            assert intruder.accepted == [] and (intruder.attempts > 0) == (source == "broadcast")
-            outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
-                                _synced(client, run["id"]))
-        (_, grpc_metrics, grpc_synced), (broadcast_id, broadcast_metrics, broadcast_synced) = outcomes.values()
-        assert len(broadcast_metrics) == 3 and broadcast_metrics == grpc_metrics
-        # Both replicas received versions 1 to 3 in one group each sync, and report the digest the gRPC
-        # stream carries for them (sha256 over every tensor's bytes in the trainer's order).
-        replicas = sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
-        assert [s[0] for s in broadcast_synced] == [1, 2, 3] and all(s[3] == replicas for s in broadcast_synced)
-        assert broadcast_synced == grpc_synced
-        assert not _events(client, broadcast_id, "weights_caught_up")
-        trainer_log = (stack.run_dir / "logs" / "trainer.log").read_text()
-        assert trainer_log.count('"weights broadcast"') == 3 and '"world_size": 3' in trainer_log
-
-        channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
+    stack = two_replica_stack  # shared (tests/integration/conftest.py): these runs change nothing in it
+    trainer_log_path = stack.run_dir / "logs" / "trainer.log"
+    trainer_log_offset = trainer_log_path.stat().st_size
+    client = stack.client(timeout_s=60)
+    rendezvous = f"127.0.0.1:{stack.broadcast_port}"
+    assert listening_ips(stack.trainer.proc.pid, stack.broadcast_port) == ["127.0.0.1"]
+    outcomes = {}
+    for source in ("grpc", "broadcast"):
+        # Without the token it cannot learn the groups' names; it tries a name's every key anyway.
+        intruder = Intruder(rendezvous, ["lockstep-weights-000000000000"])
+        if source == "broadcast":
+            intruder.start()
         try:
-            rollout = pb_grpc.RolloutStub(channel)
-            plan = pb.BroadcastPlan(
-                run_id=broadcast_id, policy_version=4, group_name="g", rendezvous=f"127.0.0.1:{stack.broadcast_port}",
-                backend="gloo", world_size=2, digest_trailer=True, tensors=1, bytes=4,
-                buckets=[pb.BroadcastBucket(tensors=[pb.BroadcastTensor(name="x", dtype="float32", shape=[1])],
-                                            nbytes=4)])
-
-            def receive(plan: pb.BroadcastPlan, rank: int = 1) -> grpc.RpcError:
-                with pytest.raises(grpc.RpcError) as refused:
-                    rollout.ReceiveWeights(pb.ReceiveWeightsRequest(plan=plan, rank=rank), timeout=60)
-                return refused.value
-
-            elsewhere = pb.BroadcastPlan()
-            elsewhere.CopyFrom(plan)
-            elsewhere.rendezvous = "10.0.0.1:29500"
-            outside = receive(elsewhere)
-            assert outside.code() == grpc.StatusCode.PERMISSION_DENIED and "broadcast_sources" in outside.details()
-            unverified = pb.BroadcastPlan()
-            unverified.CopyFrom(plan)
-            unverified.digest_trailer = False
-            refused = receive(unverified)
-            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "digest_trailer" in refused.details()
-            assert receive(plan, rank=2).code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert rollout.Info(pb.InfoRequest(), timeout=10).policy_version == 3
-        finally:
-            channel.close()
-
-
-def test_a_lora_runs_adapters_go_over_the_broadcast_alone_as_over_the_stream(tmp_path):
-    model = build_model_dir(tmp_path / "model", seed=4)
-    with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[model.parent]) as stack:
-        client = stack.client(timeout_s=60)
-        outcomes = {}
-        for source in ("grpc", "broadcast"):
-            spec = _spec(model, f"lora-{source}", source)
-            spec["trainer"] = {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0, "target_modules": "all-linear"}}
-            run = client.submit(spec)
+            run = client.submit(_spec(model, f"sync-{source}", source))
             done = client.wait(run["id"], timeout_s=600)
-            assert done["status"] == "completed", done
-            outcomes[source] = ([s["metrics"] for s in client.metrics(run["id"])["steps"]], _synced(client, run["id"]))
-        assert outcomes["broadcast"] == outcomes["grpc"] and len(outcomes["grpc"][0]) == 3
-        log = (stack.run_dir / "logs" / "rollout1.log").read_text().splitlines()
-        received = [json.loads(line) for line in log if '"ReceiveWeights"' in line and '"weights updated"' in line]
-        # 2 layers x 7 linear layers x (A, B): the adapters alone, marked as such, for versions 1 to 3.
-        assert [(u["policy_version"], u["lora"], u["tensors"]) for u in received] == [(v, True, 28) for v in (1, 2, 3)]
-        assert all(u["bytes"] == outcomes["grpc"][1][0][2] for u in received)
+        finally:
+            intruder.stop()
+        assert done["status"] == "completed", done
+        assert intruder.accepted == [] and (intruder.attempts > 0) == (source == "broadcast")
+        outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
+                            _synced(client, run["id"]))
+    (_, grpc_metrics, grpc_synced), (broadcast_id, broadcast_metrics, broadcast_synced) = outcomes.values()
+    assert len(broadcast_metrics) == 3 and broadcast_metrics == grpc_metrics
+    # Both replicas received versions 1 to 3 in one group each sync, and report the digest the gRPC
+    # stream carries for them (sha256 over every tensor's bytes in the trainer's order).
+    replicas = sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
+    assert [s[0] for s in broadcast_synced] == [1, 2, 3] and all(s[3] == replicas for s in broadcast_synced)
+    assert broadcast_synced == grpc_synced
+    assert not _events(client, broadcast_id, "weights_caught_up")
+    trainer_log = _log_from(trainer_log_path, trainer_log_offset)
+    assert trainer_log.count('"weights broadcast"') == 3 and '"world_size": 3' in trainer_log
+
+    channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
+    try:
+        rollout = pb_grpc.RolloutStub(channel)
+        plan = pb.BroadcastPlan(
+            run_id=broadcast_id, policy_version=4, group_name="g", rendezvous=f"127.0.0.1:{stack.broadcast_port}",
+            backend="gloo", world_size=2, digest_trailer=True, tensors=1, bytes=4,
+            buckets=[pb.BroadcastBucket(tensors=[pb.BroadcastTensor(name="x", dtype="float32", shape=[1])],
+                                        nbytes=4)])
+
+        def receive(plan: pb.BroadcastPlan, rank: int = 1) -> grpc.RpcError:
+            with pytest.raises(grpc.RpcError) as refused:
+                rollout.ReceiveWeights(pb.ReceiveWeightsRequest(plan=plan, rank=rank), timeout=60)
+            return refused.value
+
+        elsewhere = pb.BroadcastPlan()
+        elsewhere.CopyFrom(plan)
+        elsewhere.rendezvous = "10.0.0.1:29500"
+        outside = receive(elsewhere)
+        assert outside.code() == grpc.StatusCode.PERMISSION_DENIED and "broadcast_sources" in outside.details()
+        unverified = pb.BroadcastPlan()
+        unverified.CopyFrom(plan)
+        unverified.digest_trailer = False
+        refused = receive(unverified)
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "digest_trailer" in refused.details()
+        assert receive(plan, rank=2).code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert rollout.Info(pb.InfoRequest(), timeout=10).policy_version == 3
+    finally:
+        channel.close()
+
+
+def test_a_lora_runs_adapters_go_over_the_broadcast_alone_as_over_the_stream(tmp_path, two_replica_stack):
+    model = build_model_dir(tmp_path / "model", seed=4)
+    stack = two_replica_stack  # shared (tests/integration/conftest.py): these runs change nothing in it
+    rollout_log_path = stack.run_dir / "logs" / "rollout1.log"
+    rollout_log_offset = rollout_log_path.stat().st_size
+    client = stack.client(timeout_s=60)
+    outcomes = {}
+    for source in ("grpc", "broadcast"):
+        spec = _spec(model, f"lora-{source}", source)
+        spec["trainer"] = {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0, "target_modules": "all-linear"}}
+        run = client.submit(spec)
+        done = client.wait(run["id"], timeout_s=600)
+        assert done["status"] == "completed", done
+        outcomes[source] = ([s["metrics"] for s in client.metrics(run["id"])["steps"]], _synced(client, run["id"]))
+    assert outcomes["broadcast"] == outcomes["grpc"] and len(outcomes["grpc"][0]) == 3
+    log = _log_from(rollout_log_path, rollout_log_offset).splitlines()
+    received = [json.loads(line) for line in log if '"ReceiveWeights"' in line and '"weights updated"' in line]
+    # 2 layers x 7 linear layers x (A, B): the adapters alone, marked as such, for versions 1 to 3.
+    assert [(u["policy_version"], u["lora"], u["tensors"]) for u in received] == [(v, True, 28) for v in (1, 2, 3)]
+    assert all(u["bytes"] == outcomes["grpc"][1][0][2] for u in received)
 
 
 def test_a_replica_restarted_mid_run_is_caught_up_in_a_group_of_its_own(tmp_path):
