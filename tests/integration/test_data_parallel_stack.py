@@ -43,17 +43,17 @@ def _run(stack: LocalStack, model: Path, name: str) -> tuple[list[dict], dict]:
         client.close()
 
 
-def _dp_run(tmp: Path, model: Path, name: str) -> tuple[list[dict], dict]:
-    """A run on a fresh stack whose trainer has two ranks: fresh processes, so that run-to-run means
-    process-to-process too."""
-    with LocalStack(tmp, extra_env={"LOCKSTEP_TRAINER_DATA_PARALLEL": "2"}, path_roots=[model.parent]) as stack:
-        return _run(stack, model, name)
-
-
 def test_two_rank_trainer_serves_runs_reproducibly(tmp_path, one_replica_stack):
     model = build_model_dir(tmp_path / "model", seed=1)
-    a, info = _dp_run(tmp_path / "a", model, "dp-a")
-    b, _ = _dp_run(tmp_path / "b", model, "dp-b")
+    with LocalStack(tmp_path / "dp", extra_env={"LOCKSTEP_TRAINER_DATA_PARALLEL": "2"},
+                    path_roots=[model.parent]) as stack:
+        a, info = _run(stack, model, "dp-a")
+        # A fresh trainer and fresh ranks for the second run, so that run-to-run means process-to-process too
+        # (the rollout is seeded per sample and holds no state of the run's).
+        stack.trainer.stop()
+        stack.trainer.start()
+        stack.wait_ready()
+        b, _ = _run(stack, model, "dp-b")
     # The session's shared stack has a one-rank trainer with default options (tests/integration/conftest.py).
     one, info1 = _run(one_replica_stack, model, "dp-one")
     assert info["data_parallel"] == "2" and info1["data_parallel"] == "1"
