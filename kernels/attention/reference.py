@@ -27,11 +27,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedL
     del deterministic  # CPU SDPA has one path; the capability table says where that is reproducible
     gqa = q.shape[1] != k.shape[1]
     bounds = layout.cu_seqlens.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    # split, not one slice per sequence: the same views forward, but the backward of a slice writes its
+    # gradient into a zero-filled tensor of the whole buffer, so N slices cost N buffers' worth of fills
+    # and adds, while split's backward is one concatenation.
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        length = end - start
+    for length, q_seq, k_seq, v_seq in zip(lengths, *(x.split(lengths) for x in (q, k, v))):
         # [L, H, D] -> [1, H, L, D] views, the strides HF's sdpa path sees for one sequence.
-        qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+        qi, ki, vi = (x.transpose(0, 1).unsqueeze(0) for x in (q_seq, k_seq, v_seq))
         if window is not None and window < length:
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=_window_mask(length, window, q.device),
                                                scale=scale, enable_gqa=gqa)
