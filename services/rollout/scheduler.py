@@ -179,6 +179,9 @@ class Sequence:
     preemptions: int = 0
     key: str | None = None
     """Keeps its pages under this key when it finishes, and starts from the prefix kept under it."""
+    in_prefill: bool = False
+    """Admitted and its unit's prefill not complete: it decodes only after (a chunk may end one token short
+    of the end, where `computed` alone would read as decoding)."""
 
     @property
     def generated(self) -> int:
@@ -186,7 +189,8 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return self.finish_reason is None and self.computed == len(self.tokens) - 1 and self.computed > 0
+        return (self.finish_reason is None and not self.in_prefill and self.computed == len(self.tokens) - 1
+                and self.computed > 0)
 
 
 @dataclass(eq=False)
@@ -294,7 +298,7 @@ class Scheduler:
             pages += more
             self.alloc.share(pages * (len(unit.members) - 1))
             for s in unit.members:
-                s.pages, s.computed = list(pages), reuse
+                s.pages, s.computed, s.in_prefill = list(pages), reuse, True
             self.waiting.popleft()
             self.prefilling.append(unit)
             self.running.extend(unit.members)
@@ -320,6 +324,8 @@ class Scheduler:
             s.computed = piece.end
         if piece.completes:
             self.prefilling.remove(piece.unit)
+            for s in piece.unit.members:
+                s.in_prefill = False
 
     # ----------------------------------------------------------------- decode --
 
@@ -381,7 +387,7 @@ class Scheduler:
         for s in unit.members:
             self.running.remove(s)
             self.alloc.release(s.pages)
-            s.pages, s.computed = [], 0
+            s.pages, s.computed, s.in_prefill = [], 0, False
             s.preemptions += 1
             self.preemptions += 1
         # Readmitted first, with the tokens it has (a finished row of a static batch is done, not requeued).

@@ -202,9 +202,8 @@ def test_reuse_under_pool_pressure_and_chunked_prefill_still_gives_the_bits_of_r
     """Longer turns in a four-page pool, six rows, 5-token prefill chunks: kept prefixes are evicted (and
     counted), running sequences preempted and recomputed; the episodes keep their bits."""
     request = replace(_request(6), sampling=replace(CFG, max_new_tokens=24))
-    tight = dict(max_batch_size=6, prefill_chunk_tokens=5, kv_cache_tokens=4 * KEY_BLOCK)
-    baseline, full = _run(_engine(decoder_model_dir, episode_kv_reuse=False, **tight), request)
-    engine = _engine(decoder_model_dir, **tight)
+    baseline, full = _run(_engine(decoder_model_dir, episode_kv_reuse=False, max_batch_size=8), request)
+    engine = _engine(decoder_model_dir, max_batch_size=6, prefill_chunk_tokens=5, kv_cache_tokens=4 * KEY_BLOCK)
     preemptions, decode = [], engine._decoder.decode
 
     def counted(*args, **kwargs):
