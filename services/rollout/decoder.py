@@ -46,7 +46,7 @@ prefills only the new suffix (scheduler.KeptPrefixes). In true_on_policy its tok
 bits of a full re-prefill: each position's K/V has the same bits whether a decode step or a packed prefill
 wrote it. Kept pages go when their owner says (`forget`), when the weights change (`weights_changed`),
 when the pool is freed, and under pool pressure (evicted before any running sequence is preempted).
-`counters` add up prefill and reused tokens and why a kept prefix could not be reused.
+`take_counters()` adds up prefill and reused tokens and why a kept prefix could not be reused.
 """
 from __future__ import annotations
 
