@@ -145,6 +145,12 @@ class TorchEngineConfig(BaseModel):
         description="Most prompt tokens prefilled in one forward; longer prompts, and prompts arriving while others "
         "decode, are prefilled in chunks between decode steps.",
     )
+    episode_kv_reuse: bool = Field(
+        True,
+        description="Multi-turn episodes: keep an episode's KV pages from one turn to the next and prefill only "
+        "the new suffix (the last sampled token and the observation). False re-prefills the whole context every "
+        "turn (the baseline; in true_on_policy both give the same bits).",
+    )
     stop_check_interval: int = Field(
         8,
         ge=1,

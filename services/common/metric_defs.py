@@ -136,6 +136,17 @@ ROLLOUT_METRICS: tuple[MetricDef, ...] = (
     MetricDef("lockstep_rollout_generate_seconds", "histogram", "Generate request latency.", ("service",)),
     MetricDef("lockstep_rollout_policy_version", "gauge", "Policy version of the loaded weights.", ("service",)),
     MetricDef("lockstep_rollout_weight_updates_total", "counter", "Weight updates by outcome.", ("service", "outcome")),
+    MetricDef("lockstep_rollout_prefill_tokens_total", "counter",
+              "Tokens the embedded engine ran through prefill forwards (K/V computed: prompts, multi-turn "
+              "contexts, recomputation after preemption).", ("service",)),
+    MetricDef("lockstep_rollout_reused_prefix_tokens_total", "counter",
+              "Context tokens of multi-turn episode turns whose K/V the embedded engine kept from the episode's "
+              "previous turn instead of prefilling them again.", ("service",)),
+    MetricDef("lockstep_rollout_kv_reuse_misses_total", "counter",
+              "Episode turns that re-prefilled their whole context although the previous turn's K/V had been "
+              "kept, by why it was gone (outcome evicted: pool pressure; weights: they changed; released: the pool "
+              "was freed; not_a_prefix: the context does not extend it).",
+              ("service", "outcome")),
 )
 
 TRAINER_METRICS: tuple[MetricDef, ...] = (

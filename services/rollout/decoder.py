@@ -39,6 +39,14 @@ update_weights and the LoRA merge do, for captured graphs to see them.
 The host reads each step's tokens (to free finished rows' pages at once and to schedule the next step).
 `decode(..., should_pause=...)` stops at a token boundary and returns every unfinished sequence with
 finish_reason "paused"; `prefixes` continues sequences from tokens sampled earlier (their K/V recomputed).
+
+`decode(..., keys=...)` keeps K/V across calls (a multi-turn episode's turns): a keyed sequence keeps its
+pages when it finishes, and the next call's sequence under that key whose prompt extends those tokens
+prefills only the new suffix (scheduler.KeptPrefixes). In true_on_policy its tokens and log-probs have the
+bits of a full re-prefill: each position's K/V has the same bits whether a decode step or a packed prefill
+wrote it. Kept pages go when their owner says (`forget`), when the weights change (`weights_changed`),
+when the pool is freed, and under pool pressure (evicted before any running sequence is preempted).
+`take_counters()` adds up prefill and reused tokens and why a kept prefix could not be reused.
 """
 from __future__ import annotations
 
@@ -49,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.rollout.engine import SamplingConfig
+from services.rollout.engine import PrefillCounts, SamplingConfig
 from services.rollout.kv_cache import (
     DECODER_ATTN_IMPLEMENTATION,
     PAGE_TOKENS,
@@ -58,7 +66,7 @@ from services.rollout.kv_cache import (
     register_decoder_attention,
 )
 from services.rollout.sampling import sample_tokens, seed_words
-from services.rollout.scheduler import Scheduler, Sequence as Seq, Unit, pages_for
+from services.rollout.scheduler import KeptPrefixes, PageAllocator, Scheduler, Sequence as Seq, Unit, pages_for
 from services.rollout.step_inputs import StepInputs
 
 NUMERICS_MODES = ("fast", "true_on_policy")
@@ -116,6 +124,8 @@ class DecodeStats:
     """What the last decode did (benchmarks and tests read it)."""
 
     prefill_tokens: int = 0
+    reused_tokens: int = 0
+    """Prompt tokens admitted onto K/V kept from an earlier call (not prefilled)."""
     decode_steps: int = 0
     row_steps: int = 0
     """Sum over decode steps of the rows stepped (useful or not)."""
@@ -253,7 +263,9 @@ class Decoder:
         self._graphs: dict[int, _CapturedDecodeStep] = {}
         self._graph_pool = None
         self._inputs: StepInputs | None = None
+        self._kept: KeptPrefixes | None = None  # with the pool: its allocator and the kept prefixes
         self.stats = DecodeStats()
+        self._counters = PrefillCounts()
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -263,8 +275,35 @@ class Decoder:
         return longest if cap is None else min(cap, longest)
 
     def release(self) -> None:
-        """Free the pool and the captured graphs (they are rebuilt on the next decode)."""
+        """Free the pool (and the prefixes kept in it) and the captured graphs (rebuilt on the next decode)."""
+        if self._kept is not None:
+            self._kept.drop_all("released")
         self._pool, self._graphs, self._graph_pool, self._inputs = None, {}, None, None
+
+    def forget(self, keys: Sequence[str]) -> None:
+        """Release what is kept under `keys` (their episodes ended); nothing counts as a miss later."""
+        if self._kept is not None:
+            for key in keys:
+                self._kept.drop(key)
+
+    def weights_changed(self) -> None:
+        """The model's weights changed: every kept K/V is stale (a later turn re-prefills, counted 'weights')."""
+        if self._kept is not None:
+            self._kept.drop_all("weights")
+
+    @property
+    def kept_prefixes(self) -> KeptPrefixes | None:
+        """The allocator's holders between calls (tests read it: no sequence holds a page then)."""
+        return self._kept
+
+    def take_counters(self) -> PrefillCounts:
+        """Totals since the last call (prefill and reused tokens, misses by reason), then zero."""
+        out = self._counters
+        if self._kept is not None:
+            out.misses = dict(self._kept.misses)
+            self._kept.misses.clear()
+        self._counters = PrefillCounts()
+        return out
 
     @property
     def page_bytes(self) -> int:
@@ -276,18 +315,27 @@ class Decoder:
     @torch.no_grad()
     def decode(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], sampling: SamplingConfig, *,
                prefixes: Sequence[tuple[Sequence[int], Sequence[float]] | None] | None = None,
-               should_pause: Callable[[], bool] | None = None) -> list[DecodedSequence]:
+               should_pause: Callable[[], bool] | None = None,
+               keys: Sequence[str | None] | None = None) -> list[DecodedSequence]:
         """One DecodedSequence per prompt, in order; prompt i samples from the stream of seeds[i].
 
         prefixes[i], if given, holds tokens (and their log-probs) sampled for prompt i earlier: decoding
         continues after them at their step of the stream (its K/V recomputed under the current weights), and
         they count towards max_new_tokens. should_pause is asked before every iteration; once it answers True
-        every unfinished sequence comes back with finish_reason 'paused' and the tokens it has."""
+        every unfinished sequence comes back with finish_reason 'paused' and the tokens it has. keys[i], if
+        given, keeps sequence i's K/V after it finishes under that key and starts it from the K/V kept under
+        it, when prompt i extends those tokens (see the module docstring); keys are distinct."""
         if len(prompts) != len(seeds):
             raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
         prefixes = list(prefixes) if prefixes is not None else [None] * len(prompts)
         if len(prefixes) != len(prompts):
             raise ValueError(f"prefixes: {len(prefixes)} for {len(prompts)} prompts")
+        keys = list(keys) if keys is not None else [None] * len(prompts)
+        if len(keys) != len(prompts):
+            raise ValueError(f"keys: {len(keys)} for {len(prompts)} prompts")
+        named = [k for k in keys if k is not None]
+        if len(set(named)) != len(named):
+            raise ValueError("keys: a key is given to more than one prompt")
         sampling.validate()
         cap = self.options.max_context_tokens
         longest = self.table_width * PAGE_TOKENS
@@ -309,8 +357,8 @@ class Decoder:
                     raise ValueError(f"prefixes[{i}]: {len(pre[0])} tokens already reach max_new_tokens="
                                      f"{sampling.max_new_tokens}")
         seqs = [Seq(i, len(p), list(p) + list(pre[0] if pre else ()), len(p) + sampling.max_new_tokens,
-                    logprobs=[float(x) for x in (pre[1] if pre else ())])
-                for i, (p, pre) in enumerate(zip(prompts, prefixes))]
+                    logprobs=[float(x) for x in (pre[1] if pre else ())], key=key)
+                for i, (p, pre, key) in enumerate(zip(prompts, prefixes, keys))]
         stops = frozenset(sampling.stop_token_ids)
         for s in seqs:  # a resumed sequence whose last token was a stop is already finished
             if s.generated and s.tokens[-1] in stops:
@@ -349,7 +397,10 @@ class Decoder:
                 pages = self._pool.pages
         else:
             rows = min(len(seqs), opts.max_batch_size)
-            pages = rows * pages_for(longest) + 1
+            # Beside the request's dense need, room for what other sequences keep (so it is not evicted).
+            mine = {s.key for s in seqs}
+            held = sum(len(e.pages) for k, e in self._kept.entries.items() if k not in mine) if self._kept else 0
+            pages = rows * pages_for(longest) + 1 + held
             if self._pool is not None:
                 pages = max(pages, self._pool.pages)
         field_name = "kv_pool_tokens" if opts.kv_pool_memory_fraction is None else "kv_pool_memory_fraction"
@@ -358,26 +409,52 @@ class Decoder:
                              f"sequence of {longest} tokens (prompt + max_new_tokens) needs")
         if self._pool is not None and self._pool.pages == pages:
             return
-        # Graphs hold the old pool's addresses: drop them with it, before allocating the new one.
+        # Graphs hold the old pool's addresses: drop them with it, before allocating the new one. A grown
+        # pool keeps the old one's pages (same indices, same bits) when prefixes are kept in them.
+        grown = self._pool is not None
+        old = self._pool if grown and self._kept.entries else None  # else freed before the new one is made
         self._pool, self._graphs, self._graph_pool = None, {}, None
         self._pool = PagedKVPool(pages=pages, device=self.device, **self._shape)
+        if old is not None:
+            self._pool.copy_pages_from(old)
+            del old
+        if grown:
+            self._kept.alloc.grow(pages)
+        elif self._kept is None:
+            self._kept = KeptPrefixes(PageAllocator(pages))
+        else:  # a pool after release(), which dropped everything kept
+            self._kept.alloc = PageAllocator(pages)
 
     def _run(self, seqs: list[Seq], units: list[Unit], hashes: torch.Tensor, sampling: SamplingConfig,
              stops: frozenset[int], should_pause: Callable[[], bool] | None) -> None:
         opts = self.options
         chunk = opts.prefill_chunk_tokens if opts.scheduler == "continuous" else 1 << 62  # static: one prefill
-        sched = Scheduler(pages=self._pool.pages, max_rows=opts.max_batch_size, chunk_tokens=chunk,
-                          policy=opts.scheduler)
+        sched = Scheduler(kept=self._kept, max_rows=opts.max_batch_size, chunk_tokens=chunk, policy=opts.scheduler)
         self.stats = stats = DecodeStats(pool_pages=self._pool.pages)
         if self._inputs is None:
             self._inputs = StepInputs(opts.max_batch_size, self.table_width, self.device)
         self._inputs.reset()
         for unit in units:
             sched.submit(unit)
+        try:
+            self._loop(sched, hashes, sampling, stops, should_pause)
+        finally:
+            sched.close()  # a paused (or failed) call's sequences give their pages back
+            stats.prefill_tokens, stats.reused_tokens = sched.prefill_tokens, sched.reused_tokens
+            stats.preemptions = sched.preemptions
+            self._counters.prefill_tokens += sched.prefill_tokens
+            self._counters.reused_tokens += sched.reused_tokens
+
+    def _loop(self, sched: Scheduler, hashes: torch.Tensor, sampling: SamplingConfig, stops: frozenset[int],
+              should_pause: Callable[[], bool] | None) -> None:
+        stats = self.stats
         while not sched.done:
             if should_pause is not None and should_pause():
                 break
             sched.admit()
+            for src, dst in sched.take_copies():  # kept pages an admitted prefill writes into
+                self._pool.copy_page(src, dst)
+                stats.page_copies += 1
             pieces = sched.prefill_chunk()
             if pieces:
                 t0 = time.perf_counter()
@@ -392,7 +469,6 @@ class Decoder:
                 self._decode(rows, sched, hashes, sampling, stops)
             elif not pieces and not sched.done:
                 raise RuntimeError("decoder: the scheduler made no progress (a bug)")
-        stats.prefill_tokens, stats.preemptions = sched.prefill_tokens, sched.preemptions
 
     def _sample(self, logits: torch.Tensor, members: list[Seq], hashes: torch.Tensor,
                 sampling: SamplingConfig) -> tuple[list[int], list[float]]:

@@ -85,6 +85,18 @@ class GeneratedSample:
         return f"{self.group_id}/{self.index}"
 
 
+@dataclass
+class PrefillCounts:
+    """An engine's prefill work over some requests (exported as rollout metrics)."""
+
+    prefill_tokens: int = 0
+    """Tokens run through prefill forwards (K/V computed)."""
+    reused_tokens: int = 0
+    """Context tokens of episode turns whose K/V was kept from the episode's previous turn (not prefilled)."""
+    misses: dict[str, int] = field(default_factory=dict)
+    """Episode turns that re-prefilled a context whose earlier K/V had been kept, by why it was gone."""
+
+
 def check_request_fits_model(request: "GenerationRequest", *, vocab: int, max_len: int | None) -> None:
     """What every engine checks against its model: the sampling settings, at least one prompt and one
     sample, every prompt and resumed token id inside the `vocab`, and every prompt plus its new tokens
@@ -181,10 +193,11 @@ class Engine(abc.ABC):
         every tensor verified first, nothing applied on any error. Engines without LoRA support refuse."""
         raise ValueError(f"weights.lora: the {self.name} engine cannot apply LoRA adapters")
 
-    def sample_turns(self, contexts: list[list[int]], seeds: list[int],
-                     sampling: SamplingConfig) -> list["SampledTurn"]:
+    def sample_turns(self, contexts: list[list[int]], seeds: list[int], sampling: SamplingConfig,
+                     episode_ids: list[str] | None = None) -> list["SampledTurn"]:
         """One model turn of each multi-turn episode: each context's continuation from its seed's stream, as
-        one generate() call whose prompts are the contexts (token ids in, token ids out)."""
+        one generate() call whose prompts are the contexts (token ids in, token ids out). `episode_ids` name
+        the episodes (an engine that keeps an episode's K/V between turns reads them; this one does not)."""
         from services.rollout.episodes import SampledTurn
 
         prompts = tuple(PromptSpec(f"turn{i}", tuple(c), s) for i, (c, s) in enumerate(zip(contexts, seeds)))
@@ -193,6 +206,14 @@ class Engine(abc.ABC):
 
     def max_sequence_tokens(self) -> int | None:
         """Longest sequence (prompt plus new tokens) the loaded model serves; None: no bound known here."""
+        return None
+
+    def episodes_ended(self, episode_ids: list[str]) -> None:
+        """These episodes take no more turns: drop anything kept for them (by default nothing is kept)."""
+
+    def take_prefill_counts(self) -> "PrefillCounts | None":
+        """Prefill work since the last call (the rollout's metrics read it after each request); None: this
+        engine does not count it."""
         return None
 
     def run_episodes(self, request: "EpisodeRequest") -> list["Episode"]:
@@ -209,9 +230,12 @@ class Engine(abc.ABC):
             # request midway, every other episode with it.
             raise ValueError(f"episode.limits_json: max_episode_tokens {request.limits.max_episode_tokens} exceeds "
                              f"the longest sequence the {self.name} engine serves ({longest})")
-        return run_episodes(request.specs, environment=request.environment, options=request.options,
-                            limits=request.limits, codec=self._episode_codec(), sample=self.sample_turns,
-                            sampling=request.sampling)
+        try:
+            return run_episodes(request.specs, environment=request.environment, options=request.options,
+                                limits=request.limits, codec=self._episode_codec(), sample=self.sample_turns,
+                                sampling=request.sampling, ended=self.episodes_ended)
+        finally:  # whatever ended them (a failure included), none of these episodes takes another turn
+            self.episodes_ended([f"{s.group_id}/{s.index}" for s in request.specs])
 
     def _episode_codec(self) -> "ObservationCodec":
         """The codec of the loaded model's tokenizer, read once per model directory."""

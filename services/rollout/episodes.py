@@ -130,8 +130,9 @@ class SampledTurn:
     finish_reason: str
 
 
-TurnSampler = Callable[[list[list[int]], list[int], SamplingConfig], list[SampledTurn]]
-"""(contexts, seeds, sampling) -> one continuation per context, sampled from that seed's stream."""
+TurnSampler = Callable[[list[list[int]], list[int], SamplingConfig, list[str]], list[SampledTurn]]
+"""(contexts, seeds, sampling, episode sample ids) -> one continuation per context, sampled from that seed's
+stream. An episode's next context extends its previous one: an engine may keep what it computed for it."""
 
 
 @dataclass(frozen=True)
@@ -187,10 +188,12 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 def run_episodes(specs: Sequence[EpisodeSpec], *, environment: str, options: dict, limits: EpisodeLimits,
-                 codec: ObservationCodec, sample: TurnSampler, sampling: SamplingConfig) -> list[Episode]:
+                 codec: ObservationCodec, sample: TurnSampler, sampling: SamplingConfig,
+                 ended: Callable[[list[str]], None] | None = None) -> list[Episode]:
     """Every episode of `specs`, turn by turn, all live episodes of a turn sampled in one call. Each ends
     with an EndReason; one whose environment fails in reset() has no tokens (not `trainable`).
-    `sampling.max_new_tokens` bounds one turn."""
+    `sampling.max_new_tokens` bounds one turn. `ended` is told the sample ids of the episodes that ended
+    after each turn (the sampler may drop what it kept for them)."""
     episodes = [Episode(s.group_id, s.index) for s in specs]
     envs: list[EpisodeEnvironment | None] = [None] * len(specs)
     pool = ThreadPoolExecutor(max_workers=max(1, min(16, len(specs))), thread_name_prefix="environment")
@@ -219,7 +222,7 @@ def run_episodes(specs: Sequence[EpisodeSpec], *, environment: str, options: dic
             for room, members in sorted(by_room.items()):
                 turns = sample([episodes[i].prompt_ids + episodes[i].response_ids for i in members],
                                [turn_seed(specs[i].seed, turn) for i in members],
-                               replace(sampling, max_new_tokens=room))
+                               replace(sampling, max_new_tokens=room), [episodes[i].sample_id for i in members])
                 for i, t in zip(members, turns):
                     e = episodes[i]
                     e.response_ids += t.token_ids
@@ -257,6 +260,8 @@ def run_episodes(specs: Sequence[EpisodeSpec], *, environment: str, options: dic
                 if episodes[i].length >= limits.max_episode_tokens:
                     _end(episodes[i], EndReason.MAX_EPISODE_TOKENS, f"{episodes[i].length} tokens")
             list(pool.map(react, [i for i in live if episodes[i].end_reason is None]))
+            if ended is not None:
+                ended([episodes[i].sample_id for i in live if episodes[i].end_reason is not None])
     finally:
         pool.shutdown(wait=True)
         for env in envs:

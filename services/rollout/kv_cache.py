@@ -60,6 +60,10 @@ class PagedKVPool:
     def nbytes(self) -> int:
         return self._storage.numel() * self._storage.element_size()
 
+    def copy_pages_from(self, other: "PagedKVPool") -> None:
+        """Every page of a smaller pool of the same shape into the same pages here (a grown pool)."""
+        self._storage[:, :, :other.pages].copy_(other._storage)
+
     def copy_page(self, src: int, dst: int) -> None:
         """Every layer's K and V of page `src` into page `dst` (copy on write of a shared page): the same bits."""
         self._storage[:, :, dst].copy_(self._storage[:, :, src])

@@ -16,13 +16,19 @@ never handed out.
   last token is in the chunk gets that position's logits, from which each member samples its next token.
 - Decode: every sequence that has sampled and not finished; before each step each gets a page for the
   position it writes, copying a shared page first (copy on write) or taking a fresh one.
-- Preemption: when no page is free, the most recently admitted sequence (or unit still in prefill) gives
-  back its pages and returns to the head of the queue with its tokens; readmitted, it is prefilled again
-  from its tokens. Never an error: the pool holds at least one sequence of the longest length allowed.
+- Preemption: when no page is free, kept prefixes (below) are evicted first, oldest first; then the most
+  recently admitted sequence (or unit still in prefill) gives back its pages and returns to the head of the
+  queue with its tokens; readmitted, it is prefilled again from its tokens. Never an error: the pool holds
+  at least one sequence of the longest length allowed.
+- Kept prefixes (multi-turn episodes): a sequence submitted with a `key` keeps its pages when it finishes,
+  in `KeptPrefixes` under that key, holding the K/V of all its tokens but the last sampled one (whose K/V
+  no step wrote). The allocator and the kept prefixes outlive one scheduler (one decoder call), so the
+  episode's next turn, submitted under the same key with a context that extends those tokens, is admitted
+  onto the kept pages and prefills only the rest (its first page written copied first if it is shared).
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from services.rollout.kv_cache import PAGE_TOKENS, SCRATCH_PAGE
@@ -57,10 +63,103 @@ class PageAllocator:
 
     def release(self, pages: list[int]) -> None:
         for p in pages:
+            if self.refs[p] <= 0:
+                raise RuntimeError(f"page allocator: page {p} released with no reference (a bug)")
             self.refs[p] -= 1
             if self.refs[p] == 0:
                 self._free.append(p)
         self._free.sort(reverse=True)
+
+    def grow(self, pages: int) -> None:
+        """The pool now has `pages` pages (more than before); the new ones are free."""
+        if pages < len(self.refs):
+            raise ValueError(f"page allocator: cannot shrink from {len(self.refs)} to {pages} pages")
+        self._free = list(range(pages - 1, len(self.refs) - 1, -1)) + self._free
+        self.refs += [0] * (pages - len(self.refs))
+        self._free.sort(reverse=True)
+
+    @property
+    def referenced(self) -> int:
+        """Sum of the reference counts (0 once every holder gave its pages back)."""
+        return sum(self.refs)
+
+
+@dataclass
+class KeptPrefix:
+    tokens: list[int]
+    """The tokens whose K/V the pages hold, positions 0..len-1."""
+    pages: list[int]
+    """pages_for(len(tokens)) pages, one reference each held by the entry."""
+
+
+MISS_REASONS = ("evicted", "weights", "released", "not_a_prefix")
+"""Why a keyed sequence found no prefix to reuse although its episode kept one: evicted under pool pressure,
+the weights changed since it was computed, the pool was freed, or the new context does not extend it."""
+
+
+class KeptPrefixes:
+    """K/V pages that sequences keep between decoder calls, by key (an episode's sample id); the oldest entry
+    is evicted first. An entry dropped for a reason other than its owner's request leaves that reason behind,
+    counted as a miss when the key next asks for its prefix."""
+
+    def __init__(self, alloc: PageAllocator) -> None:
+        self.alloc = alloc
+        self.entries: dict[str, KeptPrefix] = {}  # insertion order: oldest first
+        self._gone: dict[str, str] = {}
+        self.misses: Counter[str] = Counter()
+
+    @property
+    def pages_held(self) -> int:
+        return sum(len(e.pages) for e in self.entries.values())
+
+    def keep(self, key: str, tokens: list[int], pages: list[int]) -> None:
+        """Hold `pages` (the caller's references pass to the entry) as the K/V of `tokens` under `key`."""
+        if len(pages) != pages_for(len(tokens)):
+            raise ValueError(f"kept prefix {key!r}: {len(pages)} pages for {len(tokens)} tokens")
+        self.drop(key)
+        self.entries[key] = KeptPrefix(tokens, pages)
+
+    def usable(self, key: str, tokens: list[int]) -> KeptPrefix | None:
+        """The entry of `key` if `tokens` extend its tokens by at least one; an entry they do not extend is
+        dropped. A missing entry whose drop left a reason counts that reason as a miss."""
+        entry = self.entries.get(key)
+        if entry is None:
+            reason = self._gone.pop(key, None)
+            if reason is not None:
+                self.misses[reason] += 1
+            return None
+        n = len(entry.tokens)
+        if n >= len(tokens) or tokens[:n] != entry.tokens:
+            self.drop(key)
+            self.misses["not_a_prefix"] += 1
+            return None
+        return entry
+
+    def take(self, key: str) -> KeptPrefix:
+        """Remove the entry of `key`; its page references pass to the caller."""
+        return self.entries.pop(key)
+
+    def drop(self, key: str, reason: str | None = None) -> None:
+        """Release the entry of `key` (if any). `reason`: why, when it is not the owner's request."""
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.alloc.release(entry.pages)
+            if reason is not None:
+                self._gone[key] = reason
+        elif reason is None:
+            self._gone.pop(key, None)
+
+    def drop_all(self, reason: str) -> None:
+        for key in list(self.entries):
+            self.drop(key, reason)
+
+    def evict_oldest(self, protect: frozenset[str] | set[str] = frozenset()) -> bool:
+        """Evict the oldest entry whose key is not in `protect`; False if there is none."""
+        for key in self.entries:
+            if key not in protect:
+                self.drop(key, "evicted")
+                return True
+        return False
 
 
 @dataclass(eq=False)
@@ -78,6 +177,11 @@ class Sequence:
     computed: int = 0
     finish_reason: str | None = None
     preemptions: int = 0
+    key: str | None = None
+    """Keeps its pages under this key when it finishes, and starts from the prefix kept under it."""
+    in_prefill: bool = False
+    """Admitted and its unit's prefill not complete: it decodes only after (a chunk may end one token short
+    of the end, where `computed` alone would read as decoding)."""
 
     @property
     def generated(self) -> int:
@@ -85,7 +189,8 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return self.finish_reason is None and self.computed == len(self.tokens) - 1 and self.computed > 0
+        return (self.finish_reason is None and not self.in_prefill and self.computed == len(self.tokens) - 1
+                and self.computed > 0)
 
 
 @dataclass(eq=False)
@@ -111,15 +216,16 @@ class PrefillPiece:
 
 
 class Scheduler:
-    def __init__(self, *, pages: int, max_rows: int, chunk_tokens: int, policy: str = "continuous") -> None:
+    def __init__(self, *, kept: KeptPrefixes, max_rows: int, chunk_tokens: int, policy: str = "continuous") -> None:
         if policy not in ("continuous", "static"):
             raise ValueError(f"scheduler: {policy!r} is not 'continuous' or 'static'")
-        self.alloc = PageAllocator(pages)
+        self.kept, self.alloc = kept, kept.alloc
         self.max_rows, self.chunk_tokens, self.policy = max_rows, chunk_tokens, policy
         self.waiting: deque[Unit] = deque()
         self.prefilling: list[Unit] = []  # admitted, prefill not complete (in admission order)
         self.running: list[Sequence] = []  # admitted, in admission order (prefilling members too)
         self.prefill_tokens = 0  # tokens run through prefill forwards (a unit's prompt counts once)
+        self.reused_tokens = 0  # tokens admitted with kept K/V (not prefilled; a unit's counts once)
         self.preemptions = 0
         self.copies: list[tuple[int, int]] = []
 
@@ -132,6 +238,22 @@ class Scheduler:
     def done(self) -> bool:
         return not self.waiting and not self.running
 
+    def _copy_first(self, kept: KeptPrefix | None) -> bool:
+        """Whether the kept page a prefill writes into next is held by another too (then it is copied first)."""
+        return kept is not None and bool(len(kept.tokens) % PAGE_TOKENS) and self.alloc.refs[kept.pages[-1]] > 1
+
+    def _need(self, lead: Sequence, kept: KeptPrefix | None) -> int:
+        """Pages to allocate to admit `lead` onto `kept`."""
+        have = len(kept.pages) if kept is not None else 0
+        return pages_for(len(lead.tokens)) - have + self._copy_first(kept)
+
+    def _room(self, pages: int, protect: set[str | None] | frozenset[str] = frozenset()) -> bool:
+        """Whether `pages` pages are free, after evicting kept prefixes (not those of `protect`) as needed."""
+        while self.alloc.free < pages:
+            if not self.kept.evict_oldest(protect):
+                return False
+        return True
+
     def _rows_live(self) -> int:
         return len(self.running)
 
@@ -142,16 +264,41 @@ class Scheduler:
             unit = self.waiting[0]
             if self._rows_live() + len(unit.members) > self.max_rows:
                 return
-            need = pages_for(len(unit.leader.tokens))
+            lead = unit.leader
+            kept = self.kept.usable(lead.key, lead.tokens) if lead.key is not None else None
             # Headroom of a page per member (its first write) unless nothing runs: then admit what fits.
             spare = len(unit.members) if self.running else 0
-            if need + spare > self.alloc.free:
-                return
-            pages = self.alloc.alloc(need)
-            assert pages is not None
+            if self._need(lead, kept) + spare > self.alloc.free:
+                # Room from kept prefixes: first those no sequence of this call waits for; when nothing runs
+                # (no page would come back otherwise), any but the leader's own.
+                waiting = {s.key for u in self.waiting for s in u.members if s.key is not None}
+                self._room(self._need(lead, kept) + spare, protect=waiting)
+                if not self.running:
+                    self._room(self._need(lead, kept), protect={lead.key})
+                if self._need(lead, kept) + spare > self.alloc.free:
+                    return
+            have, reuse = (kept.pages, len(kept.tokens)) if kept is not None else ([], 0)
+            cow = self._copy_first(kept)
+            need = self._need(lead, kept)
+            if kept is not None:
+                self.kept.take(lead.key)
+                self.reused_tokens += reuse
+            for s in unit.members[1:]:  # they share the leader's pages: their own kept prefixes are not needed
+                if s.key is not None:
+                    self.kept.drop(s.key)
+            pages = list(have)
+            if cow:
+                fresh = self.alloc.alloc(1)
+                assert fresh is not None
+                self.copies.append((pages[-1], fresh[0]))
+                self.alloc.release([pages[-1]])
+                pages[-1] = fresh[0]
+            more = self.alloc.alloc(need - cow)
+            assert more is not None
+            pages += more
             self.alloc.share(pages * (len(unit.members) - 1))
             for s in unit.members:
-                s.pages, s.computed = list(pages), 0
+                s.pages, s.computed, s.in_prefill = list(pages), reuse, True
             self.waiting.popleft()
             self.prefilling.append(unit)
             self.running.extend(unit.members)
@@ -177,6 +324,8 @@ class Scheduler:
             s.computed = piece.end
         if piece.completes:
             self.prefilling.remove(piece.unit)
+            for s in piece.unit.members:
+                s.in_prefill = False
 
     # ----------------------------------------------------------------- decode --
 
@@ -206,7 +355,7 @@ class Scheduler:
         while True:
             if i < len(s.pages) and self.alloc.refs[s.pages[i]] == 1:
                 return True
-            fresh = self.alloc.alloc(1)
+            fresh = self.alloc.alloc(1) if self._room(1) else None
             if fresh is not None:
                 if i < len(s.pages):
                     self.copies.append((s.pages[i], fresh[0]))
@@ -238,7 +387,7 @@ class Scheduler:
         for s in unit.members:
             self.running.remove(s)
             self.alloc.release(s.pages)
-            s.pages, s.computed = [], 0
+            s.pages, s.computed, s.in_prefill = [], 0, False
             s.preemptions += 1
             self.preemptions += 1
         # Readmitted first, with the tokens it has (a finished row of a static batch is done, not requeued).
@@ -269,8 +418,23 @@ class Scheduler:
 
     def _finish(self, s: Sequence) -> None:
         self.running.remove(s)
-        self.alloc.release(s.pages)
+        if s.key is not None:
+            # The last sampled token's K/V was never written (a static batch's pad steps wrote past it; the
+            # next turn's prefill writes those slots again before anything reads them).
+            known = len(s.tokens) - 1
+            keep = pages_for(known)
+            self.alloc.release(s.pages[keep:])
+            self.kept.keep(s.key, s.tokens[:known], s.pages[:keep])
+        else:
+            self.alloc.release(s.pages)
         s.pages = []
+
+    def close(self) -> None:
+        """Give back the pages of every sequence still admitted (a paused or failed call); kept prefixes stay."""
+        for s in self.running:
+            self.alloc.release(s.pages)
+            s.pages = []
+        self.running, self.prefilling = [], []
 
     def _release_all_finished(self) -> None:
         for s in list(self.running):

@@ -170,9 +170,19 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                 version = engine.policy_version
                 out = samples_to_proto(samples, version)
                 generated = sum(len(s.token_ids) for s in samples)
+            self._count_prefill(engine)  # under the lock: no other request's work is counted in
         self.metrics["lockstep_rollout_generated_tokens_total"].labels(SERVICE).inc(generated)
         self.metrics["lockstep_rollout_generate_seconds"].labels(SERVICE).observe(time.perf_counter() - started)
         return pb.GenerateResponse(samples=out, policy_version=version, engine=self.engine_name)
+
+    def _count_prefill(self, engine: Engine) -> None:
+        counts = engine.take_prefill_counts()
+        if counts is None:
+            return
+        self.metrics["lockstep_rollout_prefill_tokens_total"].labels(SERVICE).inc(counts.prefill_tokens)
+        self.metrics["lockstep_rollout_reused_prefix_tokens_total"].labels(SERVICE).inc(counts.reused_tokens)
+        for reason, n in counts.misses.items():
+            self.metrics["lockstep_rollout_kv_reuse_misses_total"].labels(SERVICE, reason).inc(n)
 
     @rpc_handler(ERRORS, "PauseGeneration")
     async def PauseGeneration(self, request: pb.PauseGenerationRequest,

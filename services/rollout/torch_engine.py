@@ -39,6 +39,7 @@ from services.rollout.engine import (
     Engine,
     GeneratedSample,
     GenerationRequest,
+    PrefillCounts,
     SamplingConfig,
     check_request_fits_model,
     require_device,
@@ -205,13 +206,24 @@ class TorchEngine(Engine):
     def max_sequence_tokens(self) -> int | None:
         return None if self._decoder is None else self._decoder.max_sequence_tokens
 
-    def sample_turns(self, contexts: list[list[int]], seeds: list[int], sampling: SamplingConfig) -> list[SampledTurn]:
+    def sample_turns(self, contexts: list[list[int]], seeds: list[int], sampling: SamplingConfig,
+                     episode_ids: list[str] | None = None) -> list[SampledTurn]:
         """One model turn of each multi-turn episode (services/rollout/episodes.py): each context's
-        continuation from its seed's stream, tokens and log-probs as sampled."""
+        continuation from its seed's stream, tokens and log-probs as sampled. With `episode_kv_reuse`, each
+        episode's K/V is kept under its id after the turn and reused by its next turn (its next context
+        extends this one), until `episodes_ended`."""
         self._require_model()
         assert self._decoder is not None
-        decoded = self._decoder.decode(contexts, seeds, sampling)
+        keys = episode_ids if self.config.episode_kv_reuse else None
+        decoded = self._decoder.decode(contexts, seeds, sampling, keys=keys)
         return [SampledTurn(d.token_ids, d.logprobs, d.finish_reason) for d in decoded]
+
+    def episodes_ended(self, episode_ids: list[str]) -> None:
+        if self._decoder is not None:
+            self._decoder.forget(episode_ids)
+
+    def take_prefill_counts(self) -> PrefillCounts | None:
+        return None if self._decoder is None else self._decoder.take_counters()
 
     def request_pause(self) -> bool:
         if not self._generating.is_set():
@@ -304,6 +316,7 @@ class TorchEngine(Engine):
         # A whole set of weights is a new base: no adapter is merged into it.
         self._pristine, self._adapter_digest = {}, None
         self._policy_version = int(policy_version)
+        self._weights_changed()
 
     def update_lora_adapter(self, meta: LoraAdapterMeta, tensors: dict[str, torch.Tensor], policy_version: int) -> None:
         """Merge the adapter into the loaded base: W = W0 + (alpha / rank) * B @ A in float32 from the base as
@@ -336,6 +349,12 @@ class TorchEngine(Engine):
                 weight = modules[name].weight.detach()
                 weight.copy_(merged_weight(base, adapters[name], meta.scale) if name in adapters else base)
         self._policy_version, self._adapter_digest = int(policy_version), digest
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        """K/V kept for episodes was computed with the old weights: the next turn re-prefills."""
+        if self._decoder is not None:
+            self._decoder.weights_changed()
 
 
 def _adapter_digest(meta: LoraAdapterMeta, tensors: dict[str, torch.Tensor]) -> str:

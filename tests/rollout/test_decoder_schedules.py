@@ -40,7 +40,10 @@ def test_every_schedule_gives_the_same_bits_and_the_trainers_recompute(decoder_m
     alone = [d.decode([p], [s], CFG)[0] for p, s in zip(PROMPTS, SEEDS)]
     assert bits(alone) == bits(together)
     assert bits(d.decode(PROMPTS[::-1], SEEDS[::-1], CFG)[::-1]) == bits(together)
+    # A chunk of len(LONG) - 1 ends one token short of the shared prompt's end: its samples decode only
+    # once the prompt's prefill completes (each from the prompt's last logits), never from a half prefill.
     for options in (dict(max_batch_size=2), dict(max_batch_size=16, prefill_chunk_tokens=7),
+                    dict(max_batch_size=16, prefill_chunk_tokens=len(LONG) - 1),
                     dict(max_batch_size=16, share_prompts=False)):
         assert bits(decoder(decoder_model_dir, dtype, **options).decode(PROMPTS, SEEDS, CFG)) == bits(together), options
     tight = decoder(decoder_model_dir, dtype, max_batch_size=16, kv_pool_tokens=3 * KEY_BLOCK)

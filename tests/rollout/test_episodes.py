@@ -84,8 +84,8 @@ def test_three_turn_episodes_keep_the_sampled_tokens_and_score_with_the_samplers
     tokenizer = AliasingTokenizer(engine._model.get_input_embeddings().num_embeddings)
     sampled: dict[tuple[int, ...], list[int]] = {}  # each context -> the tokens the engine sampled after it
 
-    def sample(contexts, seeds, sampling):
-        turns = engine.sample_turns(contexts, seeds, sampling)
+    def sample(contexts, seeds, sampling, episode_ids):
+        turns = engine.sample_turns(contexts, seeds, sampling, episode_ids)
         sampled.update((tuple(c), t.token_ids) for c, t in zip(contexts, turns))
         return turns
 
@@ -130,7 +130,7 @@ def test_three_turn_episodes_keep_the_sampled_tokens_and_score_with_the_samplers
 
 
 def _fixed_sampler(turn_tokens: list[int]):
-    def sample(contexts, seeds, sampling):
+    def sample(contexts, seeds, sampling, episode_ids):
         return [SampledTurn(turn_tokens[:sampling.max_new_tokens], [-0.5] * min(len(turn_tokens),
                                                                              sampling.max_new_tokens), "stop")
                 for _ in contexts]

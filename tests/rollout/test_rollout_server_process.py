@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -245,6 +246,10 @@ def test_metrics_endpoint_counts_outcomes(loaded):
     assert 'lockstep_rollout_requests_total{outcome="ok",service="rollout"}' in text
     assert 'lockstep_rollout_policy_version{service="rollout"} 0.0' in text
     assert "lockstep_rollout_generated_tokens_total" in text
+    # The OK generates ran their prompts through prefill; none was a multi-turn episode's later turn.
+    prefill = re.search(r'^lockstep_rollout_prefill_tokens_total\{service="rollout"\} (\S+)$', text, re.M)
+    assert prefill is not None and float(prefill.group(1)) > 0
+    assert 'lockstep_rollout_reused_prefix_tokens_total{service="rollout"} 0.0' in text
 
 
 def test_update_weights_stream(loaded, model_dir):
