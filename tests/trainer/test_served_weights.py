@@ -1,7 +1,8 @@
 """The trainer's served version (services/trainer/served_weights.py) sends what the reference chunker
 sends: for every chunk size, every dtype and layout, its chunks parse as iter_weight_chunks' chunks (same
 fields, same bytes, same digests), a second reader gets the same bytes, the snapshot does not move when
-the live tensors do, and each byte is hashed once however many replicas read the version."""
+the live tensors do, each byte is hashed once however many replicas read the version, and a held
+version's buffer is never taken over by a later cut (one that was refuses new holders)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.weight_stream import LoraAdapterMeta, WeightStreamAssembler, iter_weight_chunks
-from services.trainer.served_weights import WeightVersion
+from services.trainer.served_weights import VersionRetired, WeightVersion
 from tests.support.digest_reference import Sha256Counter
 
 
@@ -79,6 +80,31 @@ def test_nothing_to_send_or_a_bad_chunk_size_is_refused(pools):
         _version([], pools)
     with pytest.raises(ValueError, match="chunk_bytes: must be positive"):
         _version(_tensors(), pools, chunk_bytes=0)
+
+
+def test_the_buffer_serves_the_tensors_and_is_taken_over_only_when_no_one_holds_it(pools):
+    tensors = _tensors()
+    first = _version(tensors, pools)
+    written = first.tensors()  # what WriteWeights writes: views of the host copy
+    assert [n for n, _ in written] == [n for n, _ in tensors]
+    assert all(t.dtype == o.dtype and t.shape == o.shape and torch.equal(t, o) for (_, t), (_, o) in zip(written, tensors))
+    with first.held():
+        second = _version([(n, t + 1 if t.is_floating_point() else t) for n, t in tensors], pools, reuse=first)
+        assert second.buffer.data_ptr() != first.buffer.data_ptr()  # held: a buffer of its own
+        assert all(torch.equal(t, o) for (_, t), (_, o) in zip(first.tensors(), tensors))  # unchanged
+    reader = second.reader()  # an open stream holds it as well
+    third = _version(tensors, pools, reuse=second)
+    assert third.buffer.data_ptr() != second.buffer.data_ptr()
+    reader.close()
+    owned = first.buffer.data_ptr()
+    fourth = _version(tensors, pools, reuse=first)  # no holder left: its memory is written over
+    assert fourth.buffer.data_ptr() == owned
+    with pytest.raises(VersionRetired, match="policy_version 3: its host copy was reused"):
+        first.acquire()
+    with pytest.raises(VersionRetired):
+        first.reader()
+    assert [pb.WeightChunk.FromString(raw).chunk_sha256 for raw in _read(fourth)] == \
+        [pb.WeightChunk.FromString(raw).chunk_sha256 for raw in _read(third)]
 
 
 @pytest.mark.gpu
