@@ -52,7 +52,7 @@ class SharedPathWeights:
                 return self._written[-1]
             # A fresh name each time: a trainer that recovered may write a version again.
             directory = self.root / f"v{version:06d}-{uuid.uuid4().hex[:8]}"
-            written = await self.trainer.write_weights(self.run_id, str(directory))
+            written = await self.trainer.write_weights(self.run_id, str(directory), version)
             if written.policy_version != version:
                 raise RuntimeError(f"trainer wrote version {written.policy_version}, expected {version}")
             self._written.append(written)
