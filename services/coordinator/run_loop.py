@@ -158,6 +158,8 @@ class RunDriver:
         try:
             await self._run()
         finally:
+            if self.fleet.shared_weights is not None:
+                await self.fleet.shared_weights.cancel_early()
             await self._stream.stop()
             await asyncio.to_thread(self.task.close)
 
@@ -261,6 +263,9 @@ class RunDriver:
                     # Training's error is the one raised; the sync's (or the rollout's) is logged, not lost.
                     log.error("step %d: the work beside training failed as well: %r", step, ahead.exception())
                 raise
+            if self.fleet.shared_weights is not None and self._sync_beside_training and step < self.spec.steps:
+                # The trainer, idle until the replicas finish, writes version s for step s+1's sync now.
+                self.fleet.shared_weights.write_early(step)
             await ahead  # its failure (a sync, a rollout) fails the step here, before anything is recorded
             if self.spec.checkpoint.every == 0:  # no checkpoint to come back to before the run's end
                 await asyncio.to_thread(self._rollouts.drop_through, step)
