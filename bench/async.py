@@ -217,42 +217,45 @@ def main() -> None:
             try:
                 if args.warmup_steps:
                     measure(client, model, "fixed_lag", 0, max(3, args.warmup_steps), args.seed, args)
-                results = []
-                for weight_sync in syncs:
+                for weight_sync in syncs:  # each value's file is written as soon as its runs are done
+                    results = []
                     for mode in args.modes.split(","):
                         for k in (0, 1, 2):
                             results.append(measure(client, model, mode, k, args.steps, args.seed, args, weight_sync))
                             print(json.dumps(results[-1]), flush=True)
+                    report(args, weight_sync, results, model_info, began)
             except BaseException:
                 for p in stack.processes:  # the run directory goes with the temporary directory
                     print(f"--- {p.name} log tail\n{p.tail(60)}", flush=True)
                 raise
             finally:
                 client.close()
-    wall_s = round(time.monotonic() - began, 1)
-    for weight_sync in syncs:
-        ours = [r for r in results if r["weight_sync"] == weight_sync]
-        base = {r["mode"]: r["samples_per_s"] for r in ours if r["max_staleness"] == 0}
-        out = {
-            "bench": "async", "note": args.note, "warmup_steps": args.warmup_steps, "device": args.device,
-            "host": platform.node(), "cpus": os.cpu_count(), "threads_per_service": args.threads,
-            "shape": f"{args.shape} (random init)", "weight_sync": weight_sync,
-            "batch": {"prompts": PROMPTS, "samples_per_prompt": SAMPLES,
-                      "max_new_tokens": args.cap if longtail else NEW_TOKENS},
-            "results": ours,
-            "speedup_vs_k0": {f"{r['mode']} {r['max_staleness']}": round(r["samples_per_s"] / base[r["mode"]], 3)
-                              for r in ours},
-            "wall_s": wall_s,  # of the whole command, every weight_sync value's runs
-        }
-        if longtail:
-            out["longtail"] = {"stop_tokens": args.stop_tokens, "cap": args.cap, "numerics": "true_on_policy",
-                               "dtype": "bfloat16", "microbatch_tokens": args.microbatch_tokens, "model": model_info}
-            if args.device.startswith("cuda"):
-                out["gpu"] = torch.cuda.get_device_name()
-        text = json.dumps(out, indent=2)
-        if args.out:
-            Path(args.out.replace("{weight_sync}", weight_sync)).write_text(text + "\n")
-        print(text)
+
+
+def report(args, weight_sync: str, results: list[dict], model_info: dict | None, began: float) -> None:
+    """One weight_sync value's JSON: printed, and written to --out."""
+    longtail = args.shape != "tiny_arith"
+    base = {r["mode"]: r["samples_per_s"] for r in results if r["max_staleness"] == 0}
+    out = {
+        "bench": "async", "note": args.note, "warmup_steps": args.warmup_steps, "device": args.device,
+        "host": platform.node(), "cpus": os.cpu_count(), "threads_per_service": args.threads,
+        "shape": f"{args.shape} (random init)", "weight_sync": weight_sync,
+        "batch": {"prompts": PROMPTS, "samples_per_prompt": SAMPLES,
+                  "max_new_tokens": args.cap if longtail else NEW_TOKENS},
+        "results": results,
+        "speedup_vs_k0": {f"{r['mode']} {r['max_staleness']}": round(r["samples_per_s"] / base[r["mode"]], 3)
+                          for r in results},
+        "wall_s": round(time.monotonic() - began, 1),  # since the command started
+    }
+    if longtail:
+        out["longtail"] = {"stop_tokens": args.stop_tokens, "cap": args.cap, "numerics": "true_on_policy",
+                           "dtype": "bfloat16", "microbatch_tokens": args.microbatch_tokens, "model": model_info}
+        if args.device.startswith("cuda"):
+            out["gpu"] = torch.cuda.get_device_name()
+    text = json.dumps(out, indent=2)
+    if args.out:
+        Path(args.out.replace("{weight_sync}", weight_sync)).write_text(text + "\n")
+    print(text, flush=True)
 
 
 if __name__ == "__main__":
