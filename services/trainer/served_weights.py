@@ -4,10 +4,11 @@ chunk by chunk, to every replica that reads it.
 Cutting a version copies every tensor (the compute-dtype cast forward runs on) into one host buffer, in
 pinned memory when the tensors are on a GPU, so the device-to-host copies are one pass at the link's
 rate; the snapshot is then immutable, whatever later steps do to the live weights. The chunks' sha256
-digests (each a digest block of services.common.weight_digest) are computed on a pool of threads while
-the first reader streams; each reader's chunks are encoded (services.common.chunk_frames: the payload
-copied once, from the buffer) on a second pool, a few ahead of the one being sent. The digests are kept
-for the version, so a second replica costs one copy per byte and no hashing. The buffer also backs a
+digests (each a digest block of services.common.weight_digest) are computed on a pool of threads from
+the moment the first reader opens (never for a version only written to a directory, which is hashed as
+it is written); each reader's chunks are encoded (services.common.chunk_frames: the payload copied once,
+from the buffer) on a second pool, a few ahead of the one being sent. The digests are kept for the
+version, so a second replica costs one copy per byte and no hashing. The buffer also backs a
 WriteWeights directory (`tensors()`), written while the live weights move on.
 
 A holder (a reader, a directory being written) keeps the buffer: a later cut takes it over only when none
@@ -94,9 +95,12 @@ class WeightVersion:
             torch.cuda.synchronize()  # the snapshot is whole before the caller lets the weights change
         self._view = memoryview(self.buffer.numpy())
         self.nbytes = sum(c.length for c in self._chunks)
-        # Hashed in chunk order on their own pool: a reader's encoding (on the other pool) of chunk i waits
-        # only for the digests up to i, not behind the whole version's hashing.
-        self._digests: list[Future[bytes]] = [hash_pool.submit(self._hash, c) for c in self._chunks]
+        # Hashed in chunk order on their own pool, from the first reader on (a version only written to a
+        # directory is hashed there, as it is written): a reader's encoding (on the other pool) of chunk i
+        # waits only for the digests up to i, not behind the whole version's hashing.
+        self._hash_pool = hash_pool
+        self._digests: list[Future[bytes]] | None = None
+        self._hashing_lock = threading.Lock()
         self._total: str | None = None
 
     def __len__(self) -> int:
@@ -141,11 +145,18 @@ class WeightVersion:
     def _hash(self, c: _Chunk) -> bytes:
         return hashlib.sha256(self._data(c)).digest()
 
+    def _hashes(self) -> list[Future[bytes]]:
+        """The chunks' digests, submitted to the pool on the first call."""
+        with self._hashing_lock:
+            if self._digests is None:
+                self._digests = [self._hash_pool.submit(self._hash, c) for c in self._chunks]
+            return self._digests
+
     def total_sha256(self) -> str:
         """The weights' digest (waits for every chunk's)."""
         if self._total is None:
             blocks = BlockDigests()  # a chunk that is one digest block brings its digest; others are re-cut
-            for c, digest in zip(self._chunks, self._digests):
+            for c, digest in zip(self._chunks, self._hashes()):
                 blocks.add(c.name, c.offset, self._data(c), c.tensor_nbytes, digest.result())
             self._total = blocks.hexdigest()
         return self._total
@@ -156,7 +167,7 @@ class WeightVersion:
         header = pb.WeightChunk(
             run_id=self.run_id, policy_version=self.policy_version, name=c.name, dtype=c.dtype,
             shape=list(c.shape), offset=c.offset, tensor_nbytes=c.tensor_nbytes,
-            chunk_sha256=self._digests[index].result().hex(),
+            chunk_sha256=self._hashes()[index].result().hex(),
             lora=self.lora.to_proto() if self.lora is not None else None,
         )
         if index == len(self._chunks) - 1:
@@ -176,6 +187,7 @@ class VersionReader:
         self._submitted = 0
         self._pending: list[Future[bytes]] = []
         version.acquire()
+        version._hashes()
         self._open = True
 
     def next_chunk(self) -> Future[bytes] | None:

@@ -125,3 +125,11 @@ def test_at_the_default_chunk_size_each_byte_is_hashed_once_however_many_read(po
         _read(version)
     blocks = len(version)
     assert counted.fed == version.nbytes + 32 * blocks  # every byte once, then the digest over block digests
+
+
+def test_a_version_only_written_to_a_directory_is_not_hashed_here(pools, monkeypatch):
+    counted = Sha256Counter(monkeypatch)
+    version = _version([("big", torch.randn(3 << 20))], pools)
+    with version.held():
+        version.tensors()  # what WriteWeights writes (and hashes as it writes)
+    assert counted.fed == 0
