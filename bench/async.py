@@ -28,6 +28,8 @@ absolute numbers.
 
     python bench/async.py --steps 20 --out bench/results/async_cpu.json
     python bench/async.py --shape qwen3-0.6b --device cuda --out bench/results/async_h200.json
+    python bench/async.py --shape qwen3-0.6b --device cuda --modes fixed_lag --weight-sync grpc,shared_path \
+        --out 'bench/results/async_h200_{weight_sync}.json'
 """
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ def build_longtail_model(out: Path, shape: str, *, stop_tokens: int, cap: int, s
             "next_token_entropy_nats_without_eos": round(entropy, 3), "params": params}
 
 
-def run_spec(model: Path, mode: str, k: int, steps: int, seed: int, args) -> dict:
+def run_spec(model: Path, mode: str, k: int, steps: int, seed: int, args, weight_sync: str = "grpc") -> dict:
     longtail = args.shape != "tiny_arith"
     spec = {
         "name": f"bench-async-{mode}-k{k}", "model_path": str(model), "seed": seed, "steps": steps,
@@ -124,7 +126,7 @@ def run_spec(model: Path, mode: str, k: int, steps: int, seed: int, args) -> dic
         "eval": {"every": 0, "heldout_size": 8},
         "async": {"max_staleness": k, "mode": mode},
     }
-    spec["rollout"]["weight_sync"] = args.weight_sync
+    spec["rollout"]["weight_sync"] = weight_sync
     if longtail:
         # One cache capacity for every step: the prompts are <= 8 tokens, the shape's context cap + 64.
         spec["numerics"] = "true_on_policy"
@@ -136,10 +138,10 @@ def run_spec(model: Path, mode: str, k: int, steps: int, seed: int, args) -> dic
     return spec
 
 
-def measure(client, model: Path, mode: str, k: int, steps: int, seed: int, args) -> dict:
+def measure(client, model: Path, mode: str, k: int, steps: int, seed: int, args, weight_sync: str = "grpc") -> dict:
     load_before = os.getloadavg()
     began = time.monotonic()
-    run = client.submit(run_spec(model, mode, k, steps, seed, args))
+    run = client.submit(run_spec(model, mode, k, steps, seed, args, weight_sync))
     done = client.wait(run["id"], timeout_s=3600)
     if done["status"] != "completed":
         raise SystemExit(f"{mode} K={k}: run ended {done['status']}: {done.get('error')}")
@@ -154,7 +156,7 @@ def measure(client, model: Path, mode: str, k: int, steps: int, seed: int, args)
     steps_metrics = [s["metrics"] for s in recorded]
     lengths = [m["response_length_mean"] for m in steps_metrics[1:-1] if "response_length_mean" in m]
     return {
-        "mode": mode, "max_staleness": k, "steps_timed": len(timed), "step_seconds_mean": round(total, 4),
+        "mode": mode, "max_staleness": k, "weight_sync": weight_sync, "steps_timed": len(timed), "step_seconds_mean": round(total, 4),
         "samples_per_s": round(PROMPTS * SAMPLES / total, 2),
         "rollout_busy_fraction": round(fraction("rollout"), 3), "train_busy_fraction": round(fraction("train"), 3),
         "overlap_fraction": round(fraction("overlap"), 3), "weight_sync_fraction": round(fraction("weight_sync"), 3),
@@ -177,19 +179,24 @@ def main() -> None:
     parser.add_argument("--stop-tokens", type=int, default=1216,
                         help="long tail: eos probability per step is this / vocab (mean length ~ vocab / this)")
     parser.add_argument("--microbatch-tokens", type=int, default=16384, help="long tail: the trainer's microbatch")
-    parser.add_argument("--weight-sync", default="grpc", choices=("grpc", "shared_path", "broadcast"),
-                        help="rollout.weight_sync of every run ('shared_path' lets fixed_lag overlap the sync with "
-                        "training)")
+    parser.add_argument("--weight-sync", default="grpc",
+                        help="comma-separated rollout.weight_sync values (grpc, shared_path, broadcast), each measured "
+                        "for every mode and K in one stack; with more than one, --out names {weight_sync}")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each service")
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", help="where to write the JSON; '{weight_sync}' in it is replaced by each one's")
     parser.add_argument("--note", default="", help="free text kept in the output (e.g. how loaded the host was)")
     parser.add_argument("--modes", default="fixed_lag,streaming", help="comma-separated async.mode values")
     parser.add_argument("--warmup-steps", type=int, default=4,
                         help="a synchronous run of this many steps first, not reported: the stack's first run "
                         "pays one-off costs (imports, allocations) that would depress whichever run came first")
     args = parser.parse_args()
+    syncs = args.weight_sync.split(",")
+    if not set(syncs) <= {"grpc", "shared_path", "broadcast"}:
+        raise SystemExit(f"--weight-sync: {args.weight_sync!r}: each must be grpc, shared_path or broadcast")
+    if len(syncs) > 1 and args.out and "{weight_sync}" not in args.out:
+        raise SystemExit("--out: with several --weight-sync values it must contain {weight_sync}")
     longtail = args.shape != "tiny_arith"
     if not longtail and args.device != "cpu":
         raise SystemExit("--device: the tiny_arith workload runs on cpu; pick a long-tail --shape for a GPU")
@@ -210,28 +217,35 @@ def main() -> None:
             try:
                 if args.warmup_steps:
                     measure(client, model, "fixed_lag", 0, max(3, args.warmup_steps), args.seed, args)
-                results = []
-                for mode in args.modes.split(","):
-                    for k in (0, 1, 2):
-                        results.append(measure(client, model, mode, k, args.steps, args.seed, args))
-                        print(json.dumps(results[-1]), flush=True)
+                for weight_sync in syncs:  # each value's file is written as soon as its runs are done
+                    results = []
+                    for mode in args.modes.split(","):
+                        for k in (0, 1, 2):
+                            results.append(measure(client, model, mode, k, args.steps, args.seed, args, weight_sync))
+                            print(json.dumps(results[-1]), flush=True)
+                    report(args, weight_sync, results, model_info, began)
             except BaseException:
                 for p in stack.processes:  # the run directory goes with the temporary directory
                     print(f"--- {p.name} log tail\n{p.tail(60)}", flush=True)
                 raise
             finally:
                 client.close()
+
+
+def report(args, weight_sync: str, results: list[dict], model_info: dict | None, began: float) -> None:
+    """One weight_sync value's JSON: printed, and written to --out."""
+    longtail = args.shape != "tiny_arith"
     base = {r["mode"]: r["samples_per_s"] for r in results if r["max_staleness"] == 0}
     out = {
         "bench": "async", "note": args.note, "warmup_steps": args.warmup_steps, "device": args.device,
         "host": platform.node(), "cpus": os.cpu_count(), "threads_per_service": args.threads,
-        "shape": f"{args.shape} (random init)", "weight_sync": args.weight_sync,
+        "shape": f"{args.shape} (random init)", "weight_sync": weight_sync,
         "batch": {"prompts": PROMPTS, "samples_per_prompt": SAMPLES,
                   "max_new_tokens": args.cap if longtail else NEW_TOKENS},
         "results": results,
         "speedup_vs_k0": {f"{r['mode']} {r['max_staleness']}": round(r["samples_per_s"] / base[r["mode"]], 3)
                           for r in results},
-        "wall_s": round(time.monotonic() - began, 1),
+        "wall_s": round(time.monotonic() - began, 1),  # since the command started
     }
     if longtail:
         out["longtail"] = {"stop_tokens": args.stop_tokens, "cap": args.cap, "numerics": "true_on_policy",
@@ -240,8 +254,8 @@ def main() -> None:
             out["gpu"] = torch.cuda.get_device_name()
     text = json.dumps(out, indent=2)
     if args.out:
-        args.out.write_text(text + "\n")
-    print(text)
+        Path(args.out.replace("{weight_sync}", weight_sync)).write_text(text + "\n")
+    print(text, flush=True)
 
 
 if __name__ == "__main__":

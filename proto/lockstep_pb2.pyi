@@ -404,20 +404,22 @@ class EpisodeRecord(_message.Message):
     def __init__(self, turns: _Optional[int] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., end_reason: _Optional[str] = ...) -> None: ...
 
 class TrainStepHeader(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "num_trajectories", "max_staleness", "streaming")
+    __slots__ = ("run_id", "step", "policy_version", "num_trajectories", "max_staleness", "streaming", "keep_previous_weights")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     STREAMING_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PREVIOUS_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
     num_trajectories: int
     max_staleness: int
     streaming: bool
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_trajectories: _Optional[int] = ..., max_staleness: _Optional[int] = ..., streaming: _Optional[bool] = ...) -> None: ...
+    keep_previous_weights: bool
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., num_trajectories: _Optional[int] = ..., max_staleness: _Optional[int] = ..., streaming: _Optional[bool] = ..., keep_previous_weights: _Optional[bool] = ...) -> None: ...
 
 class TrainStepChunk(_message.Message):
     __slots__ = ("header", "trajectory")
@@ -484,12 +486,14 @@ class ParityReport(_message.Message):
     def __init__(self, passed: _Optional[bool] = ..., message: _Optional[str] = ..., stats: _Optional[_Mapping[str, float]] = ..., worst_tokens: _Optional[_Iterable[_Union[ParityToken, _Mapping]]] = ..., attention_backend: _Optional[str] = ..., logprob_backend: _Optional[str] = ...) -> None: ...
 
 class GetWeightsRequest(_message.Message):
-    __slots__ = ("run_id", "chunk_bytes")
+    __slots__ = ("run_id", "chunk_bytes", "policy_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     chunk_bytes: int
-    def __init__(self, run_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, run_id: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class SaveCheckpointRequest(_message.Message):
     __slots__ = ("run_id", "directory")
@@ -508,12 +512,14 @@ class SaveCheckpointResponse(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class WriteWeightsRequest(_message.Message):
-    __slots__ = ("run_id", "directory")
+    __slots__ = ("run_id", "directory", "policy_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     directory: str
-    def __init__(self, run_id: _Optional[str] = ..., directory: _Optional[str] = ...) -> None: ...
+    policy_version: int
+    def __init__(self, run_id: _Optional[str] = ..., directory: _Optional[str] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class WriteWeightsResponse(_message.Message):
     __slots__ = ("directory", "policy_version", "tensors", "bytes", "total_sha256")

@@ -155,10 +155,12 @@ class TrainerClient:
             raise
 
     @_trainer_rpc
-    async def write_weights(self, run_id: str, directory: str) -> pb.WriteWeightsResponse:
+    async def write_weights(self, run_id: str, directory: str, policy_version: int) -> pb.WriteWeightsResponse:
+        """The trainer writes `policy_version` (its current weights, or the copy its last TrainStep kept);
+        NOT_FOUND if it has neither."""
         return await self._stub.WriteWeights(
-            pb.WriteWeightsRequest(run_id=run_id, directory=directory), timeout=self._timeout
-        )
+            pb.WriteWeightsRequest(run_id=run_id, directory=directory, policy_version=policy_version),
+            timeout=self._timeout)
 
     @_trainer_rpc
     async def open_weight_broadcast(self, run_id: str, replicas: int, *, digest_trailer: bool) -> pb.BroadcastPlan:

@@ -131,6 +131,10 @@ class RunDriver:
         # version that made it may be gone when a restarted coordinator needs it.
         self._rollouts = KeptRollouts(run_id, run_dir / "rollouts", model_path=spec.model_path, seed=spec.seed)
         self._replicas_at = 0  # fixed_lag: the version every live replica holds
+        # fixed_lag: the replicas sync to s-1 while step s trains, from the copy of s-1 the trainer keeps. Not
+        # with broadcast, which sends from the live weights under the trainer's lock.
+        self._sync_beside_training = (self.max_staleness > 0 and spec.async_.mode == "fixed_lag"
+                                      and spec.rollout.weight_sync != "broadcast")
         self.streaming = spec.async_.mode == "streaming" and self.max_staleness > 0
         self._gate = GenerationGate(self._pause_replicas)
         self._busy = BusyIntervals()  # streaming: when the replicas generated (this step's window and later)
@@ -154,6 +158,8 @@ class RunDriver:
         try:
             await self._run()
         finally:
+            if self.fleet.shared_weights is not None:
+                await self.fleet.shared_weights.cancel_early()
             await self._stream.stop()
             await asyncio.to_thread(self.task.close)
 
@@ -233,13 +239,11 @@ class RunDriver:
             for t in range(step, min(step + self.max_staleness, self.spec.steps) + 1):
                 if behaviour_version(t, self.max_staleness) < step - 1 and not self._rollouts.has(t):
                     await self._lagged_rollout(t, self._replicas_at, busy)
-            shared = self.fleet.shared_weights
-            if shared is not None and self._rollouts.has(step):
-                # The trainer writes version s-1 once; the replicas load it while step s trains, then
-                # generate with it: the weight sync overlaps training.
-                with timer.phase("weight_sync"):
-                    await shared.written(step - 1)
-                ahead = asyncio.ensure_future(self._sync_and_roll_ahead(step, busy))
+            if self._rollouts.has(step) and self._sync_beside_training:
+                # The trainer keeps version s-1 as this step's TrainStep begins (keep_previous_weights) and
+                # serves it from that copy while it trains: the replicas sync to s-1 (pulled over gRPC, or
+                # written once and loaded) and then generate with it, the whole sync beside training.
+                ahead = asyncio.ensure_future(self._sync_and_roll_ahead(step, busy, timer))
             else:
                 with timer.phase("weight_sync"):
                     await self.fleet.sync_weights(step - 1)
@@ -250,12 +254,19 @@ class RunDriver:
             try:
                 trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
                 result, train_span = await self._train(header, trajectories, counts, timer)
-                await ahead
-            finally:
+            except BaseException:
                 if not ahead.done():
                     ahead.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await ahead
+                elif not ahead.cancelled() and ahead.exception() is not None:
+                    # Training's error is the one raised; the sync's (or the rollout's) is logged, not lost.
+                    log.error("step %d: the work beside training failed as well: %r", step, ahead.exception())
+                raise
+            if self.fleet.shared_weights is not None and self._sync_beside_training and step < self.spec.steps:
+                # The trainer, idle until the replicas finish, writes version s for step s+1's sync now.
+                self.fleet.shared_weights.write_early(step)
+            await ahead  # its failure (a sync, a rollout) fails the step here, before anything is recorded
             if self.spec.checkpoint.every == 0:  # no checkpoint to come back to before the run's end
                 await asyncio.to_thread(self._rollouts.drop_through, step)
         else:
@@ -363,10 +374,14 @@ class RunDriver:
         trajectories = await self._score(self._stream.problems_of(step), samples, step, self._replicas_at)
         return trajectories, {"trajectories_trained": len(trajectories), "trajectories_dropped": lost}
 
-    async def _sync_and_roll_ahead(self, step: int, busy: BusyIntervals) -> None:
-        """shared_path, while step `step` trains: the replicas load version step - 1 from the directory the
-        trainer wrote (no trainer call), then generate the rollouts that version makes."""
-        await self.fleet.sync_weights(step - 1)
+    async def _sync_and_roll_ahead(self, step: int, busy: BusyIntervals, timer: PhaseTimer) -> None:
+        """While step `step` trains: the replicas get version step - 1 from the copy the trainer kept (the
+        TrainStep header's keep_previous_weights), then generate the rollouts that version makes. A sync
+        that fails (the trainer lost, a write refused, digests that differ) fails the step once training
+        returns, before anything is recorded. Its seconds are the step's weight_sync, though they overlap
+        training."""
+        with timer.phase("weight_sync"):
+            await self.fleet.sync_weights(step - 1)
         self._replicas_at = step - 1
         await self._roll_ahead(step, busy)
 
@@ -422,7 +437,8 @@ class RunDriver:
         which the trainer enforces on every token."""
         return pb.TrainStepHeader(run_id=self.run_id, step=step,
                                   policy_version=behaviour_version(step, self.max_staleness),
-                                  max_staleness=self.max_staleness, streaming=self.spec.async_.mode == "streaming")
+                                  max_staleness=self.max_staleness, streaming=self.spec.async_.mode == "streaming",
+                                  keep_previous_weights=self._sync_beside_training)
 
     async def _record(self, step: int, metrics: dict, timings: dict, counts: dict,
                       report: EvalReport | None) -> None:

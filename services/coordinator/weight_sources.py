@@ -18,6 +18,8 @@ broadcast timeout. Whichever the source, the weights' bytes never pass through t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import shutil
 import uuid
 from collections.abc import Sequence
@@ -29,6 +31,8 @@ import grpc
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
 from services.coordinator.run_errors import RunFailed
+
+log = logging.getLogger("lockstep.coordinator.weights")
 
 # An abort's reason names every failed replica's error, each cut to this many characters, and the whole to
 # ABORT_REASON_CHARS (the trainer refuses a longer one).
@@ -45,6 +49,25 @@ class SharedPathWeights:
         self.trainer, self.run_id, self.root = trainer, run_id, root
         self._written: list[pb.WriteWeightsResponse] = []  # oldest first
         self._lock = asyncio.Lock()  # replicas synced at once wait for one write, not one each
+        self._early: asyncio.Task | None = None  # write_early's
+
+    def write_early(self, version: int) -> None:
+        """Start writing `version` now, for the sync that needs it later to find written (fixed_lag: right
+        after step `version` trained, while the replicas still generate). A failure is logged and the sync's
+        own written() writes again, failing loud if that fails too."""
+        def logged(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("early write of policy version %d failed (the sync writes it again): %r",
+                            version, task.exception())
+
+        self._early = asyncio.ensure_future(self.written(version))
+        self._early.add_done_callback(logged)
+
+    async def cancel_early(self) -> None:
+        if self._early is not None and not self._early.done():
+            self._early.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._early
 
     async def written(self, version: int) -> pb.WriteWeightsResponse:
         async with self._lock:
@@ -52,7 +75,7 @@ class SharedPathWeights:
                 return self._written[-1]
             # A fresh name each time: a trainer that recovered may write a version again.
             directory = self.root / f"v{version:06d}-{uuid.uuid4().hex[:8]}"
-            written = await self.trainer.write_weights(self.run_id, str(directory))
+            written = await self.trainer.write_weights(self.run_id, str(directory), version)
             if written.policy_version != version:
                 raise RuntimeError(f"trainer wrote version {written.policy_version}, expected {version}")
             self._written.append(written)

@@ -256,7 +256,9 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             try:
                 stream = channel.unary_stream(GET_WEIGHTS_METHOD,
                                               request_serializer=pb.GetWeightsRequest.SerializeToString,
-                                              response_deserializer=None)(pb.GetWeightsRequest(run_id=request.run_id))
+                                              response_deserializer=None)(
+                    # Named: the trainer serves that version even after it moved on, if it kept it.
+                    pb.GetWeightsRequest(run_id=request.run_id, policy_version=request.policy_version))
                 async for raw in stream:
                     assembler.add_raw(raw)
                     if assembler.policy_version != request.policy_version:
@@ -265,6 +267,9 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                                          f"policy_version: the trainer serves version {assembler.policy_version}, "
                                          f"not {request.policy_version}")
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # it has not that version: the request's fault
+                    raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                                     f"trainer {request.trainer_address}: {exc.details()}") from None
                 raise RpcFailure(grpc.StatusCode.ABORTED, f"trainer {request.trainer_address}: GetWeights failed "
                                  f"with {exc.code().name}: {exc.details()}") from None
             finally:

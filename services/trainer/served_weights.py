@@ -4,15 +4,23 @@ chunk by chunk, to every replica that reads it.
 Cutting a version copies every tensor (the compute-dtype cast forward runs on) into one host buffer, in
 pinned memory when the tensors are on a GPU, so the device-to-host copies are one pass at the link's
 rate; the snapshot is then immutable, whatever later steps do to the live weights. The chunks' sha256
-digests (each a digest block of services.common.weight_digest) are computed on a pool of threads while
-the first reader streams; each reader's chunks are encoded (services.common.chunk_frames: the payload
-copied once, from the buffer) on a second pool, a few ahead of the one being sent. The digests are kept
-for the version, so a second replica costs one copy per byte and no hashing.
+digests (each a digest block of services.common.weight_digest) are computed on a pool of threads from
+the moment the first reader opens (never for a version only written to a directory, which is hashed as
+it is written); each reader's chunks are encoded (services.common.chunk_frames: the payload copied once,
+from the buffer) on a second pool, a few ahead of the one being sent. The digests are kept for the
+version, so a second replica costs one copy per byte and no hashing. The buffer also backs a
+WriteWeights directory (`tensors()`), written while the live weights move on.
+
+A holder (a reader, a directory being written) keeps the buffer: a later cut takes it over only when none
+is left, and a version whose buffer was taken refuses new holders (VersionRetired).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import threading
+from collections.abc import Iterator
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,6 +39,10 @@ DEFAULT_CUT_WORKERS = max(1, min(8, os.cpu_count() or 1))
 ENCODE_AHEAD = 2 * DEFAULT_CUT_WORKERS
 # Each tensor starts at a multiple of this in the host buffer, so a slice views as any dtype.
 _ALIGN = 64
+
+
+class VersionRetired(RuntimeError):
+    """The version's host buffer was taken over by a later cut: it holds that cut's bytes now."""
 
 
 @dataclass(frozen=True)
@@ -64,15 +76,16 @@ class WeightVersion:
             layout.append((name, t, total))
             total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         pin = any(t.device.type != "cpu" for _, t in named_tensors) and torch.cuda.is_available()
-        if reuse is not None and reuse.readers == 0 and reuse.buffer.numel() >= total and reuse.buffer.is_pinned() == pin:
-            self.buffer = reuse.buffer
-            reuse.buffer, reuse._view = torch.empty(0, dtype=torch.uint8), memoryview(b"")
-        else:
-            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-        self.readers = 0  # open VersionReaders: while any is, the buffer is not reused
+        taken = reuse._take_buffer(total, pin) if reuse is not None else None
+        self.buffer = taken if taken is not None else torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+        self._holders_lock = threading.Lock()
+        self.readers = 0  # holders (open VersionReaders, directories being written): the buffer is not reused
+        self._retired = False
         self._chunks: list[_Chunk] = []
+        self._tensors: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []  # name, dtype, shape, start, nbytes
         for name, t, start in layout:
             nbytes = t.numel() * t.element_size()
+            self._tensors.append((name, t.dtype, tuple(t.shape), start, nbytes))
             if nbytes:
                 self.buffer[start:start + nbytes].view(t.dtype).view(t.shape).copy_(t.detach(), non_blocking=True)
             for offset in range(0, max(nbytes, 1), chunk_bytes):
@@ -82,13 +95,49 @@ class WeightVersion:
             torch.cuda.synchronize()  # the snapshot is whole before the caller lets the weights change
         self._view = memoryview(self.buffer.numpy())
         self.nbytes = sum(c.length for c in self._chunks)
-        # Hashed in chunk order on their own pool: a reader's encoding (on the other pool) of chunk i waits
-        # only for the digests up to i, not behind the whole version's hashing.
-        self._digests: list[Future[bytes]] = [hash_pool.submit(self._hash, c) for c in self._chunks]
+        # Hashed in chunk order on their own pool, from the first reader on (a version only written to a
+        # directory is hashed there, as it is written): a reader's encoding (on the other pool) of chunk i
+        # waits only for the digests up to i, not behind the whole version's hashing.
+        self._hash_pool = hash_pool
+        self._digests: list[Future[bytes]] | None = None
+        self._hashing_lock = threading.Lock()
         self._total: str | None = None
 
     def __len__(self) -> int:
         return len(self._chunks)
+
+    def _take_buffer(self, nbytes: int, pinned: bool) -> torch.Tensor | None:
+        """This version's buffer for a new cut of `nbytes`, if no one holds it and it fits; it is retired then."""
+        with self._holders_lock:
+            if self.readers or self._retired or self.buffer.numel() < nbytes or self.buffer.is_pinned() != pinned:
+                return None
+            self._retired = True
+            buffer, self.buffer, self._view = self.buffer, torch.empty(0, dtype=torch.uint8), memoryview(b"")
+            return buffer
+
+    def acquire(self) -> None:
+        """Become a holder; VersionRetired if a later cut took the buffer over."""
+        with self._holders_lock:
+            if self._retired:
+                raise VersionRetired(f"policy_version {self.policy_version}: its host copy was reused by a later one")
+            self.readers += 1
+
+    def release(self) -> None:
+        with self._holders_lock:
+            self.readers -= 1
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator["WeightVersion"]:
+        self.acquire()
+        try:
+            yield self
+        finally:
+            self.release()
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The snapshot's tensors, views of the host buffer (valid while held)."""
+        return [(name, self.buffer[start:start + nbytes].view(dtype).view(shape))
+                for name, dtype, shape, start, nbytes in self._tensors]
 
     def _data(self, c: _Chunk) -> memoryview:
         return self._view[c.start:c.start + c.length]
@@ -96,11 +145,18 @@ class WeightVersion:
     def _hash(self, c: _Chunk) -> bytes:
         return hashlib.sha256(self._data(c)).digest()
 
+    def _hashes(self) -> list[Future[bytes]]:
+        """The chunks' digests, submitted to the pool on the first call."""
+        with self._hashing_lock:
+            if self._digests is None:
+                self._digests = [self._hash_pool.submit(self._hash, c) for c in self._chunks]
+            return self._digests
+
     def total_sha256(self) -> str:
         """The weights' digest (waits for every chunk's)."""
         if self._total is None:
             blocks = BlockDigests()  # a chunk that is one digest block brings its digest; others are re-cut
-            for c, digest in zip(self._chunks, self._digests):
+            for c, digest in zip(self._chunks, self._hashes()):
                 blocks.add(c.name, c.offset, self._data(c), c.tensor_nbytes, digest.result())
             self._total = blocks.hexdigest()
         return self._total
@@ -111,7 +167,7 @@ class WeightVersion:
         header = pb.WeightChunk(
             run_id=self.run_id, policy_version=self.policy_version, name=c.name, dtype=c.dtype,
             shape=list(c.shape), offset=c.offset, tensor_nbytes=c.tensor_nbytes,
-            chunk_sha256=self._digests[index].result().hex(),
+            chunk_sha256=self._hashes()[index].result().hex(),
             lora=self.lora.to_proto() if self.lora is not None else None,
         )
         if index == len(self._chunks) - 1:
@@ -130,8 +186,9 @@ class VersionReader:
         self._version, self._ahead = version, max(1, ahead)
         self._submitted = 0
         self._pending: list[Future[bytes]] = []
+        version.acquire()
+        version._hashes()
         self._open = True
-        version.readers += 1
 
     def next_chunk(self) -> Future[bytes] | None:
         """The future of the next chunk's bytes, or None after the last."""
@@ -149,4 +206,4 @@ class VersionReader:
         self._pending.clear()
         if self._open:
             self._open = False
-            self._version.readers -= 1
+            self._version.release()

@@ -14,6 +14,8 @@ Status codes:
 - ConfigureRun / LoadCheckpoint of a model_path / directory that does not
   load (corrupt config, weights, optimizer state) -> INVALID_ARGUMENT
 - FailedPrecondition (state does not allow) -> FAILED_PRECONDITION
+- GetWeights / WriteWeights of a version the
+  trainer neither holds nor kept            -> NOT_FOUND
 - SaveCheckpoint / WriteWeights on a full disk
   or quota (OutOfSpace, naming the path)    -> RESOURCE_EXHAUSTED (nothing half-written is left as a
   checkpoint or weight directory; the same call succeeds once space returns)
@@ -61,10 +63,16 @@ from services.trainer.config import TrainerServiceConfig
 from services.trainer.disk_space import OutOfSpace, writing
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
-from services.trainer.served_weights import DEFAULT_CUT_WORKERS, WeightVersion
-from services.trainer.trainer import StepFailed, Trainer, WeightSnapshot
+from services.trainer.served_weights import DEFAULT_CUT_WORKERS, VersionRetired, WeightVersion
+from services.trainer.trainer import StepFailed, StepOutcome, Trainer, WeightSnapshot
 from services.trainer.weight_broadcast import BroadcastFailed, WeightBroadcaster
-from services.trainer.wire import FailedPrecondition, InvalidRequest, read_train_step, step_metrics_message
+from services.trainer.wire import (
+    FailedPrecondition,
+    InvalidRequest,
+    StepRequest,
+    read_train_step,
+    step_metrics_message,
+)
 from services.trainer.worker_group import GroupSpec, GroupTrainer
 
 log = logging.getLogger("lockstep.trainer")
@@ -75,8 +83,15 @@ T = TypeVar("T")
 # safetensors and torch.load use these); the request's fault, so INVALID_ARGUMENT naming the field.
 LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError, pickle.UnpicklingError)
 
+
+class VersionNotKept(FailedPrecondition):
+    """GetWeights or WriteWeights named a version the trainer neither holds nor kept: NOT_FOUND, so that a
+    replica tells it from a trainer that lost the run (FAILED_PRECONDITION, which the run recovers from)."""
+
+
 ERRORS = RpcErrors(SERVICE, StatusMap(
     (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (VersionNotKept, grpc.StatusCode.NOT_FOUND),
     (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
     (StepFailed, grpc.StatusCode.ABORTED),
     (ForeignDirectory, grpc.StatusCode.INVALID_ARGUMENT),
@@ -85,6 +100,7 @@ ERRORS = RpcErrors(SERVICE, StatusMap(
     (OutOfSpace, grpc.StatusCode.RESOURCE_EXHAUSTED),
 ), log)
 status_for = ERRORS.status_for
+
 
 
 @contextlib.contextmanager
@@ -119,11 +135,19 @@ def confined(value: str, roots: Sequence[str], field: str) -> str:
 @dataclass
 class ServedWeights:
     """One weights state's GetWeights stream: `snapshot` identifies the state, `version` holds its bytes and
-    chunk digests for every replica that reads it."""
+    chunk digests for every replica that reads it. `withdrawn`: the trainer's weights were replaced other
+    than by a step from this state (ConfigureRun, LoadCheckpoint, a TrainStep that did not keep it), so it
+    is no longer the run's version `snapshot.policy_version`."""
 
     snapshot: WeightSnapshot
     chunk_bytes: int
     version: WeightVersion
+    withdrawn: bool = False
+
+
+# How often a request for a version waits for the trainer's lock before it looks again for that version
+# kept by the TrainStep holding the lock.
+KEPT_POLL_S = 0.05
 
 
 class TrainerServicer(pb_grpc.TrainerServicer):
@@ -135,7 +159,9 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         self.weight_chunk_bytes = weight_chunk_bytes
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
         self.lock = threading.Lock()
-        self.served: ServedWeights | None = None  # the last GetWeights stream's version, kept for other replicas
+        # The last version cut (GetWeights, WriteWeights, a TrainStep keeping its previous weights), kept for
+        # other replicas; while the weights it was cut from are current, or after a TrainStep that kept it.
+        self.served: ServedWeights | None = None
         # The version a weight change retired: its host buffer is written over by the next cut.
         self._retired: WeightVersion | None = None
         self._hash_pool = ThreadPoolExecutor(DEFAULT_CUT_WORKERS, thread_name_prefix="weights-hash")
@@ -158,11 +184,63 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         served; its host memory is kept for the next version's cut (one host copy of the weights, which
         the trainer holds between syncs anyway)."""
         def run() -> T:
-            if self.served is not None:
-                self._retired, self.served = self.served.version, None
+            self._withdraw_served()
             return fn(*args)
 
         return await self._locked(run)
+
+    def _withdraw_served(self) -> None:
+        if self.served is not None:
+            self.served.withdrawn = True
+            self._retired, self.served = self.served.version, None
+
+    def _train_step(self, req: StepRequest) -> StepOutcome:
+        """Under the lock. With keep_previous_weights, the weights the step starts from (version step - 1) are
+        cut first and stay served by version while it trains; otherwise they are withdrawn."""
+        run = self.trainer.run
+        if not req.keep_previous_weights:
+            self._withdraw_served()
+        elif run is not None and run.run_id == req.run_id and run.policy_version == req.step - 1:
+            self._served_weights(req.run_id, self.weight_chunk_bytes)
+        # else: a replay or a refused step, which leaves the weights as they are
+        return self.trainer.train_step(req)
+
+    def _kept(self, run_id: str, version: int, chunk_bytes: int) -> ServedWeights | None:
+        """The served `version` of the run, held (the caller releases it), or None."""
+        served = self.served
+        if (served is None or served.withdrawn or served.snapshot.run.run_id != run_id
+                or served.snapshot.policy_version != version or served.chunk_bytes != chunk_bytes):
+            return None
+        try:
+            served.version.acquire()
+        except VersionRetired:
+            return None
+        return served
+
+    def _serve(self, run_id: str, version: int | None, chunk_bytes: int) -> ServedWeights:
+        """(In a worker thread.) The weights to send or write, held (the caller releases them): `version` of
+        the run, from the trainer's current weights or the copy a TrainStep kept; with None, the current
+        weights. FailedPrecondition when the trainer has neither. A kept version is found without the lock,
+        so that it is served while the step that kept it trains."""
+        if version is not None:
+            while not self.lock.acquire(timeout=KEPT_POLL_S):
+                if (kept := self._kept(run_id, version, chunk_bytes)) is not None:
+                    return kept
+        else:
+            self.lock.acquire()
+        try:
+            if version is not None:
+                if (kept := self._kept(run_id, version, chunk_bytes)) is not None:
+                    return kept
+                current = self.trainer.require_run(run_id).policy_version
+                if current != version:
+                    raise VersionNotKept(f"policy_version: the trainer holds version {current} of run {run_id!r} "
+                                             f"and keeps no copy of version {version} (in chunks of {chunk_bytes} bytes)")
+            served = self._served_weights(run_id, chunk_bytes)
+            served.version.acquire()
+            return served
+        finally:
+            self.lock.release()
 
     def _service_info(self) -> pb.ServiceInfo:
         info = self.trainer.info()
@@ -189,7 +267,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         t0 = time.monotonic()
         try:
             req = await read_train_step(request_iterator)
-            outcome = await self._locked_changing_weights(self.trainer.train_step, req)
+            outcome = await self._locked(self._train_step, req)
         except grpc.aio.AbortError:  # an undecodable message: refused with its own status
             steps.labels(SERVICE, "rejected").inc()
             raise
@@ -241,17 +319,26 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         if request.chunk_bytes < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes: must be >= 0, got {request.chunk_bytes}")
         chunk_bytes = request.chunk_bytes or self.weight_chunk_bytes
+        wanted = request.policy_version if request.HasField("policy_version") else None
         try:
-            served = await self._locked(self._served_weights, request.run_id, chunk_bytes)
+            served = await asyncio.to_thread(self._serve, request.run_id, wanted, chunk_bytes)
         except FailedPrecondition as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        # The version is a snapshot: a step that changes the live weights mid-stream cannot tear it, but
-        # the stream then fails rather than hand out a version the trainer has moved past.
-        reader = served.version.reader()
+            await context.abort(status_for(exc), str(exc))
+        try:
+            reader = served.version.reader()
+        finally:
+            served.version.release()
+        # The version is a snapshot: a step that changes the live weights mid-stream cannot tear it. A stream
+        # of the current weights fails if they change before it ends, rather than hand out a version the
+        # trainer has moved past; one of a named version fails only if the version is withdrawn.
         try:
             while (upcoming := reader.next_chunk()) is not None:
                 chunk = await asyncio.wrap_future(upcoming)
-                self.trainer.check_weights_unchanged(served.snapshot)
+                if wanted is None:
+                    self.trainer.check_weights_unchanged(served.snapshot)
+                elif served.withdrawn:
+                    raise FailedPrecondition(f"weights of policy_version {wanted} were replaced (the trainer was "
+                                             "configured or loaded a checkpoint) while they were being read")
                 yield chunk
         except FailedPrecondition as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
@@ -267,17 +354,20 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
     @rpc_handler(ERRORS, "WriteWeights")
     async def WriteWeights(self, request: pb.WriteWeightsRequest, context) -> pb.WriteWeightsResponse:
+        """Cut (or take the kept copy of) the version under the lock, then write it from host memory off the
+        lock: a step that trains meanwhile does not wait for the disk."""
         directory = confined(request.directory, self.checkpoint_roots, "directory")
-
-        def write():
-            snapshot = self.trainer.weight_tensors(request.run_id)
+        wanted = request.policy_version if request.HasField("policy_version") else None
+        served = await asyncio.to_thread(self._serve, request.run_id, wanted, self.weight_chunk_bytes)
+        try:
+            snapshot = served.snapshot
             if snapshot.lora is not None:
                 raise FailedPrecondition("WriteWeights: a LoRA run's adapters sync over the gRPC stream")
-            return write_weight_dir(directory, snapshot.tensors, snapshot.policy_version,
-                                    base_dir=snapshot.run.model_path)
-
-        with writing("directory", directory):
-            written = await self._locked(write)
+            with writing("directory", directory):
+                written = await asyncio.to_thread(write_weight_dir, directory, served.version.tensors(),
+                                                  snapshot.policy_version, base_dir=snapshot.run.model_path)
+        finally:
+            served.version.release()
         log_event(log, "weights written", run_id=request.run_id, directory=str(written.directory),
                   policy_version=written.policy_version, bytes=written.nbytes)
         return pb.WriteWeightsResponse(directory=str(written.directory), policy_version=written.policy_version,

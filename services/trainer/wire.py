@@ -33,6 +33,7 @@ class StepRequest:
     step: int
     policy_version: int
     samples: list[TrainSample]
+    keep_previous_weights: bool = False  # the header's: serve version step - 1 while the step trains
 
 
 def check_header(header: pb.TrainStepHeader) -> None:
@@ -154,7 +155,8 @@ async def read_train_step(stream: AsyncIterator[pb.TrainStepChunk]) -> StepReque
         raise InvalidRequest(
             f"header.num_trajectories: {header.num_trajectories} announced, {len(samples)} received"
         )
-    return StepRequest(header.run_id, header.step, header.policy_version, samples)
+    return StepRequest(header.run_id, header.step, header.policy_version, samples,
+                       keep_previous_weights=header.keep_previous_weights)
 
 
 def step_metrics_message(run_id: str, step: int, policy_version: int, metrics: dict[str, float], *, replayed: bool) -> pb.StepMetrics:

@@ -16,29 +16,38 @@ pytestmark = pytest.mark.slow
 STEPS, CHECKPOINT_EVERY = 8, 2
 
 
-def _spec(model, name: str) -> dict:
-    return {
+def _spec(model, name: str, weight_sync: str | None = None) -> dict:
+    """`weight_sync`: a fixed_lag run (K = 1) syncing that way, the replicas synced while each step trains."""
+    spec = {
         "name": name, "model_path": str(model), "seed": 7, "steps": STEPS,
         "task": {"name": "arithmetic", "options": {"heldout_size": 8}},
         "rollout": {"prompts_per_step": 4, "samples_per_prompt": 2, "sampling": {"max_new_tokens": 4}},
         "eval": {"every": 4, "heldout_size": 8},
         "checkpoint": {"every": CHECKPOINT_EVERY},
     }
+    if weight_sync is not None:
+        spec["rollout"]["weight_sync"] = weight_sync
+        spec.update({"async": {"max_staleness": 1, "mode": "fixed_lag"}, "eval": {"every": 0, "heldout_size": 8}})
+        spec["trainer"] = {"mismatch_correction": {"mode": "truncate"}}
+    return spec
 
 
 def _final_weights(stack: LocalStack, run_id: str) -> dict:
     return load_file(stack.run_dir / "coordinator" / run_id / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors")
 
 
-def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_if_never_lost(tmp_path):
+@pytest.mark.parametrize("weight_sync", [None, "grpc", "shared_path"])
+def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_if_never_lost(tmp_path, weight_sync):
+    """Also in fixed_lag (K = 1), where the replicas sync to s-1 from the copy the trainer keeps while step s
+    trains: a trainer killed mid-step takes that copy with it, and the run recovers all the same."""
     model = build_model_dir(tmp_path / "model", seed=3)
     with LocalStack(tmp_path / "stack", path_roots=[tmp_path]) as stack:
         client = stack.client()
         try:
-            clean = client.submit(_spec(model, "clean"))
+            clean = client.submit(_spec(model, "clean", weight_sync))
             assert client.wait(clean["id"], timeout_s=300)["status"] == "completed"
 
-            run = client.submit(_spec(model, "trainer-killed"))
+            run = client.submit(_spec(model, "trainer-killed", weight_sync))
             deadline = time.monotonic() + 300
             while client.run(run["id"])["step"] < CHECKPOINT_EVERY + 1:  # a checkpoint and a step after it
                 assert client.run(run["id"])["status"] in ("pending", "running")

@@ -1,7 +1,8 @@
 """The trainer's served version (services/trainer/served_weights.py) sends what the reference chunker
 sends: for every chunk size, every dtype and layout, its chunks parse as iter_weight_chunks' chunks (same
 fields, same bytes, same digests), a second reader gets the same bytes, the snapshot does not move when
-the live tensors do, and each byte is hashed once however many replicas read the version."""
+the live tensors do, each byte is hashed once however many replicas read the version, and a held
+version's buffer is never taken over by a later cut (one that was refuses new holders)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.weight_stream import LoraAdapterMeta, WeightStreamAssembler, iter_weight_chunks
-from services.trainer.served_weights import WeightVersion
+from services.trainer.served_weights import VersionRetired, WeightVersion
 from tests.support.digest_reference import Sha256Counter
 
 
@@ -81,6 +82,31 @@ def test_nothing_to_send_or_a_bad_chunk_size_is_refused(pools):
         _version(_tensors(), pools, chunk_bytes=0)
 
 
+def test_the_buffer_serves_the_tensors_and_is_taken_over_only_when_no_one_holds_it(pools):
+    tensors = _tensors()
+    first = _version(tensors, pools)
+    written = first.tensors()  # what WriteWeights writes: views of the host copy
+    assert [n for n, _ in written] == [n for n, _ in tensors]
+    assert all(t.dtype == o.dtype and t.shape == o.shape and torch.equal(t, o) for (_, t), (_, o) in zip(written, tensors))
+    with first.held():
+        second = _version([(n, t + 1 if t.is_floating_point() else t) for n, t in tensors], pools, reuse=first)
+        assert second.buffer.data_ptr() != first.buffer.data_ptr()  # held: a buffer of its own
+        assert all(torch.equal(t, o) for (_, t), (_, o) in zip(first.tensors(), tensors))  # unchanged
+    reader = second.reader()  # an open stream holds it as well
+    third = _version(tensors, pools, reuse=second)
+    assert third.buffer.data_ptr() != second.buffer.data_ptr()
+    reader.close()
+    owned = first.buffer.data_ptr()
+    fourth = _version(tensors, pools, reuse=first)  # no holder left: its memory is written over
+    assert fourth.buffer.data_ptr() == owned
+    with pytest.raises(VersionRetired, match="policy_version 3: its host copy was reused"):
+        first.acquire()
+    with pytest.raises(VersionRetired):
+        first.reader()
+    assert [pb.WeightChunk.FromString(raw).chunk_sha256 for raw in _read(fourth)] == \
+        [pb.WeightChunk.FromString(raw).chunk_sha256 for raw in _read(third)]
+
+
 @pytest.mark.gpu
 def test_gpu_tensors_are_cut_through_pinned_memory(pools):
     tensors = [(n, t.cuda()) for n, t in _tensors()]
@@ -99,3 +125,11 @@ def test_at_the_default_chunk_size_each_byte_is_hashed_once_however_many_read(po
         _read(version)
     blocks = len(version)
     assert counted.fed == version.nbytes + 32 * blocks  # every byte once, then the digest over block digests
+
+
+def test_a_version_only_written_to_a_directory_is_not_hashed_here(pools, monkeypatch):
+    counted = Sha256Counter(monkeypatch)
+    version = _version([("big", torch.randn(3 << 20))], pools)
+    with version.held():
+        version.tensors()  # what WriteWeights writes (and hashes as it writes)
+    assert counted.fed == 0

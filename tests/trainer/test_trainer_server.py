@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from safetensors.torch import load_file
 from trainer_support import make_episodes, rollout_logprobs
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -303,3 +304,62 @@ def test_trainer_service_end_to_end(server, tiny_model_dir, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
 
+
+
+def _named_weights(stub, run: str, version: int) -> tuple[int, str, dict[str, torch.Tensor]]:
+    """GetWeights naming `version`: the version streamed, its digest and its tensors."""
+    asm, last = WeightStreamAssembler(), None
+    for chunk in stub.GetWeights(pb.GetWeightsRequest(run_id=run, policy_version=version), timeout=60):
+        asm.add(chunk)
+        last = chunk
+    return asm.policy_version, last.total_sha256, asm.finish()
+
+
+def test_a_step_that_keeps_its_previous_weights_serves_them_by_version(parity_server, tiny_model_dir, tmp_path):
+    """fixed_lag: a TrainStep with keep_previous_weights keeps version s-1, and GetWeights and WriteWeights
+    naming s-1 serve that copy, bit for bit, after the trainer moved to s. A version the trainer neither holds
+    nor kept is NOT_FOUND naming both; a step without keep, or a newer cut, leaves nothing of the old one."""
+    stub, _, _ = parity_server
+    run = "keep-run"
+    stub.ConfigureRun(pb.ConfigureRunRequest(run_id=run, model_path=str(tiny_model_dir), seed=1,
+                                             trainer_config_json=json.dumps({"microbatch_tokens": 32})))
+    model = load_causal_lm(tiny_model_dir)
+
+    def step(s: int, keep: bool) -> None:
+        trajs = trajectories(model, s, seed=s)
+        for t in trajs:
+            t.run_id = run
+        header = pb.TrainStepHeader(run_id=run, step=s, policy_version=s - 1, num_trajectories=len(trajs),
+                                    keep_previous_weights=keep)
+        chunks = [pb.TrainStepChunk(header=header)] + [pb.TrainStepChunk(trajectory=t) for t in trajs]
+        assert stub.TrainStep(iter(chunks), timeout=60).policy_version == s
+
+    version, digest0, w0 = _named_weights(stub, run, 0)  # the current weights, named
+    assert version == 0 and all(torch.equal(w0[k], v) for k, v in model.state_dict().items())
+    step(1, keep=True)
+    version, digest, kept = _named_weights(stub, run, 0)
+    assert (version, digest) == (0, digest0) and all(torch.equal(kept[k], w0[k]) for k in w0)
+    written = stub.WriteWeights(pb.WriteWeightsRequest(run_id=run, directory=str(tmp_path / "v0"), policy_version=0))
+    assert (written.policy_version, written.total_sha256) == (0, digest0)
+    assert stub.Info(pb.InfoRequest()).policy_version == 1
+    on_disk = load_file(Path(written.directory) / "model.safetensors")
+    assert all(torch.equal(on_disk[k], w0[k]) for k in on_disk)
+
+    # The current weights (unnamed) are version 1: cut anew, which retires the kept copy of 0.
+    current = WeightStreamAssembler()
+    for chunk in stub.GetWeights(pb.GetWeightsRequest(run_id=run), timeout=60):
+        current.add(chunk)
+    w1 = current.finish()
+    assert current.policy_version == 1 and any(not torch.equal(w1[k], w0[k]) for k in w0)
+    code, msg = code_of(lambda: _named_weights(stub, run, 0))
+    assert code == grpc.StatusCode.NOT_FOUND, (code, msg)
+    assert msg.startswith(f"policy_version: the trainer holds version 1 of run {run!r} and keeps no copy of version 0")
+    code, msg = code_of(lambda: stub.WriteWeights(pb.WriteWeightsRequest(
+        run_id=run, directory=str(tmp_path / "again"), policy_version=0)))
+    assert code == grpc.StatusCode.NOT_FOUND and "keeps no copy of version 0" in msg
+    assert not (tmp_path / "again").exists()
+
+    # A step without keep withdraws the copy of the weights it started from.
+    assert _named_weights(stub, run, 1)[0] == 1
+    step(2, keep=False)
+    assert code_of(lambda: _named_weights(stub, run, 1))[0] == grpc.StatusCode.NOT_FOUND
