@@ -188,11 +188,16 @@ def main() -> None:
     parser.add_argument("--out", help="where to write the JSON; '{weight_sync}' in it is replaced by each one's")
     parser.add_argument("--note", default="", help="free text kept in the output (e.g. how loaded the host was)")
     parser.add_argument("--modes", default="fixed_lag,streaming", help="comma-separated async.mode values")
+    parser.add_argument("--ks", default="0,1,2", help="comma-separated async.max_staleness values (0 is the "
+                        "baseline every ratio is taken against, so it is required)")
     parser.add_argument("--warmup-steps", type=int, default=4,
                         help="a synchronous run of this many steps first, not reported: the stack's first run "
                         "pays one-off costs (imports, allocations) that would depress whichever run came first")
     args = parser.parse_args()
     syncs = args.weight_sync.split(",")
+    ks = [int(k) for k in args.ks.split(",")]
+    if 0 not in ks or min(ks) < 0:
+        raise SystemExit(f"--ks: {args.ks!r}: non-negative staleness bounds, 0 among them (the baseline)")
     if not set(syncs) <= {"grpc", "shared_path", "broadcast"}:
         raise SystemExit(f"--weight-sync: {args.weight_sync!r}: each must be grpc, shared_path or broadcast")
     if len(syncs) > 1 and args.out and "{weight_sync}" not in args.out:
@@ -220,7 +225,7 @@ def main() -> None:
                 for weight_sync in syncs:  # each value's file is written as soon as its runs are done
                     results = []
                     for mode in args.modes.split(","):
-                        for k in (0, 1, 2):
+                        for k in ks:
                             results.append(measure(client, model, mode, k, args.steps, args.seed, args, weight_sync))
                             print(json.dumps(results[-1]), flush=True)
                     report(args, weight_sync, results, model_info, began)
