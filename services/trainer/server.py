@@ -102,7 +102,6 @@ ERRORS = RpcErrors(SERVICE, StatusMap(
 status_for = ERRORS.status_for
 
 
-
 @contextlib.contextmanager
 def loading(field: str) -> Iterator[None]:
     """Files named by request `field` are loaded in the block: a LOAD_ERRORS failure that maps to no
@@ -235,7 +234,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
                 current = self.trainer.require_run(run_id).policy_version
                 if current != version:
                     raise VersionNotKept(f"policy_version: the trainer holds version {current} of run {run_id!r} "
-                                             f"and keeps no copy of version {version} (in chunks of {chunk_bytes} bytes)")
+                                         f"and keeps no copy of version {version} (in chunks of {chunk_bytes} bytes)")
             served = self._served_weights(run_id, chunk_bytes)
             served.version.acquire()
             return served
