@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -31,33 +30,10 @@ from services.common.ports import free_port
 from services.common.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 from tests.support.rendezvous import Intruder, listening_ips
+from tests.support.stack_logs import text_after
+from tests.support.weight_sync_runs import run_events, sync_spec, synced
 
 pytestmark = pytest.mark.slow
-
-
-def _spec(model: Path, name: str, weight_sync: str) -> dict:
-    return {"name": name, "model_path": str(model), "seed": 5, "steps": 3,
-            "task": {"name": "arithmetic", "options": {"heldout_size": 4}},
-            "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "sampling": {"max_new_tokens": 4},
-                        "weight_sync": weight_sync},
-            "eval": {"every": 0, "heldout_size": 4}}
-
-
-def _events(client, run_id: str, name: str) -> list[dict]:
-    return [e for e in client.run(run_id)["events"] if e["event"] == name]
-
-
-def _synced(client, run_id: str) -> list[tuple[int, str, int, list[str]]]:
-    return [(e["policy_version"], e["digest"], e["bytes"], e["replicas"])
-            for e in _events(client, run_id, "weights_synced")]
-
-
-def _log_from(path: Path, offset: int) -> str:
-    """What the service wrote to its log after byte `offset` (the shared stack's services log every run they
-    served)."""
-    with path.open("rb") as f:
-        f.seek(offset)
-        return f.read().decode()
 
 
 def test_broadcast_source_matches_the_grpc_source_bitwise(tmp_path, two_replica_stack):
@@ -75,14 +51,14 @@ def test_broadcast_source_matches_the_grpc_source_bitwise(tmp_path, two_replica_
         if source == "broadcast":
             intruder.start()
         try:
-            run = client.submit(_spec(model, f"sync-{source}", source))
+            run = client.submit(sync_spec(model, f"sync-{source}", source))
             done = client.wait(run["id"], timeout_s=600)
         finally:
             intruder.stop()
         assert done["status"] == "completed", done
         assert intruder.accepted == [] and (intruder.attempts > 0) == (source == "broadcast")
         outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
-                            _synced(client, run["id"]))
+                            synced(client, run["id"]))
     (_, grpc_metrics, grpc_synced), (broadcast_id, broadcast_metrics, broadcast_synced) = outcomes.values()
     assert len(broadcast_metrics) == 3 and broadcast_metrics == grpc_metrics
     # Both replicas received versions 1 to 3 in one group each sync, and report the digest the gRPC
@@ -90,8 +66,8 @@ def test_broadcast_source_matches_the_grpc_source_bitwise(tmp_path, two_replica_
     replicas = sorted(f"127.0.0.1:{p}" for p in stack.rollout_ports)
     assert [s[0] for s in broadcast_synced] == [1, 2, 3] and all(s[3] == replicas for s in broadcast_synced)
     assert broadcast_synced == grpc_synced
-    assert not _events(client, broadcast_id, "weights_caught_up")
-    trainer_log = _log_from(trainer_log_path, trainer_log_offset)
+    assert not run_events(client, broadcast_id, "weights_caught_up")
+    trainer_log = text_after(trainer_log_path, trainer_log_offset)
     assert trainer_log.count('"weights broadcast"') == 3 and '"world_size": 3' in trainer_log
 
     channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
@@ -132,14 +108,14 @@ def test_a_lora_runs_adapters_go_over_the_broadcast_alone_as_over_the_stream(tmp
     client = stack.client(timeout_s=60)
     outcomes = {}
     for source in ("grpc", "broadcast"):
-        spec = _spec(model, f"lora-{source}", source)
+        spec = sync_spec(model, f"lora-{source}", source)
         spec["trainer"] = {"lr": 1e-2, "lora": {"rank": 4, "alpha": 8.0, "target_modules": "all-linear"}}
         run = client.submit(spec)
         done = client.wait(run["id"], timeout_s=600)
         assert done["status"] == "completed", done
-        outcomes[source] = ([s["metrics"] for s in client.metrics(run["id"])["steps"]], _synced(client, run["id"]))
+        outcomes[source] = ([s["metrics"] for s in client.metrics(run["id"])["steps"]], synced(client, run["id"]))
     assert outcomes["broadcast"] == outcomes["grpc"] and len(outcomes["grpc"][0]) == 3
-    log = _log_from(rollout_log_path, rollout_log_offset).splitlines()
+    log = text_after(rollout_log_path, rollout_log_offset).splitlines()
     received = [json.loads(line) for line in log if '"ReceiveWeights"' in line and '"weights updated"' in line]
     # 2 layers x 7 linear layers x (A, B): the adapters alone, marked as such, for versions 1 to 3.
     assert [(u["policy_version"], u["lora"], u["tensors"]) for u in received] == [(v, True, 28) for v in (1, 2, 3)]
@@ -152,7 +128,7 @@ def test_a_replica_restarted_mid_run_is_caught_up_in_a_group_of_its_own(tmp_path
     env = {"LOCKSTEP_TRAINER_WEIGHT_BROADCAST_TIMEOUT_S": "20", "LOCKSTEP_ROLLOUT_WEIGHT_BROADCAST_TIMEOUT_S": "20"}
     with LocalStack(tmp_path / "stack", rollout_replicas=2, path_roots=[tmp_path], extra_env=env) as stack:
         client = stack.client(timeout_s=120)
-        spec = _spec(model, "catch-up", "broadcast")
+        spec = sync_spec(model, "catch-up", "broadcast")
         spec["steps"] = 10_000  # runs until the replica is back in the syncs, then is cancelled
         run = client.submit(spec)
         address = f"127.0.0.1:{stack.rollout_ports[1]}"
@@ -204,16 +180,16 @@ def test_replicas_that_refuse_the_trainers_rendezvous_fail_the_run_at_once(tmp_p
         rollout.args[rollout.args.index("--broadcast-sources") + 1] = f"127.0.0.1:{free_port()}"
     with stack:
         client = stack.client(timeout_s=60)
-        run = client.submit(_spec(model, "refused", "broadcast"))
+        run = client.submit(sync_spec(model, "refused", "broadcast"))
         done = client.wait(run["id"], timeout_s=900)
         assert done["status"] == "failed", done
-        configured = _events(client, run["id"], "services_configured")[0]["ts"]
+        configured = run_events(client, run["id"], "services_configured")[0]["ts"]
         assert done["updated_at"] - configured < PROMPT_S, done
         # The trainer gave up on version 1's group naming the ranks and why; the run's error carries the
         # replicas' refusals.
         assert "weight broadcast" in done["error"] and "never joined: aborted: ReceiveWeights failed" in done["error"]
         assert done["error"].count("PERMISSION_DENIED: plan.rendezvous") >= 2, done["error"]
-        assert not _events(client, run["id"], "weights_synced") and not _events(client, run["id"], "replica_evicted")
+        assert not run_events(client, run["id"], "weights_synced") and not run_events(client, run["id"], "replica_evicted")
 
 
 def test_a_replica_lost_during_a_sync_is_evicted_and_the_rest_regrouped_at_once(tmp_path):
@@ -225,17 +201,17 @@ def test_a_replica_lost_during_a_sync_is_evicted_and_the_rest_regrouped_at_once(
                    *victim.args[3:]]
     with stack:
         client = stack.client(timeout_s=60)
-        run = client.submit(_spec(model, "lost", "broadcast"))
+        run = client.submit(sync_spec(model, "lost", "broadcast"))
         done = client.wait(run["id"], timeout_s=900)
         assert done["status"] == "completed", done
         assert victim.proc.wait(timeout=30) == 137
         lost, kept = (f"127.0.0.1:{p}" for p in (stack.rollout_ports[1], stack.rollout_ports[0]))
-        evicted = _events(client, run["id"], "replica_evicted")
+        evicted = run_events(client, run["id"], "replica_evicted")
         assert [(e["replica"], e["reason"]) for e in evicted] == [(lost, "weight broadcast failed "
                                                                          "(StatusCode.UNAVAILABLE)")]
-        regrouped = _events(client, run["id"], "weight_broadcast_regrouped")
+        regrouped = run_events(client, run["id"], "weight_broadcast_regrouped")
         assert [(e["policy_version"], e["dropped"], e["replicas"]) for e in regrouped] == [(2, [lost], [kept])]
-        assert [(s[0], s[3]) for s in _synced(client, run["id"])] == [(1, sorted([lost, kept])), (2, [kept]),
+        assert [(s[0], s[3]) for s in synced(client, run["id"])] == [(1, sorted([lost, kept])), (2, [kept]),
                                                                        (3, [kept])]
         sync_seconds = [s["timings"]["weight_sync"] for s in client.metrics(run["id"])["steps"]]
         assert sync_seconds[1] < PROMPT_S, sync_seconds

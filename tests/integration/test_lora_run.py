@@ -4,11 +4,12 @@ is on-policy within the fp32 demo's bounds, every weight sync moves the adapters
 account of the bytes it received), and the checkpoint the trainer writes is an adapter directory."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.support.stack_logs import records_after
 
 pytestmark = pytest.mark.slow
 STEPS = 150
@@ -31,11 +32,7 @@ def rollout_weight_updates(log: Path, offset: int) -> list[dict]:
     """The rollout's "weights updated" records written to `log` after byte `offset` (the shared stack's
     replica logs every run it served; it serves one run at a time, so what follows the offset taken at
     submit is this run's)."""
-    with log.open("rb") as f:
-        f.seek(offset)
-        lines = f.read().decode().splitlines()
-    events = [json.loads(line) for line in lines if line.startswith("{")]
-    return [e for e in events if e.get("msg") == "weights updated"]
+    return [e for e in records_after(log, offset) if e.get("msg") == "weights updated"]
 
 
 def test_lora_run_learns_and_syncs_only_adapters(warm_model, one_replica_stack):

@@ -8,7 +8,6 @@ version without changing the weights it serves.
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import grpc
 import pytest
@@ -17,21 +16,9 @@ from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.grpc_options import sync_channel
 from services.common.tiny_model import build_model_dir
+from tests.support.weight_sync_runs import sync_spec, synced
 
 pytestmark = pytest.mark.slow
-
-
-def _spec(model: Path, name: str, weight_sync: str) -> dict:
-    return {"name": name, "model_path": str(model), "seed": 5, "steps": 3,
-            "task": {"name": "arithmetic", "options": {"heldout_size": 4}},
-            "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "sampling": {"max_new_tokens": 4},
-                        "weight_sync": weight_sync},
-            "eval": {"every": 0, "heldout_size": 4}}
-
-
-def _synced(client, run_id: str) -> list[tuple[int, str, int, list[str]]]:
-    return [(e["policy_version"], e["digest"], e["bytes"], e["replicas"])
-            for e in client.run(run_id)["events"] if e["event"] == "weights_synced"]
 
 
 def test_shared_path_source_matches_the_grpc_source_bitwise(two_replica_stack, tmp_path):
@@ -40,11 +27,11 @@ def test_shared_path_source_matches_the_grpc_source_bitwise(two_replica_stack, t
     client = stack.client(timeout_s=60)
     outcomes = {}
     for source in ("grpc", "shared_path"):
-        run = client.submit(_spec(model, f"sync-{source}", source))
+        run = client.submit(sync_spec(model, f"sync-{source}", source))
         done = client.wait(run["id"], timeout_s=600)
         assert done["status"] == "completed", done
         outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
-                            _synced(client, run["id"]))
+                            synced(client, run["id"]))
     (_, grpc_metrics, grpc_synced), (shared_id, shared_metrics, shared_synced) = outcomes.values()
     assert len(shared_metrics) == 3 and shared_metrics == grpc_metrics
     # Both replicas loaded versions 1 to 3 and report the digest the gRPC stream carries for them.
