@@ -30,8 +30,8 @@ from services.ray_stack.config import RayStackConfig
 from services.ray_stack.launcher import RayStack
 from services.trainer.worker_group import WORKER_LOST_EXIT
 from tests.conftest import require
-from tests.integration.test_broadcast_weights import _spec as broadcast_spec
 from tests.support.trainer_steps import assert_like_one_rank, grpc_metrics, one_rank_metrics, step_chunks
+from tests.support.weight_sync_runs import sync_spec
 from tests.trainer.trainer_support import build_tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -174,7 +174,7 @@ def test_stack_with_two_trainer_ranks_on_two_ray_nodes_survives_a_killed_rank_an
             # them) and the broadcast source (every sync one gloo group of rank 0 and both replicas, formed
             # at the rendezvous on rank 0's node, which each replica was placed trusting), two steps each.
             for source in ("shared_path", "broadcast"):
-                run = client.submit({**broadcast_spec(model, f"on-ray-{source}", source), "steps": 2})
+                run = client.submit({**sync_spec(model, f"on-ray-{source}", source), "steps": 2})
                 done = client.wait(run["id"], timeout_s=300)
                 assert done["status"] == "completed", (source, done)
                 assert [s["step"] for s in client.metrics(run["id"])["steps"]] == [1, 2]
