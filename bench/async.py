@@ -34,12 +34,17 @@ absolute numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -113,6 +118,34 @@ def build_longtail_model(out: Path, shape: str, *, stop_tokens: int, cap: int, s
             "stop_probability_reached": round(reached, 6), "held_dim_min_max": [round(float(held.min()), 3),
                                                                                round(float(held.max()), 3)],
             "next_token_entropy_nats_without_eos": round(entropy, 3), "params": params}
+
+
+@contextlib.contextmanager
+def mps_daemon(root: Path) -> Iterator[dict[str, str]]:
+    """An MPS control daemon of the bench's own (pipe and log directories under `root`, so it touches no
+    other user's daemon); yields the environment its clients need. Started before any CUDA context."""
+    exe = shutil.which("nvidia-cuda-mps-control")
+    if exe is None:
+        raise SystemExit("--mps: nvidia-cuda-mps-control is not on PATH (it comes with the NVIDIA driver's utilities)")
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "mps-log")}
+    for directory in env.values():
+        Path(directory).mkdir()
+    subprocess.run([exe, "-d"], env=os.environ | env, check=True, timeout=30)
+    os.environ.update(env)  # this process builds the model on the GPU: a client as well
+    try:
+        yield env
+    finally:
+        # The daemon ends its server once the clients are gone; this process still holds a context, so the
+        # quit may wait for it: bounded, and the daemon dies with the machine in any case.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([exe], input=b"quit\n", env=os.environ | env, check=False, timeout=10)
+
+
+def mps_client_pids() -> list[int]:
+    """The processes the bench's MPS daemon has taken as clients so far (its control log's NEW CLIENT lines):
+    evidence that the services ran under MPS, not beside it."""
+    log = Path(os.environ["CUDA_MPS_LOG_DIRECTORY"]) / "control.log"
+    return sorted({int(pid) for pid in re.findall(r"NEW CLIENT (\d+)", log.read_text())})
 
 
 def run_spec(model: Path, mode: str, k: int, steps: int, seed: int, args, weight_sync: str = "grpc") -> dict:
@@ -190,6 +223,8 @@ def main() -> None:
     parser.add_argument("--modes", default="fixed_lag,streaming", help="comma-separated async.mode values")
     parser.add_argument("--ks", default="0,1,2", help="comma-separated async.max_staleness values (0 is the "
                         "baseline every ratio is taken against, so it is required)")
+    parser.add_argument("--mps", action="store_true",
+                        help="run the CUDA processes under an MPS daemon of the bench's own (see the docstring)")
     parser.add_argument("--warmup-steps", type=int, default=4,
                         help="a synchronous run of this many steps first, not reported: the stack's first run "
                         "pays one-off costs (imports, allocations) that would depress whichever run came first")
@@ -205,10 +240,14 @@ def main() -> None:
     longtail = args.shape != "tiny_arith"
     if not longtail and args.device != "cpu":
         raise SystemExit("--device: the tiny_arith workload runs on cpu; pick a long-tail --shape for a GPU")
+    if args.mps and not args.device.startswith("cuda"):
+        raise SystemExit("--mps: needs --device cuda")
     extra_env = {"LOCKSTEP_TRAINER_DEVICE": args.device} if longtail else {}
     began = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-async-") as tmp, contextlib.ExitStack() as daemons:
         root = Path(tmp)
+        if args.mps:
+            extra_env.update(daemons.enter_context(mps_daemon(root)))
         model_info = None
         if longtail:
             model_info = build_longtail_model(root / "model", args.shape, stop_tokens=args.stop_tokens, cap=args.cap,
@@ -243,7 +282,7 @@ def report(args, weight_sync: str, results: list[dict], model_info: dict | None,
     base = {r["mode"]: r["samples_per_s"] for r in results if r["max_staleness"] == 0}
     out = {
         "bench": "async", "note": args.note, "warmup_steps": args.warmup_steps, "device": args.device,
-        "host": platform.node(), "cpus": os.cpu_count(), "threads_per_service": args.threads,
+        "host": platform.node(), "cpus": os.cpu_count(), "threads_per_service": args.threads, "mps": args.mps,
         "shape": f"{args.shape} (random init)", "weight_sync": weight_sync,
         "batch": {"prompts": PROMPTS, "samples_per_prompt": SAMPLES,
                   "max_new_tokens": args.cap if longtail else NEW_TOKENS},
@@ -252,6 +291,8 @@ def report(args, weight_sync: str, results: list[dict], model_info: dict | None,
                           for r in results},
         "wall_s": round(time.monotonic() - began, 1),  # since the command started
     }
+    if args.mps:
+        out["mps_client_pids"] = mps_client_pids()
     if longtail:
         out["longtail"] = {"stop_tokens": args.stop_tokens, "cap": args.cap, "numerics": "true_on_policy",
                            "dtype": "bfloat16", "microbatch_tokens": args.microbatch_tokens, "model": model_info}
