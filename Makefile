@@ -28,14 +28,24 @@ demo: venv
 demo-tools: venv
 	$(PY) -m recipes.tiny_tools.demo
 
-# The whole suite (CI runs this), then its 25 slowest tests.
-test: venv sglang-venv
-	$(PY) -m pytest -m "not gpu and not docker" --durations=25 tests
+# Unit-level tests: everything but the `stack` tests (service processes, Redis, SGLang, Prometheus, Ray)
+# and the `slow` ones (process groups, compilers); tests/conftest.py marks both. They are independent and
+# CPU-bound, so they run in two pytest-xdist workers (each worker takes ports from its own part of the range).
+QUICK_TESTS := -m "not gpu and not docker and not stack and not slow" -n 2
+# The whole suite is the slow unit tests added to those, in the same two workers, then the stack tests in one
+# process: their stacks would contend for the same two cores, and the shared session stacks of
+# tests/integration/conftest.py would start once per worker. `serial` tests run with them.
+PARALLEL_TESTS := -m "not gpu and not docker and not stack and not serial" -n 2
+SERIAL_TESTS := -m "not gpu and not docker and (stack or serial)"
 
-# The inner loop: unit-level tests only, without the `stack` tests (service processes, Redis, SGLang,
-# Prometheus, Ray) and the `slow` ones (process groups, compilers); tests/conftest.py marks both.
+# The whole suite (CI runs this), in those two parts, with each part's slowest tests.
+test: venv sglang-venv
+	$(PY) -m pytest $(PARALLEL_TESTS) --durations=15 tests
+	$(PY) -m pytest $(SERIAL_TESTS) --durations=25 tests
+
+# The inner loop: the unit tests only.
 test-quick: venv
-	$(PY) -m pytest -m "not gpu and not docker and not stack and not slow" --durations=10 tests
+	$(PY) -m pytest $(QUICK_TESTS) --durations=10 tests
 
 proto: venv
 	$(PY) -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. proto/lockstep.proto proto/rendezvous.proto

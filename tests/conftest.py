@@ -33,6 +33,12 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `make test` runs the unit tests in pytest-xdist workers: each draws its ports from its own part of the
+# range (services.common.ports), so two workers never hand out the same one.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw") and "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("LOCKSTEP_PORT_SLICE", f"{int(_XDIST_WORKER[2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
+
 
 def require_all() -> bool:
     return os.environ.get("LOCKSTEP_REQUIRE_ALL", "") == "1"

@@ -43,3 +43,23 @@ def test_a_run_of_ports_is_free_as_a_whole_and_not_handed_out_again():
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
     assert not set(range(base, base + 5)) & {free_port() for _ in range(100)}
+
+
+def test_a_port_slice_keeps_each_process_to_its_own_part_of_the_range(monkeypatch):
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except OSError:
+        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range (not Linux): free_port falls back to the kernel's pick")
+    width = (low - 20000) // 3
+    for index in range(3):
+        monkeypatch.setenv("LOCKSTEP_PORT_SLICE", f"{index}/3")
+        ports = [free_port() for _ in range(30)]
+        part = range(20000 + index * width, 20000 + (index + 1) * width)
+        assert all(p in part for p in ports), (index, ports)
+
+
+@pytest.mark.parametrize("value", ["2/2", "one/2", "1", "-1/2"])
+def test_a_malformed_port_slice_is_refused_naming_it(monkeypatch, value):
+    monkeypatch.setenv("LOCKSTEP_PORT_SLICE", value)
+    with pytest.raises(ValueError, match="LOCKSTEP_PORT_SLICE"):
+        free_port()
