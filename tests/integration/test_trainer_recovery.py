@@ -32,67 +32,78 @@ def _spec(model, name: str, weight_sync: str | None = None) -> dict:
     return spec
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("model"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, model):
+    """One stack for the recovery cases: each ends with its trainer started again and holding no run."""
+    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[model.parent]) as s:
+        yield s
+
+
 def _final_weights(stack: LocalStack, run_id: str) -> dict:
     return load_file(stack.run_dir / "coordinator" / run_id / "checkpoints" / f"step_{STEPS:06d}" / "model.safetensors")
 
 
 @pytest.mark.parametrize("weight_sync", [None, "grpc", "shared_path"])
-def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_if_never_lost(tmp_path, weight_sync):
+def test_killed_trainer_is_resumed_from_checkpoint_and_the_run_ends_bitwise_as_if_never_lost(stack, model,
+                                                                                              weight_sync):
     """Also in fixed_lag (K = 1), where the replicas sync to s-1 from the copy the trainer keeps while step s
     trains: a trainer killed mid-step takes that copy with it, and the run recovers all the same."""
-    model = build_model_dir(tmp_path / "model", seed=3)
-    with LocalStack(tmp_path / "stack", path_roots=[tmp_path]) as stack:
-        client = stack.client()
-        try:
-            clean = client.submit(_spec(model, "clean", weight_sync))
-            assert client.wait(clean["id"], timeout_s=300)["status"] == "completed"
+    client = stack.client()
+    try:
+        clean = client.submit(_spec(model, "clean", weight_sync))
+        assert client.wait(clean["id"], timeout_s=300)["status"] == "completed"
 
-            run = client.submit(_spec(model, "trainer-killed", weight_sync))
-            deadline = time.monotonic() + 300
-            while client.run(run["id"])["step"] < CHECKPOINT_EVERY + 1:  # a checkpoint and a step after it
-                assert client.run(run["id"])["status"] in ("pending", "running")
-                assert time.monotonic() < deadline, "run did not reach step 3"
-                time.sleep(0.05)
-            stack.trainer.kill()  # SIGKILL: weights, optimizer state and policy version are gone
-            killed_at = client.run(run["id"])["step"]
-            assert killed_at < STEPS, "run finished before the trainer could be killed; the test shows nothing"
-            # The coordinator finds the trainer gone and waits for it: only then is it started again.
-            while not any(e["event"] == "trainer_lost" for e in client.run(run["id"])["events"]):
-                assert client.run(run["id"])["status"] == "running" and time.monotonic() < deadline
-                time.sleep(0.05)
-            stack.trainer.start()  # same port, fresh process holding no run
-            done = client.wait(run["id"], timeout_s=300)
-            assert done["status"] == "completed", done
+        run = client.submit(_spec(model, "trainer-killed", weight_sync))
+        deadline = time.monotonic() + 300
+        while client.run(run["id"])["step"] < CHECKPOINT_EVERY + 1:  # a checkpoint and a step after it
+            assert client.run(run["id"])["status"] in ("pending", "running")
+            assert time.monotonic() < deadline, "run did not reach step 3"
+            time.sleep(0.05)
+        stack.trainer.kill()  # SIGKILL: weights, optimizer state and policy version are gone
+        killed_at = client.run(run["id"])["step"]
+        assert killed_at < STEPS, "run finished before the trainer could be killed; the test shows nothing"
+        # The coordinator finds the trainer gone and waits for it: only then is it started again.
+        while not any(e["event"] == "trainer_lost" for e in client.run(run["id"])["events"]):
+            assert client.run(run["id"])["status"] == "running" and time.monotonic() < deadline
+            time.sleep(0.05)
+        stack.trainer.start()  # same port, fresh process holding no run
+        done = client.wait(run["id"], timeout_s=300)
+        assert done["status"] == "completed", done
 
-            events = client.run(run["id"])["events"]
-            lost = [e for e in events if e["event"] == "trainer_lost"]
-            recovered = [e for e in events if e["event"] == "trainer_recovered"]
-            recomputed = [e for e in events if e["event"] == "step_recomputed"]
-            assert lost and len(recovered) == 1, events
-            resumed = recovered[0]["policy_version"]
-            # It came back from the last checkpoint at or before the kill, not from scratch and not ahead.
-            assert resumed % CHECKPOINT_EVERY == 0 and CHECKPOINT_EVERY <= resumed <= killed_at, recovered
-            assert recovered[0]["resumed_from"].endswith(f"step_{resumed:06d}"), recovered
-            # Steps recorded after that checkpoint were recomputed, each matching its record bit for bit.
-            assert [e["step"] for e in recomputed] == list(range(resumed + 1, resumed + 1 + len(recomputed)))
-            assert all(e["matches_recorded"] and e["differing_metrics"] == [] for e in recomputed), recomputed
-            assert resumed + len(recomputed) >= killed_at
+        events = client.run(run["id"])["events"]
+        lost = [e for e in events if e["event"] == "trainer_lost"]
+        recovered = [e for e in events if e["event"] == "trainer_recovered"]
+        recomputed = [e for e in events if e["event"] == "step_recomputed"]
+        assert lost and len(recovered) == 1, events
+        resumed = recovered[0]["policy_version"]
+        # It came back from the last checkpoint at or before the kill, not from scratch and not ahead.
+        assert resumed % CHECKPOINT_EVERY == 0 and CHECKPOINT_EVERY <= resumed <= killed_at, recovered
+        assert recovered[0]["resumed_from"].endswith(f"step_{resumed:06d}"), recovered
+        # Steps recorded after that checkpoint were recomputed, each matching its record bit for bit.
+        assert [e["step"] for e in recomputed] == list(range(resumed + 1, resumed + 1 + len(recomputed)))
+        assert all(e["matches_recorded"] and e["differing_metrics"] == [] for e in recomputed), recomputed
+        assert resumed + len(recomputed) >= killed_at
 
-            # The coordinator's counters say the same as the events.
-            exported = httpx.get(f"{stack.api_url}/metrics", timeout=10).text
-            rid = run["id"]
-            assert f'lockstep_trainer_recoveries_total{{run_id="{rid}"}} 1.0' in exported
-            assert (f'lockstep_steps_recomputed_total{{outcome="matched",run_id="{rid}"}} {float(len(recomputed))}'
-                    in exported), exported[-2000:]
-            assert f'outcome="differed",run_id="{rid}"' not in exported
-            # The whole history and the final weights are those of the run that never lost its trainer.
-            steps = client.metrics(run["id"])["steps"]
-            assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-            assert [s["metrics"] for s in steps] == [s["metrics"] for s in client.metrics(clean["id"])["steps"]]
-            a, b = _final_weights(stack, clean["id"]), _final_weights(stack, run["id"])
-            assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
-        finally:
-            client.close()
+        # The coordinator's counters say the same as the events.
+        exported = httpx.get(f"{stack.api_url}/metrics", timeout=10).text
+        rid = run["id"]
+        assert f'lockstep_trainer_recoveries_total{{run_id="{rid}"}} 1.0' in exported
+        assert (f'lockstep_steps_recomputed_total{{outcome="matched",run_id="{rid}"}} {float(len(recomputed))}'
+                in exported), exported[-2000:]
+        assert f'outcome="differed",run_id="{rid}"' not in exported
+        # The whole history and the final weights are those of the run that never lost its trainer.
+        steps = client.metrics(run["id"])["steps"]
+        assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+        assert [s["metrics"] for s in steps] == [s["metrics"] for s in client.metrics(clean["id"])["steps"]]
+        a, b = _final_weights(stack, clean["id"]), _final_weights(stack, run["id"])
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    finally:
+        client.close()
 
 
 def test_trainer_that_never_comes_back_fails_the_run_after_the_recovery_timeout_naming_it(tmp_path):
