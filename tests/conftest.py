@@ -9,7 +9,8 @@ Tests that start a stack (a service process, Redis, SGLang, Prometheus or Ray) c
 marker. It is given here, from where a test lives and which fixtures it uses (STACK_DIRS,
 STACK_FIXTURES, STACK_TESTS), and checked while the tests run: a test without it that starts one of
 those processes fails, naming what it started. Unit tests that cost more than a few CPU-seconds are
-marked `slow` here (SLOW_TESTS). `make test-quick` deselects both; `make test` runs everything.
+marked `slow` here (SLOW_TESTS). `make test-quick` deselects both; `make test` runs everything, the
+`stack` tests and those marked `serial` here (SERIAL_TESTS) in one process after the rest.
 """
 from __future__ import annotations
 
@@ -161,6 +162,14 @@ SLOW_TESTS = {
     "test_the_finite_check_finds_a_bad_value_wherever_chunks_cut_the_tensor": "one stream per cut",
 }
 
+# Tests that must run in `make test`'s one-process part (with the stack tests), never in a parallel worker.
+# Entries as in STACK_TESTS.
+SERIAL_TESTS = {
+    "tests/kernels/test_logprob_check_targets.py":
+        "tests/kernels/conftest.py starts its compile in the background as soon as it is collected: once, not "
+        "once per worker",
+}
+
 # `python -m <module>` of these is a service process.
 SERVICE_MODULES = ("services.coordinator", "services.rollout", "services.trainer", "services.ray_stack")
 
@@ -217,6 +226,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.stack)
         if _listed(item, SLOW_TESTS) is not None:
             item.add_marker(pytest.mark.slow)
+        if _listed(item, SERIAL_TESTS) is not None:
+            item.add_marker(pytest.mark.serial)
 
 
 def stack_process(argv) -> str | None:

@@ -5,14 +5,8 @@ import json
 import os
 import shutil
 
-import pytest
-
 from tests.conftest import require
 from tests.kernels.target_compile import STARTED, CheckTargetsProcess
-
-# tests/kernels/conftest.py starts this compile in the background as soon as the test is collected: in
-# `make test`'s one-process part, not once per parallel worker.
-pytestmark = pytest.mark.serial
 
 
 def test_every_kernel_compiles_for_mi300_and_hopper(request, repo_root):
