@@ -9,11 +9,16 @@ import pytest
 from services.common.ports import free_port, free_port_run
 
 
-def test_ports_are_below_the_ephemeral_range_distinct_and_bindable():
+def ephemeral_low_or_skip() -> int:
+    """The kernel's lowest ephemeral port, the top of free_port's range."""
     try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except OSError:
         pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range (not Linux): free_port falls back to the kernel's pick")
+
+
+def test_ports_are_below_the_ephemeral_range_distinct_and_bindable():
+    low = ephemeral_low_or_skip()
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50
     assert all(20000 <= p < low for p in ports), ports
@@ -46,10 +51,7 @@ def test_a_run_of_ports_is_free_as_a_whole_and_not_handed_out_again():
 
 
 def test_a_port_slice_keeps_each_process_to_its_own_part_of_the_range(monkeypatch):
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except OSError:
-        pytest.skip("no /proc/sys/net/ipv4/ip_local_port_range (not Linux): free_port falls back to the kernel's pick")
+    low = ephemeral_low_or_skip()
     width = (low - 20000) // 3
     for index in range(3):
         monkeypatch.setenv("LOCKSTEP_PORT_SLICE", f"{index}/3")
