@@ -32,16 +32,10 @@ demo-tools: venv
 # and the `slow` ones (process groups, compilers); tests/conftest.py marks both. They are independent and
 # CPU-bound, so they run in two pytest-xdist workers (each worker takes ports from its own part of the range).
 QUICK_TESTS := -m "not gpu and not docker and not stack and not slow" -n 2
-# The whole suite is the slow unit tests added to those, in the same two workers, then the stack tests in one
-# process: their stacks would contend for the same two cores, and the shared session stacks of
-# tests/integration/conftest.py would start once per worker. `serial` tests run with them.
-PARALLEL_TESTS := -m "not gpu and not docker and not stack and not serial" -n 2
-SERIAL_TESTS := -m "not gpu and not docker and (stack or serial)"
-
-# The whole suite (CI runs this), in those two parts, with each part's slowest tests.
+# The whole suite (CI runs this): the stack and `serial` tests in one pytest process and every other test in a
+# second one beside it, each with its slowest tests (tests/run_suite.sh says why).
 test: venv sglang-venv
-	$(PY) -m pytest $(PARALLEL_TESTS) --durations=15 tests
-	$(PY) -m pytest $(SERIAL_TESTS) --durations=25 tests
+	PY=$(PY) bash tests/run_suite.sh
 
 # The inner loop: the unit tests only.
 test-quick: venv
