@@ -25,6 +25,10 @@ default) every run goes through one LocalStack in turn.
 
     python bench/async_learning.py --seeds 0,1,2 --out bench/results/async_learning_cpu.json
     python bench/async_learning.py --jobs 15 --out bench/results/async_learning_cpu.json   # 16 cores
+    python bench/async_learning.py --lr 1.5e-4 --jobs 2 --out bench/results/async_learning_cpu_lr15.json
+
+`--lr` sets every run's learning rate, sync included (the band is then that learning rate's own): how far the
+policy moves per step decides how stale a rollout a correction can still use.
 
 Writes one JSON object (to --out, and prints it).
 """
@@ -72,8 +76,11 @@ def parse_config(text: str) -> tuple[str, int, str]:
     return mode, int(k), correction
 
 
-def run_spec(model: Path, seed: int, steps: int, mode: str, k: int, correction: str) -> dict:
+def run_spec(model: Path, seed: int, steps: int, mode: str, k: int, correction: str,
+             lr: float | None = None) -> dict:
     spec = load_recipe(str(RECIPE), {"seed": seed, "steps": steps})
+    if lr is not None:
+        spec["trainer"]["lr"] = lr  # every configuration of the bench alike, sync included
     spec["model_path"] = str(model)
     spec["name"] = f"async-learning-{mode}-k{k}-{correction}-seed{seed}"
     spec["eval"]["every"] = 0  # the same for every configuration: K > 0 refuses mid-run evaluations
@@ -153,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: sync, fixed_lag:K[:C], "
                         "streaming:K[:C], C a correction of CORRECTIONS, truncate by default (sync is required: it "
                         "makes the band)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate of every run, sync included (default: the recipe's)")
     parser.add_argument("--models-dir", type=Path, default=Path("runs/models"),
                         help="where the warm-started models are cached (as make demo caches them)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each service")
@@ -185,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                 client = stack.client()
                 try:
                     for name, seed in runs:
-                        done[name, seed] = train(client, run_spec(models[seed], seed, steps, *parsed[name]))
+                        spec = run_spec(models[seed], seed, steps, *parsed[name], lr=args.lr)
+                        done[name, seed] = train(client, spec)
                         report(console, name, seed, done[name, seed])
                 finally:
                     client.close()
@@ -214,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     client = stack.client()
                     try:
-                        done[run] = train(client, run_spec(models[seed], seed, steps, *parsed[name]))
+                        done[run] = train(client, run_spec(models[seed], seed, steps, *parsed[name], lr=args.lr))
                     finally:
                         client.close()
                 finally:
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {
         "bench": "async_learning", "note": args.note, "device": "cpu", "host": platform.node(),
         "cpus": os.cpu_count(), "threads_per_service": args.threads, "recipe": "recipes/tiny_arith/recipe.yaml",
-        "steps": steps, "seeds": seeds, "samples_per_run": steps * batch,
+        "steps": steps, "lr": args.lr or recipe["trainer"]["lr"], "seeds": seeds, "samples_per_run": steps * batch,
         "async_corrections": {name: CORRECTIONS[parsed[name][2]] for name in configs if parsed[name][1] > 0},
         "jobs": args.jobs, "warm_start_s": round(warm_start_s, 1),
         "wall_s": round(time.monotonic() - began, 1), "loadavg_end": os.getloadavg(),
