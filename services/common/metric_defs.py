@@ -66,6 +66,8 @@ ASYNC_STEP_METRIC_HELP: dict[str, str] = {
     "token_staleness_max": "Largest per-token policy staleness of the step; never above async.max_staleness.",
     "trajectories_dropped_stale": "Trajectories of the step refused before training because a token's version "
     "was outside [step - 1 - async.max_staleness, step - 1] (async.mode streaming).",
+    "weight_sync_beside_training": "1 when the step's weight sync (the replicas to step - 1) ran while the "
+    "step trained, from the copy of step - 1 the trainer kept; 0 when it ran before training.",
 }
 # Per-step numbers of a run whose task is multi-turn (services/coordinator/tasks/episodic.py); a single-turn
 # run has none.

@@ -131,10 +131,10 @@ class RunDriver:
         # version that made it may be gone when a restarted coordinator needs it.
         self._rollouts = KeptRollouts(run_id, run_dir / "rollouts", model_path=spec.model_path, seed=spec.seed)
         self._replicas_at = 0  # fixed_lag: the version every live replica holds
-        # fixed_lag: the replicas sync to s-1 while step s trains, from the copy of s-1 the trainer keeps. Not
-        # with broadcast, which sends from the live weights under the trainer's lock.
-        self._sync_beside_training = (self.max_staleness > 0 and spec.async_.mode == "fixed_lag"
-                                      and spec.rollout.weight_sync != "broadcast")
+        # K > 0: the replicas sync to s-1 while step s trains, from the copy of s-1 the trainer keeps (in
+        # streaming when step s's rollout is complete as the step begins). Not with broadcast, which sends from
+        # the live weights under the trainer's lock.
+        self._sync_beside_training = self.max_staleness > 0 and spec.rollout.weight_sync != "broadcast"
         self.streaming = spec.async_.mode == "streaming" and self.max_staleness > 0
         self._gate = GenerationGate(self._pause_replicas)
         self._busy = BusyIntervals()  # streaming: when the replicas generated (this step's window and later)
@@ -239,7 +239,8 @@ class RunDriver:
             for t in range(step, min(step + self.max_staleness, self.spec.steps) + 1):
                 if behaviour_version(t, self.max_staleness) < step - 1 and not self._rollouts.has(t):
                     await self._lagged_rollout(t, self._replicas_at, busy)
-            if self._rollouts.has(step) and self._sync_beside_training:
+            beside = self._rollouts.has(step) and self._sync_beside_training
+            if beside:
                 # The trainer keeps version s-1 as this step's TrainStep begins (keep_previous_weights) and
                 # serves it from that copy while it trains: the replicas sync to s-1 (pulled over gRPC, or
                 # written once and loaded) and then generate with it, the whole sync beside training.
@@ -251,21 +252,9 @@ class RunDriver:
                 if not self._rollouts.has(step):  # the run's first steps
                     await self._lagged_rollout(step, step - 1, busy)
                 ahead = asyncio.ensure_future(self._roll_ahead(step, busy))
-            try:
-                trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
-                result, train_span = await self._train(header, trajectories, counts, timer)
-            except BaseException:
-                if not ahead.done():
-                    ahead.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await ahead
-                elif not ahead.cancelled() and ahead.exception() is not None:
-                    # Training's error is the one raised; the sync's (or the rollout's) is logged, not lost.
-                    log.error("step %d: the work beside training failed as well: %r", step, ahead.exception())
-                raise
-            if self.fleet.shared_weights is not None and self._sync_beside_training and step < self.spec.steps:
-                # The trainer, idle until the replicas finish, writes version s for step s+1's sync now.
-                self.fleet.shared_weights.write_early(step)
+            trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
+            counts = {**counts, "weight_sync_beside_training": int(beside)}
+            result, train_span = await self._train_beside(header, trajectories, counts, timer, ahead)
             await ahead  # its failure (a sync, a rollout) fails the step here, before anything is recorded
             if self.spec.checkpoint.every == 0:  # no checkpoint to come back to before the run's end
                 await asyncio.to_thread(self._rollouts.drop_through, step)
@@ -296,35 +285,30 @@ class RunDriver:
         """_one_step in async.mode streaming: the replicas, generating the rollouts of the coming steps all
         along, are brought to s-1 (their sequences in flight paused and then continued under it), and step s
         trains on the trajectories of its rollout whose every token is of a version in [s-1-K, s-1]; the
-        others are dropped and counted (the rollout is made again if none is left)."""
+        others are dropped and counted (the rollout is made again if none is left). When the rollout is
+        complete and has trajectories to train as the step begins, nothing is in flight for the sync to
+        pause: it runs beside training, from the copy of s-1 the trainer keeps, and the replicas go on
+        generating once it is done."""
         timer, header, train_span, began_step = PhaseTimer(), self._header(step), None, time.monotonic()
         if trainer_version == step:
             result, counts = await self.trainer.replay(header)
         elif trainer_version == step - 1:
-            with timer.phase("weight_sync"):
-                await self._sync_streaming(step - 1)
+            kept = await self._admitted(step) if self._rollouts.has(step) else None
+            beside = kept is not None and self._sync_beside_training
+            if not beside:
+                with timer.phase("weight_sync"):
+                    await self._sync_streaming(step - 1)
+                await self._stream_ahead(step)
+                kept = await self._streamed_rollout(step, timer)
             self._busy.forget_before(began_step)
-            self._stream.start(step)
-            await self._stream.advance(step + self.max_staleness)
-            with timer.phase("rollout"):  # waiting for it: zero once the replicas run ahead
-                await self._stream.ready(step)
-            trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
-            trajectories, stale = admit(step, trajectories, self.max_staleness)
-            if not trajectories:  # kept from before a trainer recovery, say: generated again at s-1
-                await asyncio.to_thread(self._rollouts.drop, step)
-                with timer.phase("rollout"):
-                    await self._stream.regenerate(step)
-                trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
-                trajectories, _ = admit(step, trajectories, self.max_staleness)
-                if not trajectories:
-                    raise RunFailed(f"step {step}: no trajectory of its rollout is within async.max_staleness")
-            counts = {**counts, "trajectories_trained": len(trajectories), "trajectories_dropped_stale": stale}
-            try:
-                counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
-            except ValueError as exc:
-                raise RunFailed(str(exc)) from None
-            counts.update(token_staleness_metrics(step, trajectories))
-            result, train_span = await self._train(header, trajectories, counts, timer)
+            trajectories, counts = kept
+            counts["weight_sync_beside_training"] = int(beside)
+            if beside:
+                ahead = asyncio.ensure_future(self._sync_and_stream_ahead(step, timer))
+                result, train_span = await self._train_beside(header, trajectories, counts, timer, ahead)
+                await ahead  # its failure (the sync) fails the step here, before anything is recorded
+            else:
+                result, train_span = await self._train(header, trajectories, counts, timer)
             if self.spec.checkpoint.every == 0:
                 await asyncio.to_thread(self._rollouts.drop_through, step)
         else:
@@ -346,6 +330,72 @@ class RunDriver:
             timings["rollout"] = self._busy.overlap_with((began_step, time.monotonic()))
         timings["overlap"] = self._busy.overlap_with(train_span) if train_span else 0.0
         await self._record(step, metrics, timings, counts, report)
+
+    async def _stream_ahead(self, step: int) -> None:
+        """Let the replicas, at version step - 1, generate the rollouts up to step + K."""
+        self._stream.start(step)
+        await self._stream.advance(step + self.max_staleness)
+
+    async def _sync_and_stream_ahead(self, step: int, timer: PhaseTimer) -> None:
+        """While step `step` trains: the replicas get version step - 1 from the copy the trainer kept, then
+        generate ahead with it. Its seconds are the step's weight_sync, though they overlap training."""
+        with timer.phase("weight_sync"):
+            await self._sync_streaming(step - 1)
+        await self._stream_ahead(step)
+
+    async def _streamed_rollout(self, step: int, timer: PhaseTimer) -> tuple[list[pb.Trajectory], dict]:
+        """Step `step`'s admitted trajectories and counts, once its rollout is kept; made again at the
+        replicas' version if none of it is within the bound (kept from before a trainer recovery, say)."""
+        with timer.phase("rollout"):  # waiting for it: zero once the replicas run ahead
+            await self._stream.ready(step)
+        kept = await self._admitted(step)
+        if kept is None:
+            dropped = len((await asyncio.to_thread(self._rollouts.get, step))[0])  # every one of them stale
+            await asyncio.to_thread(self._rollouts.drop, step)
+            with timer.phase("rollout"):
+                await self._stream.regenerate(step)
+            kept = await self._admitted(step, dropped_before=dropped)
+            if kept is None:
+                raise RunFailed(f"step {step}: no trajectory of its rollout is within async.max_staleness")
+        return kept
+
+    async def _admitted(self, step: int, dropped_before: int = 0) -> tuple[list[pb.Trajectory], dict] | None:
+        """The kept rollout of `step` cut to the trajectories whose every token is within the bound, with
+        its counts and staleness metrics (`dropped_before`: stale ones of a rollout made before this one);
+        None when no trajectory is."""
+        trajectories, counts = await asyncio.to_thread(self._rollouts.get, step)
+        trajectories, stale = admit(step, trajectories, self.max_staleness)
+        if not trajectories:
+            return None
+        counts = {**counts, "trajectories_trained": len(trajectories),
+                  "trajectories_dropped_stale": dropped_before + stale}
+        try:
+            counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
+        except ValueError as exc:
+            raise RunFailed(str(exc)) from None
+        counts.update(token_staleness_metrics(step, trajectories))
+        return trajectories, counts
+
+    async def _train_beside(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory], counts: dict,
+                            timer: PhaseTimer, ahead: asyncio.Future) -> tuple[pb.StepMetrics, tuple]:
+        """Train the step while `ahead` (the replicas' sync and rollouts) runs. If training fails, `ahead` is
+        cancelled, or its own failure logged, and training's error is raised. Then, with shared_path and a
+        sync beside training, the trainer (idle until the replicas finish) writes version s for step s+1's
+        sync now."""
+        try:
+            result, span = await self._train(header, trajectories, counts, timer)
+        except BaseException:
+            if not ahead.done():
+                ahead.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await ahead
+            elif not ahead.cancelled() and ahead.exception() is not None:
+                # Training's error is the one raised; the sync's (or the rollout's) is logged, not lost.
+                log.error("step %d: the work beside training failed as well: %r", header.step, ahead.exception())
+            raise
+        if self.fleet.shared_weights is not None and self._sync_beside_training and header.step < self.spec.steps:
+            self.fleet.shared_weights.write_early(header.step)
+        return result, span
 
     async def _sync_streaming(self, version: int) -> None:
         """Bring the replicas to `version`, pausing what they generate meanwhile (continued afterwards)."""

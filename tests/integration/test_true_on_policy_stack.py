@@ -158,6 +158,9 @@ def test_fixed_lag_runs_are_bitwise_reproducible_and_use_exactly_the_lagged_vers
     b_id, b = run_to_end(client, b_spec)
     assert a == b
     assert final_weights_sha256(stack, a_id) == final_weights_sha256(stack, b_id)
+    # Step 1 makes its own rollout after the sync; every later step's was made earlier, so its sync runs
+    # while it trains.
+    assert [m["weight_sync_beside_training"] for m in a] == [0] + [1] * (LAG_STEPS - 1)
     sent_a, sent_b = sent_trajectories(stack, a_id), sent_trajectories(stack, b_id)
     for step in range(1, LAG_STEPS + 1):
         version = max(0, step - 1 - k)
@@ -229,6 +232,10 @@ def test_streaming_trains_only_tokens_within_the_bound_with_their_versions_exact
     run_id, metrics = run_to_end(client, s)
     sent = sent_trajectories(stack, run_id)
     by_version: dict[int, list[tuple[pb.Trajectory, int]]] = {}
+    # Step 1's rollout is made after its sync; a later step whose rollout was complete as it began synced
+    # while it trained (how many did depends on timing, as above).
+    assert metrics[0]["weight_sync_beside_training"] == 0
+    assert all(m["weight_sync_beside_training"] in (0, 1) for m in metrics)
     for step, trajectories in sent.items():
         m = metrics[step - 1]
         assert m["trajectories_dropped_stale"] == 0 and m["trajectories_trained"] == len(trajectories), m
