@@ -309,6 +309,7 @@ class RunDriver:
                 await ahead  # its failure (the sync) fails the step here, before anything is recorded
             else:
                 result, train_span = await self._train(header, trajectories, counts, timer)
+                self._write_early(step)
             if self.spec.checkpoint.every == 0:
                 await asyncio.to_thread(self._rollouts.drop_through, step)
         else:
@@ -379,9 +380,8 @@ class RunDriver:
     async def _train_beside(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory], counts: dict,
                             timer: PhaseTimer, ahead: asyncio.Future) -> tuple[pb.StepMetrics, tuple]:
         """Train the step while `ahead` (the replicas' sync and rollouts) runs. If training fails, `ahead` is
-        cancelled, or its own failure logged, and training's error is raised. Then, with shared_path and a
-        sync beside training, the trainer (idle until the replicas finish) writes version s for step s+1's
-        sync now."""
+        cancelled, or its own failure logged, and training's error is raised. Then version s is written
+        early (_write_early)."""
         try:
             result, span = await self._train(header, trajectories, counts, timer)
         except BaseException:
@@ -393,9 +393,14 @@ class RunDriver:
                 # Training's error is the one raised; the sync's (or the rollout's) is logged, not lost.
                 log.error("step %d: the work beside training failed as well: %r", header.step, ahead.exception())
             raise
-        if self.fleet.shared_weights is not None and self._sync_beside_training and header.step < self.spec.steps:
-            self.fleet.shared_weights.write_early(header.step)
+        self._write_early(header.step)
         return result, span
+
+    def _write_early(self, step: int) -> None:
+        """shared_path with K > 0: the trainer, idle until the replicas finish, writes version `step` now, for
+        step + 1's sync to find written."""
+        if self.fleet.shared_weights is not None and self._sync_beside_training and step < self.spec.steps:
+            self.fleet.shared_weights.write_early(step)
 
     async def _sync_streaming(self, version: int) -> None:
         """Bring the replicas to `version`, pausing what they generate meanwhile (continued afterwards)."""
