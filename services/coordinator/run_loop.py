@@ -369,13 +369,17 @@ class RunDriver:
         if not trajectories:
             return None
         counts = {**counts, "trajectories_trained": len(trajectories),
-                  "trajectories_dropped_stale": dropped_before + stale}
+                  "trajectories_dropped_stale": dropped_before + stale, **self._staleness(step, trajectories)}
+        return trajectories, counts
+
+    def _staleness(self, step: int, trajectories: list[pb.Trajectory]) -> dict:
+        """The step's per-trajectory and per-token staleness metrics; a version outside the bound fails the
+        run, naming the step."""
         try:
-            counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
+            out = staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness)
         except ValueError as exc:
             raise RunFailed(str(exc)) from None
-        counts.update(token_staleness_metrics(step, trajectories))
-        return trajectories, counts
+        return {**out, **token_staleness_metrics(step, trajectories)}
 
     async def _train_beside(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory], counts: dict,
                             timer: PhaseTimer, ahead: asyncio.Future) -> tuple[pb.StepMetrics, tuple]:
@@ -480,11 +484,7 @@ class RunDriver:
         if isinstance(self.task, EpisodicTask):  # the first round's episodes: what the policy does at this step
             counts.update(episode_metrics([s for _, s in samples]))
         if self.max_staleness:
-            try:
-                counts.update(staleness_metrics(step, [t.policy_version for t in trajectories], self.max_staleness))
-            except ValueError as exc:
-                raise RunFailed(str(exc)) from None
-            counts.update(token_staleness_metrics(step, trajectories))
+            counts.update(self._staleness(step, trajectories))
         return trajectories, counts
 
     def _header(self, step: int) -> pb.TrainStepHeader:
