@@ -293,8 +293,9 @@ class RunDriver:
         if trainer_version == step:
             result, counts = await self.trainer.replay(header)
         elif trainer_version == step - 1:
-            kept = await self._admitted(step) if self._rollouts.has(step) else None
-            beside = kept is not None and self._sync_beside_training
+            # Admitted now only when the sync may run beside training (not with broadcast).
+            kept = await self._admitted(step) if self._sync_beside_training and self._rollouts.has(step) else None
+            beside = kept is not None
             if not beside:
                 with timer.phase("weight_sync"):
                     await self._sync_streaming(step - 1)
