@@ -250,18 +250,20 @@ class LoraAdapter(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "tensors", "bytes", "total_sha256", "engine_checksum")
+    __slots__ = ("policy_version", "tensors", "bytes", "total_sha256", "engine_checksum", "prefetched")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SHA256_FIELD_NUMBER: _ClassVar[int]
     ENGINE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     tensors: int
     bytes: int
     total_sha256: str
     engine_checksum: str
-    def __init__(self, policy_version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., total_sha256: _Optional[str] = ..., engine_checksum: _Optional[str] = ...) -> None: ...
+    prefetched: bool
+    def __init__(self, policy_version: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., total_sha256: _Optional[str] = ..., engine_checksum: _Optional[str] = ..., prefetched: _Optional[bool] = ...) -> None: ...
 
 class SyncWeightsRequest(_message.Message):
     __slots__ = ("run_id", "policy_version", "trainer_address")
@@ -274,16 +276,18 @@ class SyncWeightsRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., trainer_address: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("run_id", "policy_version", "directory", "expected_sha256")
+    __slots__ = ("run_id", "policy_version", "directory", "expected_sha256", "prefetch")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     policy_version: int
     directory: str
     expected_sha256: str
-    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., directory: _Optional[str] = ..., expected_sha256: _Optional[str] = ...) -> None: ...
+    prefetch: bool
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., directory: _Optional[str] = ..., expected_sha256: _Optional[str] = ..., prefetch: _Optional[bool] = ...) -> None: ...
 
 class BroadcastTensor(_message.Message):
     __slots__ = ("name", "dtype", "shape")

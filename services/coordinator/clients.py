@@ -61,11 +61,12 @@ class RolloutClient:
             raise
 
     async def load_weights(self, run_id: str, policy_version: int, directory: str,
-                           expected_sha256: str) -> pb.UpdateWeightsResponse:
-        """The replica reads the weight directory the trainer wrote, checks its digest, and applies it."""
+                           expected_sha256: str, *, prefetch: bool = False) -> pb.UpdateWeightsResponse:
+        """The replica reads the weight directory the trainer wrote, checks its digest, and applies it (with
+        `prefetch`: reads, checks and keeps it, for the load of the same directory to apply)."""
         return await self._stub.LoadWeights(
             pb.LoadWeightsRequest(run_id=run_id, policy_version=policy_version, directory=directory,
-                                  expected_sha256=expected_sha256), timeout=self._timeout)
+                                  expected_sha256=expected_sha256, prefetch=prefetch), timeout=self._timeout)
 
     async def receive_weights(self, plan: pb.BroadcastPlan, rank: int) -> pb.UpdateWeightsResponse:
         """The replica joins the plan's weight-update group as `rank` and applies what the trainer broadcasts."""

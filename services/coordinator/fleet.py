@@ -198,7 +198,8 @@ class RolloutFleet:
         if synced:
             first = next(iter(synced.values()))
             await self.events.record("weights_synced", "weights synced", policy_version=version,
-                                     digest=digests[next(iter(synced))], bytes=first.bytes, replicas=sorted(synced))
+                                     digest=digests[next(iter(synced))], bytes=first.bytes, replicas=sorted(synced),
+                                     prefetched=sorted(a for a, r in synced.items() if r.prefetched))
 
     async def _broadcast_to(self, clients: Sequence[RolloutClient], version: int) -> dict[str, pb.UpdateWeightsResponse]:
         """One group of every stale replica. Replicas that turn out unreachable are evicted; when that broke

@@ -402,13 +402,16 @@ class RunDriver:
         return result, span
 
     def _write_early(self, step: int) -> None:
-        """shared_path with K > 0: the trainer, idle until the replicas finish, writes version `step` now, for
-        step + 1's sync to find written."""
+        """shared_path with K > 0: the trainer, idle until the replicas finish, writes version `step` now, and
+        the replicas prefetch it while they generate, for step + 1's sync to find read and only apply it."""
         if self.fleet.shared_weights is not None and self._sync_beside_training and step < self.spec.steps:
-            self.fleet.shared_weights.write_early(step)
+            self.fleet.shared_weights.write_early(step, self.replicas.live())
 
     async def _sync_streaming(self, version: int) -> None:
-        """Bring the replicas to `version`, pausing what they generate meanwhile (continued afterwards)."""
+        """Bring the replicas to `version`, pausing what they generate meanwhile (continued afterwards). With
+        shared_path they pause once the version is written and prefetched (_write_early), only to apply it."""
+        if self.fleet.shared_weights is not None:
+            await self.fleet.shared_weights.settled(version)
         async with self._gate.syncing():
             await self.fleet.readmit(version + 1, version)
             await self.fleet.sync_weights(version)

@@ -49,19 +49,39 @@ class SharedPathWeights:
         self.trainer, self.run_id, self.root = trainer, run_id, root
         self._written: list[pb.WriteWeightsResponse] = []  # oldest first
         self._lock = asyncio.Lock()  # replicas synced at once wait for one write, not one each
-        self._early: asyncio.Task | None = None  # write_early's
+        self._early: asyncio.Task | None = None  # write_early's (the write, then the prefetches)
+        self._early_version = -1
 
-    def write_early(self, version: int) -> None:
+    def write_early(self, version: int, replicas: Sequence[RolloutClient] = ()) -> None:
         """Start writing `version` now, for the sync that needs it later to find written (fixed_lag: right
-        after step `version` trained, while the replicas still generate). A failure is logged and the sync's
-        own written() writes again, failing loud if that fails too."""
+        after step `version` trained, while the replicas still generate), then have `replicas` prefetch it
+        (read and verify it beside their generation; the sync's LoadWeights then only applies it). A
+        failure is logged: the sync's own written() writes again, failing loud if that fails too, and a
+        replica whose prefetch failed reads the directory when it loads it."""
         def logged(task: asyncio.Task) -> None:
             if not task.cancelled() and task.exception() is not None:
                 log.warning("early write of policy version %d failed (the sync writes it again): %r",
                             version, task.exception())
 
-        self._early = asyncio.ensure_future(self.written(version))
+        self._early = asyncio.ensure_future(self._write_and_prefetch(version, list(replicas)))
+        self._early_version = version
         self._early.add_done_callback(logged)
+
+    async def _write_and_prefetch(self, version: int, replicas: list[RolloutClient]) -> None:
+        written = await self.written(version)
+        answers = await asyncio.gather(*(
+            c.load_weights(self.run_id, version, written.directory, written.total_sha256, prefetch=True)
+            for c in replicas), return_exceptions=True)
+        for client, answer in zip(replicas, answers):
+            if isinstance(answer, BaseException):
+                log.warning("replica %s did not prefetch policy version %d (its sync reads it): %s",
+                            client.address, version, rpc_details(answer))
+
+    async def settled(self, version: int) -> None:
+        """Once the early write of `version` and its prefetches are done (at once if none is running); a
+        streaming sync waits here before it pauses the replicas, so that they pause only to apply."""
+        if self._early is not None and self._early_version == version:
+            await asyncio.wait([self._early])
 
     async def cancel_early(self) -> None:
         if self._early is not None and not self._early.done():
@@ -84,6 +104,7 @@ class SharedPathWeights:
             return written
 
     async def load(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
+        await self.settled(version)  # a prefetch of the version still reading: the load waits to use it
         written = await self.written(version)
         return await client.load_weights(self.run_id, version, written.directory, written.total_sha256)
 

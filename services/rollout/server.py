@@ -73,6 +73,7 @@ from services.common.weight_files import read_weight_dir
 from services.common.weight_stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.staging_arena import StagingArena
+from services.rollout.weight_prefetch import DirectoryKey, WeightPrefetch
 from services.rollout.convert import (
     check_sample_order,
     generation_request_from_proto,
@@ -127,6 +128,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         # threads do the parallel work.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
         self._staging: StagingArena | None = None
+        self._prefetch = WeightPrefetch(self._staging_arena)  # LoadWeights' prefetched directory
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -222,6 +224,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                 if old is not None:
                     await self._in_worker(old.close)
             self.engine_name, self.run_id = name, request.run_id
+        await self._prefetch.release()  # a directory of the run before is not wanted any more
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(engine.policy_version)
         log_event(log, "model loaded", engine=name, model_path=model_path, reloaded=reloaded,
                   run_id=request.run_id, policy_version=engine.policy_version)
@@ -295,16 +298,26 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         self._check_run(request.run_id, "LoadWeights")
         if not request.expected_sha256:
             raise ValueError("expected_sha256: required (the digest the trainer reported for the directory)")
-        with self._staging_arena().lease() as lease:  # read into the kept staging memory, as SyncWeights
-            tensors, files = await asyncio.to_thread(partial(
-                read_weight_dir, directory, policy_version=request.policy_version,
-                expected_sha256=request.expected_sha256, allocate=lease.allocate))
+        key = DirectoryKey(str(directory), request.policy_version, request.expected_sha256)
+
+        def read(allocate: Callable[[int], Any]) -> tuple[dict[str, Any], Any]:
+            return read_weight_dir(directory, policy_version=request.policy_version,
+                                   expected_sha256=request.expected_sha256, allocate=allocate)
+
+        if request.prefetch:  # read into the kept staging memory now, applied by the load that names it
+            files = await self._prefetch.prefetch(key, read)
+            log_event(log, "weights prefetched", policy_version=files.policy_version, bytes=files.nbytes)
+            return pb.UpdateWeightsResponse(policy_version=files.policy_version, tensors=files.tensors,
+                                            bytes=files.nbytes, total_sha256=files.total_sha256)
+        async with self._prefetch.loaded(key, read) as (tensors, files, early):
             async with self._lock:
                 engine = self._loaded()
                 self._check_run(request.run_id, "LoadWeights")
                 await self._in_worker(engine.update_weights_from_dir, str(directory), tensors, files.policy_version)
-        return self._applied("LoadWeights", files.policy_version, len(tensors), files.nbytes, files.total_sha256,
-                             lora=False)
+        response = self._applied("LoadWeights", files.policy_version, len(tensors), files.nbytes, files.total_sha256,
+                                 lora=False)
+        response.prefetched = early
+        return response
 
     @rpc_handler(ERRORS, "ReceiveWeights", counter="lockstep_rollout_weight_updates_total")
     async def ReceiveWeights(self, request: pb.ReceiveWeightsRequest, context: grpc.aio.ServicerContext

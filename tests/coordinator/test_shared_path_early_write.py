@@ -1,7 +1,9 @@
 """SharedPathWeights.write_early (fixed_lag, shared_path): the trainer writes version s right after step s
 trained, and step s+1's sync finds it written instead of waiting for the write. A failed early write is
-logged and written again by the sync, which fails loud if that fails too. The trainer is a fake that
-records each WriteWeights (the real call is covered by tests/integration/test_true_on_policy_stack.py)."""
+logged and written again by the sync, which fails loud if that fails too. The replicas then prefetch it,
+and the sync's load of it waits for their prefetch. The trainer and replica are fakes that record each call
+(the real calls are covered by tests/integration/test_true_on_policy_stack.py and
+tests/integration/test_shared_path_weights.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -65,3 +67,45 @@ def test_a_failed_early_write_is_logged_and_written_again_by_the_sync(tmp_path, 
     assert "early write of policy version 5 failed (the sync writes it again)" in caplog.text
     with pytest.raises(TrainerUnavailable, match="write of 5 failed"):
         asyncio.run(scenario(failures=2))
+
+
+class FakeReplica:
+    address = "127.0.0.1:1"
+
+    def __init__(self, fail_prefetch: bool = False) -> None:
+        self.calls: list[tuple[str, int, bool]] = []
+        self.fail_prefetch = fail_prefetch
+        self.prefetched = asyncio.Event()
+
+    async def load_weights(self, run_id: str, version: int, directory: str, sha256: str, *, prefetch: bool = False):
+        self.calls.append((directory, version, prefetch))
+        if prefetch:
+            await self.prefetched.wait()
+            if self.fail_prefetch:
+                raise RuntimeError("expected_sha256: does not match")
+        return pb.UpdateWeightsResponse(policy_version=version, total_sha256=sha256, prefetched=not prefetch)
+
+
+@pytest.mark.parametrize("fail_prefetch", [False, True])
+def test_the_replicas_prefetch_the_early_write_and_the_sync_loads_after_them(tmp_path, caplog, fail_prefetch):
+    async def scenario():
+        trainer, replica = FakeTrainer(), FakeReplica(fail_prefetch)
+        trainer.release.set()
+        shared = SharedPathWeights(trainer, "run", tmp_path)
+        shared.write_early(4, [replica])
+        sync = asyncio.ensure_future(shared.load(replica, 4))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        # The prefetch is reading: the sync's load waits for it rather than read the directory beside it.
+        assert [c[2] for c in replica.calls] == [True] and not sync.done()
+        replica.prefetched.set()
+        await sync
+        await shared.settled(4)
+        return trainer.calls, replica.calls
+
+    with caplog.at_level(logging.WARNING, logger="lockstep.coordinator.weights"):
+        written, loads = asyncio.run(scenario())
+    directory = written[0][0]
+    assert [v for _, v in written] == [4]
+    assert loads == [(directory, 4, True), (directory, 4, False)]
+    assert ("did not prefetch policy version 4 (its sync reads it)" in caplog.text) is fail_prefetch

@@ -4,10 +4,11 @@ The trainer writes each policy version once as safetensors under the run's direc
 replica reads it and verifies the trainer's digest (LoadWeights). Checked with real processes: a run
 completes with metrics bitwise those of the gRPC source, both replicas report the same digests as under
 the gRPC source, and a replica refuses a directory outside its model_roots, a wrong digest and a wrong
-version without changing the weights it serves.
+version without changing the weights it serves. A directory it prefetched is applied from what it read then.
 """
 from __future__ import annotations
 
+import shutil
 
 import grpc
 import pytest
@@ -69,6 +70,22 @@ def test_shared_path_source_matches_the_grpc_source_bitwise(two_replica_stack, t
         again = rollout.LoadWeights(pb.LoadWeightsRequest(run_id=shared_id, policy_version=version,
                                                           directory=str(written[-1]), expected_sha256=digest),
                                     timeout=60)
-        assert again.total_sha256 == digest and again.policy_version == version
+        assert again.total_sha256 == digest and again.policy_version == version and not again.prefetched
+
+        # Prefetch: a copy of the directory is read and verified, nothing applied; removed afterwards, the
+        # load that names it still applies it (from what the prefetch kept: there is nothing left to read).
+        copy = written[-1].parent / "prefetched-copy"
+        shutil.copytree(written[-1], copy)
+        request = {"run_id": shared_id, "policy_version": version, "directory": str(copy), "expected_sha256": digest}
+        wrong = load(directory=str(copy), expected_sha256="1" * 64, prefetch=True)
+        assert wrong.code() == grpc.StatusCode.INVALID_ARGUMENT and f"hash to {digest}" in wrong.details()
+        read = rollout.LoadWeights(pb.LoadWeightsRequest(**request, prefetch=True), timeout=60)
+        assert (read.policy_version, read.total_sha256, read.prefetched) == (version, digest, False)
+        shutil.rmtree(copy)
+        applied = rollout.LoadWeights(pb.LoadWeightsRequest(**request), timeout=60)
+        assert (applied.policy_version, applied.total_sha256, applied.prefetched) == (version, digest, True)
+        gone = load(directory=str(copy))  # taken once: the next load reads, and the directory is gone
+        assert gone.code() == grpc.StatusCode.INVALID_ARGUMENT and "no model.safetensors" in gone.details()
+        assert rollout.Info(pb.InfoRequest(), timeout=10).policy_version == version
     finally:
         channel.close()

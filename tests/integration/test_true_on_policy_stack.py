@@ -25,6 +25,7 @@ import pytest
 from proto import lockstep_pb2 as pb
 from services.common.step_record import read_step_record
 from services.common.tiny_model import TinyQwen3Config, build_model_dir
+from tests.support.weight_sync_runs import run_events
 
 pytestmark = pytest.mark.slow
 
@@ -161,6 +162,12 @@ def test_fixed_lag_runs_are_bitwise_reproducible_and_use_exactly_the_lagged_vers
     # Step 1 makes its own rollout after the sync; every later step's was made earlier, so its sync runs
     # while it trains.
     assert [m["weight_sync_beside_training"] for m in a] == [0] + [1] * (LAG_STEPS - 1)
+    # Each version but the last was written right after its step trained and prefetched by every replica
+    # while it generated; the sync that followed only applied it. The last one (synced as the run ends) was
+    # written by its sync.
+    synced_b = run_events(client, b_id, "weights_synced")
+    assert [e["policy_version"] for e in synced_b] == list(range(1, LAG_STEPS + 1))
+    assert [e["prefetched"] == e["replicas"] for e in synced_b] == [True] * (LAG_STEPS - 1) + [False], synced_b
     sent_a, sent_b = sent_trajectories(stack, a_id), sent_trajectories(stack, b_id)
     for step in range(1, LAG_STEPS + 1):
         version = max(0, step - 1 - k)
