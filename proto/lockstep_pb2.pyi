@@ -104,7 +104,7 @@ class EpisodeProblem(_message.Message):
     def __init__(self, problem_id: _Optional[str] = ..., prompt: _Optional[str] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "prompts", "sampling", "samples_per_prompt", "resumed", "episode")
+    __slots__ = ("run_id", "step", "policy_version", "prompts", "sampling", "samples_per_prompt", "resumed", "episode", "sample_ids")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,7 @@ class GenerateRequest(_message.Message):
     SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     EPISODE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
@@ -121,7 +122,8 @@ class GenerateRequest(_message.Message):
     samples_per_prompt: int
     resumed: _containers.RepeatedCompositeFieldContainer[ResumedSample]
     episode: EpisodeSettings
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., resumed: _Optional[_Iterable[_Union[ResumedSample, _Mapping]]] = ..., episode: _Optional[_Union[EpisodeSettings, _Mapping]] = ...) -> None: ...
+    sample_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[Prompt, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., samples_per_prompt: _Optional[int] = ..., resumed: _Optional[_Iterable[_Union[ResumedSample, _Mapping]]] = ..., episode: _Optional[_Union[EpisodeSettings, _Mapping]] = ..., sample_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ResumedSample(_message.Message):
     __slots__ = ("sample_id", "response_token_ids", "logprobs", "policy_versions")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from contract.wire_tensors import ids_to_proto
@@ -37,6 +37,7 @@ class Shard:
     indices: list[int]  # index of each problem within the step (its group id and seed derive from it)
     positions: list[int]  # position of each problem in the generate() call's list
     resumed: list[pb.ResumedSample]  # paused samples of these problems, continued rather than started again
+    sample_ids: list[str]  # non-empty: only these samples of the problems are generated
 
 
 class RolloutFleet:
@@ -256,12 +257,15 @@ class RolloutFleet:
     # ----------------------------------------------------------- generate --
     async def generate(self, problems: list[Problem], plan: SamplingPlan, encode: Encode, *, step: int,
                        policy_version: int, first_index: int = 0, indices: Sequence[int] | None = None,
-                       resumed: Sequence[pb.Sample] = ()) -> tuple[list[tuple[int, pb.Sample]], int]:
+                       resumed: Sequence[pb.Sample] = (), only: Collection[str] = ()
+                       ) -> tuple[list[tuple[int, pb.Sample]], int]:
         """Samples as (index in `problems`, sample) in problem order; returns also the dropped count.
 
         `first_index` numbers the problems within the step (group ids and sampling seeds derive from
         it), so further rounds of one step never reuse a group id or a seed; `indices` numbers them one
-        by one instead. `resumed`: paused samples of these problems, continued from their tokens."""
+        by one instead. `resumed`: paused samples of these problems, continued from their tokens. `only`:
+        non-empty, the sample ids to generate (every resumed one among them), not every sample of each
+        problem; the dropped count then counts the samples asked for."""
         await self.await_live(step, policy_version)
         indices = list(range(first_index, first_index + len(problems))) if indices is None else list(indices)
         n = len(self.pool.live())
@@ -272,7 +276,9 @@ class RolloutFleet:
                 sample_id=r.sample_id, response_token_ids=r.response_token_ids, logprobs=r.logprobs,
                 policy_versions=r.policy_versions))
         shards = [Shard(problems[i:i + size], indices[i:i + size], list(range(i, min(i + size, len(problems)))),
-                        [r for k in indices[i:i + size] for r in paused.get(group_id(step, k), [])])
+                        [r for k in indices[i:i + size] for r in paused.get(group_id(step, k), [])],
+                        [f"{group_id(step, k)}/{j}" for k in indices[i:i + size]
+                         for j in range(plan.samples_per_prompt) if f"{group_id(step, k)}/{j}" in only])
                   for i in range(0, len(problems), size)]
         exporter = self.events.exporter
         exporter.queue_depth(self.run_id, len(problems))
@@ -285,7 +291,7 @@ class RolloutFleet:
         dropped = 0
         for shard, res in zip(shards, results):
             if res is None:
-                dropped += len(shard.problems) * plan.samples_per_prompt
+                dropped += len(shard.sample_ids) or len(shard.problems) * plan.samples_per_prompt
                 continue
             gids = {group_id(step, k): position for k, position in zip(shard.indices, shard.positions)}
             for s in res.samples:
@@ -321,7 +327,7 @@ class RolloutFleet:
         request = pb.GenerateRequest(
             run_id=self.run_id, step=step, policy_version=policy_version, prompts=prompts,
             samples_per_prompt=plan.samples_per_prompt, sampling=plan.params, resumed=shard.resumed,
-            episode=plan.episode,
+            episode=plan.episode, sample_ids=shard.sample_ids,
         )
         attempts = self.generate_retries + 1
         for attempt in range(attempts):
@@ -354,6 +360,6 @@ class RolloutFleet:
                 await self._check_version(response, client, step=step, policy_version=policy_version)
                 return response
         await self.events.record("trajectories_dropped", "trajectories dropped: rollout unavailable", step=step,
-                                 count=len(shard.problems) * plan.samples_per_prompt,
+                                 count=len(shard.sample_ids) or len(shard.problems) * plan.samples_per_prompt,
                                  reason=f"rollout unavailable after {attempts} attempts")
         return None

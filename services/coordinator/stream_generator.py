@@ -5,9 +5,9 @@ continuously, and a weight sync pauses them at a token boundary instead of waiti
 asks every live replica to pause the one in flight (PauseGeneration; the call returns its unfinished
 samples with finish_reason 'paused'), and waits for every call to return before the weights change.
 `StreamGenerator` is one background task that makes the rollouts of steps in order, up to a horizon the
-run loop advances (the step training + K): each is sent again, with its paused samples listed as
-`resumed`, until every sample finished, so a sample's tokens may come from several versions (each
-reported per token). Every finished rollout is scored and kept on disk (KeptRollouts) before any step
+run loop advances (the step training + K): each is sent again, asking only for its unfinished samples
+(`sample_ids`) and listing its paused ones as `resumed`, until every sample finished, so a sample's tokens
+may come from several versions (each reported per token). Every finished rollout is scored and kept on disk (KeptRollouts) before any step
 uses it; what was in flight when the coordinator died is generated again by the next one.
 """
 from __future__ import annotations
@@ -139,22 +139,29 @@ class StreamGenerator:
         done: dict[str, pb.Sample] = {}
         paused: dict[str, pb.Sample] = {}
         index_of = {group_id(step, i): i for i in range(len(problems))}
-        pending, lost = list(range(len(problems))), 0
+
+        def missing(i: int) -> list[str]:
+            return [f"{group_id(step, i)}/{j}" for j in range(spp) if f"{group_id(step, i)}/{j}" not in done]
+
+        pending, lost, first = list(range(len(problems))), 0, True
         while pending:
+            # After the first round only the samples still missing are asked for: a finished one is kept.
+            only = set() if first else {s for i in pending for s in missing(i)}
             async with self.gate.generating():
                 began = asyncio.get_running_loop().time()
                 self.on_busy(began, None)
                 try:
                     got, _ = await self.fleet.generate(
                         [problems[i] for i in pending], plan, self.encode, step=step, policy_version=self.version(),
-                        indices=pending, resumed=[s for s in paused.values() if index_of[s.group_id] in pending])
+                        indices=pending, resumed=[s for s in paused.values() if index_of[s.group_id] in pending],
+                        only=only)
                 finally:
                     self.on_busy(began, asyncio.get_running_loop().time())
             answered = {pending[i] for i, _ in got}
-            lost += (len(pending) - len(answered)) * spp  # a replica that never answered: dropped, as in sync
+            # A replica that never answered: its samples are dropped, as in sync.
+            lost += sum(len(missing(i)) for i in pending if i not in answered)
             merge_round(done, paused, [s for _, s in got])
-            pending = [i for i in sorted(answered)
-                       if any(f"{group_id(step, i)}/{j}" not in done for j in range(spp))]
+            pending, first = [i for i in sorted(answered) if missing(i)], False
         samples = sorted(((i, done[f"{group_id(step, i)}/{j}"]) for i in range(len(problems)) for j in range(spp)
                           if f"{group_id(step, i)}/{j}" in done), key=lambda x: (x[0], x[1].index))
         trajectories, counts = await self.score(step, samples, lost)

@@ -54,9 +54,9 @@ def token_staleness_metrics(step: int, trajectories: Sequence[pb.Trajectory]) ->
 def merge_round(done: dict[str, pb.Sample], paused: dict[str, pb.Sample], got: Sequence[pb.Sample]) -> None:
     """Fold one Generate round of a streamed rollout into its finished and paused samples.
 
-    A sample finished earlier stays as it was: a prompt is sent again whole when any of its samples was
-    paused, and the engine then samples its finished ones afresh, which are discarded. A paused sample
-    with tokens is continued next round; one paused before its first token starts again."""
+    A sample finished earlier stays as it was (a later round asks only for the samples still missing, and
+    any other answer for a finished one is ignored). A paused sample with tokens is continued next round;
+    one paused before its first token starts again."""
     for s in got:
         if s.sample_id in done:
             continue

@@ -87,7 +87,30 @@ def generation_request_from_proto(req: pb.GenerateRequest) -> GenerationRequest:
         prompts.append(PromptSpec(group_id=p.group_id, token_ids=tuple(ids.tolist()), seed=int(p.seed)))
     resumed = resumed_from_proto(req, prompts, sampling)
     return GenerationRequest(prompts=tuple(prompts), sampling=sampling, samples_per_prompt=int(req.samples_per_prompt),
-                             resumed=resumed)
+                             resumed=resumed, sample_ids=sample_ids_from_proto(req, prompts, resumed))
+
+
+def sample_ids_from_proto(req: pb.GenerateRequest, prompts: list[PromptSpec],
+                          resumed: tuple[ResumedSample, ...]) -> tuple[str, ...]:
+    """GenerateRequest.sample_ids: samples of this request, each once, every resumed one and at least one of
+    each prompt among them (a prompt with nothing to generate is a caller's mistake)."""
+    if not req.sample_ids:
+        return ()
+    known = {f"{p.group_id}/{i}" for p in prompts for i in range(req.samples_per_prompt)}
+    seen: set[str] = set()
+    for i, sample_id in enumerate(req.sample_ids):
+        if sample_id not in known:
+            raise ValueError(f"sample_ids[{i}]: {sample_id!r} is not a sample of this request")
+        if sample_id in seen:
+            raise ValueError(f"sample_ids[{i}]: duplicate {sample_id!r}")
+        seen.add(sample_id)
+    for i, r in enumerate(resumed):
+        if r.sample_id not in seen:
+            raise ValueError(f"resumed[{i}].sample_id: {r.sample_id!r} is continued but not in sample_ids")
+    for i, p in enumerate(prompts):
+        if not any(f"{p.group_id}/{k}" in seen for k in range(req.samples_per_prompt)):
+            raise ValueError(f"prompts[{i}]: none of its samples is in sample_ids")
+    return tuple(req.sample_ids)
 
 
 def resumed_from_proto(req: pb.GenerateRequest, prompts: list[PromptSpec],
@@ -150,8 +173,9 @@ def samples_to_proto(samples: list[GeneratedSample], policy_version: int) -> lis
 
 
 def check_sample_order(request: GenerationRequest, samples: list[GeneratedSample]) -> None:
-    """The engine must return prompts in order, each with indices 0..n-1 (the coordinator relies on it)."""
-    expected = [(p.group_id, i) for p in request.prompts for i in range(request.samples_per_prompt)]
+    """The engine must return prompts in order, each with indices 0..n-1, or those of them sample_ids names
+    (the coordinator relies on it)."""
+    expected = [(p.group_id, i) for p, i in request.sequences()]
     got = [(s.group_id, s.index) for s in samples]
     if got != expected:
         raise RuntimeError(f"engine returned {len(got)} samples out of order or incomplete ({len(expected)} expected)")

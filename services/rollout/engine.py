@@ -69,6 +69,13 @@ class GenerationRequest:
     sampling: SamplingConfig
     samples_per_prompt: int = 1
     resumed: tuple[ResumedSample, ...] = ()
+    sample_ids: tuple[str, ...] = ()  # non-empty: only these samples are generated (GenerateRequest.sample_ids)
+
+    def sequences(self) -> list[tuple[PromptSpec, int]]:
+        """(prompt, sample index) of every sample to generate, in prompt then index order."""
+        wanted = set(self.sample_ids)
+        return [(p, i) for p in self.prompts for i in range(self.samples_per_prompt)
+                if not wanted or f"{p.group_id}/{i}" in wanted]
 
 
 @dataclass

@@ -44,6 +44,8 @@ def episode_request_from_proto(req: pb.GenerateRequest) -> EpisodeRequest:
         raise ValueError("sampling: missing")
     if req.resumed:
         raise ValueError("resumed: an episode request cannot continue paused samples")
+    if req.sample_ids:
+        raise ValueError("sample_ids: an episode request generates every sample of its prompts")
     if not 1 <= req.samples_per_prompt <= MAX_SAMPLES_PER_PROMPT:
         raise ValueError(f"samples_per_prompt: must be in [1, {MAX_SAMPLES_PER_PROMPT}], got {req.samples_per_prompt}")
     sampling = sampling_from_proto(req.sampling)

@@ -110,14 +110,13 @@ def generate_body(request: GenerationRequest, lora_name: str | None = None) -> d
     resumed = resumed_by_id(request)
     input_ids: list[list[int]] = []
     params: list[dict[str, Any]] = []
-    for prompt in request.prompts:
-        for i in range(request.samples_per_prompt):
-            prefix = resumed.get(f"{prompt.group_id}/{i}")
-            have = list(prefix.token_ids) if prefix else []
-            input_ids.append(list(prompt.token_ids) + have)
-            p = sampling_params(request.sampling, continuation_seed(prompt.seed + i, len(have)))
-            p["max_new_tokens"] = request.sampling.max_new_tokens - len(have)
-            params.append(p)
+    for prompt, i in request.sequences():
+        prefix = resumed.get(f"{prompt.group_id}/{i}")
+        have = list(prefix.token_ids) if prefix else []
+        input_ids.append(list(prompt.token_ids) + have)
+        p = sampling_params(request.sampling, continuation_seed(prompt.seed + i, len(have)))
+        p["max_new_tokens"] = request.sampling.max_new_tokens - len(have)
+        params.append(p)
     body: dict[str, Any] = {
         "input_ids": input_ids,
         "sampling_params": params,
@@ -167,7 +166,7 @@ def parse_generate_response(
     """
     resumed = resumed_by_id(request)
     version = int(expected_weight_version)
-    seqs = [(p, i) for p in request.prompts for i in range(request.samples_per_prompt)]
+    seqs = request.sequences()
     if isinstance(outputs, dict):
         outputs = [outputs]
     if not isinstance(outputs, list) or len(outputs) != len(seqs):

@@ -181,7 +181,7 @@ class TorchEngine(Engine):
         self.validate_request(request)
         assert self._decoder is not None  # set with the model by load
         # Sequence s = (prompt, sample index); output order is prompt order, then index.
-        seqs = [(p, i) for p in request.prompts for i in range(request.samples_per_prompt)]
+        seqs = request.sequences()
         resumed = {r.sample_id: r for r in request.resumed}
         prefixes = [(resumed[k].token_ids, resumed[k].logprobs) if (k := f"{p.group_id}/{i}") in resumed else None
                     for p, i in seqs]

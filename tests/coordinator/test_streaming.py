@@ -54,7 +54,7 @@ def test_merge_keeps_finished_samples_and_continues_paused_ones():
     merge_round(done, paused, [sample("g/0", "stop", [0, 0]), sample("g/1", "paused", [0]),
                                sample("g/2", "paused", [])])
     assert set(done) == {"g/0"} and set(paused) == {"g/1"}  # g/2 had no token yet: it starts again
-    # The prompt is sent again whole: its finished sample comes back resampled and is ignored.
+    # An answer for a sample finished earlier (none is asked for again) is ignored.
     merge_round(done, paused, [sample("g/0", "stop", [1]), sample("g/1", "length", [0, 1]),
                                sample("g/2", "stop", [1, 1])])
     assert list(done["g/0"].policy_versions) == [0, 0] and list(done["g/1"].policy_versions) == [0, 1]
@@ -173,11 +173,12 @@ def test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weig
                                   rollout_logprobs=s.logprobs, token_policy_versions=s.policy_versions,
                                   finish_reason=s.finish_reason) for i, s in samples], {"lost": lost}
 
-        original, rounds = fleet.generate, []
+        original, rounds, asked = fleet.generate, [], []
 
         async def recording_generate(*args, **kwargs):
             got, dropped = await original(*args, **kwargs)
             rounds.append([s for _, s in got])
+            asked.append(set(kwargs["only"]))
             return got, dropped
 
         fleet.generate = recording_generate
@@ -197,10 +198,12 @@ def test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weig
             await client.close()
             await server.stop(None)
             servicer.close()
-        return kept.get(1), rounds
+        return kept.get(1), rounds, asked
 
-    (trajectories, counts), rounds = asyncio.run(scenario())
+    (trajectories, counts), rounds, asked = asyncio.run(scenario())
     assert counts == {"lost": 0} and len(trajectories) == 4 and len(rounds) == 2
+    # The first round asks for every sample; the second for those still missing (here all four were paused).
+    assert asked == [set(), {s.sample_id for s in rounds[0]}]
     assert {s.finish_reason for s in rounds[0]} == {"paused"}
     before = {s.sample_id: array_from_proto(s.response_token_ids, field="t").tolist() for s in rounds[0]}
     for t in trajectories:

@@ -25,9 +25,9 @@ def _request(**over) -> pb.GenerateRequest:
     for key, value in over.items():
         if key == "episode":
             req.episode.CopyFrom(value)
-        elif key == "prompts":
-            del req.prompts[:]
-            req.prompts.extend(value)
+        elif key in ("prompts", "sample_ids"):
+            del getattr(req, key)[:]
+            getattr(req, key).extend(value)
         else:
             setattr(req, key, value)
     return req
@@ -54,6 +54,7 @@ def test_an_episode_request_becomes_one_spec_per_sample():
      r"prompts\[0\].problem.prompt"),
     ({"prompts": []}, "prompts: empty"),
     ({"samples_per_prompt": 0}, "samples_per_prompt"),
+    ({"sample_ids": ["g0/1"]}, "sample_ids: an episode request generates every sample"),
 ])
 def test_a_bad_episode_request_is_refused_naming_the_field(over, field):
     with pytest.raises(ValueError, match=field):

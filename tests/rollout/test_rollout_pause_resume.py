@@ -77,3 +77,57 @@ def test_bad_resumed_samples_are_refused_by_field(decoder_model_dir):
                            ([pb.ResumedSample(sample_id="g/1", **{**ok, "policy_versions": [0]})], "resumed\\[0\\]:")):
         with pytest.raises(ValueError, match=field):
             generation_request_from_proto(request(0, resumed))
+
+
+def test_sample_ids_generate_only_those_samples_as_the_whole_request_does(decoder_model_dir):
+    """A later round of a streamed rollout asks only for the samples it lacks; each is the sample the whole
+    request makes (its own seed's stream; true_on_policy numerics do not depend on the batch), and a paused
+    one named with its tokens is continued."""
+    engine = TorchEngine(TorchEngineConfig(max_batch_size=4, numerics="true_on_policy"))
+    engine.load(str(decoder_model_dir), 0)
+
+    async def scenario():
+        servicer = RolloutServicer(RolloutServiceConfig(), build_collectors(ROLLOUT_METRICS, CollectorRegistry()),
+                                   BearerToken(generate_token()))
+        servicer.engine, servicer.engine_name, servicer.run_id = engine, "torch", "r"
+        whole = await servicer.Generate(request(0), Context())
+        some = request(0)
+        some.sample_ids.extend(["g/1", "h/0"])
+        part = await servicer.Generate(some, Context())
+        cut = next(s for s in whole.samples if s.sample_id == "g/1")
+        head = from_proto(cut.response_token_ids, field="t").tolist()[:30]
+        go_on = request(0, [pb.ResumedSample(sample_id="g/1", response_token_ids=ids_to_proto(head),
+                                             logprobs=logprobs_to_proto(from_proto(cut.logprobs, field="l")
+                                                                        .tolist()[:30]),
+                                             policy_versions=[0] * 30)])
+        del go_on.prompts[1]  # a later round sends only the prompts with samples missing
+        go_on.sample_ids.append("g/1")
+        continued = await servicer.Generate(go_on, Context())
+        servicer.close()
+        return whole, part, continued
+
+    whole, part, continued = asyncio.run(scenario())
+    by_id = {s.sample_id: s for s in whole.samples}
+    assert [s.sample_id for s in part.samples] == ["g/1", "h/0"]
+    for s in part.samples:
+        assert s.response_token_ids == by_id[s.sample_id].response_token_ids
+        assert s.logprobs == by_id[s.sample_id].logprobs
+    assert [s.sample_id for s in continued.samples] == ["g/1"]
+    assert continued.samples[0].response_token_ids == by_id["g/1"].response_token_ids
+
+
+@pytest.mark.parametrize("ids, resumed, field", [
+    (["g/0", "g/0", "h/0"], [], r"sample_ids\[1\]: duplicate 'g/0'"),
+    (["g/2", "h/0"], [], r"sample_ids\[0\]: 'g/2' is not a sample"),
+    (["g/0"], [], r"prompts\[1\]: none of its samples is in sample_ids"),
+    (["g/0", "h/0"], ["g/1"], r"resumed\[0\]\.sample_id: 'g/1' is continued but not in sample_ids"),
+])
+def test_bad_sample_ids_are_refused_by_field(ids, resumed, field):
+    from services.rollout.convert import generation_request_from_proto
+
+    ok = dict(response_token_ids=ids_to_proto([1, 2]), logprobs=logprobs_to_proto([-1.0, -2.0]),
+              policy_versions=[0, 0])
+    req = request(0, [pb.ResumedSample(sample_id=s, **ok) for s in resumed])
+    req.sample_ids.extend(ids)
+    with pytest.raises(ValueError, match=field):
+        generation_request_from_proto(req)

@@ -177,6 +177,18 @@ def test_a_resumed_sample_is_sent_with_its_tokens_and_continued_from_them():
     assert (s.token_ids, s.logprobs, s.policy_versions) == ([9, 10, 2], [-0.5, -0.25, -0.1], [1, 2, 3])
 
 
+def test_sample_ids_send_and_parse_only_those_samples():
+    req = GenerationRequest(prompts=REQ.prompts, sampling=REQ.sampling, samples_per_prompt=2, resumed=RESUMED,
+                            sample_ids=("a/0", "b/1"))
+    body = generate_body(req)
+    assert body["input_ids"] == [[1, 5, 6], [1, 7, 9, 10]]
+    assert [p["sampling_seed"] for p in body["sampling_params"]] == [10, continuation_seed(100, 2)]
+    with pytest.raises(SGLangRequestError, match="expected 2 outputs, got 4"):
+        parse_generate_response(req, [_out([4], [-1.0])] * 4, "3")
+    got = parse_generate_response(req, [_out([4], [-1.0]), _out([2], [-0.1], finish="stop")], "3")
+    assert [(s.group_id, s.index, s.token_ids) for s in got] == [("a", 0, [4]), ("b", 1, [9, 10, 2])]
+
+
 def test_a_resumed_sample_with_a_token_outside_the_vocabulary_is_refused():
     req = GenerationRequest(prompts=REQ.prompts, sampling=REQ.sampling, samples_per_prompt=2, resumed=(
         ResumedSample("a/0", (9, 64), (-0.5, -0.5), (1, 1)),))
