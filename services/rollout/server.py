@@ -73,7 +73,7 @@ from services.common.weight_files import read_weight_dir
 from services.common.weight_stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.staging_arena import StagingArena
-from services.rollout.weight_prefetch import DirectoryKey, WeightPrefetch
+from services.rollout.weight_prefetch import PREFETCH_READ_THREADS, DirectoryKey, WeightPrefetch
 from services.rollout.convert import (
     check_sample_order,
     generation_request_from_proto,
@@ -301,8 +301,9 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         key = DirectoryKey(str(directory), request.policy_version, request.expected_sha256)
 
         def read(allocate: Callable[[int], Any]) -> tuple[dict[str, Any], Any]:
-            return read_weight_dir(directory, policy_version=request.policy_version,
-                                   expected_sha256=request.expected_sha256, allocate=allocate)
+            return read_weight_dir(directory, policy_version=request.policy_version, allocate=allocate,
+                                   expected_sha256=request.expected_sha256,
+                                   threads=PREFETCH_READ_THREADS if request.prefetch else None)
 
         if request.prefetch:  # read into the kept staging memory now, applied by the load that names it
             files = await self._prefetch.prefetch(key, read)

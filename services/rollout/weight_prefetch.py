@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 import torch
 
 from services.common.weight_files import WeightFiles
 from services.rollout.staging_arena import StagingArena
+
+# A prefetch reads beside the engine's decode loop, in its process: every reading thread takes the GIL
+# between two blocks, and a decode loop that waits for it launches its kernels later. So a prefetch reads
+# with a few threads (a load, which the engine waits for, reads with one per core).
+PREFETCH_READ_THREADS = min(4, os.cpu_count() or 1)
 
 Allocate = Callable[[int], torch.Tensor]
 ReadDirectory = Callable[[Allocate], tuple[dict[str, torch.Tensor], WeightFiles]]
