@@ -28,7 +28,11 @@ default) every run goes through one LocalStack in turn.
     python bench/async_learning.py --lr 1.5e-4 --jobs 2 --out bench/results/async_learning_cpu_lr15.json
 
 `--lr` sets every run's learning rate, sync included (the band is then that learning rate's own): how far the
-policy moves per step decides how stale a rollout a correction can still use.
+policy moves per step decides how stale a rollout a correction can still use. A configuration's own rate
+follows it after '@' (`fixed_lag:2@1.5e-4`), e.g. to compare K = 2 at half the rate with the synchronous
+recipe as it is:
+
+    python bench/async_learning.py --configs sync,fixed_lag:2@1.5e-4,streaming:2@1.5e-4 --jobs 2
 
 Writes one JSON object (to --out, and prints it).
 """
@@ -63,24 +67,31 @@ CORRECTIONS = {
 }
 
 
-def parse_config(text: str) -> tuple[str, int, str]:
-    """'sync' -> (fixed_lag, 0, none); 'mode:K[:correction]' -> (mode, K, correction)."""
-    if text == "sync":
-        return "fixed_lag", 0, "none"
-    mode, _, rest = text.partition(":")
+def parse_config(text: str) -> tuple[str, int, str, float | None]:
+    """'sync' -> (fixed_lag, 0, none, None); 'mode:K[:correction][@lr]' -> (mode, K, correction, lr or None)."""
+    body, _, lr_text = text.partition("@")
+    try:
+        lr = float(lr_text) if lr_text else None
+    except ValueError:
+        lr = -1.0
+    if lr is not None and not lr > 0:
+        raise SystemExit(f"--configs: {text!r}: the learning rate after '@' must be a positive number")
+    if body == "sync":
+        return "fixed_lag", 0, "none", lr
+    mode, _, rest = body.partition(":")
     k, _, correction = rest.partition(":")
     correction = correction or "truncate"
     if mode not in ("fixed_lag", "streaming") or not k.isdigit() or int(k) < 1 or correction not in CORRECTIONS:
         raise SystemExit(f"--configs: {text!r} is not 'sync' or 'fixed_lag:K[:C]' / 'streaming:K[:C]' with K >= 1 "
-                         f"and C one of {sorted(CORRECTIONS)}")
-    return mode, int(k), correction
+                         f"and C one of {sorted(CORRECTIONS)}, each with an optional '@lr'")
+    return mode, int(k), correction, lr
 
 
 def run_spec(model: Path, seed: int, steps: int, mode: str, k: int, correction: str,
              lr: float | None = None) -> dict:
     spec = load_recipe(str(RECIPE), {"seed": seed, "steps": steps})
     if lr is not None:
-        spec["trainer"]["lr"] = lr  # every configuration of the bench alike, sync included
+        spec["trainer"]["lr"] = lr
     spec["model_path"] = str(model)
     spec["name"] = f"async-learning-{mode}-k{k}-{correction}-seed{seed}"
     spec["eval"]["every"] = 0  # the same for every configuration: K > 0 refuses mid-run evaluations
@@ -158,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated run (and warm-start) seeds")
     parser.add_argument("--steps", type=int, default=None, help="steps of every run (default: the recipe's)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated: sync, fixed_lag:K[:C], "
-                        "streaming:K[:C], C a correction of CORRECTIONS, truncate by default (sync is required: it "
-                        "makes the band)")
+                        "streaming:K[:C], C a correction of CORRECTIONS, truncate by default, each with an optional "
+                        "'@lr' of its own (sync is required: it makes the band)")
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate of every run, sync included (default: the recipe's)")
     parser.add_argument("--models-dir", type=Path, default=Path("runs/models"),
@@ -176,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     if "sync" not in configs:
         raise SystemExit("--configs: must include 'sync' (the band every other configuration is compared with)")
     parsed = {c: parse_config(c) for c in configs}
+
+    def lr_of(name: str) -> float | None:
+        """The configuration's own '@lr', else --lr, else (None) the recipe's."""
+        return parsed[name][3] if parsed[name][3] is not None else args.lr
     recipe = load_recipe(str(RECIPE))
     steps = args.steps or recipe["steps"]
     batch = recipe["rollout"]["prompts_per_step"] * recipe["rollout"]["samples_per_prompt"]
@@ -194,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 client = stack.client()
                 try:
                     for name, seed in runs:
-                        spec = run_spec(models[seed], seed, steps, *parsed[name], lr=args.lr)
+                        spec = run_spec(models[seed], seed, steps, *parsed[name][:3], lr=lr_of(name))
                         done[name, seed] = train(client, spec)
                         report(console, name, seed, done[name, seed])
                 finally:
@@ -224,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     client = stack.client()
                     try:
-                        done[run] = train(client, run_spec(models[seed], seed, steps, *parsed[name], lr=args.lr))
+                        done[run] = train(client, run_spec(models[seed], seed, steps, *parsed[name][:3],
+                                                           lr=lr_of(name)))
                     finally:
                         client.close()
                 finally:
@@ -238,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "async_learning", "note": args.note, "device": "cpu", "host": platform.node(),
         "cpus": os.cpu_count(), "threads_per_service": args.threads, "recipe": "recipes/tiny_arith/recipe.yaml",
         "steps": steps, "lr": args.lr or recipe["trainer"]["lr"], "seeds": seeds, "samples_per_run": steps * batch,
+        "lr_by_config": {name: lr_of(name) or recipe["trainer"]["lr"] for name in configs},
         "async_corrections": {name: CORRECTIONS[parsed[name][2]] for name in configs if parsed[name][1] > 0},
         "jobs": args.jobs, "warm_start_s": round(warm_start_s, 1),
         "wall_s": round(time.monotonic() - began, 1), "loadavg_end": os.getloadavg(),
