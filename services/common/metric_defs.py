@@ -137,7 +137,7 @@ ROLLOUT_METRICS: tuple[MetricDef, ...] = (
     MetricDef("lockstep_rollout_generated_tokens_total", "counter", "Response tokens generated.", ("service",)),
     MetricDef("lockstep_rollout_generate_seconds", "histogram", "Generate request latency.", ("service",)),
     MetricDef("lockstep_rollout_policy_version", "gauge", "Policy version of the loaded weights.", ("service",)),
-    MetricDef("lockstep_rollout_weight_updates_total", "counter", "Weight updates by outcome.", ("service", "outcome")),
+    MetricDef("lockstep_rollout_weight_updates_total", "counter", "Weight update calls by outcome (a LoadWeights prefetch, which applies nothing, included).", ("service", "outcome")),
     MetricDef("lockstep_rollout_prefill_tokens_total", "counter",
               "Tokens the embedded engine ran through prefill forwards (K/V computed: prompts, multi-turn "
               "contexts, recomputation after preemption).", ("service",)),

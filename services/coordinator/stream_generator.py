@@ -6,9 +6,10 @@ asks every live replica to pause the one in flight (PauseGeneration; the call re
 samples with finish_reason 'paused'), and waits for every call to return before the weights change.
 `StreamGenerator` is one background task that makes the rollouts of steps in order, up to a horizon the
 run loop advances (the step training + K): each is sent again, asking only for its unfinished samples
-(`sample_ids`) and listing its paused ones as `resumed`, until every sample finished, so a sample's tokens
-may come from several versions (each reported per token). Every finished rollout is scored and kept on disk (KeptRollouts) before any step
-uses it; what was in flight when the coordinator died is generated again by the next one.
+(`sample_ids`) and listing its paused ones as `resumed`, until every sample finished, so a sample's
+tokens may come from several versions (each reported per token). Every finished rollout is scored and
+kept on disk (KeptRollouts) before any step uses it; what was in flight when the coordinator died is
+generated again by the next one.
 """
 from __future__ import annotations
 

@@ -48,6 +48,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import grpc
+import torch
 from prometheus_client import CollectorRegistry
 from safetensors import SafetensorError
 
@@ -69,11 +70,11 @@ from services.common.path_roots import resolve_inside
 from services.common.rendezvous_store import RendezvousClient
 from services.common.structured_logging import log_event
 from services.common.weight_broadcast import bucket_specs
-from services.common.weight_files import read_weight_dir
+from services.common.weight_files import WeightFiles, read_weight_dir
 from services.common.weight_stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.staging_arena import StagingArena
-from services.rollout.weight_prefetch import PREFETCH_READ_THREADS, DirectoryKey, WeightPrefetch
+from services.rollout.weight_prefetch import PREFETCH_READ_THREADS, Allocate, DirectoryKey, WeightPrefetch
 from services.rollout.convert import (
     check_sample_order,
     generation_request_from_proto,
@@ -300,7 +301,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
             raise ValueError("expected_sha256: required (the digest the trainer reported for the directory)")
         key = DirectoryKey(str(directory), request.policy_version, request.expected_sha256)
 
-        def read(allocate: Callable[[int], Any]) -> tuple[dict[str, Any], Any]:
+        def read(allocate: Allocate) -> tuple[dict[str, torch.Tensor], WeightFiles]:
             return read_weight_dir(directory, policy_version=request.policy_version, allocate=allocate,
                                    expected_sha256=request.expected_sha256,
                                    threads=PREFETCH_READ_THREADS if request.prefetch else None)
