@@ -328,6 +328,8 @@ class RunDriver(AsyncSteps):
         """The trainer configured for the run and every replica brought to its version; that version."""
         await self._stream.stop()  # streaming: what is in flight is generated again at the new start
         version = await self.trainer.configure()
+        if self.fleet.shared_weights is not None:
+            self.fleet.shared_weights.trainer_configured()
         if self.streaming:
             await asyncio.to_thread(self._drop_lost_versions, version)
         start = await self._replicas_start_version(version) if self.max_staleness and not self.streaming \

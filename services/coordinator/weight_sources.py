@@ -48,6 +48,10 @@ class SharedPathWeights:
     def __init__(self, trainer: TrainerClient, run_id: str, root: Path) -> None:
         self.trainer, self.run_id, self.root = trainer, run_id, root
         self._written: list[pb.WriteWeightsResponse] = []  # oldest first
+        # The versions the trainer wrote since it was last configured, by version: a sync may find its version
+        # written even after the next one was (fixed_lag: step s trained and wrote s before the sync to s-1
+        # beside it came to load). One written before a trainer recovery is not reused (trainer_configured).
+        self._current: dict[int, pb.WriteWeightsResponse] = {}
         self._lock = asyncio.Lock()  # replicas synced at once wait for one write, not one each
         self._early: asyncio.Task | None = None  # write_early's (the write, then the prefetches)
         self._early_version = -1
@@ -89,18 +93,27 @@ class SharedPathWeights:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._early
 
+    def trainer_configured(self) -> None:
+        """The trainer was (re)configured: what it wrote before is not reused, since a recovered trainer's
+        version may differ from the one of that number it wrote before it was lost."""
+        self._current.clear()
+
     async def written(self, version: int) -> pb.WriteWeightsResponse:
         async with self._lock:
-            if self._written and self._written[-1].policy_version == version:
-                return self._written[-1]
+            if version in self._current:
+                return self._current[version]
             # A fresh name each time: a trainer that recovered may write a version again.
             directory = self.root / f"v{version:06d}-{uuid.uuid4().hex[:8]}"
             written = await self.trainer.write_weights(self.run_id, str(directory), version)
             if written.policy_version != version:
                 raise RuntimeError(f"trainer wrote version {written.policy_version}, expected {version}")
             self._written.append(written)
+            self._current[version] = written
             while len(self._written) > 2:
-                await asyncio.to_thread(shutil.rmtree, self._written.pop(0).directory, True)
+                gone = self._written.pop(0)
+                if self._current.get(gone.policy_version) is gone:
+                    del self._current[gone.policy_version]
+                await asyncio.to_thread(shutil.rmtree, gone.directory, True)
             return written
 
     async def load(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:

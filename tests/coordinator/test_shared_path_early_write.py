@@ -109,3 +109,22 @@ def test_the_replicas_prefetch_the_early_write_and_the_sync_loads_after_them(tmp
     assert [v for _, v in written] == [4]
     assert loads == [(directory, 4, True), (directory, 4, False)]
     assert ("did not prefetch policy version 4 (its sync reads it)" in caplog.text) is fail_prefetch
+
+
+def test_a_sync_finds_its_version_written_after_the_next_one_was_but_not_across_a_recovery(tmp_path):
+    """fixed_lag: step s can train and write s before the sync to s-1 beside it comes to load s-1; that
+    sync must find s-1 written (the trainer keeps no copy of s-1 to write it again). After the trainer is
+    configured again (recovered), a version is written afresh."""
+    async def scenario():
+        trainer = FakeTrainer()
+        trainer.release.set()
+        shared = SharedPathWeights(trainer, "run", tmp_path)
+        four, five = await shared.written(4), await shared.written(5)
+        again = await shared.written(4)
+        shared.trainer_configured()
+        fresh = await shared.written(5)
+        return trainer.calls, four, five, again, fresh
+
+    calls, four, five, again, fresh = asyncio.run(scenario())
+    assert again is four and [v for _, v in calls] == [4, 5, 5]
+    assert fresh.directory != five.directory
