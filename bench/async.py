@@ -227,6 +227,10 @@ def main() -> None:
                         "baseline every ratio is taken against, so it is required)")
     parser.add_argument("--mps", action="store_true",
                         help="run the CUDA processes under an MPS daemon of the bench's own (see the docstring)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measure every mode and K this many times, in turn (K = 0, K = 1, ... then again), "
+                        "and take each ratio from the medians: the host's drift between runs then falls on both "
+                        "sides of it")
     parser.add_argument("--warmup-steps", type=int, default=4,
                         help="a synchronous run of this many steps first, not reported: the stack's first run "
                         "pays one-off costs (imports, allocations) that would depress whichever run came first")
@@ -242,6 +246,8 @@ def main() -> None:
     longtail = args.shape != "tiny_arith"
     if not longtail and args.device != "cpu":
         raise SystemExit("--device: the tiny_arith workload runs on cpu; pick a long-tail --shape for a GPU")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats: must be >= 1, got {args.repeats}")
     if args.mps and not args.device.startswith("cuda"):
         raise SystemExit("--mps: needs --device cuda")
     extra_env = {"LOCKSTEP_TRAINER_DEVICE": args.device} if longtail else {}
@@ -265,10 +271,12 @@ def main() -> None:
                     measure(client, model, "fixed_lag", 0, max(3, args.warmup_steps), args.seed, args)
                 for weight_sync in syncs:  # each value's file is written as soon as its runs are done
                     results = []
-                    for mode in args.modes.split(","):
-                        for k in ks:
-                            results.append(measure(client, model, mode, k, args.steps, args.seed, args, weight_sync))
-                            print(json.dumps(results[-1]), flush=True)
+                    for repeat in range(args.repeats):
+                        for mode in args.modes.split(","):
+                            for k in ks:
+                                results.append({**measure(client, model, mode, k, args.steps, args.seed, args,
+                                                          weight_sync), "repeat": repeat})
+                                print(json.dumps(results[-1]), flush=True)
                     report(args, weight_sync, results, model_info, began)
             except BaseException:
                 for p in stack.processes:  # the run directory goes with the temporary directory
@@ -281,7 +289,9 @@ def main() -> None:
 def report(args, weight_sync: str, results: list[dict], model_info: dict | None, began: float) -> None:
     """One weight_sync value's JSON: printed, and written to --out."""
     longtail = args.shape != "tiny_arith"
-    base = {r["mode"]: r["samples_per_s"] for r in results if r["max_staleness"] == 0}
+    median = {(r["mode"], r["max_staleness"]): statistics.median(
+        q["samples_per_s"] for q in results if (q["mode"], q["max_staleness"]) == (r["mode"], r["max_staleness"]))
+        for r in results}
     out = {
         "bench": "async", "note": args.note, "warmup_steps": args.warmup_steps, "device": args.device,
         "host": platform.node(), "cpus": os.cpu_count(), "threads_per_service": args.threads, "mps": args.mps,
@@ -289,8 +299,10 @@ def report(args, weight_sync: str, results: list[dict], model_info: dict | None,
         "batch": {"prompts": PROMPTS, "samples_per_prompt": SAMPLES,
                   "max_new_tokens": args.cap if longtail else NEW_TOKENS},
         "results": results,
-        "speedup_vs_k0": {f"{r['mode']} {r['max_staleness']}": round(r["samples_per_s"] / base[r["mode"]], 3)
-                          for r in results},
+        "repeats": args.repeats,
+        # of the median samples/s over the repeats (the one run's with --repeats 1), against its mode's K = 0
+        "samples_per_s_median": {f"{mode} {k}": round(v, 2) for (mode, k), v in median.items()},
+        "speedup_vs_k0": {f"{mode} {k}": round(v / median[mode, 0], 3) for (mode, k), v in median.items()},
         "wall_s": round(time.monotonic() - began, 1),  # since the command started
     }
     if args.mps:
