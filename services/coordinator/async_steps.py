@@ -64,21 +64,13 @@ class AsyncSteps:
                 await asyncio.to_thread(self._rollouts.drop_through, step)
         else:
             raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
-        metrics = dict(result.metrics)
-        metrics.update(counts)
-        report = None
-        if self._eval_due(step):
-            with timer.phase("weight_sync"):  # only the last step's: async runs evaluate at its end alone
-                await self.fleet.sync_weights(step)
+        metrics = {**result.metrics, **counts}
+
+        async def to_step() -> None:  # only the last step's: async runs evaluate at its end alone
+            await self.fleet.sync_weights(step)
             self._replicas_at = step
-            with timer.phase("eval"):
-                report = await self.evaluator.evaluate(step=step, policy_version=step)
-            metrics.update(report.metrics())
-        if self._checkpoint_due(step):
-            with timer.phase("checkpoint"):
-                await self.trainer.checkpoint(step)
-            if self.max_staleness:
-                await asyncio.to_thread(self._rollouts.drop_through, step)
+
+        report = await self._eval_and_checkpoint(step, timer, metrics, sync=to_step, drop_kept=True)
         timings = timer.finish()
         if busy.spans:
             timings["rollout"] = busy.busy_seconds()
@@ -120,17 +112,8 @@ class AsyncSteps:
         else:
             raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
         metrics = {**result.metrics, **counts}
-        report = None
-        if self._eval_due(step):
-            with timer.phase("weight_sync"):
-                await self._sync_streaming(step)
-            with timer.phase("eval"):
-                report = await self.evaluator.evaluate(step=step, policy_version=step)
-            metrics.update(report.metrics())
-        if self._checkpoint_due(step):
-            with timer.phase("checkpoint"):
-                await self.trainer.checkpoint(step)
-            await asyncio.to_thread(self._rollouts.drop_through, step)
+        report = await self._eval_and_checkpoint(step, timer, metrics, sync=lambda: self._sync_streaming(step),
+                                                 drop_kept=True)
         timings = timer.finish()
         if self._busy.spans or self._busy.in_flight:  # seconds the replicas generated within this step
             timings["rollout"] = self._busy.overlap_with((began_step, time.monotonic()))

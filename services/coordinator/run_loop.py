@@ -43,7 +43,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from contract.advantages import group_advantages
@@ -210,17 +210,30 @@ class RunDriver(AsyncSteps):
             raise RunFailed(f"step {step}: trainer holds policy version {trainer_version}, expected {step - 1}")
         with timer.phase("weight_sync"):
             await self.fleet.sync_weights(step)
-        metrics = dict(result.metrics)
-        metrics.update(counts)
+        metrics = {**result.metrics, **counts}
+        report = await self._eval_and_checkpoint(step, timer, metrics)
+        await self._record(step, metrics, timer.finish(), counts, report)
+
+    async def _eval_and_checkpoint(self, step: int, timer: PhaseTimer, metrics: dict, *,
+                                   sync: Callable[[], Awaitable[None]] | None = None,
+                                   drop_kept: bool = False) -> EvalReport | None:
+        """The end of a step: evaluate when due (after `sync` brings the replicas to `step`: an async run's
+        are behind it), its metrics into `metrics`; checkpoint when due, and with `drop_kept` let the kept
+        rollouts through `step` go (a resumed trainer starts after it)."""
         report = None
         if self._eval_due(step):
+            if sync is not None:
+                with timer.phase("weight_sync"):
+                    await sync()
             with timer.phase("eval"):
                 report = await self.evaluator.evaluate(step=step, policy_version=step)
             metrics.update(report.metrics())
         if self._checkpoint_due(step):
             with timer.phase("checkpoint"):
                 await self.trainer.checkpoint(step)
-        await self._record(step, metrics, timer.finish(), counts, report)
+            if drop_kept:
+                await asyncio.to_thread(self._rollouts.drop_through, step)
+        return report
 
     async def _sample_and_score(self, step: int, timer: PhaseTimer) -> tuple[list[pb.Trajectory], dict]:
         """The step's trajectories (scored, with advantages) and their counts."""
