@@ -289,9 +289,10 @@ def main() -> None:
 def report(args, weight_sync: str, results: list[dict], model_info: dict | None, began: float) -> None:
     """One weight_sync value's JSON: printed, and written to --out."""
     longtail = args.shape != "tiny_arith"
-    median = {(r["mode"], r["max_staleness"]): statistics.median(
-        q["samples_per_s"] for q in results if (q["mode"], q["max_staleness"]) == (r["mode"], r["max_staleness"]))
-        for r in results}
+    by_config: dict[tuple[str, int], list[float]] = {}
+    for r in results:
+        by_config.setdefault((r["mode"], r["max_staleness"]), []).append(r["samples_per_s"])
+    median = {key: statistics.median(values) for key, values in by_config.items()}
     out = {
         "bench": "async", "note": args.note, "warmup_steps": args.warmup_steps, "device": args.device,
         "host": platform.node(), "cpus": os.cpu_count(), "threads_per_service": args.threads, "mps": args.mps,
