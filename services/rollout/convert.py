@@ -90,13 +90,18 @@ def generation_request_from_proto(req: pb.GenerateRequest) -> GenerationRequest:
                              resumed=resumed, sample_ids=sample_ids_from_proto(req, prompts, resumed))
 
 
+def request_sample_ids(prompts: list[PromptSpec], samples_per_prompt: int) -> set[str]:
+    """Every "<group_id>/<index>" a request of these prompts can name."""
+    return {f"{p.group_id}/{i}" for p in prompts for i in range(samples_per_prompt)}
+
+
 def sample_ids_from_proto(req: pb.GenerateRequest, prompts: list[PromptSpec],
                           resumed: tuple[ResumedSample, ...]) -> tuple[str, ...]:
     """GenerateRequest.sample_ids: samples of this request, each once, every resumed one and at least one of
     each prompt among them (a prompt with nothing to generate is a caller's mistake)."""
     if not req.sample_ids:
         return ()
-    known = {f"{p.group_id}/{i}" for p in prompts for i in range(req.samples_per_prompt)}
+    known = request_sample_ids(prompts, req.samples_per_prompt)
     seen: set[str] = set()
     for i, sample_id in enumerate(req.sample_ids):
         if sample_id not in known:
@@ -116,7 +121,7 @@ def sample_ids_from_proto(req: pb.GenerateRequest, prompts: list[PromptSpec],
 def resumed_from_proto(req: pb.GenerateRequest, prompts: list[PromptSpec],
                        sampling: SamplingConfig) -> tuple[ResumedSample, ...]:
     """GenerateRequest.resumed, each naming a sample of this request once, with R < max_new_tokens tokens."""
-    known = {f"{p.group_id}/{i}" for p in prompts for i in range(req.samples_per_prompt)}
+    known = request_sample_ids(prompts, req.samples_per_prompt)
     out, seen = [], set()
     for i, r in enumerate(req.resumed):
         field = f"resumed[{i}]"
