@@ -39,6 +39,10 @@ class Shard:
     resumed: list[pb.ResumedSample]  # paused samples of these problems, continued rather than started again
     sample_ids: list[str]  # non-empty: only these samples of the problems are generated
 
+    def samples_asked(self, samples_per_prompt: int) -> int:
+        """How many samples the shard's Generate call asks for (what is dropped if it is never answered)."""
+        return len(self.sample_ids) or len(self.problems) * samples_per_prompt
+
 
 class RolloutFleet:
     def __init__(self, run_id: str, spec: RunSpec, clients: Sequence[RolloutClient], weights_address: str,
@@ -277,8 +281,8 @@ class RolloutFleet:
                 policy_versions=r.policy_versions))
         shards = [Shard(problems[i:i + size], indices[i:i + size], list(range(i, min(i + size, len(problems)))),
                         [r for k in indices[i:i + size] for r in paused.get(group_id(step, k), [])],
-                        [f"{group_id(step, k)}/{j}" for k in indices[i:i + size]
-                         for j in range(plan.samples_per_prompt) if f"{group_id(step, k)}/{j}" in only])
+                        [sample_id for k in indices[i:i + size] for j in range(plan.samples_per_prompt)
+                         if (sample_id := f"{group_id(step, k)}/{j}") in only])
                   for i in range(0, len(problems), size)]
         exporter = self.events.exporter
         exporter.queue_depth(self.run_id, len(problems))
@@ -291,7 +295,7 @@ class RolloutFleet:
         dropped = 0
         for shard, res in zip(shards, results):
             if res is None:
-                dropped += len(shard.sample_ids) or len(shard.problems) * plan.samples_per_prompt
+                dropped += shard.samples_asked(plan.samples_per_prompt)
                 continue
             gids = {group_id(step, k): position for k, position in zip(shard.indices, shard.positions)}
             for s in res.samples:
@@ -360,6 +364,6 @@ class RolloutFleet:
                 await self._check_version(response, client, step=step, policy_version=policy_version)
                 return response
         await self.events.record("trajectories_dropped", "trajectories dropped: rollout unavailable", step=step,
-                                 count=len(shard.sample_ids) or len(shard.problems) * plan.samples_per_prompt,
+                                 count=shard.samples_asked(plan.samples_per_prompt),
                                  reason=f"rollout unavailable after {attempts} attempts")
         return None
