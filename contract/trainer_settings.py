@@ -59,6 +59,12 @@ class LRSchedule(BaseModel):
     min_lr_ratio: float = Field(
         0.0, ge=0, le=1,
         description="Floor of the decay as a fraction of lr (only with 'linear' or 'cosine').")
+    staleness_scaling: Literal["none", "inverse"] = Field(
+        "none",
+        description="'inverse': a step whose model tokens were sampled on average tau policy versions behind "
+        "the trainer trains at the schedule's lr / max(1, tau) (staleness-aware SGD), so fixed_lag "
+        "max_staleness 1 keeps the rate and 2 halves it once the lag is full. Needs async.max_staleness >= 2, "
+        "below which it changes nothing. 'none': the rate ignores staleness.")
 
     @model_validator(mode="after")
     def _consistent(self) -> LRSchedule:

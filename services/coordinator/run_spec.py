@@ -380,6 +380,11 @@ class RunSpec(_Strict):
     def _async_is_corrected(self) -> "RunSpec":
         # A stale rollout is another policy's sample: without a correction the PPO ratio is taken against the
         # behaviour policy as if it were the proximal one, and nothing bounds the update.
+        if self.trainer.lr_schedule.staleness_scaling != "none" and self.async_.max_staleness < 2:
+            # A mean staleness of at most 1 leaves lr / max(1, tau) at lr: the setting would do nothing.
+            raise field_error("trainer.lr_schedule.staleness_scaling",
+                              f"{self.trainer.lr_schedule.staleness_scaling!r} needs async.max_staleness >= 2 "
+                              f"(it is {self.async_.max_staleness}, where every step keeps its rate); set 'none'")
         if self.async_.max_staleness == 0:
             return self
         if self.trainer.mismatch_correction.mode == "none" and self.trainer.policy_loss.kind != "m2po":

@@ -34,6 +34,9 @@ class TrainSample:
     response_mask: torch.Tensor | None = None
     """bool [R]: True at tokens the model sampled, False at environment tokens (a multi-turn episode's
     observations), which are context only: never a loss, IW or parity term. None: all the model's."""
+    staleness_sum: int = 0
+    """Over the model tokens, how many policy versions each was sampled behind the trainer that trains
+    it (step - 1 - the token's version), summed: 0 for a synchronous step (lr_schedule.staleness_factor)."""
 
     @property
     def num_tokens(self) -> int:

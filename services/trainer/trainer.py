@@ -30,7 +30,7 @@ from services.trainer.batching import Microbatch, TrainSample, canonical_order
 from contract.trainer_run import TrainerRunConfig
 from services.trainer.data_parallel import DataParallel
 from services.trainer.grpo import step_metrics
-from services.trainer.lr_schedule import lr_at
+from services.trainer.lr_schedule import lr_at, mean_token_staleness, staleness_factor
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.policy import PolicyModule
 from services.trainer.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
@@ -413,7 +413,8 @@ class Trainer:
                 if not verdict.passed:
                     raise ParityGateFailed(verdict)
             grad_norm, lr = self._optimizer_step(run, params, step=step, loss_value=loss_value, outputs=outputs,
-                                                 sample_ids=[s.sample_id for s in ordered])
+                                                 sample_ids=[s.sample_id for s in ordered],
+                                                 staleness=mean_token_staleness(samples))
         finally:
             run.optimizer.zero_grad(set_to_none=True)
         return self._step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm, lr=lr)
@@ -453,8 +454,9 @@ class Trainer:
         return self._in_order(local, len(microbatches))
 
     def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int, loss_value: float,
-                        outputs: list[dict], sample_ids: list[str]) -> tuple[float, float]:
-        """Clip the accumulated gradients and apply them at the step's learning rate; (grad norm, lr).
+                        outputs: list[dict], sample_ids: list[str], staleness: float) -> tuple[float, float]:
+        """Clip the accumulated gradients and apply them at the step's learning rate (its schedule's, scaled
+        for the tokens' mean `staleness` as configured); (grad norm, lr).
         StepFailed, with nothing applied, for a non-finite loss or gradient."""
         cfg = run.config
         grad_norm = self._clip_gradients(params, cfg.grad_clip)
@@ -464,7 +466,7 @@ class Trainer:
         # Set from the step every time, never carried: a param group's lr
         # restored from a checkpoint's optimizer state (or left by the
         # previous step) would otherwise survive into this update.
-        lr = lr_at(step, cfg.lr, cfg.lr_schedule)
+        lr = lr_at(step, cfg.lr, cfg.lr_schedule) * staleness_factor(staleness, cfg.lr_schedule.staleness_scaling)
         for group in run.optimizer.param_groups:
             group["lr"] = lr
         run.optimizer.step()

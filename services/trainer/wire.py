@@ -15,7 +15,7 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.tensors import from_proto
 from services.trainer.batching import TrainSample
-from services.trainer.token_versions import check_header_bound, check_token_versions
+from services.trainer.token_versions import check_header_bound, check_token_versions, token_versions
 from services.trainer.wire_errors import FailedPrecondition, InvalidRequest
 
 __all__ = ["FailedPrecondition", "InvalidRequest", "StepRequest", "check_header", "decode_trajectory",
@@ -105,6 +105,9 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
                          trajectory_version=msg.policy_version, num_tokens=model_tokens,
                          header_version=header.policy_version, max_staleness=header.max_staleness,
                          streaming=header.streaming)
+    current = header.step - 1
+    staleness_sum = sum(current - v for v in token_versions(msg.token_policy_versions, msg.policy_version,
+                                                            model_tokens))
     for name in ("reward", "advantage"):
         value = getattr(msg, name)
         if not math.isfinite(value):
@@ -118,6 +121,7 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
         reward=float(msg.reward),
         advantage=float(msg.advantage),
         response_mask=mask,
+        staleness_sum=staleness_sum,
     )
 
 

@@ -101,3 +101,20 @@ def test_staleness_zero_needs_no_correction(base):
 def test_mid_run_evaluation_is_refused_with_staleness(base):
     fields = _refused({**base, "async": {"max_staleness": 1}, "trainer": CORRECTED, "eval": {"every": 2}})
     assert [f["field"] for f in fields] == ["eval.every"]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_staleness_scaling_where_it_changes_nothing_is_refused_naming_the_field(base, k):
+    # lr / max(1, tau) is lr while tau <= 1: a user who set it expected it to act.
+    trainer = {**CORRECTED, "lr_schedule": {"staleness_scaling": "inverse"}}
+    fields = _refused({**base, "async": {"max_staleness": k}, "trainer": trainer})
+    assert [f["field"] for f in fields] == ["trainer.lr_schedule.staleness_scaling"]
+    assert f"it is {k}" in fields[0]["reason"]
+
+
+@pytest.mark.parametrize("mode", ["fixed_lag", "streaming"])
+def test_staleness_scaling_is_accepted_from_staleness_two(base, mode):
+    trainer = {**CORRECTED, "lr_schedule": {"staleness_scaling": "inverse"}}
+    spec = RunSpec.model_validate({**base, "async": {"max_staleness": 2, "mode": mode}, "trainer": trainer})
+    assert spec.trainer.lr_schedule.staleness_scaling == "inverse"
+    assert RunSpec.model_validate(base).trainer.lr_schedule.staleness_scaling == "none"

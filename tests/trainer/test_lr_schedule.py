@@ -5,6 +5,7 @@ calling the code under test a second way.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -16,7 +17,7 @@ from trainer_support import make_episodes, rollout_logprobs
 from services.trainer.batching import TrainSample
 from contract.trainer_run import TrainerRunConfig
 from services.trainer.grpo import group_advantages
-from services.trainer.lr_schedule import LRSchedule, lr_at
+from services.trainer.lr_schedule import LRSchedule, lr_at, mean_token_staleness, staleness_factor
 from services.trainer.trainer import Trainer, parse_run_config
 from services.trainer.wire import InvalidRequest, StepRequest
 
@@ -87,6 +88,29 @@ def test_rises_through_warmup_then_never_rises_and_stays_within_bounds(decay):
 def test_step_is_one_based():
     with pytest.raises(ValueError, match="step: 0, optimizer steps are 1-based"):
         lr_at(0, BASE, LRSchedule())
+
+
+@pytest.mark.parametrize("tau, factor", [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (2.0, 0.5), (2.5, 0.4), (4.0, 0.25)])
+def test_inverse_staleness_scaling_is_lr_over_tau_floored_at_one(tau, factor):
+    assert staleness_factor(tau, "inverse") == pytest.approx(factor, rel=1e-15)
+    assert staleness_factor(tau, "none") == 1.0  # a multiplication by 1.0: the rate's bits unchanged
+
+
+def test_staleness_cannot_be_negative():
+    with pytest.raises(ValueError, match="mean_staleness: -1.0 < 0"):
+        staleness_factor(-1.0, "inverse")
+
+
+def test_mean_token_staleness_averages_over_model_tokens_only():
+    def sample(n_response: int, lag_sum: int, mask: list[bool] | None = None) -> TrainSample:
+        return TrainSample("g/0", "g", torch.tensor([1]), torch.arange(n_response), torch.zeros(n_response), 0.0, 0.0,
+                           None if mask is None else torch.tensor(mask), staleness_sum=lag_sum)
+
+    assert mean_token_staleness([]) == 0.0
+    assert mean_token_staleness([sample(3, 0), sample(2, 0)]) == 0.0
+    assert mean_token_staleness([sample(3, 6), sample(1, 1)]) == pytest.approx(7 / 4)
+    # An episode's 2 environment tokens are context, not trained: 4 model tokens, each 2 behind.
+    assert mean_token_staleness([sample(6, 8, [True, True, False, False, True, True])]) == 2.0
 
 
 @pytest.mark.parametrize(
@@ -179,3 +203,38 @@ def test_trainer_applies_and_reports_the_scheduled_lr_also_after_resume(tiny_mod
     assert all(torch.equal(after3[k], v) for k, v in _weights(t).items())
     # A replay answers with the recorded lr and changes nothing.
     assert t.train_step(StepRequest("run", 3, 2, [])).metrics["lr"] == expected[3]
+
+
+def _lagged(request: StepRequest, lags: list[int]) -> StepRequest:
+    """The step with sample i's every model token `lags[i % len(lags)]` versions behind the trainer."""
+    samples = [dataclasses.replace(s, staleness_sum=lags[i % len(lags)] * s.num_model_tokens)
+               for i, s in enumerate(request.samples)]
+    return dataclasses.replace(request, samples=samples)
+
+
+@pytest.mark.usefixtures("restore_torch_globals")
+def test_trainer_divides_the_rate_by_the_steps_mean_token_staleness(tiny_model_dir):
+    base = {"lr": 1e-2, "microbatch_tokens": 24}
+    scaled, plain = Trainer(num_threads=1), Trainer(num_threads=1)
+    scaled.configure(run_id="run", model_path=str(tiny_model_dir), seed=11,
+                     config_json=json.dumps({**base, "lr_schedule": {"staleness_scaling": "inverse"}}))
+    plain.configure(run_id="run", model_path=str(tiny_model_dir), seed=11, config_json=json.dumps(base))
+    # Steps 1 and 2: at most one version behind keeps the rate, so the two trainers stay bitwise equal.
+    for step, lags in ((1, [0]), (2, [1])):
+        request = _lagged(_on_policy_step(plain, step), lags)
+        assert scaled.train_step(request).metrics["lr"] == plain.train_step(request).metrics["lr"] == 1e-2
+    before = _weights(plain)
+    assert all(torch.equal(before[k], v) for k, v in _weights(scaled).items())
+
+    step3 = _lagged(_on_policy_step(plain, 3), [2])  # fixed_lag K = 2 once the lag is full
+    assert scaled.train_step(step3).metrics["lr"] == 1e-2 / 2 and _group_lrs(scaled) == {1e-2 / 2}
+    assert plain.train_step(step3).metrics["lr"] == 1e-2
+    # Same gradients and moments on both sides, so AdamW's step is proportional to the rate.
+    moved = {name: torch.cat([(w[k] - before[k]).flatten() for k in before]).norm()
+             for name, w in (("scaled", _weights(scaled)), ("plain", _weights(plain)))}
+    assert float(moved["scaled"] / moved["plain"]) == pytest.approx(0.5, rel=1e-4)
+
+    step4 = _lagged(_on_policy_step(plain, 4), [2, 3, 3])  # streaming: lags differ between samples
+    tau = sum(s.staleness_sum for s in step4.samples) / sum(s.num_model_tokens for s in step4.samples)
+    assert 2 < tau < 3
+    assert scaled.train_step(step4).metrics["lr"] == pytest.approx(1e-2 / tau, rel=1e-15)

@@ -57,6 +57,17 @@ def test_token_versions_outside_the_bound_are_a_failed_precondition_naming_the_s
             read([h, t])
 
 
+def test_each_trajectory_carries_how_many_versions_its_tokens_lag_the_trainer():
+    # The trainer of step 4 is at version 3; the sums feed lr_schedule.staleness_factor.
+    streaming = read([header(2, step=4, policy_version=1, max_staleness=2, streaming=True),
+                      traj(0, step=4, policy_version=1, token_policy_versions=[1, 2, 3]),
+                      traj(1, step=4, policy_version=3, token_policy_versions=[3, 3, 3])])
+    assert [s.staleness_sum for s in streaming.samples] == [2 + 1 + 0, 0]
+    fixed_lag = read([header(1, step=4, policy_version=1, max_staleness=2), traj(0, step=4, policy_version=1)])
+    assert fixed_lag.samples[0].staleness_sum == 3 * 2  # no versions sent: every token at the trajectory's
+    assert read([header(1), traj(0)]).samples[0].staleness_sum == 0  # synchronous
+
+
 def test_replay_header_without_trajectories_is_well_formed():
     assert read([header(0)]).samples == []
 
