@@ -64,6 +64,8 @@ CORRECTIONS = {
     "mask": {"mismatch_correction": {"mode": "mask"}},  # decoupled PPO, token-level MIS ([1/2, 2])
     "geo": {"mismatch_correction": {"mode": "truncate", "level": "geometric"}},  # TIS on each sequence's geometric mean
     "m2po": {"policy_loss": {"kind": "m2po"}},  # M2PO's own objective against the behaviour policy
+    # truncate at lr / max(1, mean token staleness): staleness-aware SGD (trainer.lr_schedule)
+    "truncate_lr": {"mismatch_correction": {"mode": "truncate"}, "lr_schedule": {"staleness_scaling": "inverse"}},
 }
 
 
