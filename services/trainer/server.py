@@ -64,7 +64,8 @@ from services.trainer.disk_space import OutOfSpace, writing
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
 from services.trainer.served_weights import DEFAULT_CUT_WORKERS, VersionRetired, WeightVersion
-from services.trainer.trainer import StepFailed, StepOutcome, Trainer, WeightSnapshot
+from services.trainer.run_state import WeightSnapshot
+from services.trainer.trainer import StepFailed, StepOutcome, Trainer
 from services.trainer.weight_broadcast import BroadcastFailed, WeightBroadcaster
 from services.trainer.wire import (
     FailedPrecondition,

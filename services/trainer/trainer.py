@@ -14,7 +14,7 @@ Calls are not thread-safe; the server serializes them.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,8 +22,6 @@ import torch
 from services.common.determinism import configure_determinism
 from services.common.fingerprint import probe_platform_details
 from services.common.metric_defs import STEP_METRIC_HELP
-from services.common.models import resolve_dtype
-from services.common.weight_stream import LoraAdapterMeta
 from services.trainer import checkpoint as ckpt
 from services.trainer import lora, run_setup, sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order
@@ -32,9 +30,9 @@ from services.trainer.data_parallel import DataParallel
 from services.trainer.grpo import step_metrics
 from services.trainer.lr_schedule import lr_at, mean_token_staleness, staleness_factor
 from services.trainer.parity_gate import ParityVerdict, check_parity
-from services.trainer.policy import PolicyModule
 from services.trainer.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
 from services.trainer.run_setup import build_microbatches, parse_run_config
+from services.trainer.run_state import RunState, WeightSnapshot
 from services.trainer.step_digest import check_replay, trajectories_digest
 from services.trainer.update_guard import nonfinite_tokens, nonfinite_update
 from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
@@ -72,53 +70,6 @@ class ParityGateFailed(FailedPrecondition):
     def __init__(self, verdict: ParityVerdict) -> None:
         super().__init__(verdict.message())
         self.verdict = verdict
-
-
-@dataclass
-class RunState:
-    run_id: str
-    model_path: str          # the run's initial model: reference policy and tokenizer come from here
-    seed: int
-    config: TrainerRunConfig
-    policy: PolicyModule     # FSDP-sharded float32 masters; forward and backward in config.dtype
-    ref_model: PolicyModule | None  # frozen initial policy in config.dtype, whole on every rank
-    optimizer: torch.optim.Optimizer
-    policy_version: int
-    vocab_size: int
-    step_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    step_digests: dict[int, str] = field(default_factory=dict)  # step -> trajectories_digest, beside its metrics
-    weights_epoch: int = 0   # bumped by every change of the weights (step, checkpoint load)
-
-    @property
-    def model(self) -> PolicyModule:
-        """The policy; called with Hugging Face arguments it returns the HF model's output (`.logits`)."""
-        return self.policy
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return resolve_dtype(self.config.dtype)
-
-    def trainer_state(self) -> ckpt.TrainerState:
-        return ckpt.TrainerState(
-            run_id=self.run_id,
-            policy_version=self.policy_version,
-            seed=self.seed,
-            model_path=self.model_path,
-            trainer_config_json=self.config.model_dump_json(),
-            step_metrics=dict(self.step_metrics),
-            step_digests=dict(self.step_digests),
-        )
-
-
-@dataclass(frozen=True)
-class WeightSnapshot:
-    """The live tensors of one weights state, and what identifies that state."""
-
-    run: RunState
-    weights_epoch: int
-    policy_version: int
-    tensors: list[tuple[str, torch.Tensor]]
-    lora: LoraAdapterMeta | None = None  # set when `tensors` are a LoRA adapter's (peft's saved keys)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from services.common.weight_broadcast import (
     tensor_spec,
 )
 from services.common.weight_digest import BlockDigests
-from services.trainer.trainer import WeightSnapshot
+from services.trainer.run_state import WeightSnapshot
 from services.trainer.wire import FailedPrecondition, InvalidRequest
 
 # Plans kept for RunWeightBroadcast. A coordinator runs a plan right after opening it, and a plan holds

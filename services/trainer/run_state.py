@@ -1,0 +1,65 @@
+"""A configured run's state in the trainer, and the weights snapshot it hands to whoever sends them.
+
+`RunState` is what `Trainer.configure` builds and every call after it reads: the policy and optimizer,
+the policy version that makes TrainStep exactly-once, and each applied step's metrics and digest, which a
+checkpoint keeps (`trainer_state`). `WeightSnapshot` names one weights state by `weights_epoch`, which
+every change of the weights bumps, so a sender can tell that the tensors it streams are still current.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from contract.trainer_run import TrainerRunConfig
+from services.common.models import resolve_dtype
+from services.common.weight_stream import LoraAdapterMeta
+from services.trainer import checkpoint as ckpt
+from services.trainer.policy import PolicyModule
+
+
+@dataclass
+class RunState:
+    run_id: str
+    model_path: str          # the run's initial model: reference policy and tokenizer come from here
+    seed: int
+    config: TrainerRunConfig
+    policy: PolicyModule     # FSDP-sharded float32 masters; forward and backward in config.dtype
+    ref_model: PolicyModule | None  # frozen initial policy in config.dtype, whole on every rank
+    optimizer: torch.optim.Optimizer
+    policy_version: int
+    vocab_size: int
+    step_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    step_digests: dict[int, str] = field(default_factory=dict)  # step -> trajectories_digest, beside its metrics
+    weights_epoch: int = 0   # bumped by every change of the weights (step, checkpoint load)
+
+    @property
+    def model(self) -> PolicyModule:
+        """The policy; called with Hugging Face arguments it returns the HF model's output (`.logits`)."""
+        return self.policy
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.config.dtype)
+
+    def trainer_state(self) -> ckpt.TrainerState:
+        return ckpt.TrainerState(
+            run_id=self.run_id,
+            policy_version=self.policy_version,
+            seed=self.seed,
+            model_path=self.model_path,
+            trainer_config_json=self.config.model_dump_json(),
+            step_metrics=dict(self.step_metrics),
+            step_digests=dict(self.step_digests),
+        )
+
+
+@dataclass(frozen=True)
+class WeightSnapshot:
+    """The live tensors of one weights state, and what identifies that state."""
+
+    run: RunState
+    weights_epoch: int
+    policy_version: int
+    tensors: list[tuple[str, torch.Tensor]]
+    lora: LoraAdapterMeta | None = None  # set when `tensors` are a LoRA adapter's (peft's saved keys)
