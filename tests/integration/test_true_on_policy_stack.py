@@ -151,10 +151,13 @@ def test_staleness_zero_is_the_synchronous_loop_bitwise(stack, client, model_dir
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_fixed_lag_runs_are_bitwise_reproducible_and_use_exactly_the_lagged_version(stack, client, model_dir, k):
-    a_id, a = run_to_end(client, lagged(model_dir, k, f"lag{k}-a"))
+    a_spec, b_spec = lagged(model_dir, k, f"lag{k}-a"), lagged(model_dir, k, f"lag{k}-b")
+    if k == 2:  # the trainer divides the rate by the step's mean token staleness (checked below)
+        for s in (a_spec, b_spec):
+            s["trainer"]["lr_schedule"] = {"staleness_scaling": "inverse"}
+    a_id, a = run_to_end(client, a_spec)
     # The second run syncs through the shared path, where replicas load each version while a step trains:
     # the overlapped sync must not change a bit.
-    b_spec = lagged(model_dir, k, f"lag{k}-b")
     b_spec["rollout"]["weight_sync"] = "shared_path"
     b_id, b = run_to_end(client, b_spec)
     assert a == b
@@ -175,6 +178,8 @@ def test_fixed_lag_runs_are_bitwise_reproducible_and_use_exactly_the_lagged_vers
         assert without_run_id(sent_a[step]) == without_run_id(sent_b[step])
         m = a[step - 1]
         assert m["staleness_max"] == m["staleness_mean"] == step - 1 - version
+        lr = a_spec["trainer"]["lr"]
+        assert m["lr"] == (lr / max(1, step - 1 - version) if k == 2 else lr), (step, m["lr"])
         # true_on_policy: the rollout's log-probs are the behaviour policy's bits, so the trainer's recompute
         # equals them exactly when it holds that version, and not once it has moved on.
         if version == step - 1:
