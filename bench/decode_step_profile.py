@@ -288,7 +288,7 @@ def main() -> None:
     copy = hbm_copy_gb_per_s("cuda")
     with torch.no_grad():
         model, decoders, inputs, info, bucket = build(args.shape, args.rows, args.context, args.seed)
-        from services.rollout.decoder import decoder_attention
+        from services.rollout.decoder_attention import decoder_attention
 
         with decoder_attention(model):
             result = {"benchmark": "decode_step_profile", "gpu": torch.cuda.get_device_name(),

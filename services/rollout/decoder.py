@@ -50,21 +50,20 @@ when the pool is freed, and under pool pressure (evicted before any running sequ
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from services.rollout.engine import PrefillCounts, SamplingConfig
-from services.rollout.kv_cache import (
-    DECODER_ATTN_IMPLEMENTATION,
-    PAGE_TOKENS,
-    KVStep,
-    PagedKVPool,
-    register_decoder_attention,
+from services.rollout.decoder_attention import (
+    _fast_prefill_attention,
+    _sdpa_paged_decode,
+    check_decodable,
+    decoder_attention,
 )
+from services.rollout.engine import PrefillCounts, SamplingConfig
+from services.rollout.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
 from services.rollout.sampling import sample_tokens, seed_words
 from services.rollout.scheduler import KeptPrefixes, PageAllocator, Scheduler, Sequence as Seq, Unit, pages_for
 from services.rollout.step_inputs import StepInputs
@@ -74,10 +73,6 @@ SCHEDULERS = ("continuous", "static")
 GRAPH_WARMUP_STEPS = 2
 DEFAULT_TABLE_TOKENS = 1 << 15
 """Block-table width (in tokens) when neither max_context_tokens nor the model bounds a sequence."""
-
-
-class DecoderUnsupported(ValueError):
-    """The model uses something the decoder does not implement (sliding windows, logit softcapping, ...)."""
 
 
 @dataclass(frozen=True)
@@ -143,35 +138,6 @@ class DecodeStats:
     device_steps: list[tuple[float, float]] = field(default_factory=list)
     """CUDA only, per decode step as in `steps`: device seconds of (the forward, the forward and sampling),
     from CUDA events around them; the rest of a step's seconds is host time the device waited for."""
-
-
-def check_decodable(model: torch.nn.Module) -> None:
-    """DecoderUnsupported naming what this decoder cannot run for `model`."""
-    cfg = model.config
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()) or getattr(cfg, "use_sliding_window", False):
-        raise DecoderUnsupported(f"{type(model).__name__}: sliding-window attention layers are not supported")
-    if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "attn_logit_softcapping", None):
-        raise DecoderUnsupported(f"{type(model).__name__}: logit softcapping is not supported")
-    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
-        raise DecoderUnsupported(f"{type(model).__name__}: the output head is not an nn.Linear")
-    if not hasattr(model, getattr(model, "base_model_prefix", "")):
-        raise DecoderUnsupported(f"{type(model).__name__}: no base model under base_model_prefix")
-
-
-@contextlib.contextmanager
-def decoder_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run `model` with the decoder's attention function inside the block; its own implementation after.
-
-    Outside a decode the model stays a stock HF module (so anything else that scores with it keeps working)."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation(register_decoder_attention())
-    if model.config._attn_implementation != DECODER_ATTN_IMPLEMENTATION:
-        raise DecoderUnsupported(f"{type(model).__name__}: its attention implementation cannot be set "
-                                 "(it does not dispatch through transformers' AttentionInterface)")
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
 
 
 def _bucket(n: int, max_batch_size: int) -> int:
@@ -611,47 +577,3 @@ def seed_hashes_of(seeds: Sequence[int], device: torch.device) -> torch.Tensor:
     from kernels.sampling import seed_hashes
 
     return seed_hashes(seed_words(seeds, device))
-
-
-def _sdpa_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                       lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """paged decode attention through torch SDPA with a key mask over the gathered pages (fast mode on CPU,
-    where reading the lengths costs no device sync): row b attends its keys [0, lengths[b])."""
-    used = int(lengths.max())
-    pages = tables[:, :pages_for(used)].long()
-
-    def gather(pool):
-        g = pool[pages].transpose(1, 2)  # [B, Hkv, P, KB, D]
-        return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])[:, :, :used]
-
-    keys = torch.arange(used, device=q.device)
-    mask = (keys[None, :] < lengths[:, None])[:, None, None, :]  # [B, 1, 1, used]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], gather(k_pool), gather(v_pool), attn_mask=mask, scale=scale,
-        enable_gqa=q.shape[1] != k_pool.shape[1])
-    return out[:, :, 0]
-
-
-def _fast_prefill_attention(model: torch.nn.Module, device: torch.device) -> tuple[Callable, str]:
-    """(packed attention fn, its name) of fast-mode prefill: the attention registry's choice for this
-    dtype/device/head size, or, where the registry has no backend for it (float32 on a GPU under
-    deterministic algorithms: its fused backends are 16-bit, its reference not deterministic there), the
-    batch-invariant packed kernel, which serves every dtype the decoder runs. Engine info reports which."""
-    from kernels.attention import REGISTRY, AttentionBackendError, PackedLayout
-
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    try:
-        backend = REGISTRY.select(device=device, dtype=next(model.parameters()).dtype, head_dim=head_dim,
-                                  packed=True, window=None)
-    except AttentionBackendError:
-        if REGISTRY.policy.backend is not None:
-            raise  # a backend forced by policy is never replaced
-        from kernels.batch_invariant import packed_attention
-
-        return packed_attention, "batch_invariant"
-
-    def registry_attention(q, k, v, cu_seqlens, max_seqlen, scale):
-        return REGISTRY.attention(q, k, v, PackedLayout(cu_seqlens, max_seqlen), scale=scale)
-
-    return registry_attention, backend.name

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.decoder import Decoder, DecoderOptions, DecoderUnsupported
+from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.decoder_attention import DecoderUnsupported
 from services.rollout.engine import GenerationRequest, PromptSpec
 from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from tests.rollout.decoder_support import (
