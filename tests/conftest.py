@@ -18,6 +18,7 @@ import inspect
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -257,6 +258,11 @@ def stack_process(argv) -> str | None:
     return None
 
 
+# Threads that start a session's shared stack in the background (tests/rollout/conftest.py's SessionSGLang,
+# started when collection ends): what they start belongs to the session, not to whichever test runs meanwhile.
+SESSION_START_THREADS = frozenset({"session-sglang-start"})
+
+
 class _StackGuard:
     """Fails a test that is not marked `stack` yet starts a stack process (seen through the audit hook
     subprocess.Popen raises), so the marker cannot fall behind the tests."""
@@ -267,6 +273,8 @@ class _StackGuard:
 
     def audit(self, event: str, args: tuple) -> None:
         if event != "subprocess.Popen" or self.item is None or self.item.get_closest_marker("stack"):
+            return
+        if threading.current_thread().name in SESSION_START_THREADS:
             return
         what = stack_process(args[1] if args[1] is not None else args[0])
         if what is not None:

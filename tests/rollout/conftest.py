@@ -48,6 +48,7 @@ class SessionSGLang:
         self.model_dir = build_model_dir(root / "tiny_qwen3", TinyQwen3Config(initializer_range=0.2), seed=0)
         self.engine = SGLangEngine(SGLangEngineConfig(platform="cpu"), SGLangHostConfig(weights_dir=str(root / "sglang")))
         self._error: BaseException | None = None
+        # The name is in tests/conftest.py's SESSION_START_THREADS: the stack guard leaves this start alone.
         self._thread = threading.Thread(target=self._load, name="session-sglang-start", daemon=True)
         self._thread.start()
 
