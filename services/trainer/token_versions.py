@@ -43,8 +43,9 @@ def token_versions(versions: Sequence[int], trajectory_version: int, num_tokens:
 
 
 def check_token_versions(versions: Sequence[int], *, where: str, step: int, trajectory_version: int,
-                         num_tokens: int, header_version: int, max_staleness: int, streaming: bool) -> None:
-    """Refuse a trajectory of step `step` whose token versions break the bound (see the module doc)."""
+                         num_tokens: int, header_version: int, max_staleness: int, streaming: bool) -> list[int]:
+    """Refuse a trajectory of step `step` whose token versions break the bound (see the module doc); the
+    versions of its tokens otherwise (`token_versions`)."""
     field = f"{where}.token_policy_versions"
     if versions and len(versions) != num_tokens:
         raise InvalidRequest(f"{field}: {len(versions)} versions for {num_tokens} model tokens (step {step})")
@@ -66,3 +67,4 @@ def check_token_versions(versions: Sequence[int], *, where: str, step: int, traj
             raise FailedPrecondition(
                 f"step {step}: {field}[{j}]: version {v}, but fixed_lag trains step {step} on version "
                 f"{header_version} alone; nothing of the step is trained")
+    return vs

@@ -15,7 +15,7 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.tensors import from_proto
 from services.trainer.batching import TrainSample
-from services.trainer.token_versions import check_header_bound, check_token_versions, token_versions
+from services.trainer.token_versions import check_header_bound, check_token_versions
 from services.trainer.wire_errors import FailedPrecondition, InvalidRequest
 
 __all__ = ["FailedPrecondition", "InvalidRequest", "StepRequest", "check_header", "decode_trajectory",
@@ -101,13 +101,11 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
     if float(logprobs.max()) > LOGPROB_POSITIVE_SLACK:
         bad = int(logprobs.argmax())
         raise InvalidRequest(f"{where}.rollout_logprobs[{bad}]: {float(logprobs[bad])} > 0 is not a log-prob")
-    check_token_versions(msg.token_policy_versions, where=where, step=header.step,
-                         trajectory_version=msg.policy_version, num_tokens=model_tokens,
-                         header_version=header.policy_version, max_staleness=header.max_staleness,
-                         streaming=header.streaming)
-    current = header.step - 1
-    staleness_sum = sum(current - v for v in token_versions(msg.token_policy_versions, msg.policy_version,
-                                                            model_tokens))
+    versions = check_token_versions(msg.token_policy_versions, where=where, step=header.step,
+                                    trajectory_version=msg.policy_version, num_tokens=model_tokens,
+                                    header_version=header.policy_version, max_staleness=header.max_staleness,
+                                    streaming=header.streaming)
+    staleness_sum = sum(header.step - 1 - v for v in versions)
     for name in ("reward", "advantage"):
         value = getattr(msg, name)
         if not math.isfinite(value):

@@ -9,11 +9,11 @@ from services.trainer.wire_errors import FailedPrecondition, InvalidRequest
 
 def check(versions, *, step=5, trajectory_version=None, num_tokens=None, header_version=None, k=2, streaming=True):
     lowest = lowest_version(step, k)
-    check_token_versions(versions, where="trajectory[0]", step=step,
-                         trajectory_version=versions[0] if trajectory_version is None else trajectory_version,
-                         num_tokens=len(versions) if num_tokens is None else num_tokens,
-                         header_version=lowest if header_version is None else header_version,
-                         max_staleness=k, streaming=streaming)
+    return check_token_versions(versions, where="trajectory[0]", step=step,
+                                trajectory_version=versions[0] if trajectory_version is None else trajectory_version,
+                                num_tokens=len(versions) if num_tokens is None else num_tokens,
+                                header_version=lowest if header_version is None else header_version,
+                                max_staleness=k, streaming=streaming)
 
 
 def test_lowest_version_is_the_fixed_lag_arithmetic():
@@ -23,7 +23,7 @@ def test_lowest_version_is_the_fixed_lag_arithmetic():
 
 @pytest.mark.parametrize("versions", [[2, 2, 2], [2, 3, 4], [4, 4], [3, 4, 4]])
 def test_streaming_admits_rising_versions_inside_the_bound(versions):
-    check(versions)  # step 5, K 2: [2, 4]
+    assert check(versions) == versions  # step 5, K 2: [2, 4]
 
 
 @pytest.mark.parametrize("versions, error, message", [
@@ -57,7 +57,7 @@ def test_count_and_first_token_must_match_the_trajectory():
 
 
 def test_no_versions_means_every_token_at_the_trajectory_version():
-    check([], trajectory_version=3, num_tokens=4)
+    assert check([], trajectory_version=3, num_tokens=4) == [3, 3, 3, 3]
     with pytest.raises(FailedPrecondition, match=r"\[0\]: version 1 outside \[2, 4\]"):
         check([], trajectory_version=1, num_tokens=4)
 
