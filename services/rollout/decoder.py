@@ -57,10 +57,10 @@ from dataclasses import dataclass, field
 import torch
 
 from services.rollout.decoder_attention import (
-    _fast_prefill_attention,
-    _sdpa_paged_decode,
     check_decodable,
     decoder_attention,
+    fast_prefill_attention,
+    sdpa_paged_decode,
 )
 from services.rollout.engine import PrefillCounts, SamplingConfig
 from services.rollout.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
@@ -205,7 +205,7 @@ class Decoder:
         self._paged_prefill = paged_prefill_attention
         if options.numerics == "fast" and self.device.type == "cpu":
             # The batch-invariant CPU kernel walks key blocks in Python; fast mode promises no bits.
-            self._paged_decode, self.decode_attention = _sdpa_paged_decode, "sdpa"
+            self._paged_decode, self.decode_attention = sdpa_paged_decode, "sdpa"
         self._fused, self.decode_forward = None, "hf"
         if options.numerics == "true_on_policy":
             from kernels.batch_invariant.hf import make_batch_invariant
@@ -216,7 +216,7 @@ class Decoder:
             if options.fused_step and unsupported_reason(model) is None:
                 self._fused, self.decode_forward = FusedDecodeStep(model), "fused"
         else:
-            self._packed_attention, self.prefill_attention = _fast_prefill_attention(model, self.device)
+            self._packed_attention, self.prefill_attention = fast_prefill_attention(model, self.device)
         self._base = getattr(model, model.base_model_prefix)
         self._head = model.get_output_embeddings()
         cfg = model.config

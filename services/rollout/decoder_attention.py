@@ -4,9 +4,9 @@
   logit softcapping, an output head other than nn.Linear, no base model under base_model_prefix).
 - `decoder_attention`: the model on the paged attention function of services.rollout.kv_cache for the length of
   a decode, on its own implementation after, so it stays a stock HF module for anything else that scores with it.
-- `_sdpa_paged_decode`: fast-mode decode attention on CPU, torch SDPA over the gathered pages (the
+- `sdpa_paged_decode`: fast-mode decode attention on CPU, torch SDPA over the gathered pages (the
   batch-invariant CPU kernel walks key blocks in Python, and fast mode promises no bits).
-- `_fast_prefill_attention`: fast-mode packed prefill attention, the attention registry's backend or the
+- `fast_prefill_attention`: fast-mode packed prefill attention, the attention registry's backend or the
   batch-invariant packed kernel where the registry has none.
 
 They depend on the model and the pool layout only, not on the scheduler or the decode loop.
@@ -55,7 +55,7 @@ def decoder_attention(model: torch.nn.Module) -> Iterator[None]:
         model.set_attn_implementation(before)
 
 
-def _sdpa_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+def sdpa_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                        lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """paged decode attention through torch SDPA with a key mask over the gathered pages (fast mode on CPU,
     where reading the lengths costs no device sync): row b attends its keys [0, lengths[b])."""
@@ -74,7 +74,7 @@ def _sdpa_paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
     return out[:, :, 0]
 
 
-def _fast_prefill_attention(model: torch.nn.Module, device: torch.device) -> tuple[Callable, str]:
+def fast_prefill_attention(model: torch.nn.Module, device: torch.device) -> tuple[Callable, str]:
     """(packed attention fn, its name) of fast-mode prefill: the attention registry's choice for this
     dtype/device/head size, or, where the registry has no backend for it (float32 on a GPU under
     deterministic algorithms: its fused backends are 16-bit, its reference not deterministic there), the
