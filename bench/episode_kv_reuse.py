@@ -56,7 +56,7 @@ def main() -> None:
     # timeout (torch and transformers take seconds on a busy CPU).
     import torch
 
-    from services.common.tiny_model import TinyQwen3Config, build_model_dir
+    from recipes.tiny_model import TinyQwen3Config, build_model_dir
     from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
 
     torch.set_num_threads(args.threads)

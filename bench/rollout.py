@@ -115,7 +115,7 @@ class Services:
 
     def __init__(self, work: Path, device: str) -> None:
         from services.common.auth import TOKEN_FILE_ENV, read_token_file, write_token_file
-        from services.common.ports import free_port
+        from services.common.process.ports import free_port
 
         self.work = work
         token_file = work / "auth_token"

@@ -79,7 +79,7 @@ def main() -> None:
     from bench.train import SHAPES
     from bench.weight_sync import write_model
     from contract.engine_options import TorchEngineConfig
-    from services.common.weight_files import read_weight_dir, write_weight_dir
+    from services.common.weights.files import read_weight_dir, write_weight_dir
     from services.rollout.staging_arena import StagingArena
     from services.rollout.torch_engine import TorchEngine
 

@@ -166,7 +166,7 @@ def _grpc_limit_server(port_queue, nbytes: int) -> None:
 
     import grpc
 
-    from services.common.grpc_options import grpc_options
+    from services.common.grpc.options import grpc_options
 
     async def serve() -> None:
         payloads = [os.urandom(GRPC_LIMIT_PAYLOAD) for _ in range(4)]
@@ -195,7 +195,7 @@ def grpc_loopback_limit(nbytes: int, reps: int) -> dict:
 
     import grpc
 
-    from services.common.grpc_options import grpc_options
+    from services.common.grpc.options import grpc_options
 
     ctx = multiprocessing.get_context("spawn")
     ports = ctx.Queue()
@@ -245,7 +245,7 @@ def write_model(shape: str, layers: int, directory: Path, seed: int) -> dict:
     from transformers import Qwen3ForCausalLM
 
     from bench.train import SHAPES, VOCAB
-    from services.common.tiny_model import TinyQwen3Config, qwen3_config, save_model_dir
+    from recipes.tiny_model import TinyQwen3Config, qwen3_config, save_model_dir
 
     dims = {k: v for k, v in SHAPES[shape].items() if k != "num_hidden_layers"}
     cfg = TinyQwen3Config(num_hidden_layers=layers, max_position_embeddings=4096, **dims)
@@ -267,7 +267,7 @@ class Services:
 
     def __init__(self, workdir: Path, device: str, num_threads: int) -> None:
         from services.common.auth import TOKEN_FILE_ENV, read_token_file, write_token_file
-        from services.common.ports import free_port
+        from services.common.process.ports import free_port
         from services.local_stack import ServiceProcess, service_env
 
         token_file = write_token_file(workdir / "auth_token")
@@ -304,7 +304,7 @@ class Services:
 
         from proto import lockstep_pb2 as pb
         from proto import lockstep_pb2_grpc as pb_grpc
-        from services.common.grpc_options import sync_channel
+        from services.common.grpc.options import sync_channel
 
         deadline = time.monotonic() + timeout_s
         for address, stub in ((self.trainer_address, pb_grpc.TrainerStub), (self.rollout_address, pb_grpc.RolloutStub)):
@@ -328,7 +328,7 @@ class Services:
         """Seconds to read the trainer's whole GetWeights stream here, handing each chunk (as encoded, the
         way SyncWeights reads it) to `take`."""
         from proto import lockstep_pb2 as pb
-        from services.common.grpc_options import sync_channel
+        from services.common.grpc.options import sync_channel
         from services.rollout.server import GET_WEIGHTS_METHOD
 
         channel = sync_channel(self.trainer_address, self.token)
@@ -406,7 +406,7 @@ def run_caller(args: argparse.Namespace) -> None:
 
 
 def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
-    from services.common.weight_stream import WeightStreamAssembler
+    from services.common.weights.stream import WeightStreamAssembler
     from services.rollout.staging_arena import StagingArena
 
     load_before = os.getloadavg()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, CharVocab, save_char_tokenizer
+from recipes.char_tokenizer import BOS_ID, EOS_ID, PAD_ID, CharVocab, save_char_tokenizer
 
 
 @dataclass(frozen=True)

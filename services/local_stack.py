@@ -26,7 +26,7 @@ import httpx
 
 from services.cli.client import CoordinatorClient
 from services.common.auth import TOKEN_FILE_ENV, BearerToken, read_token_file, write_token_file
-from services.common.ports import free_port
+from services.common.process.ports import free_port
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

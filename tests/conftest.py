@@ -36,7 +36,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # `make test` runs the unit tests in pytest-xdist workers: each draws its ports from its own part of the
-# range (services.common.ports), so two workers never hand out the same one.
+# range (services.common.process.ports), so two workers never hand out the same one.
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST_WORKER.startswith("gw") and "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("LOCKSTEP_PORT_SLICE", f"{int(_XDIST_WORKER[2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
@@ -235,7 +235,7 @@ def stack_process(argv) -> str | None:
     """What a command line starts, if it is part of a stack: a service, Redis, SGLang, Prometheus or Ray."""
     args = [os.fspath(a) for a in ([argv] if isinstance(argv, (str, bytes, os.PathLike)) else argv)]
     args = [a.decode() if isinstance(a, bytes) else a for a in args]
-    from services.common.parent_death import wrapped_command
+    from services.common.process.parent_death import wrapped_command
     args = wrapped_command(args)  # a command started to die with its parent: what it runs
     if not args:
         return None

@@ -7,7 +7,7 @@
 #   when both are done. It runs at a lower priority (nice 10), so that it takes the core the stack tests
 #   leave idle and yields when they need both: they are the longer part, and their waits have deadlines.
 #
-# Each process draws ports from its own half of the range (LOCKSTEP_PORT_SLICE, services/common/ports.py).
+# Each process draws ports from its own half of the range (LOCKSTEP_PORT_SLICE, services/common/process/ports.py).
 # The exit status is non-zero when either process fails. docs/testing.md has the measurements.
 set -u
 cd "$(dirname "$0")/.."

@@ -34,7 +34,7 @@ def check_grpc(service: str, address: str) -> tuple[bool, str]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from services.common.health_service import SERVICE_NAMES
+    from services.common.grpc.health import SERVICE_NAMES
 
     if service not in SERVICE_NAMES:
         return False, f"unknown service {service!r}; expected one of {sorted(SERVICE_NAMES)}"

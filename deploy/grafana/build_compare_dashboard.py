@@ -3,7 +3,7 @@
     python deploy/grafana/build_compare_dashboard.py          # rewrite the committed JSON
     python deploy/grafana/build_compare_dashboard.py --check  # exit 1 if it is out of date
 
-The metrics are the ones `lockstep compare` judges (services/common/run_compare.py STEP_METRICS) and
+The metrics are the ones `lockstep compare` judges (services/common/records/run_compare.py STEP_METRICS) and
 each eval set's avg@k. Each metric has a time series with both runs (Prometheus keys samples by wall
 time, so two runs made at different times sit side by side on the time axis, not overlaid by step:
 `lockstep compare --png` overlays them by step) and a bar gauge of each run's mean over the dashboard's
@@ -25,7 +25,7 @@ base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(base)  # type: ignore[union-attr]
 
 from services.common.metric_defs import STEP_METRIC_HELP  # noqa: E402  (build_dashboard put the repo on sys.path)
-from services.common.run_compare import STEP_METRICS  # noqa: E402
+from services.common.records.run_compare import STEP_METRICS  # noqa: E402
 
 OUT = HERE / "dashboards" / "lockstep_run_compare.json"
 UID = "lockstep-run-compare"

@@ -1,7 +1,7 @@
 """The tiny CPU demo: GRPO on 2-digit addition with a tiny Qwen3 policy.
 
 This package holds what the demo is made of and must agree across its parts:
-- `MODEL`: the tiny Qwen3 shape (services/common/tiny_model.py builds it);
+- `MODEL`: the tiny Qwen3 shape (recipes/tiny_model.py builds it);
 - `TASK_OPTIONS`: the arithmetic task's options. recipe.yaml's `task.options`
   must be exactly these: the warm start (prepare.py) trains on the task's
   train split, so a run that drew its held-out split from other options could
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.tiny_model import TinyQwen3Config
+from recipes.tiny_model import TinyQwen3Config
 
 MODEL = TinyQwen3Config(
     hidden_size=128,

@@ -21,7 +21,7 @@ def check(model_dir: str, *, heldout_size: int | None = None) -> dict:
 
     from recipes.tiny_tools import TASK_OPTIONS, WARM_START
     from recipes.tiny_tools.prepare import heldout_report
-    from services.common.char_tokenizer import build_char_tokenizer
+    from recipes.char_tokenizer import build_char_tokenizer
     from services.coordinator.tasks.episodic import CalculatorConfig, CalculatorTask
 
     threads = torch.get_num_threads()

@@ -16,7 +16,7 @@ import torch
 
 from contract.calculator_env import CalculatorEnvironment, CalculatorOptions, evaluate
 from contract.environment import EpisodeProblem
-from services.common.char_tokenizer import EOS_ID, PAD_ID
+from recipes.char_tokenizer import EOS_ID, PAD_ID
 from services.coordinator.tasks.base import Problem
 
 IGNORE = -100  # cross_entropy's ignore_index: prompt, observation and padding positions carry no loss

@@ -36,7 +36,7 @@ def drawn_panels(figure) -> list[dict]:
 
 
 def plot_report(report: Mapping, path: Path):
-    """Draw `report` (services.common.run_compare.compare_runs) to a PNG at `path`; the figure."""
+    """Draw `report` (services.common.records.run_compare.compare_runs) to a PNG at `path`; the figure."""
     Figure, FigureCanvasAgg = _matplotlib()
     metrics = list(report["metrics"])
     rows = max(1, math.ceil(len(metrics) / COLUMNS))

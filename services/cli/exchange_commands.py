@@ -1,7 +1,7 @@
 """`lockstep export`, `import`, `compare` and `replay-score`: runs moved between deployments as bundles,
 compared, and a recorded step re-scored on this machine (services/trainer/replay_score.py).
 
-A bundle (services.common.run_bundle) is written from GET /v1/runs/{id}/bundle and the run's recorded
+A bundle (services.common.records.run_bundle) is written from GET /v1/runs/{id}/bundle and the run's recorded
 steps; `import` checks every file against the manifest here, then the coordinator checks the documents'
 digests again before it stores anything. `compare` takes run ids on the coordinator or bundle
 directories (a path that is a directory is a bundle); with ids only, the coordinator computes the report
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.cli.client import CoordinatorClient
-from services.common.run_bundle import DOCUMENTS, MANIFEST, load_bundle, recorded_step, verify_bundle, write_bundle
-from services.common.run_compare import RunSeries, compare_runs, report_rows
+from services.common.records.run_bundle import DOCUMENTS, MANIFEST, load_bundle, recorded_step, verify_bundle, write_bundle
+from services.common.records.run_compare import RunSeries, compare_runs, report_rows
 
 Emit = Callable[[str], None]
 

@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 
 from services.common.auth import BearerToken
-from services.common.model_files import load_tokenizer
+from services.common.models.directory import load_tokenizer
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.config import CoordinatorConfig
 from services.coordinator.embedded_redis import EmbeddedRedis

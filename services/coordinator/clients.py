@@ -9,7 +9,7 @@ import grpc
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken
-from services.common.grpc_options import insecure_channel
+from services.common.grpc.options import insecure_channel
 
 
 # gRPC's reconnect backoff grows to 120 s by default: a replica or trainer that

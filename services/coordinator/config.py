@@ -4,7 +4,7 @@ from __future__ import annotations
 from pydantic import ConfigDict, Field, field_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
-from services.common.service_config import AuthSetting
+from services.common.process.service_config import AuthSetting
 
 
 class CoordinatorConfig(AuthSetting):

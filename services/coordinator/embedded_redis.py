@@ -25,9 +25,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from services.common.parent_death import with_parent_death
-from services.common.ports import free_port
-from services.common.structured_logging import log_event
+from services.common.process.parent_death import with_parent_death
+from services.common.process.ports import free_port
+from services.common.process.structured_logging import log_event
 
 log = logging.getLogger("lockstep.coordinator.redis")
 

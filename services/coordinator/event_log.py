@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from services.common.structured_logging import log_event
+from services.common.process.structured_logging import log_event
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.store import RunStore
 

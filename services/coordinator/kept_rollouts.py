@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from proto import lockstep_pb2 as pb
-from services.common.step_record import StepRecordMeta, read_step_record, write_step_record
+from services.common.records.step_record import StepRecordMeta, read_step_record, write_step_record
 
 
 class KeptRollouts:

@@ -1,5 +1,5 @@
 """REST routes that move runs between deployments and compare them: a run's bundle out, a bundle in,
-and the comparison report (services.common.run_bundle, services.common.run_compare). Thin handlers."""
+and the comparison report (services.common.records.run_bundle, services.common.records.run_compare). Thin handlers."""
 # No `from __future__ import annotations`: FastAPI resolves the handlers' annotations at runtime.
 import asyncio
 import json
@@ -11,8 +11,8 @@ from fastapi import Path as PathParam
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
-from services.common.run_bundle import BundleError, documents_from_upload
-from services.common.run_compare import RunSeries, compare_runs
+from services.common.records.run_bundle import BundleError, documents_from_upload
+from services.common.records.run_compare import RunSeries, compare_runs
 from services.coordinator.store import RUN_ID_PATTERN, RunStore, is_run_id
 
 MAX_IMPORT_BYTES = 64 * 1024 * 1024

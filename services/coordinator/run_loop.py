@@ -50,8 +50,8 @@ from contract.advantages import group_advantages
 from contract.wire_tensors import array_from_proto as from_proto
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
-from services.common.fingerprint import run_fingerprint
-from services.common.step_record import StepRecordMeta, write_step_record
+from services.common.records.fingerprint import run_fingerprint
+from services.common.records.step_record import StepRecordMeta, write_step_record
 from services.coordinator.async_steps import AsyncSteps
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable
 from services.coordinator.dynamic_sampling import select_informative

@@ -28,7 +28,7 @@ from contract.trainer_run import TrainerRunConfig
 from contract.trainer_settings import Numerics
 from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_bounded
 from services.common.float32_fields import Float32
-from services.common.model_files import check_model_dir
+from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
 from services.coordinator.tasks.episodic import EpisodicTask

@@ -22,7 +22,7 @@ import grpc
 from collections.abc import Callable
 from pathlib import Path
 
-from services.common.structured_logging import log_event
+from services.common.process.structured_logging import log_event
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_loop import RunCancelled, RunDriver, RunPaused
 from services.coordinator.run_spec import RunSpec

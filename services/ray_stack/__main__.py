@@ -11,8 +11,8 @@ import signal
 import sys
 import threading
 
-from services.common.service_config import parse_service_config
-from services.common.structured_logging import configure_logging
+from services.common.process.service_config import parse_service_config
+from services.common.process.structured_logging import configure_logging
 from services.ray_stack.config import RayStackConfig
 from services.ray_stack.launcher import RayStack
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.parent_death import with_parent_death
+from services.common.process.parent_death import with_parent_death
 
 log = logging.getLogger("lockstep.ray_stack.supervisor")
 

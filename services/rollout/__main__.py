@@ -5,8 +5,8 @@ import asyncio
 
 from services.common.auth import load_token_or_exit
 from services.common.determinism import configure_determinism
-from services.common.service_config import parse_service_config
-from services.common.structured_logging import configure_logging
+from services.common.process.service_config import parse_service_config
+from services.common.process.structured_logging import configure_logging
 from services.rollout.config import ENV_PREFIX, RolloutServiceConfig
 from services.rollout.server import serve
 

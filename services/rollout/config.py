@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
-from services.common.service_config import AuthSetting, split_host_port
+from services.common.process.service_config import AuthSetting, split_host_port
 
 ENV_PREFIX = "LOCKSTEP_ROLLOUT"
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from services.common.weight_stream import LoraAdapterMeta
+    from services.common.weights.stream import LoraAdapterMeta
     from services.rollout.config import RolloutServiceConfig
     from services.rollout.episode_requests import EpisodeRequest
     from services.rollout.episodes import Episode, ObservationCodec, SampledTurn

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.weight_stream import LoraAdapterMeta
+from services.common.weights.stream import LoraAdapterMeta
 
 KEY_PREFIX = "base_model.model."
 ADAPTER_CONFIG_FILE = "adapter_config.json"

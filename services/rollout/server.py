@@ -4,7 +4,7 @@ Status codes the coordinator can rely on:
 - UNAUTHENTICATED: the call lacks the deployment's bearer token (every method;
   checked by services.common.auth.BearerTokenInterceptor before any handler).
 - INVALID_ARGUMENT: a malformed request (message names the field), a message
-  that does not decode (services.common.grpc_decode), a model_path outside the
+  that does not decode (services.common.grpc.decode), a model_path outside the
   service's model_roots, an unknown engine (message lists the known ones), bad
   engine options, a model_path LoadModel cannot load (naming the weight file
   that does not load: a pickle torch.load(weights_only=True) refuses, a corrupt
@@ -28,7 +28,7 @@ Status codes the coordinator can rely on:
 - UNAVAILABLE: the engine cannot serve right now (EngineUnavailable); retry.
 - INTERNAL: an engine bug (e.g. non-finite log-probs); logged with a traceback.
 The mapping is applied, and the process (health, metrics, graceful stop) run,
-by services.common.grpc_service, which the trainer server shares.
+by services.common.grpc.service, which the trainer server shares.
 
 Engine work runs on one dedicated worker thread so the event loop keeps
 answering Health while a batch runs, and one asyncio lock orders Generate,
@@ -55,8 +55,8 @@ from safetensors import SafetensorError
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken
-from services.common.grpc_options import insecure_channel
-from services.common.grpc_service import (
+from services.common.grpc.options import insecure_channel
+from services.common.grpc.service import (
     GrpcServiceHost,
     RpcErrors,
     RpcFailure,
@@ -67,11 +67,11 @@ from services.common.grpc_service import (
 )
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.path_roots import resolve_inside
-from services.common.rendezvous_store import RendezvousClient
-from services.common.structured_logging import log_event
-from services.common.weight_broadcast import bucket_specs
-from services.common.weight_files import WeightFiles, read_weight_dir
-from services.common.weight_stream import WeightStreamAssembler
+from services.common.rendezvous.store import RendezvousClient
+from services.common.process.structured_logging import log_event
+from services.common.weights.broadcast_protocol import bucket_specs
+from services.common.weights.files import WeightFiles, read_weight_dir
+from services.common.weights.stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.staging_arena import StagingArena
 from services.rollout.weight_prefetch import PREFETCH_READ_THREADS, Allocate, DirectoryKey, WeightPrefetch
@@ -98,7 +98,7 @@ T = TypeVar("T")
 GET_WEIGHTS_METHOD = f"/{pb.DESCRIPTOR.services_by_name['Trainer'].full_name}/GetWeights"
 # What loading a model directory the request named raises when the directory is not a loadable model
 # (missing or corrupt config/weights); transformers and safetensors use these, and EnvironmentError. A weight
-# file that does not load is named by services.common.model_weights (a WeightFileError, a ValueError); a
+# file that does not load is named by services.common.models.weight_files (a WeightFileError, a ValueError); a
 # pickle torch.load(weights_only=True) refuses is that file's fault too, never the service's.
 MODEL_LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError, pickle.UnpicklingError)
 
@@ -254,7 +254,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         staging = self._staging_arena()
         with staging.lease() as lease:
             # Chunks are taken as the trainer encoded them (no deserializer): the assembler reads the
-            # payload out of each message without protobuf's copies (services.common.chunk_frames).
+            # payload out of each message without protobuf's copies (services.common.weights.chunk_frames).
             assembler = WeightStreamAssembler(check_finite=True, allocate=lease.allocate)
             channel = insecure_channel(request.trainer_address, self._token)
             try:

@@ -14,8 +14,8 @@ The broadcast path runs against the CPU server over gloo (tests/rollout/test_sgl
 from __future__ import annotations
 
 from proto import lockstep_pb2 as pb
-from services.common.rendezvous_store import BlockingStore
-from services.common.weight_broadcast import TensorSpec
+from services.common.rendezvous.store import BlockingStore
+from services.common.weights.broadcast_protocol import TensorSpec
 from services.rollout.sglang_client import SGLangConnectionError, SGLangRequestError
 from services.rollout.sglang_weights import verify_broadcast_plan
 from services.rollout.tcpstore_bridge import LOOPBACK, TcpStoreBridge, is_loopback_url

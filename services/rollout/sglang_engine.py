@@ -51,8 +51,8 @@ import torch
 
 from contract.command_line import check_arg_value, render_spec_options
 from contract.engine_options import SGLangEngineConfig
-from services.common.model_files import check_model_dir, layout_digest
-from services.common.weight_stream import LoraAdapterMeta
+from services.common.models.directory import check_model_dir, layout_digest
+from services.common.weights.stream import LoraAdapterMeta
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
 from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, GenerationRequest
 from services.rollout.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter

@@ -24,7 +24,7 @@ from contract.command_line import SpecOption, command_line_fields, render_spec_o
 from contract.engine_options import SGLangEngineConfig
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from services.common.platform import SGLangLaunchPlan
-from services.common.ports import free_port
+from services.common.process.ports import free_port
 
 log = logging.getLogger(__name__)
 

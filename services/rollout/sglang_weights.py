@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from services.common.weight_files import BASE_WEIGHT_INDEX, staged_model_dir
-from services.common.finite_check import all_finite
+from services.common.weights.files import BASE_WEIGHT_INDEX, staged_model_dir
+from services.common.weights.finite_check import all_finite
 
 SHARD_BYTES = 4 * 2**30  # per file; safetensors loads shards independently
 

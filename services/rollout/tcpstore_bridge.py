@@ -27,9 +27,9 @@ import threading
 from collections.abc import Callable
 from urllib.parse import urlsplit
 
-from services.common.rendezvous import MAX_KEY_BYTES, add_to
-from services.common.rendezvous_store import BlockingStore
-from services.common.rendezvous_service import WAIT_SLICE_S
+from services.common.rendezvous.key_table import MAX_KEY_BYTES, add_to
+from services.common.rendezvous.store import BlockingStore
+from services.common.rendezvous.service import WAIT_SLICE_S
 
 log = logging.getLogger(__name__)
 

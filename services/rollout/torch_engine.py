@@ -1,6 +1,6 @@
 """The embedded PyTorch rollout engine: the stock Hugging Face model driven by services.rollout.decoder.
 
-It runs the trainer's model code (services.common.models.load_causal_lm, the
+It runs the trainer's model code (services.common.models.loading.load_causal_lm, the
 stock Hugging Face module) and scores every sampled token with the trainer's
 log-prob definition (kernels.logprob.token_logprobs), so that before the first
 update rollout and trainer agree on every response token. Generation (continuous
@@ -29,10 +29,10 @@ from collections.abc import Iterator
 import torch
 
 from contract.engine_options import TorchEngineConfig
-from services.common.fingerprint import probe_platform_details
-from services.common.models import load_causal_lm
-from services.common.weight_files import FiniteTensors
-from services.common.weight_stream import LoraAdapterMeta
+from services.common.records.fingerprint import probe_platform_details
+from services.common.models.loading import load_causal_lm
+from services.common.weights.files import FiniteTensors
+from services.common.weights.stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.decoder import Decoder, DecoderOptions
 from services.rollout.engine import (
@@ -45,7 +45,7 @@ from services.rollout.engine import (
     require_device,
 )
 from services.rollout.episodes import SampledTurn
-from services.common.finite_check import all_finite
+from services.common.weights.finite_check import all_finite
 from services.rollout.lora_adapter import merged_weight, module_adapters
 from services.rollout.sampling import truncate_logits
 from services.rollout.scheduler import pages_for

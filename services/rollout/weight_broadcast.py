@@ -1,7 +1,7 @@
 """A replica's side of the broadcast weight source, for engines that hold their model in this process.
 
 The replica joins the plan's group at the trainer's rendezvous as its rank, through a RendezvousClient
-carrying the deployment's token (services/common/rendezvous_store.py), announcing itself at the join
+carrying the deployment's token (services/common/rendezvous/store.py), announcing itself at the join
 barrier first, so a group the trainer gives up on releases it at once. It receives every bucket into a
 staging buffer of its own (the served model is untouched meanwhile), hashes what arrived, compares that
 with the digest the trainer broadcasts after the last bucket, and only then hands the tensors to the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.weight_broadcast import (
+from services.common.weights.broadcast_protocol import (
     BACKENDS,
     TensorSpec,
     WeightUpdateGroup,
@@ -25,9 +25,9 @@ from services.common.weight_broadcast import (
     join_when_formed,
     unpack_bucket,
 )
-from services.common.rendezvous_store import BlockingStore
-from services.common.weight_digest import BlockDigests
-from services.common.weight_stream import LoraAdapterMeta
+from services.common.rendezvous.store import BlockingStore
+from services.common.weights.digest import BlockDigests
+from services.common.weights.stream import LoraAdapterMeta
 
 
 class BroadcastReceiveFailed(RuntimeError):

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 import torch
 
-from services.common.weight_files import WeightFiles
+from services.common.weights.files import WeightFiles
 from services.rollout.staging_arena import StagingArena
 
 # A prefetch reads beside the engine's decode loop, in its process: every reading thread takes the GIL

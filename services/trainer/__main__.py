@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 
 from services.common.auth import load_token_or_exit
-from services.common.service_config import parse_service_config
-from services.common.structured_logging import configure_logging
+from services.common.process.service_config import parse_service_config
+from services.common.process.structured_logging import configure_logging
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.server import serve
 

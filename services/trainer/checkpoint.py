@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.model_weights import SAFETENSORS_INDEX, load_failure, weight_files
+from services.common.models.weight_files import SAFETENSORS_INDEX, load_failure, weight_files
 
 STATE_FILE = "lockstep_trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"

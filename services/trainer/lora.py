@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from contract.trainer_settings import LoraSettings
-from services.common.weight_stream import LoraAdapterMeta
+from services.common.weights.stream import LoraAdapterMeta
 
 ADAPTER_NAME = "default"
 PEFT_KEY_PREFIX = "base_model.model."

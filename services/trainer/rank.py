@@ -11,7 +11,7 @@ import sys
 from pydantic import ConfigDict, Field, field_validator
 
 from services.common.auth import load_token_or_exit
-from services.common.service_config import AuthSetting, parse_service_config, split_host_port
+from services.common.process.service_config import AuthSetting, parse_service_config, split_host_port
 
 
 class TrainerRankConfig(AuthSetting):

@@ -1,6 +1,6 @@
 """Where the ranks of a multi-rank trainer meet, and how each learns that the group lost a rank.
 
-Rank 0 serves a rendezvous (services/common/rendezvous_service.py: a KeyTable over gRPC) at its
+Rank 0 serves a rendezvous (services/common/rendezvous/service.py: a KeyTable over gRPC) at its
 `rendezvous` address, host:port, bound to that host only; it reads and writes the table in process
 (LocalStore). Ranks 1..N-1 dial that address, wherever they run (processes rank 0 started on its host,
 or Ray actors on other nodes), through a RendezvousClient: every operation is a gRPC call carrying the
@@ -55,10 +55,10 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from services.common.auth import BearerToken
-from services.common.rendezvous import KeyTable, RendezvousError, RendezvousLimits, Unauthenticated
-from services.common.rendezvous_service import RendezvousServer
-from services.common.rendezvous_store import BlockingStore, LocalStore, RendezvousClient
-from services.common.service_config import split_host_port
+from services.common.rendezvous.key_table import KeyTable, RendezvousError, RendezvousLimits, Unauthenticated
+from services.common.rendezvous.service import RendezvousServer
+from services.common.rendezvous.store import BlockingStore, LocalStore, RendezvousClient
+from services.common.process.service_config import split_host_port
 
 log = logging.getLogger("lockstep.trainer.rendezvous")
 GROUP = "trainer"  # the one open group of the ranks' KeyTable: every key below is under "trainer/"

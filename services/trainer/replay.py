@@ -1,6 +1,6 @@
 """`python -m services.trainer.replay --record R [--checkpoint C]`: one recorded step into a fresh trainer.
 
-parse -> build -> run -> close: read the step record (services/common/step_record.py), configure an
+parse -> build -> run -> close: read the step record (services/common/records/step_record.py), configure an
 in-process Trainer for its run from the checkpoint holding the step's starting weights (policy
 version step - 1; for step 1 the run's model itself), apply the step, print
 {"run_id", "step", "policy_version", "metrics"} as one JSON line. The record went through the same
@@ -14,8 +14,8 @@ import sys
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.common.service_config import parse_service_config
-from services.common.step_record import read_step_record
+from services.common.process.service_config import parse_service_config
+from services.common.records.step_record import read_step_record
 from services.trainer import checkpoint as ckpt
 from services.trainer.trainer import StepFailed, Trainer
 from services.trainer.wire import FailedPrecondition, StepRequest, read_train_step

@@ -23,9 +23,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from contract.trainer_settings import ParityThresholds
-from services.common.run_bundle import BundleError, recorded_step
-from services.common.service_config import parse_service_config
-from services.common.step_record import read_step_record
+from services.common.records.run_bundle import BundleError, recorded_step
+from services.common.process.service_config import parse_service_config
+from services.common.records.step_record import read_step_record
 from services.trainer import checkpoint as ckpt
 from services.trainer.parity_gate import check_parity
 from services.trainer.replay import recorded_request
@@ -36,7 +36,7 @@ RECORDED_STATS = ("iw_mean", "iw_min", "iw_max", "logprob_abs_diff_mean", "logpr
 
 
 class ReplayScoreConfig(BaseModel):
-    """Re-score one recorded step of a run bundle (services/common/run_bundle.py) on this machine."""
+    """Re-score one recorded step of a run bundle (services/common/records/run_bundle.py) on this machine."""
 
     model_config = ConfigDict(extra="forbid")
 

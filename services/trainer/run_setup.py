@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from services.common.models import load_causal_lm, resolve_dtype
+from services.common.models.loading import load_causal_lm, resolve_dtype
 from services.trainer import checkpoint as ckpt
 from services.trainer import lora, sharding
 from services.trainer.batching import Microbatch, TrainSample, canonical_order, padded_microbatches

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from contract.trainer_run import TrainerRunConfig
-from services.common.models import resolve_dtype
-from services.common.weight_stream import LoraAdapterMeta
+from services.common.models.loading import resolve_dtype
+from services.common.weights.stream import LoraAdapterMeta
 from services.trainer import checkpoint as ckpt
 from services.trainer.policy import PolicyModule
 

@@ -4,9 +4,9 @@ chunk by chunk, to every replica that reads it.
 Cutting a version copies every tensor (the compute-dtype cast forward runs on) into one host buffer, in
 pinned memory when the tensors are on a GPU, so the device-to-host copies are one pass at the link's
 rate; the snapshot is then immutable, whatever later steps do to the live weights. The chunks' sha256
-digests (each a digest block of services.common.weight_digest) are computed on a pool of threads from
+digests (each a digest block of services.common.weights.digest) are computed on a pool of threads from
 the moment the first reader opens (never for a version only written to a directory, which is hashed as
-it is written); each reader's chunks are encoded (services.common.chunk_frames: the payload copied once,
+it is written); each reader's chunks are encoded (services.common.weights.chunk_frames: the payload copied once,
 from the buffer) on a second pool, a few ahead of the one being sent. The digests are kept for the
 version, so a second replica costs one copy per byte and no hashing. The buffer also backs a
 WriteWeights directory (`tensors()`), written while the live weights move on.
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.chunk_frames import encode_chunk
+from services.common.weights.chunk_frames import encode_chunk
 from services.common.tensors import dtype_name
-from services.common.weight_digest import BlockDigests
-from services.common.weight_stream import LoraAdapterMeta
+from services.common.weights.digest import BlockDigests
+from services.common.weights.stream import LoraAdapterMeta
 
 # Threads hashing and encoding chunks; sha256 runs at about 1 GB/s per core.
 DEFAULT_CUT_WORKERS = max(1, min(8, os.cpu_count() or 1))

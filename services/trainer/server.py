@@ -22,7 +22,7 @@ Status codes:
 - StepFailed (update not applied)           -> ABORTED
 - anything else                             -> INTERNAL (logged with traceback)
 Every one of them leaves the server serving. The mapping is applied, and the
-process (health, metrics, graceful stop) run, by services.common.grpc_service,
+process (health, metrics, graceful stop) run, by services.common.grpc.service,
 which the rollout server shares.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from safetensors import SafetensorError
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken
-from services.common.grpc_service import (
+from services.common.grpc.service import (
     GrpcServiceHost,
     RpcErrors,
     StatusMap,
@@ -56,8 +56,8 @@ from services.common.grpc_service import (
 )
 from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.path_roots import OutsideRoots, resolve_inside
-from services.common.structured_logging import log_event
-from services.common.weight_files import WeightFilesError, write_weight_dir
+from services.common.process.structured_logging import log_event
+from services.common.weights.files import WeightFilesError, write_weight_dir
 from services.trainer.checkpoint import ForeignDirectory
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.disk_space import OutOfSpace, writing

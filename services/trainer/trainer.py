@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from services.common.determinism import configure_determinism
-from services.common.fingerprint import probe_platform_details
+from services.common.records.fingerprint import probe_platform_details
 from services.common.metric_defs import STEP_METRIC_HELP
 from services.trainer import checkpoint as ckpt
 from services.trainer import lora, run_setup, sharding

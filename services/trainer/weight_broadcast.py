@@ -1,8 +1,8 @@
 """The trainer's side of the broadcast weight source: it is rank 0 of one weight-update group per sync.
 
-OpenWeightBroadcast plans the current weights into buckets (services.common.weight_broadcast) and
+OpenWeightBroadcast plans the current weights into buckets (services.common.weights.broadcast_protocol) and
 names a fresh group, which opens in the trainer's rendezvous; nothing moves. The rendezvous
-(services/common/rendezvous_service.py) is served from the trainer's start on its configured
+(services/common/rendezvous/service.py) is served from the trainer's start on its configured
 weight_broadcast_address only (never one a request names), to callers holding the deployment's token.
 RunWeightBroadcast then waits there for every rank, broadcasts each bucket and answers the digest of
 what it sent; the group closes when it ends, whole or failed, and its keys go with it. Both run under
@@ -24,11 +24,11 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.auth import BearerToken
-from services.common.rendezvous import KeyTable, RendezvousLimits
-from services.common.rendezvous_store import LocalStore
-from services.common.rendezvous_service import RendezvousServer
-from services.common.structured_logging import log_event
-from services.common.weight_broadcast import (
+from services.common.rendezvous.key_table import KeyTable, RendezvousLimits
+from services.common.rendezvous.store import LocalStore
+from services.common.rendezvous.service import RendezvousServer
+from services.common.process.structured_logging import log_event
+from services.common.weights.broadcast_protocol import (
     WeightUpdateGroup,
     abandon_group,
     abandoned_key,
@@ -38,7 +38,7 @@ from services.common.weight_broadcast import (
     plan_proto,
     tensor_spec,
 )
-from services.common.weight_digest import BlockDigests
+from services.common.weights.digest import BlockDigests
 from services.trainer.run_state import WeightSnapshot
 from services.trainer.wire import FailedPrecondition, InvalidRequest
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from services.common.auth import BearerToken, generate_token
-from services.common.ports import free_port
+from services.common.process.ports import free_port
 from services.trainer import sharding
 from services.trainer.data_parallel import DataParallel
 from services.trainer.rank_rendezvous import (LIVENESS_KEY, LivenessHub, LivenessLink, join_store, serve_store,
@@ -115,7 +115,7 @@ def run_rank(rank: int, rendezvous: str, token: BearerToken, join_timeout_s: flo
 def _run_joined(rank: int, rendezvous: str, token: BearerToken, store: dist.Store, spec: GroupSpec,
                 allowed_plugins: tuple[str, ...]) -> None:
     """run_rank once joined: check the spec, form the group, run rank 0's commands until it says stop."""
-    from services.common.structured_logging import configure_logging
+    from services.common.process.structured_logging import configure_logging
 
     from services.trainer.plugins import import_attention_plugins
 

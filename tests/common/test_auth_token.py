@@ -18,7 +18,7 @@ from services.common.auth import (
     load_token,
     write_token_file,
 )
-from services.common.grpc_options import insecure_channel
+from services.common.grpc.options import insecure_channel
 
 
 def test_token_sources_in_order_and_refusals(tmp_path):

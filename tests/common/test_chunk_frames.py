@@ -1,4 +1,4 @@
-"""The GetWeights wire encoding written and read by hand (services/common/chunk_frames.py) is protobuf's:
+"""The GetWeights wire encoding written and read by hand (services/common/weights/chunk_frames.py) is protobuf's:
 protobuf parses what encode_chunk writes as the chunk with its data, split_chunk reads protobuf's own
 serialization (data in the middle of the fields) as the same chunk, and a malformed message is refused,
 naming what is wrong."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from proto import lockstep_pb2 as pb
-from services.common.chunk_frames import ChunkFrameError, encode_chunk, split_chunk
+from services.common.weights.chunk_frames import ChunkFrameError, encode_chunk, split_chunk
 
 
 def _header(**kw) -> pb.WeightChunk:

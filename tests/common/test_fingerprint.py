@@ -5,7 +5,7 @@ import platform
 
 import torch
 
-from services.common.fingerprint import (
+from services.common.records.fingerprint import (
     ABSENT,
     PACKAGES,
     PREFIX,

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from services.common.fingerprint import ABSENT, PREFIX, probe_platform_details
+from services.common.records.fingerprint import ABSENT, PREFIX, probe_platform_details
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 

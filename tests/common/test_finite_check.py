@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.finite_check import all_finite, bytes_all_finite, checks_bytes
+from services.common.weights.finite_check import all_finite, bytes_all_finite, checks_bytes
 from services.rollout.torch_engine import one_intra_op_thread
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]

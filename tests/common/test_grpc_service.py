@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken, generate_token
-from services.common.grpc_options import insecure_channel
-from services.common.grpc_service import (
+from services.common.grpc.options import insecure_channel
+from services.common.grpc.service import (
     GrpcServiceHost,
     RpcErrors,
     RpcFailure,

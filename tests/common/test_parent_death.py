@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.parent_death import with_parent_death, wrapped_command
+from services.common.process.parent_death import with_parent_death, wrapped_command
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 
@@ -47,7 +47,7 @@ def test_the_command_dies_with_the_process_that_started_it(tmp_path):
     pid_file = tmp_path / "child.pid"
     parent_code = (
         "import signal, subprocess, sys, threading, time\n"
-        "from services.common.parent_death import with_parent_death\n"
+        "from services.common.process.parent_death import with_parent_death\n"
         "for _ in range(4): threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
         "p = subprocess.Popen(with_parent_death(['sleep', '60'], signal.SIGTERM))\n"
         f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.ports import free_port, free_port_run
+from services.common.process.ports import free_port, free_port_run
 
 
 def ephemeral_low_or_skip() -> int:

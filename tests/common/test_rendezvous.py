@@ -19,8 +19,8 @@ import torch.distributed as dist
 from proto import rendezvous_pb2 as rpb
 from proto import rendezvous_pb2_grpc as rpb_grpc
 from services.common.auth import BearerToken, generate_token
-from services.common.grpc_options import sync_channel
-from services.common.rendezvous import (
+from services.common.grpc.options import sync_channel
+from services.common.rendezvous.key_table import (
     MAX_KEY_BYTES,
     GroupClosed,
     KeyRefused,
@@ -28,8 +28,8 @@ from services.common.rendezvous import (
     RendezvousLimits,
     StoreFull,
 )
-from services.common.rendezvous_service import RendezvousServer, max_message_bytes
-from services.common.rendezvous_store import LocalStore
+from services.common.rendezvous.service import RendezvousServer, max_message_bytes
+from services.common.rendezvous.store import LocalStore
 from tests.support.rendezvous import HostedRendezvous, listening_ips
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from services.common.run_bundle import (
+from services.common.records.run_bundle import (
     DOCUMENTS,
     MANIFEST,
     BundleError,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from services.common.run_compare import (
+from services.common.records.run_compare import (
     FLOORS,
     SEPARABLE,
     STEP_METRICS,

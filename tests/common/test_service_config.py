@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.service_config import parse_service_config
+from services.common.process.service_config import parse_service_config
 from services.coordinator.config import CoordinatorConfig
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from proto import lockstep_pb2 as pb
-from services.common.step_record import StepRecordMeta, read_step_record, write_step_record
+from services.common.records.step_record import StepRecordMeta, read_step_record, write_step_record
 from services.common.tensors import ids_to_proto
 
 META = StepRecordMeta(run_id="r1", step=3, policy_version=2, model_path="/m", seed=7, trainer_config_json='{"lr":1}')

@@ -10,7 +10,7 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.auth import BearerToken, generate_token
-from services.common.weight_broadcast import (
+from services.common.weights.broadcast_protocol import (
     TensorSpec,
     WeightUpdateGroup,
     bucket_specs,
@@ -21,8 +21,8 @@ from services.common.weight_broadcast import (
     tensor_spec,
     unpack_bucket,
 )
-from services.common.weight_digest import BlockDigests
-from services.common.weight_stream import iter_weight_chunks
+from services.common.weights.digest import BlockDigests
+from services.common.weights.stream import iter_weight_chunks
 from services.rollout.weight_broadcast import BroadcastReceiveFailed, checked_plan, receive_broadcast, staging_device
 from tests.support.rendezvous import HostedRendezvous
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.weight_broadcast import (
+from services.common.weights.broadcast_protocol import (
     WeightUpdateGroup,
     hash_buffer,
     pack_bucket,
@@ -23,8 +23,8 @@ from services.common.weight_broadcast import (
     plan_proto,
     tensor_spec,
 )
-from services.common.weight_digest import BlockDigests
-from services.common.weight_stream import iter_weight_chunks
+from services.common.weights.digest import BlockDigests
+from services.common.weights.stream import iter_weight_chunks
 from services.rollout.weight_broadcast import checked_plan, receive_broadcast, staging_device
 from tests.support.rendezvous import HostedRendezvous
 

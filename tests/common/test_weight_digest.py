@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common import weight_stream
-from services.common.weight_digest import DIGEST_BLOCK_BYTES, BlockDigests, tensors_digest
-from services.common.weight_files import read_weight_dir, write_weight_dir
-from services.common.weight_stream import (
+from services.common.weights import stream as weight_stream
+from services.common.weights.digest import DIGEST_BLOCK_BYTES, BlockDigests, tensors_digest
+from services.common.weights.files import read_weight_dir, write_weight_dir
+from services.common.weights.stream import (
     DEFAULT_CHUNK_BYTES,
     WeightStreamAssembler,
     WeightStreamError,

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from services.common.safetensors_layout import encode_header
-from services.common.weight_files import (
+from services.common.weights.safetensors_layout import encode_header
+from services.common.weights.files import (
     ORDER_KEY,
     VERSION_KEY,
     WEIGHTS_FILE,

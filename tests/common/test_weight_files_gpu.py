@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from services.common.weight_files import (
+from services.common.weights.files import (
     STAGING_BUFFER_BYTES,
     read_weight_dir,
     write_tensor_data,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common import weight_stream
-from services.common.weight_stream import WeightStreamAssembler, WeightStreamError, iter_weight_chunks
+from services.common.weights import stream as weight_stream
+from services.common.weights.stream import WeightStreamAssembler, WeightStreamError, iter_weight_chunks
 
 
 def _assemble(chunks) -> WeightStreamAssembler:

@@ -10,7 +10,7 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.tensors import from_proto, to_proto
-from services.common.weight_stream import WeightStreamAssembler, WeightStreamError, iter_weight_chunks
+from services.common.weights.stream import WeightStreamAssembler, WeightStreamError, iter_weight_chunks
 
 @pytest.mark.parametrize("stem", ["lockstep", "rendezvous"])
 def test_generated_stubs_are_fresh(tmp_path, repo_root, stem):

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from services.common.auth import TOKEN_FILE_ENV, read_token_file, write_token_file
-from services.common.ports import free_port
-from services.common.tiny_model import build_model_dir
+from services.common.process.ports import free_port
+from recipes.tiny_model import build_model_dir
 from services.local_stack import ServiceProcess, service_env
 
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from contract.environment import EndReason, EpisodeLimits
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.tasks import build_task
 from services.coordinator.tasks.episodic import episode_metrics

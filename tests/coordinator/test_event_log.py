@@ -9,7 +9,7 @@ import logging
 import pytest
 from prometheus_client import generate_latest
 
-from services.common.structured_logging import JsonFormatter
+from services.common.process.structured_logging import JsonFormatter
 from services.coordinator.embedded_redis import EmbeddedRedis
 from services.coordinator.event_log import EventLog, PhaseTimer
 from services.coordinator.exporter import CoordinatorExporter

@@ -19,7 +19,7 @@ from pydantic import BaseModel
 
 from contract.command_line import command_line_fields
 from contract.engine_options import SGLangEngineConfig
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 
 # Every /v1 call carries the coordinator's bearer token (set by the fixture below).
 http = httpx.Client()

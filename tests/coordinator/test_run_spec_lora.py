@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.coordinator.run_spec import RunSpec
 
 

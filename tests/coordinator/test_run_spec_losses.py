@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.coordinator.run_spec import RunSpec, RunSpecError, parse_run_spec
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.coordinator.embedded_redis import EmbeddedRedis
 from services.coordinator.exporter import CoordinatorExporter
 from services.coordinator.run_spec import RunSpec

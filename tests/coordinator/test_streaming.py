@@ -120,7 +120,7 @@ def test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weig
     from proto import lockstep_pb2_grpc as pb_grpc
     from services.common.auth import BearerToken, generate_token
     from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
-    from services.common.tiny_model import build_model_dir
+    from recipes.tiny_model import build_model_dir
     from services.coordinator.clients import RolloutClient
     from services.coordinator.event_log import EventLog
     from services.coordinator.exporter import CoordinatorExporter

@@ -22,8 +22,8 @@ from contract.wire_tensors import array_from_proto
 from contract.wire_tensors import ids_to_proto as ids_to_proto_numpy
 from contract.wire_tensors import logprobs_to_proto as logprobs_to_proto_numpy
 from proto import lockstep_pb2 as pb
-from services.common.char_tokenizer import save_char_tokenizer
-from services.common.model_files import load_tokenizer
+from recipes.char_tokenizer import save_char_tokenizer
+from services.common.models.directory import load_tokenizer
 from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto, to_proto
 from services.rollout.registry import ENGINES
 from tests.conftest import REPO_ROOT
@@ -58,7 +58,7 @@ WITHOUT_TORCH = BLOCK_TORCH + textwrap.dedent('''
     import services.cli.__main__
     from contract.advantages import group_advantages
     from contract.wire_tensors import array_from_proto, ids_to_proto
-    from services.common.model_files import load_tokenizer
+    from services.common.models.directory import load_tokenizer
     from services.coordinator.run_spec import RunSpecError, parse_run_spec
 
     def spec(**over):
@@ -222,7 +222,7 @@ def test_the_contract_lists_every_rollout_engine():
 @pytest.mark.parametrize("module", ["contract.trainer_settings", "contract.trainer_run", "contract.engine_options",
                                     "contract.command_line",
                                     "contract.platforms", "contract.advantages", "contract.wire_tensors",
-                                    "services.common.model_files", "services.coordinator.run_spec"])
+                                    "services.common.models.directory", "services.coordinator.run_spec"])
 def test_each_module_imports_first(module):
     """Imported first in a fresh interpreter, a module in an import cycle finds its partner half-built."""
     proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + f"import {module}"], cwd=REPO_ROOT,

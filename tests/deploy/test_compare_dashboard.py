@@ -8,7 +8,7 @@ import importlib.util
 import json
 import re
 
-from services.common.run_compare import STEP_METRICS
+from services.common.records.run_compare import STEP_METRICS
 from services.common.metric_defs import step_metric_name
 from tests.conftest import REPO_ROOT
 from tests.deploy.promql_names import dashboard_exprs

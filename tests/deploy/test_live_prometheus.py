@@ -27,7 +27,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack, free_port
 from tests.conftest import REPO_ROOT, require
 from tests.deploy.promql_names import PROMETHEUS_SERIES, RULES_FILE, SGLANG_METRICS, all_refs, rules_exprs

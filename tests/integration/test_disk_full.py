@@ -20,8 +20,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.client import ApiError, CoordinatorClient
-from services.common.ports import free_port
-from services.common.tiny_model import build_model_dir
+from services.common.process.ports import free_port
+from recipes.tiny_model import build_model_dir
 from services.coordinator.embedded_redis import EmbeddedRedis
 from services.local_stack import LocalStack
 from services.trainer.checkpoint import read_state

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.step_record import read_step_record
+from services.common.records.step_record import read_step_record
 
 pytestmark = pytest.mark.slow
 PROMPTS, SAMPLES, STEPS = 8, 4, 2

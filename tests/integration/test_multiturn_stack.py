@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from services.cli.client import ApiError
-from services.common.step_record import read_step_record
-from services.common.tiny_model import TinyQwen3Config, build_model_dir
+from services.common.records.step_record import read_step_record
+from recipes.tiny_model import TinyQwen3Config, build_model_dir
 
 
 @pytest.fixture(scope="module")

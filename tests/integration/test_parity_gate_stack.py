@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from services.common.auth import TOKEN_FILE_ENV
-from services.common.fingerprint import CPUINFO_FILE, parse_cpu_model
-from services.common.run_bundle import DOCUMENTS
-from services.common.tiny_model import TinyQwen3Config, build_model_dir
+from services.common.records.fingerprint import CPUINFO_FILE, parse_cpu_model
+from services.common.records.run_bundle import DOCUMENTS
+from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.local_stack import LocalStack
 from tests.support.boundary_blind_attention import NAME as BLIND
 

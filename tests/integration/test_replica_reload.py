@@ -12,9 +12,9 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc_options import sync_channel
-from services.common.model_files import load_tokenizer
-from services.common.tiny_model import build_model_dir
+from services.common.grpc.options import sync_channel
+from services.common.models.directory import load_tokenizer
+from recipes.tiny_model import build_model_dir
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.embedded_redis import EmbeddedRedis
 from services.coordinator.exporter import CoordinatorExporter

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from services.cli.client import CoordinatorClient
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.client import ApiError
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, BearerToken, generate_token
-from services.common.ports import free_port
-from services.common.rendezvous_store import RendezvousClient
+from services.common.process.ports import free_port
+from services.common.rendezvous.store import RendezvousClient
 from services.trainer.rank_rendezvous import GROUP, LIVENESS_KEY
 from tests.support.trainer_steps import assert_like_one_rank, grpc_metrics, one_rank_metrics, step_chunks
 from tests.trainer.trainer_support import build_tiny_model_dir

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from safetensors.torch import load_file
 
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow

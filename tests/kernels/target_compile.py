@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.parent_death import with_parent_death
+from services.common.process.parent_death import with_parent_death
 
 TEST_FILE = "tests/kernels/test_logprob_check_targets.py"
 

@@ -9,7 +9,7 @@ import torch
 from kernels.attention import REGISTRY, register_hf_attention
 from kernels.attention.hf import packed_forward_kwargs
 from kernels.batch_invariant.hf import BatchInvariantUnsupported, is_patched, make_batch_invariant
-from services.common.tiny_model import TinyQwen3Config, build_tiny_qwen3
+from recipes.tiny_model import TinyQwen3Config, build_tiny_qwen3
 
 DTYPES = [torch.float32, torch.bfloat16]
 SMALL = TinyQwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -122,8 +122,8 @@ def test_an_unknown_module_class_is_refused_naming_path_and_class():
 def _model_with(**config_updates):
     from transformers import Qwen3ForCausalLM
 
-    from services.common.char_tokenizer import CharVocab
-    from services.common.tiny_model import qwen3_config
+    from recipes.char_tokenizer import CharVocab
+    from recipes.tiny_model import qwen3_config
 
     cfg = qwen3_config(SMALL, CharVocab().size)
     for k, v in config_updates.items():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from recipes.tiny_arith import MODEL, TASK_OPTIONS
-from services.common.char_tokenizer import (
+from recipes.char_tokenizer import (
     BOS_ID,
     CHARACTERS,
     EOS_ID,
@@ -23,7 +23,7 @@ from services.common.char_tokenizer import (
     build_char_tokenizer,
     save_char_tokenizer,
 )
-from services.common.tiny_model import TinyQwen3Config, build_model_dir, build_tiny_qwen3
+from recipes.tiny_model import TinyQwen3Config, build_model_dir, build_tiny_qwen3
 from services.coordinator.tasks import build_task
 from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, parse_answer
 

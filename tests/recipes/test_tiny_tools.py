@@ -11,7 +11,7 @@ import yaml
 from contract.calculator_env import evaluate
 from recipes.tiny_tools import TASK_OPTIONS, WARM_START
 from recipes.tiny_tools.episodes import IGNORE, scripted_batches, scripted_episode
-from services.common.char_tokenizer import EOS_ID, build_char_tokenizer
+from recipes.char_tokenizer import EOS_ID, build_char_tokenizer
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.tasks.episodic import CalculatorConfig, CalculatorTask
 
@@ -31,7 +31,7 @@ def test_recipe_uses_the_task_the_warm_start_trained_on(tmp_path):
     # A turn must fit the longest intended one: `<calc>a*b</calc>` and eos.
     call = len(f"<calc>{'9' * TASK_OPTIONS['digits']}*{'9' * TASK_OPTIONS['digits']}</calc>") + 1
     assert recipe["rollout"]["sampling"]["max_new_tokens"] >= call
-    from services.common.tiny_model import build_model_dir
+    from recipes.tiny_model import build_model_dir
     from recipes.tiny_tools import MODEL
 
     # The spec is valid as written once model_path names a model of the demo's shape.

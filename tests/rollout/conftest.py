@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from contract.engine_options import SGLangEngineConfig
-from services.common.tiny_model import TinyQwen3Config, build_model_dir
+from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.rollout.sglang_config import SGLangHostConfig, default_python
 from tests.conftest import require
 from tests.rollout.decoder_support import TINY

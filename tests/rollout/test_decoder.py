@@ -1,6 +1,6 @@
 """The embedded decoder on CPU: agreement with HF's own cached generation, batch independence, true on-policy.
 
-A tiny stock Qwen3 (services/common/tiny_model.py) with a large init std, so
+A tiny stock Qwen3 (recipes/tiny_model.py) with a large init std, so
 distributions are far from uniform and a position or cache bug moves
 log-probs by far more than the tolerances here.
 """

@@ -16,7 +16,7 @@ import torch
 
 from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
 from kernels.attention import REGISTRY
-from services.common.tiny_model import TinyQwen3Config, build_model_dir
+from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.rollout.engine import SamplingConfig
 from services.rollout.episodes import ChatTemplateCodec, EpisodeSpec, PlainCodec, SampledTurn, run_episodes
 from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
@@ -171,7 +171,7 @@ def test_the_episode_token_budget_cuts_the_turn_that_reaches_it():
 
 
 def test_a_chat_template_wraps_observations_and_leaves_model_tokens_alone():
-    from services.common.char_tokenizer import build_char_tokenizer
+    from recipes.char_tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
     tok.chat_template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}<|eos|>{% endfor %}"

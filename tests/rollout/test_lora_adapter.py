@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.weight_stream import LoraAdapterMeta, WeightStreamAssembler, WeightStreamError, iter_weight_chunks
+from services.common.weights.stream import LoraAdapterMeta, WeightStreamAssembler, WeightStreamError, iter_weight_chunks
 from services.rollout.lora_adapter import write_peft_adapter
 from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
 

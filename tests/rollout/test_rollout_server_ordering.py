@@ -15,7 +15,7 @@ from proto import lockstep_pb2 as pb
 from services.common.auth import BearerToken, generate_token
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.tensors import ids_to_proto
-from services.common.weight_stream import iter_weight_chunks
+from services.common.weights.stream import iter_weight_chunks
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import Engine, GeneratedSample, GenerationRequest
 from services.rollout.server import RolloutServicer

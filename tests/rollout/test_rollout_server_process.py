@@ -29,10 +29,10 @@ from kernels.logprob import token_logprobs
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import TOKEN_ENV, BearerToken, generate_token
-from services.common.grpc_options import sync_channel
-from services.common.models import load_causal_lm
+from services.common.grpc.options import sync_channel
+from services.common.models.loading import load_causal_lm
 from services.common.tensors import from_proto, ids_to_proto
-from services.common.weight_stream import iter_weight_chunks
+from services.common.weights.stream import iter_weight_chunks
 from tests.support.rounding_bounds import response_logprob_bounds
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.weight_broadcast import (
+from services.common.weights.broadcast_protocol import (
     GroupNotFormed,
     WeightUpdateGroup,
     bucket_specs,
@@ -30,7 +30,7 @@ from services.common.weight_broadcast import (
     plan_proto,
     tensor_spec,
 )
-from services.common.weight_files import write_weight_dir
+from services.common.weights.files import write_weight_dir
 from services.rollout.sglang_client import (
     init_weights_update_group_body,
     update_weights_from_distributed_body,

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kernels.logprob import token_logprobs
-from services.common.models import load_causal_lm
+from services.common.models.loading import load_causal_lm
 from services.rollout.engine import EngineUnavailable, GenerationRequest, PromptSpec, SamplingConfig
 from services.rollout.sglang_weights import load_checkpoint_tensors
 
@@ -166,7 +166,7 @@ def test_a_new_run_with_the_same_options_and_layout_reuses_the_running_server(en
     """reload(): another model directory that differs only in its weights is served by the same server
     process (no start), at the version given, and generation follows its weights; other options or
     another layout (here a generation_config of its own) leave everything as it was."""
-    from services.common.tiny_model import TinyQwen3Config, build_model_dir
+    from recipes.tiny_model import TinyQwen3Config, build_model_dir
 
     pid, v, served = engine.server_pid, engine.policy_version, engine.weights_path
     options = engine.config.model_dump_json()

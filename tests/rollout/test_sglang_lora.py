@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from contract.engine_options import SGLangEngineConfig
-from services.common.weight_stream import LoraAdapterMeta
+from services.common.weights.stream import LoraAdapterMeta
 from services.rollout.engine import GenerationRequest, PromptSpec, SamplingConfig
 from services.rollout.sglang_client import generate_body, load_lora_adapter_body, update_weight_version_body
 from services.rollout.sglang_config import default_python

@@ -305,7 +305,7 @@ def test_checkpoint_verify_and_write(tmp_path):
 def test_a_fixed_port_is_given_up_by_the_previous_engine(tmp_path):
     """The rollout service loads a run's engine before closing the previous one; with a fixed
     port (compose) the previous engine must release it or the new server could never bind."""
-    from services.common.tiny_model import build_model_dir
+    from recipes.tiny_model import build_model_dir
     from services.rollout.engine import EngineUnavailable
     from services.rollout.sglang_engine import _PORT_HOLDERS, SGLangEngine
 

@@ -28,9 +28,9 @@ from contract.engine_options import SGLangEngineConfig
 from contract.platforms import SGLangPlatformConfig
 from proto import lockstep_pb2 as pb
 from services.cli.client import ApiError
-from services.common.grpc_options import sync_channel
+from services.common.grpc.options import sync_channel
 from services.common.platform import Platform, sglang_launch_plan
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 from services.rollout.sglang_server import engine_run_options, server_command
 from services.rollout.registry import ENGINES

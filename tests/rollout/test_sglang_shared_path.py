@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.weight_files import read_weight_dir, write_weight_dir
+from services.common.weights.files import read_weight_dir, write_weight_dir
 from services.rollout.sglang_weights import load_checkpoint_tensors
 from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.weight_files import FiniteTensors, read_weight_dir, write_weight_dir
+from services.common.weights.files import FiniteTensors, read_weight_dir, write_weight_dir
 from services.rollout import torch_engine
 from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
 from tests.rollout.test_torch_engine import build_tiny_qwen3, perturbed, snapshot

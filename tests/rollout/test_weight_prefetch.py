@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.common.weight_files import WeightFiles
+from services.common.weights.files import WeightFiles
 from services.rollout.staging_arena import StagingArena
 from services.rollout.weight_prefetch import DirectoryKey, WeightPrefetch
 

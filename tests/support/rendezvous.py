@@ -18,11 +18,11 @@ import psutil
 from proto import rendezvous_pb2 as rpb
 from proto import rendezvous_pb2_grpc as rpb_grpc
 from services.common.auth import BearerToken, generate_token
-from services.common.ports import free_port
-from services.common.rendezvous import KeyTable, RendezvousError, RendezvousLimits
-from services.common.rendezvous_service import RendezvousServer
-from services.common.rendezvous_store import LocalStore, RendezvousClient
-from services.common.weight_broadcast import abandoned_key, formed_key, joined_key
+from services.common.process.ports import free_port
+from services.common.rendezvous.key_table import KeyTable, RendezvousError, RendezvousLimits
+from services.common.rendezvous.service import RendezvousServer
+from services.common.rendezvous.store import LocalStore, RendezvousClient
+from services.common.weights.broadcast_protocol import abandoned_key, formed_key, joined_key
 
 
 class HostedRendezvous:

@@ -16,7 +16,7 @@ import torch
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken
-from services.common.grpc_options import sync_channel
+from services.common.grpc.options import sync_channel
 from services.common.tensors import ids_to_proto, logprobs_to_proto
 from services.trainer.grpo import group_advantages
 from services.trainer.wire import StepRequest, decode_trajectory

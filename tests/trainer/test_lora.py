@@ -8,7 +8,7 @@ import torch
 from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
-from services.common.models import load_causal_lm
+from services.common.models.loading import load_causal_lm
 from services.trainer.batching import TrainSample
 from contract.trainer_run import TrainerRunConfig
 from services.trainer.grpo import group_advantages

@@ -20,7 +20,7 @@ import torch
 from kernels.attention import REGISTRY
 from proto import lockstep_pb2 as pb
 from services.common.tensors import to_proto
-from services.common.tiny_model import build_model_dir
+from recipes.tiny_model import build_model_dir
 from services.trainer.batching import TrainSample, collate_padded
 from services.trainer.packing import PackSample, pack_samples
 from services.trainer.policy_loss import StepShape, microbatch_loss, step_shape

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, BearerToken, generate_token
-from services.common.ports import free_port
+from services.common.process.ports import free_port
 from services.trainer.rank_rendezvous import (LivenessHub, LivenessLink, RendezvousRefused, join_store,
                                               liveness_proof, serve_store)
 from services.trainer.rank_rendezvous import _hang_up as hang_up

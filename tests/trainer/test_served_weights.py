@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.weight_stream import LoraAdapterMeta, WeightStreamAssembler, iter_weight_chunks
+from services.common.weights.stream import LoraAdapterMeta, WeightStreamAssembler, iter_weight_chunks
 from services.trainer.served_weights import VersionRetired, WeightVersion
 from tests.support.digest_reference import Sha256Counter
 

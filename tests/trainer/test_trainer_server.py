@@ -22,11 +22,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import TOKEN_ENV, BearerToken, generate_token
-from services.common.grpc_options import sync_channel
+from services.common.grpc.options import sync_channel
 from services.common.metric_defs import STEP_METRIC_HELP
-from services.common.models import load_causal_lm
+from services.common.models.loading import load_causal_lm
 from services.common.tensors import ids_to_proto, logprobs_to_proto
-from services.common.weight_stream import WeightStreamAssembler
+from services.common.weights.stream import WeightStreamAssembler
 from services.trainer.grpo import group_advantages
 from tests.support.rounding_bounds import response_logprob_bounds
 

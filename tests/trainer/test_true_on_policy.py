@@ -15,7 +15,7 @@ import torch
 from kernels.attention import REGISTRY, register_hf_attention
 from kernels.attention.hf import packed_forward_kwargs
 from kernels.batch_invariant.hf import make_batch_invariant
-from services.common.tiny_model import TinyQwen3Config, build_model_dir
+from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.trainer.batching import TrainSample
 from services.trainer.policy import score_hidden, score_hidden_batch_invariant
 from services.trainer.trainer import Trainer
@@ -165,8 +165,8 @@ def test_the_batch_invariant_head_is_chunking_invariant_with_gradients_like_the_
 
 
 def test_a_model_true_on_policy_cannot_run_is_refused_at_configure(tmp_path, restore_torch_globals):
-    from services.common.char_tokenizer import CharVocab
-    from services.common.tiny_model import build_tiny_qwen3, save_model_dir
+    from recipes.char_tokenizer import CharVocab
+    from recipes.tiny_model import build_tiny_qwen3, save_model_dir
     from services.trainer.wire import InvalidRequest
 
     model = build_tiny_qwen3(SMALL, seed=0)

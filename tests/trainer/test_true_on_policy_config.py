@@ -54,7 +54,7 @@ def test_attention_policy_is_forced_in_true_on_policy_only():
 
 
 def test_coordinator_run_spec_refuses_the_same_way(tmp_path):
-    from services.common.tiny_model import build_model_dir
+    from recipes.tiny_model import build_model_dir
     from services.coordinator.run_spec import RunSpec
 
     # The run's numerics sets the trainer's; the trainer's own refusals then surface at submit.

@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_true_on_policy import check_bitwise_at_every_packing, restore_attention_policy  # noqa: F401 (autouse)
 
-from services.common.tiny_model import TinyQwen3Config, build_model_dir
+from recipes.tiny_model import TinyQwen3Config, build_model_dir
 
 pytestmark = [
     pytest.mark.gpu,

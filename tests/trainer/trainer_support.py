@@ -75,7 +75,7 @@ def current_policy(trainer, model_dir: Path, *, device: str = "cpu") -> torch.nn
     are gathered by every rank), where calling rank 0's sharded module alone would wait for the others."""
     from transformers import AutoModelForCausalLM
 
-    from services.common.models import resolve_dtype
+    from services.common.models.loading import resolve_dtype
 
     dtype = resolve_dtype(trainer.run.config.dtype)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()

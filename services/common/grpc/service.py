@@ -25,10 +25,10 @@ import grpc
 from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.auth import BearerToken, BearerTokenInterceptor
-from services.common.grpc_decode import RefuseUndecodable
-from services.common.grpc_options import grpc_options
-from services.common.health_service import add_health_service
-from services.common.structured_logging import log_event
+from services.common.grpc.decode import RefuseUndecodable
+from services.common.grpc.options import grpc_options
+from services.common.grpc.health import add_health_service
+from services.common.process.structured_logging import log_event
 
 UNKNOWN_VERSION = "0+unknown"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from services.common.model_files import check_model_dir
-from services.common.model_weights import check_weight_files, diagnose
+from services.common.models.directory import check_model_dir
+from services.common.models.weight_files import check_weight_files, diagnose
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,10 +1,10 @@
 """The weight-broadcast rendezvous: the keys the ranks of a weight-update group meet at.
 
-The ranks of one sync (services/common/weight_broadcast.py) exchange what their collective needs through
+The ranks of one sync (services/common/weights/broadcast_protocol.py) exchange what their collective needs through
 a torch.distributed store: the join barrier's keys, then gloo's addresses or NCCL's unique id -- the
 secrets a process needs to join the communicator. The trainer holds those keys in a `KeyTable` and serves
-it (services/common/rendezvous_service.py) on its weight_broadcast_address only, to callers that present
-the deployment's token; its own rank reads the table in process (`LocalStore`, services/common/rendezvous_store.py).
+it (services/common/rendezvous/service.py) on its weight_broadcast_address only, to callers that present
+the deployment's token; its own rank reads the table in process (`LocalStore`, services/common/rendezvous/store.py).
 
 A key belongs to one open group: it starts with the group's name and '/'. The trainer opens a group when
 it plans a sync and closes it when the sync ends; closing deletes the group's keys and leaves a tombstone

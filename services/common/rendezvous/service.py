@@ -1,6 +1,6 @@
 """The rendezvous over the network: the trainer's gRPC server of its KeyTable.
 
-`RendezvousServer` serves a KeyTable (services/common/rendezvous.py) as the gRPC service of
+`RendezvousServer` serves a KeyTable (services/common/rendezvous/key_table.py) as the gRPC service of
 proto/rendezvous.proto, bound to the configured host:port only (no SO_REUSEPORT, so a port in use fails
 the start), behind the deployment's bearer token: a call without it is answered UNAUTHENTICATED before
 its message is read. Messages are limited to what two values of max_value_bytes need, so nothing larger
@@ -9,7 +9,7 @@ FAILED_PRECONDITION for a key of no open group (a closed one's reason in the tra
 answers such a key is not set); NOT_FOUND for a Get of a key that is not set; INVALID_ARGUMENT for a
 malformed request.
 
-Its client, a torch.distributed.Store, is services/common/rendezvous_store.py's RendezvousClient.
+Its client, a torch.distributed.Store, is services/common/rendezvous/store.py's RendezvousClient.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import grpc
 from proto import rendezvous_pb2 as rpb
 from proto import rendezvous_pb2_grpc as rpb_grpc
 from services.common.auth import BearerToken, SyncBearerTokenInterceptor
-from services.common.grpc_options import grpc_options
-from services.common.rendezvous import MAX_KEY_BYTES, GroupClosed, KeyRefused, KeyTable, RendezvousError, StoreFull
+from services.common.grpc.options import grpc_options
+from services.common.rendezvous.key_table import MAX_KEY_BYTES, GroupClosed, KeyRefused, KeyTable, RendezvousError, StoreFull
 
 # One Wait call waits at most this long; a client waiting longer asks again. Keeps every handler short,
 # so a few waiting ranks never hold all of the server's threads for long.

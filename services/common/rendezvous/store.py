@@ -1,8 +1,8 @@
 """The rendezvous as torch.distributed stores: what a process group is handed.
 
-`LocalStore` is the trainer's own rank's view of its KeyTable (services/common/rendezvous.py), no network
+`LocalStore` is the trainer's own rank's view of its KeyTable (services/common/rendezvous/key_table.py), no network
 in between. `RendezvousClient` is a replica's: every operation one call of the trainer's Rendezvous
-service (services/common/rendezvous_service.py) carrying the deployment's token; a refusal raises
+service (services/common/rendezvous/service.py) carrying the deployment's token; a refusal raises
 RendezvousError, GroupClosed when the trainer closed the group (with its reason), Unauthenticated when
 the token is not the deployment's. Both wait for keys as
 torch stores do (get waits for its key; wait raises DistStoreError at the timeout); a client's waits are
@@ -24,10 +24,10 @@ import torch.distributed as dist
 from proto import rendezvous_pb2 as rpb
 from proto import rendezvous_pb2_grpc as rpb_grpc
 from services.common.auth import BearerToken
-from services.common.grpc_options import sync_channel
-from services.common.rendezvous import (GroupClosed, KeyRefused, KeyTable, RendezvousError, StoreFull,
+from services.common.grpc.options import sync_channel
+from services.common.rendezvous.key_table import (GroupClosed, KeyRefused, KeyTable, RendezvousError, StoreFull,
                                         Unauthenticated, group_of)
-from services.common.rendezvous_service import CALL_TIMEOUT_S, CLOSED_REASON_KEY, WAIT_SLICE_S
+from services.common.rendezvous.service import CALL_TIMEOUT_S, CLOSED_REASON_KEY, WAIT_SLICE_S
 
 
 def as_bytes(value: str | bytes) -> bytes:

@@ -6,7 +6,7 @@ of consecutive tensors of one dtype, at most `bucket_bytes` together (a larger t
 own). A bucket travels as one flat uint8 buffer, its tensors' bytes back to back -- SGLang's
 "flattened_bucket" layout (sglang/srt/weight_sync/tensor_bucket.py), so an SGLang server can be a rank.
 Names, dtypes and shapes travel beside it (pb.BroadcastPlan). hash_buffer adds each packed tensor to the
-weights digest (services.common.weight_digest), so a broadcast's digest is the GetWeights stream's total_sha256.
+weights digest (services.common.weights.digest), so a broadcast's digest is the GetWeights stream's total_sha256.
 
 The group is built the way SGLang builds its weight-update group (sglang/srt/utils/common.py
 init_custom_process_group, over torch's _new_process_group_helper): a store at the rendezvous, its
@@ -14,7 +14,7 @@ keys under `<group_name>`, then `<group_name>/`, then `<device>/`, and a Process
 ProcessGroupNCCL (CUDA; RCCL on ROCm) on it. Built from those public classes rather than through
 torch.distributed's group registry, so it needs no default process group and leaves any other group of
 the process (the trainer's data-parallel one) alone. The store is the trainer's authenticated
-rendezvous (services/common/rendezvous.py): the trainer's rank reads it in process, a replica's rank
+rendezvous (services/common/rendezvous/key_table.py): the trainer's rank reads it in process, a replica's rank
 through a RendezvousClient, an SGLang server's ranks through the rollout service's TcpStoreBridge.
 
 The group's constructor blocks until every rank joins or the timeout passes, and nothing can stop it
@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from proto import lockstep_pb2 as pb
-from services.common.rendezvous import GroupClosed
+from services.common.rendezvous.key_table import GroupClosed
 from services.common.tensors import dtype_from_name, dtype_name
-from services.common.weight_digest import BlockDigests
+from services.common.weights.digest import BlockDigests
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024

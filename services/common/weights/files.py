@@ -4,7 +4,7 @@ on a host that sees the same path reads it back.
 The directory is a complete model directory: the run's model's other files (config, tokenizer) copied
 beside `model.safetensors`, so an engine that loads model directories itself (SGLang's
 /update_weights_from_disk) loads it in place. The weight file's metadata records the policy version and the
-order the tensors stream in; the data lies in that order. Its digest is services.common.weight_digest's over
+order the tensors stream in; the data lies in that order. Its digest is services.common.weights.digest's over
 the tensors in that order: exactly the total_sha256 of the GetWeights stream of the same weights (both are
 defined over each tensor's bytes in fixed blocks, however the stream is chunked), so a replica reports one
 digest per version whichever source it read.
@@ -15,7 +15,7 @@ Each side moves every byte once and hashes it while it moves, on a pool of one t
   digest is over the bytes written;
 - the reader's pool threads each read one block with pread into the tensor it returns, then hash it and
   check it finite (floating dtypes, by their exponent bits): the bytes returned are exactly the bytes hashed
-  and checked. The header is parsed and checked in full first (services.common.safetensors_layout); a file
+  and checked. The header is parsed and checked in full first (services.common.weights.safetensors_layout); a file
   whose layout, version or digest disagrees applies nothing. Whether the values are finite is told to the
   engine by the type returned (FiniteTensors), which then does not check them again; it refuses them otherwise.
 """
@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.common.finite_check import bytes_all_finite, checks_bytes
-from services.common.safetensors_layout import (
+from services.common.weights.finite_check import bytes_all_finite, checks_bytes
+from services.common.weights.safetensors_layout import (
     HEADER_LENGTH_BYTES,
     SafetensorsLayoutError,
     TensorSpan,
@@ -42,7 +42,7 @@ from services.common.safetensors_layout import (
     header_length,
     parse_header,
 )
-from services.common.weight_digest import (
+from services.common.weights.digest import (
     DIGEST_BLOCK_BYTES,
     block_pool_threads,
     block_sha256,

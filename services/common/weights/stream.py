@@ -2,12 +2,12 @@
 
 A sender cuts every tensor into chunks of at most `chunk_bytes`; each chunk
 carries the sha256 of its bytes, and the last chunk carries the stream's digest
-(services.common.weight_digest: sha256 over the digests of every tensor's
+(services.common.weights.digest: sha256 over the digests of every tensor's
 4 MiB blocks) plus the chunk count. At the default chunk size a chunk is one
 digest block, so each byte is hashed once per side. The receiver verifies each
 chunk as it arrives and the whole at the end, and only then hands out tensors;
 a stream that fails any check yields nothing to apply. On the wire a chunk's
-payload is written and read in place (services.common.chunk_frames).
+payload is written and read in place (services.common.weights.chunk_frames).
 
 A LoRA adapter stream carries the adapter's rank, alpha and target modules on
 every chunk (`WeightChunk.lora`); the assembler refuses a stream whose chunks
@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.chunk_frames import ChunkFrameError, split_chunk
-from services.common.finite_check import bytes_all_finite, checks_bytes
+from services.common.weights.chunk_frames import ChunkFrameError, split_chunk
+from services.common.weights.finite_check import bytes_all_finite, checks_bytes
 from services.common.tensors import dtype_from_name, dtype_name
-from services.common.weight_digest import DIGEST_BLOCK_BYTES, BlockDigests, tensor_byte_view
+from services.common.weights.digest import DIGEST_BLOCK_BYTES, BlockDigests, tensor_byte_view
 
 # One chunk per digest block: a chunk's digest is then its block's, and no byte is hashed twice.
 DEFAULT_CHUNK_BYTES = DIGEST_BLOCK_BYTES
@@ -198,7 +198,7 @@ class WeightStreamAssembler:
     Each chunk is hashed and copied into its tensor's buffer on a pool of `workers` threads (hashlib and
     numpy's copy release the GIL) while the chunks that follow are received; at most 2 x `workers` chunks
     wait for it. Outcomes are taken in arrival order: each verified digest is also its digest block's
-    (services.common.weight_digest), from which the whole stream's digest is derived. With `check_finite`
+    (services.common.weights.digest), from which the whole stream's digest is derived. With `check_finite`
     every floating tensor, once stored, is checked for NaN and infinities on the pool too, in pieces;
     `finite_checked` then tells the engine it need not check again. A mismatch found on the pool is
     raised by the next add() (the last chunk's add() waits for everything). `allocate(nbytes)` gives each

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.common.char_tokenizer import EOS_TOKEN
+from recipes.char_tokenizer import EOS_TOKEN
 from services.coordinator.tasks.base import Problem, Task
 
 
