@@ -7,7 +7,7 @@ Synthetic and short (no scheduler, no sampling): a random-init Qwen3 shape in bf
 random values, `--rows` live rows (padded to the CUDA-graph bucket as the decoder pads them) whose context
 lengths are drawn uniformly from [1, 2 x --context - 1] (the longtail bench's steps of >= 128 rows had 185
 rows of 685 mean context). For each forward path of the decoder (`hf`: the stock Hugging Face forward on the
-batch-invariant ops; `fused`: services.rollout.fused_step) it reports
+batch-invariant ops; `fused`: services.rollout.embedded.fused_step) it reports
 
 - the captured step's replay time (the decoder's graph: forward and lm_head), median of CUDA-event timings;
 - the kernels of one step from torch.profiler over graph replays: count, device time, grouped by kind;
@@ -58,8 +58,8 @@ def kind_of(name: str) -> str:
 def build(shape: str, rows: int, context: int, seed: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from services.rollout.decoder import Decoder, DecoderOptions, _bucket
-    from services.rollout.kv_cache import PAGE_TOKENS, PagedKVPool
+    from services.rollout.embedded.decoder import Decoder, DecoderOptions, _bucket
+    from services.rollout.embedded.kv_cache import PAGE_TOKENS, PagedKVPool
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 2 * context, (rows,), generator=g, dtype=torch.int32)
@@ -288,7 +288,7 @@ def main() -> None:
     copy = hbm_copy_gb_per_s("cuda")
     with torch.no_grad():
         model, decoders, inputs, info, bucket = build(args.shape, args.rows, args.context, args.seed)
-        from services.rollout.decoder_attention import decoder_attention
+        from services.rollout.embedded.decoder_attention import decoder_attention
 
         with decoder_attention(model):
             result = {"benchmark": "decode_step_profile", "gpu": torch.cuda.get_device_name(),

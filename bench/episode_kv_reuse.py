@@ -24,8 +24,8 @@ from pathlib import Path
 def _request(groups: int, per_group: int, turns: int, max_new_tokens: int, prompt_chars: int):
     from contract.environment import EpisodeLimits, EpisodeProblem
     from services.rollout.engine import SamplingConfig
-    from services.rollout.episode_requests import EpisodeRequest
-    from services.rollout.episodes import EpisodeSpec
+    from services.rollout.episodes.requests import EpisodeRequest
+    from services.rollout.episodes.runner import EpisodeSpec
 
     specs = []
     for g in range(groups):
@@ -57,7 +57,7 @@ def main() -> None:
     import torch
 
     from recipes.tiny_model import TinyQwen3Config, build_model_dir
-    from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+    from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 
     torch.set_num_threads(args.threads)
     model_dir = build_model_dir(Path(tempfile.mkdtemp()) / "tiny", TinyQwen3Config(max_position_embeddings=1024),

@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.attention import REGISTRY, packed_causal_attention, packed_forward_kwargs, register_hf_attention  # noqa: E402
-from services.trainer.packing import plan_microbatches  # noqa: E402
+from services.trainer.data.packing import plan_microbatches  # noqa: E402
 
 HIDDEN, MLP, HQ, HKV, HEAD_DIM = 4096, 12288, 32, 8, 128
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.engine import SamplingConfig
 
 LONGTAIL_SHAPES = {

@@ -4,7 +4,7 @@ apply, against the file floor measured in the same run over the same bytes in th
 Floor: the same bytes written to one file with plain 4 MiB writes, and read back with readinto into a
 buffer allocated before the timer, both untouched ("fresh": the read pays the first-touch page faults a
 reader of new tensors pays) and already faulted by an earlier read ("warm"). The reader is timed reading
-into new tensors and into a kept staging arena (services.rollout.staging_arena, as SyncWeights receives),
+into new tensors and into a kept staging arena (services.rollout.weights.staging_arena, as SyncWeights receives),
 whose memory is faulted in after its first lease. Prints one JSON object.
 
     python -m bench.shared_path --shape qwen3-0.6b --reps 3 --tmp /dev/shm
@@ -80,8 +80,8 @@ def main() -> None:
     from bench.weight_sync import write_model
     from contract.engine_options import TorchEngineConfig
     from services.common.weights.files import read_weight_dir, write_weight_dir
-    from services.rollout.staging_arena import StagingArena
-    from services.rollout.torch_engine import TorchEngine
+    from services.rollout.weights.staging_arena import StagingArena
+    from services.rollout.embedded.torch_engine import TorchEngine
 
     layers = args.layers or SHAPES[args.shape]["num_hidden_layers"]
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:

@@ -79,8 +79,8 @@ def write_model(shape: str, directory: Path, seed: int) -> dict:
 
 
 def make_request(step: int, lengths: list[tuple[int, int]], seed: int):
-    from services.trainer.batching import TrainSample
-    from services.trainer.wire import StepRequest
+    from services.trainer.data.batching import TrainSample
+    from services.trainer.data.wire import StepRequest
 
     g = torch.Generator().manual_seed(seed * 1000 + step)
     samples = []
@@ -145,7 +145,7 @@ def profile_step(trainer, request, top: int = 30) -> dict:
 
 def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: float) -> dict:
     from services.trainer.trainer import Trainer
-    from services.trainer.worker_group import GroupSpec, GroupTrainer
+    from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
 
     cfg = SHAPES[shape]
     # Capped so that every trajectory fits one microbatch (a longer one would be refused).

@@ -407,7 +407,7 @@ def run_caller(args: argparse.Namespace) -> None:
 
 def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
     from services.common.weights.stream import WeightStreamAssembler
-    from services.rollout.staging_arena import StagingArena
+    from services.rollout.weights.staging_arena import StagingArena
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:

@@ -2,7 +2,7 @@
 
 The coordinator computes every trajectory's advantage before it ships the
 step to the trainer, so this lives in the contract both sides import; the
-trainer's GRPO math (services/trainer/grpo.py) imports it from here.
+trainer's GRPO math (services/trainer/loss/surrogate.py) imports it from here.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ them, so an environment never changes a model token.
 
 An environment is ordinary Python registered here by name (`register_environment`): a run spec picks
 one by that name, never a module or an executable. Environments are run by a host that can stop them
-(services/rollout/environment_host.py): an exception, a hang past `EpisodeLimits.step_timeout_s`, an
+(services/rollout/episodes/environment_host.py): an exception, a hang past `EpisodeLimits.step_timeout_s`, an
 observation over `max_observation_bytes`, one that is not UTF-8, or a malformed result ends that episode
 with one of the `EndReason`s below and is counted; the run goes on.
 
@@ -189,7 +189,7 @@ def register_environment(name: str, options_model: type[BaseModel],
 def _load_builtins() -> None:
     # Built-in environments register themselves on import; imported here so any process (the coordinator, a
     # rollout, an environment's worker process) that asks for one finds it.
-    from contract import calculator_env, guess_env  # noqa: F401
+    from services.environments import calculator, number_guess  # noqa: F401
 
 
 def known_environments() -> tuple[str, ...]:

@@ -97,7 +97,7 @@ class TrainerRunConfig(BaseModel):
         default_factory=PolicyLoss,
         description="Policy-gradient objective: 'ppo_clip' (token-level PPO-clip with clip_eps_low/high), 'gspo' "
         "(sequence-level ratio and clip) or 'm2po' (second-moment token masking, unclipped ratio). The ratio is "
-        "taken against the PPO old policy mismatch_correction chooses (services/trainer/policy_loss.py).",
+        "taken against the PPO old policy mismatch_correction chooses (services/trainer/loss/policy_loss.py).",
     )
     loss_agg: LossAggregation = Field(
         "token_mean",

@@ -3,7 +3,7 @@
 The coordinator validates a run spec with these models at submit time and the
 trainer validates ConfigureRun's JSON with the same ones, so both refuse a bad
 value with the same field name and message. The trainer modules that act on
-each setting (services/trainer/lr_schedule.py, mismatch_correction.py,
+each setting (services/trainer/loss/lr_schedule.py, mismatch_correction.py,
 parity_gate.py, policy_loss.py, lora.py; kernels/attention/registry.py for
 AttentionPolicy) import it from here.
 """

@@ -175,7 +175,7 @@ def unique_index_writes() -> Iterator[None]:
     """Deterministic algorithms off around a KV-pool write: every (page, slot) of a real token is unique
     (padded rows all write the scratch slot, whose contents nothing reads), so the plain index_put_ kernel is
     deterministic where it matters, and its sort-based deterministic variant would not capture in a CUDA
-    graph. The paged pool's own writes (services/rollout/kv_cache.py) use it too."""
+    graph. The paged pool's own writes (services/rollout/embedded/kv_cache.py) use it too."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     if enabled:

@@ -1,9 +1,9 @@
 """Calculator episodes in-process: the warm start's scripted episodes, and a greedy held-out check.
 
-Both follow the rollout's episode layout (services/rollout/episodes.py with the plain codec of a model
+Both follow the rollout's episode layout (services/rollout/episodes/runner.py with the plain codec of a model
 without a chat template): prompt tokens, then each model turn's tokens ending with eos, then the
 observation's tokens, encoded as plain text. The greedy check runs the real `calculator` environment
-(contract/calculator_env.py) in this process, and reports what the run's eval does not: how often the
+(services/environments/calculator.py) in this process, and reports what the run's eval does not: how often the
 policy calls the tool, and how often the call computes the problem's product.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contract.calculator_env import CalculatorEnvironment, CalculatorOptions, evaluate
+from services.environments.calculator import CalculatorEnvironment, CalculatorOptions, evaluate
 from contract.environment import EpisodeProblem
 from recipes.char_tokenizer import EOS_ID, PAD_ID
 from services.coordinator.tasks.base import Problem

@@ -1,5 +1,5 @@
 """`lockstep export`, `import`, `compare` and `replay-score`: runs moved between deployments as bundles,
-compared, and a recorded step re-scored on this machine (services/trainer/replay_score.py).
+compared, and a recorded step re-scored on this machine (services/trainer/tools/replay_score.py).
 
 A bundle (services.common.records.run_bundle) is written from GET /v1/runs/{id}/bundle and the run's recorded
 steps; `import` checks every file against the manifest here, then the coordinator checks the documents'
@@ -116,7 +116,7 @@ def run_exchange(args: argparse.Namespace, client_factory: Callable[[], Coordina
     if args.cmd == "replay-score":
         recorded_step(args.bundle, args.step)  # a refused bundle is refused before torch is loaded
         # Imported here: the other commands are a REST client and must not pay for torch.
-        from services.trainer.replay_score import ReplayScoreConfig, json_safe, replay_score
+        from services.trainer.tools.replay_score import ReplayScoreConfig, json_safe, replay_score
 
         result = replay_score(ReplayScoreConfig(
             bundle=str(args.bundle), step=args.step, checkpoint=args.checkpoint, model=args.model,

@@ -3,7 +3,7 @@
 Printed by `lockstep recipe show` and `--dry-run`, and pinned by snapshot
 tests. The SGLang command line and its environment come from the rollout's
 own code (services.common.platform.sglang_launch_plan,
-services.rollout.sglang_server.server_command / server_env), so what is
+services.rollout.sglang.server.server_command / server_env), so what is
 printed is what the rollout service would run; only values decided when it
 runs (its pid, a free port, the generated --api-key) are shown as
 placeholders.
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from contract.engine_options import SGLangEngineConfig
 from services.common.platform import Platform, sglang_launch_plan
-from services.rollout.sglang_server import BOOTSTRAP, engine_run_options, server_command, server_env
+from services.rollout.sglang.server import BOOTSTRAP, engine_run_options, server_command, server_env
 
 COMPOSE_FILES: dict[Platform, tuple[str, ...]] = {
     Platform.ROCM: ("deploy/docker-compose.yml",),

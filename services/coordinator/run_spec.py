@@ -213,7 +213,7 @@ class DebugSpec(_Strict):
         False,
         description="Write each step's TrainStep input (header + trajectories, as sent) to "
         "<run dir>/trajectories/step_NNNNNN.pb, before the trainer applies it; "
-        "`python -m services.trainer.replay` replays one into a fresh trainer.",
+        "`python -m services.trainer.tools.replay` replays one into a fresh trainer.",
     )
 
 

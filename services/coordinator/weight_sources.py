@@ -30,7 +30,7 @@ import grpc
 
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable, is_unavailable
-from services.coordinator.run_errors import RunFailed
+from services.coordinator.run.errors import RunFailed
 
 log = logging.getLogger("lockstep.coordinator.weights")
 

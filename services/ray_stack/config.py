@@ -43,7 +43,7 @@ class RayStackConfig(BaseModel):
         description="Ranks of the FSDP trainer, each a Ray actor in one bundle of the trainer's placement group "
         "(trainer_placement_strategy). Rank 0 ('trainer') serves gRPC on trainer_port and the ranks' store on "
         "trainer_rendezvous_port of its node; ranks 1..N-1 ('trainer-rank-<r>', `python -m "
-        "services.trainer.rank`) join there, from any node. Backend gloo on CPU, nccl with GPUs.",
+        "services.trainer.distributed.rank`) join there, from any node. Backend gloo on CPU, nccl with GPUs.",
     )
     trainer_gpus_per_rank: float = Field(
         0, ge=0,

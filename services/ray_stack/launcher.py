@@ -19,7 +19,7 @@ actor that dies (max_restarts) in the same bundle, hence on the same node with
 the same ports. What a restart loses the services already recover from: the
 coordinator evicts and re-admits rollout replicas and resumes a lost trainer
 from the run's last checkpoint. A trainer rank that dies takes every rank of
-its group down with it (services/trainer/worker_group.py); their supervisors
+its group down with it (services/trainer/distributed/worker_group.py); their supervisors
 restart them, they meet again at rank 0's store, and the coordinator resumes.
 """
 from __future__ import annotations
@@ -95,7 +95,7 @@ def plan_trainer(config: RayStackConfig) -> list[ServicePlan]:
     # The ranks import what rank 0's group names only when started allowing it: rank 0's own plugins.
     plugins = flag_value(config.trainer_args, "--attention-plugins")
     allowed = ("--attention-plugins", plugins) if plugins else ()
-    ranks = [ServicePlan(f"trainer-rank-{r}", "services.trainer.rank", ("--rank", str(r), *allowed), 0,
+    ranks = [ServicePlan(f"trainer-rank-{r}", "services.trainer.distributed.rank", ("--rank", str(r), *allowed), 0,
                          config.trainer_cpus, gpus, r, 0, env) for r in range(1, n)]
     return [rank0, *ranks]
 

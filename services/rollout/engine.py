@@ -1,7 +1,7 @@
 """The rollout engine interface. The gRPC servicer talks only to this.
 
-Engines: `torch` (embedded, services/rollout/torch_engine.py, the default that
-runs anywhere) and `sglang` (services/rollout/sglang_engine.py). A run selects
+Engines: `torch` (embedded, services/rollout/embedded/torch_engine.py, the default that
+runs anywhere) and `sglang` (services/rollout/sglang/engine.py). A run selects
 one by name in its spec; an unknown or unavailable engine is an error, never a
 fallback to another engine.
 """
@@ -16,8 +16,8 @@ import torch
 if TYPE_CHECKING:
     from services.common.weights.stream import LoraAdapterMeta
     from services.rollout.config import RolloutServiceConfig
-    from services.rollout.episode_requests import EpisodeRequest
-    from services.rollout.episodes import Episode, ObservationCodec, SampledTurn
+    from services.rollout.episodes.requests import EpisodeRequest
+    from services.rollout.episodes.runner import Episode, ObservationCodec, SampledTurn
 
 
 @dataclass(frozen=True)
@@ -205,7 +205,7 @@ class Engine(abc.ABC):
         """One model turn of each multi-turn episode: each context's continuation from its seed's stream, as
         one generate() call whose prompts are the contexts (token ids in, token ids out). `episode_ids` name
         the episodes (an engine that keeps an episode's K/V between turns reads them; this one does not)."""
-        from services.rollout.episodes import SampledTurn
+        from services.rollout.episodes.runner import SampledTurn
 
         prompts = tuple(PromptSpec(f"turn{i}", tuple(c), s) for i, (c, s) in enumerate(zip(contexts, seeds)))
         return [SampledTurn(g.token_ids, g.logprobs, g.finish_reason)
@@ -224,10 +224,10 @@ class Engine(abc.ABC):
         return None
 
     def run_episodes(self, request: "EpisodeRequest") -> list["Episode"]:
-        """Every episode of `request` (services/rollout/episodes.py), each turn sampled by `sample_turns`;
+        """Every episode of `request` (services/rollout/episodes/runner.py), each turn sampled by `sample_turns`;
         the model directory's tokenizer encodes observations (through its chat template when it has one)
         and decodes turns for the environment."""
-        from services.rollout.episodes import run_episodes
+        from services.rollout.episodes.runner import run_episodes
 
         if not self.supports_episodes:
             raise ValueError(f"episode: the {self.name} engine does not run multi-turn episodes")
@@ -246,7 +246,7 @@ class Engine(abc.ABC):
 
     def _episode_codec(self) -> "ObservationCodec":
         """The codec of the loaded model's tokenizer, read once per model directory."""
-        from services.rollout.episodes import episode_codec
+        from services.rollout.episodes.runner import episode_codec
 
         cached = getattr(self, "_codec_cache", None)
         if cached is None or cached[0] != self.model_path:
@@ -261,7 +261,7 @@ class Engine(abc.ABC):
 
     def broadcast_device(self) -> torch.device:
         """Where this engine's model lives, for a replica that receives broadcast weights in this process
-        (services/rollout/weight_broadcast.py) and applies them with update_weights. Engines whose model is
+        (services/rollout/weights/broadcast_receiver.py) and applies them with update_weights. Engines whose model is
         elsewhere refuse, naming why."""
         raise ValueError(f"rollout.weight_sync: the {self.name} engine cannot receive broadcast weights")
 

@@ -19,8 +19,8 @@ from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import Engine
 
 ENGINES: dict[str, str] = {
-    "torch": "services.rollout.torch_engine:TorchEngine",
-    "sglang": "services.rollout.sglang_engine:SGLangEngine",
+    "torch": "services.rollout.embedded.torch_engine:TorchEngine",
+    "sglang": "services.rollout.sglang.engine:SGLangEngine",
 }
 
 

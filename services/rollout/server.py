@@ -73,18 +73,18 @@ from services.common.weights.broadcast_protocol import bucket_specs
 from services.common.weights.files import WeightFiles, read_weight_dir
 from services.common.weights.stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.staging_arena import StagingArena
-from services.rollout.weight_prefetch import PREFETCH_READ_THREADS, Allocate, DirectoryKey, WeightPrefetch
-from services.rollout.convert import (
+from services.rollout.weights.staging_arena import StagingArena
+from services.rollout.weights.prefetch import PREFETCH_READ_THREADS, Allocate, DirectoryKey, WeightPrefetch
+from services.rollout.wire import (
     check_sample_order,
     generation_request_from_proto,
     samples_to_proto,
     split_engine_config,
 )
 from services.rollout.engine import DeviceUnavailable, Engine, EngineUnavailable
-from services.rollout.episode_requests import episode_request_from_proto, episodes_to_proto
+from services.rollout.episodes.requests import episode_request_from_proto, episodes_to_proto
 from services.rollout.registry import build_engine
-from services.rollout.weight_broadcast import (
+from services.rollout.weights.broadcast_receiver import (
     BroadcastReceiveFailed,
     checked_plan,
     receive_broadcast,

@@ -53,7 +53,7 @@ class TrainerServiceConfig(AuthSetting):
     rank_rendezvous_port: int = Field(
         0, ge=0, le=65535,
         description="With data_parallel > 1: 0 = this process starts ranks 1..N-1 on this host. A port = they "
-        "are started elsewhere, one process each with devices of its own (`python -m services.trainer.rank "
+        "are started elsewhere, one process each with devices of its own (`python -m services.trainer.distributed.rank "
         "--rank R --rendezvous <host>:<port>`; the Ray launcher places them across nodes), and meet at the "
         "rendezvous this process serves on host:port only (gRPC, the deployment's token on every call; a rank "
         "without it is refused). The collectives that follow are not authenticated: keep the port on the "

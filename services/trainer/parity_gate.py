@@ -34,7 +34,7 @@ from contract.trainer_settings import ParityThresholds
 def gate_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> dict[str, float]:
     """The step metrics' mismatch statistics (services/trainer/grpo.mismatch_stats: one definition for the
     gate and the per-step export), plus how many tokens were compared and how many differences are non-finite."""
-    from services.trainer.grpo import mismatch_stats
+    from services.trainer.loss.surrogate import mismatch_stats
 
     delta = logp.detach().double() - rollout_logp.detach().double()
     stats = mismatch_stats(logp, rollout_logp).as_dict()

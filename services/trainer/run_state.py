@@ -15,7 +15,7 @@ from contract.trainer_run import TrainerRunConfig
 from services.common.models.loading import resolve_dtype
 from services.common.weights.stream import LoraAdapterMeta
 from services.trainer import checkpoint as ckpt
-from services.trainer.policy import PolicyModule
+from services.trainer.model.policy import PolicyModule
 
 
 @dataclass

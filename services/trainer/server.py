@@ -63,18 +63,18 @@ from services.trainer.config import TrainerServiceConfig
 from services.trainer.disk_space import OutOfSpace, writing
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
-from services.trainer.served_weights import DEFAULT_CUT_WORKERS, VersionRetired, WeightVersion
+from services.trainer.weights.served_weights import DEFAULT_CUT_WORKERS, VersionRetired, WeightVersion
 from services.trainer.run_state import WeightSnapshot
 from services.trainer.trainer import StepFailed, StepOutcome, Trainer
-from services.trainer.weight_broadcast import BroadcastFailed, WeightBroadcaster
-from services.trainer.wire import (
+from services.trainer.weights.broadcast_sender import BroadcastFailed, WeightBroadcaster
+from services.trainer.data.wire import (
     FailedPrecondition,
     InvalidRequest,
     StepRequest,
     read_train_step,
     step_metrics_message,
 )
-from services.trainer.worker_group import GroupSpec, GroupTrainer
+from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
 
 log = logging.getLogger("lockstep.trainer")
 SERVICE = "trainer"

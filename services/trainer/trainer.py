@@ -23,19 +23,21 @@ from services.common.determinism import configure_determinism
 from services.common.records.fingerprint import probe_platform_details
 from services.common.metric_defs import STEP_METRIC_HELP
 from services.trainer import checkpoint as ckpt
-from services.trainer import lora, run_setup, sharding
-from services.trainer.batching import Microbatch, TrainSample, canonical_order
+from services.trainer import run_setup
+from services.trainer.distributed import sharding
+from services.trainer.model import lora
+from services.trainer.data.batching import Microbatch, TrainSample, canonical_order
 from contract.trainer_run import TrainerRunConfig
-from services.trainer.data_parallel import DataParallel
-from services.trainer.grpo import step_metrics
-from services.trainer.lr_schedule import lr_at, mean_token_staleness, staleness_factor
+from services.trainer.distributed.data_parallel import DataParallel
+from services.trainer.loss.surrogate import step_metrics
+from services.trainer.loss.lr_schedule import lr_at, mean_token_staleness, staleness_factor
 from services.trainer.parity_gate import ParityVerdict, check_parity
-from services.trainer.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
+from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
 from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.run_state import RunState, WeightSnapshot
-from services.trainer.step_digest import check_replay, trajectories_digest
-from services.trainer.update_guard import nonfinite_tokens, nonfinite_update
-from services.trainer.wire import FailedPrecondition, InvalidRequest, StepRequest
+from services.trainer.data.step_digest import check_replay, trajectories_digest
+from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_update
+from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepRequest
 
 log = logging.getLogger("lockstep.trainer")
 
@@ -82,7 +84,7 @@ class StepOutcome:
 
 class Trainer:
     """One run's model and optimizer. With `dp` this is one rank of a data-parallel group
-    (services/trainer/data_parallel.py): it trains its share of each step's microbatches."""
+    (services/trainer/distributed/data_parallel.py): it trains its share of each step's microbatches."""
 
     def __init__(self, *, device: str = "cpu", num_threads: int = 0, dp: DataParallel | None = None) -> None:
         self.device = device

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.common.weights.finite_check import all_finite, bytes_all_finite, checks_bytes
-from services.rollout.torch_engine import one_intra_op_thread
+from services.rollout.embedded.torch_engine import one_intra_op_thread
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 BITS = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}

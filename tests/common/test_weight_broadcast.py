@@ -23,7 +23,7 @@ from services.common.weights.broadcast_protocol import (
 )
 from services.common.weights.digest import BlockDigests
 from services.common.weights.stream import iter_weight_chunks
-from services.rollout.weight_broadcast import BroadcastReceiveFailed, checked_plan, receive_broadcast, staging_device
+from services.rollout.weights.broadcast_receiver import BroadcastReceiveFailed, checked_plan, receive_broadcast, staging_device
 from tests.support.rendezvous import HostedRendezvous
 
 
@@ -173,8 +173,8 @@ def test_a_group_that_never_forms_fails_within_the_timeout():
 def test_a_trainer_refuses_broadcasts_it_is_not_configured_or_asked_for_properly():
     import logging
 
-    from services.trainer.weight_broadcast import WeightBroadcaster
-    from services.trainer.wire import FailedPrecondition, InvalidRequest
+    from services.trainer.weights.broadcast_sender import WeightBroadcaster
+    from services.trainer.data.wire import FailedPrecondition, InvalidRequest
 
     log, token = logging.getLogger("test"), BearerToken(generate_token())
     # The refusals come before the trainer's weights are touched: no run is needed to see them.

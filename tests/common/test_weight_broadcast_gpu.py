@@ -25,7 +25,7 @@ from services.common.weights.broadcast_protocol import (
 )
 from services.common.weights.digest import BlockDigests
 from services.common.weights.stream import iter_weight_chunks
-from services.rollout.weight_broadcast import checked_plan, receive_broadcast, staging_device
+from services.rollout.weights.broadcast_receiver import checked_plan, receive_broadcast, staging_device
 from tests.support.rendezvous import HostedRendezvous
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs for NCCL")]

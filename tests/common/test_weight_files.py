@@ -277,7 +277,7 @@ def test_a_floating_dtype_the_byte_check_does_not_know_is_left_to_the_engine(tmp
 
 
 def test_tensors_are_read_into_the_memory_allocate_gives(tmp_path, base):
-    from services.rollout.staging_arena import StagingArena
+    from services.rollout.weights.staging_arena import StagingArena
 
     weights = _weights()
     written = write_weight_dir(tmp_path / "v1", weights, 1, base_dir=base)

@@ -8,7 +8,7 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import TrainerUnavailable
-from services.coordinator.run_errors import RunFailed
+from services.coordinator.run.errors import RunFailed
 from services.coordinator.weight_sources import ABORT_REASON_CHARS, BroadcastRound, abort_reason, judge_round
 
 PLAN = pb.BroadcastPlan(policy_version=4, group_name="g-4")

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from proto import lockstep_pb2 as pb
-from services.coordinator.dynamic_sampling import groups_in_order, is_informative, select_informative
-from services.coordinator.prompts import step_problems
+from services.coordinator.run.dynamic_sampling import groups_in_order, is_informative, select_informative
+from services.coordinator.run.prompts import step_problems
 from services.coordinator.tasks.base import Problem
 
 

@@ -105,7 +105,7 @@ def test_episode_metrics_count_turns_tokens_and_end_reasons():
 
 
 def test_episode_views_summarise_the_episodes_of_a_record():
-    from services.coordinator.episode_views import episode_views
+    from services.coordinator.http.episode_views import episode_views
 
     import numpy as np
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from proto import lockstep_pb2 as pb
-from services.coordinator.evaluation import (
+from services.coordinator.run.evaluation import (
     EvalReport,
     EvalSetResult,
     avg_at_k,
@@ -18,7 +18,7 @@ from services.coordinator.evaluation import (
     rewards_by_problem,
     sampled_plan,
 )
-from services.coordinator.prompts import derived_seed
+from services.coordinator.run.prompts import derived_seed
 from services.coordinator.run_spec import EvalSpec, RolloutSpec, RunSpec
 from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, parse_eval_lines
 

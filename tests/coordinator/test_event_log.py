@@ -10,10 +10,10 @@ import pytest
 from prometheus_client import generate_latest
 
 from services.common.process.structured_logging import JsonFormatter
-from services.coordinator.embedded_redis import EmbeddedRedis
-from services.coordinator.event_log import EventLog, PhaseTimer
-from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.store import RunStore
+from services.coordinator.state.embedded_redis import EmbeddedRedis
+from services.coordinator.state.event_log import EventLog, PhaseTimer
+from services.coordinator.state.exporter import CoordinatorExporter
+from services.coordinator.state.store import RunStore
 
 
 @pytest.fixture(scope="module")

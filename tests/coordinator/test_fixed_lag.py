@@ -12,10 +12,10 @@ from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken
 from services.coordinator.clients import RolloutClient
-from services.coordinator.embedded_redis import EmbeddedRedis
-from services.coordinator.event_log import EventLog
-from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.fixed_lag import (
+from services.coordinator.state.embedded_redis import EmbeddedRedis
+from services.coordinator.state.event_log import EventLog
+from services.coordinator.state.exporter import CoordinatorExporter
+from services.coordinator.run.fixed_lag import (
     BusyIntervals,
     behaviour_version,
     overlap_seconds,
@@ -23,9 +23,9 @@ from services.coordinator.fixed_lag import (
     staleness_metrics,
 )
 from services.coordinator.fleet import RolloutFleet
-from services.coordinator.prompts import SamplingPlan
-from services.coordinator.run_errors import RunFailed
-from services.coordinator.store import RunStore
+from services.coordinator.run.prompts import SamplingPlan
+from services.coordinator.run.errors import RunFailed
+from services.coordinator.state.store import RunStore
 from services.coordinator.tasks.base import Problem
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
-from services.coordinator.kept_rollouts import KeptRollouts
+from services.coordinator.state.kept_rollouts import KeptRollouts
 
 
 def _trajectory(step: int, i: int) -> pb.Trajectory:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator.run_loop import RunFailed, next_step
+from services.coordinator.run.loop import RunFailed, next_step
 
 
 @pytest.mark.parametrize("version, cursor, expected", [

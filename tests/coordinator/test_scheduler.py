@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 
 from recipes.tiny_model import build_model_dir
-from services.coordinator.embedded_redis import EmbeddedRedis
-from services.coordinator.exporter import CoordinatorExporter
+from services.coordinator.state.embedded_redis import EmbeddedRedis
+from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.run_spec import RunSpec
-from services.coordinator.scheduler import RunScheduler
-from services.coordinator.store import RunStore
+from services.coordinator.run.run_scheduler import RunScheduler
+from services.coordinator.state.store import RunStore
 
 
 class _FailingDriver:

@@ -2,7 +2,7 @@
 stops retrying and pauses."""
 from __future__ import annotations
 
-from services.coordinator.trainer_session import SpaceRetry
+from services.coordinator.run.trainer_session import SpaceRetry
 
 
 def _waits(retry: SpaceRetry) -> list[float]:

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.coordinator.embedded_redis import DISABLED_COMMANDS, EmbeddedRedis
-from services.coordinator.prompts import step_problems
-from services.coordinator.store import RunStore, StoreError
+from services.coordinator.state.embedded_redis import DISABLED_COMMANDS, EmbeddedRedis
+from services.coordinator.run.prompts import step_problems
+from services.coordinator.state.store import RunStore, StoreError
 from services.coordinator.tasks import build_task
 
 
@@ -148,7 +148,7 @@ def test_embedded_redis_refuses_clients_without_the_password_and_dangerous_comma
 
 
 def test_no_key_is_built_from_a_string_that_is_not_a_run_id(server):
-    from services.coordinator.store import NotARunId
+    from services.coordinator.state.store import NotARunId
 
     async def go():
         store = RunStore(server.url, prefix="t-ids:", password=server.password)

@@ -8,8 +8,8 @@ import pytest
 
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
-from services.coordinator.stream_generator import GenerationGate
-from services.coordinator.streaming import admit, merge_round, nearest_rank, token_staleness_metrics, token_versions
+from services.coordinator.run.stream_generator import GenerationGate
+from services.coordinator.run.streaming import admit, merge_round, nearest_rank, token_staleness_metrics, token_versions
 
 
 def traj(versions: list[int], *, version: int | None = None, tokens: int | None = None) -> pb.Trajectory:
@@ -122,18 +122,18 @@ def test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weig
     from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
     from recipes.tiny_model import build_model_dir
     from services.coordinator.clients import RolloutClient
-    from services.coordinator.event_log import EventLog
-    from services.coordinator.exporter import CoordinatorExporter
+    from services.coordinator.state.event_log import EventLog
+    from services.coordinator.state.exporter import CoordinatorExporter
     from services.coordinator.fleet import RolloutFleet
-    from services.coordinator.kept_rollouts import KeptRollouts
-    from services.coordinator.prompts import SamplingPlan
-    from services.coordinator.stream_generator import StreamGenerator
+    from services.coordinator.state.kept_rollouts import KeptRollouts
+    from services.coordinator.run.prompts import SamplingPlan
+    from services.coordinator.run.stream_generator import StreamGenerator
     from services.coordinator.tasks.base import Problem
     from services.rollout.config import RolloutServiceConfig
     from services.rollout.server import RolloutServicer
-    from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+    from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
     from services.trainer.trainer import Trainer
-    from services.trainer.wire import StepRequest, decode_trajectory
+    from services.trainer.data.wire import StepRequest, decode_trajectory
     from tests.rollout.decoder_support import TINY
 
     models = [build_model_dir(tmp_path / f"v{v}", TINY, seed=3 + v) for v in (0, 1)]

@@ -136,7 +136,7 @@ def test_coordinator_imports_parses_and_scores_without_torch(char_model_dir):
 
 def test_blocker_blocks_what_the_coordinator_used_to_import():
     """The subprocess test is only as good as its blocker: the trainer's modules must fail under it."""
-    proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import services.trainer.grpo"], cwd=REPO_ROOT,
+    proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import services.trainer.loss.surrogate"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "torch is blocked in this process" in proc.stderr
 

@@ -239,7 +239,7 @@ def test_models_and_runs_are_shared_at_the_same_paths(svc):
 
 
 def test_sglang_weight_sync_directory_is_on_the_runs_volume(svc):
-    from services.rollout import sglang_config
+    from services.rollout.sglang import config as sglang_config
 
     env = env_of(svc["rollout"])
     weights = env[sglang_config.WEIGHTS_DIR_ENV]
@@ -259,7 +259,7 @@ def test_redis_keeps_an_append_only_file_on_a_volume(svc):
 
 
 def test_redis_requires_the_secret_password_and_has_no_dangerous_commands(svc):
-    from services.coordinator.embedded_redis import DISABLED_COMMANDS
+    from services.coordinator.state.embedded_redis import DISABLED_COMMANDS
 
     r, c = svc["redis"], svc["coordinator"]
     script = r["command"][-1]

@@ -18,7 +18,7 @@ from services.common.auth import TOKEN_ENV, BearerToken, generate_token
 from services.common.grpc.options import sync_channel
 from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack, free_port
-from services.trainer.worker_group import WORKER_LOST_EXIT
+from services.trainer.distributed.worker_group import WORKER_LOST_EXIT
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ def adapter_and_model_bytes(model_dir: Path) -> tuple[int, int]:
     """float32 bytes of the run's adapters (built on the model as the trainer builds them) and of the model."""
     from transformers import AutoModelForCausalLM
 
-    from services.trainer.lora import LoraSettings, apply_lora
+    from services.trainer.model.lora import LoraSettings, apply_lora
 
     lm = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     full = sum(p.numel() * 4 for p in lm.parameters())

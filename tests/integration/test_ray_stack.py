@@ -28,7 +28,7 @@ from services.common.process.ports import free_port_run
 from recipes.tiny_model import build_model_dir
 from services.ray_stack.config import RayStackConfig
 from services.ray_stack.launcher import RayStack
-from services.trainer.worker_group import WORKER_LOST_EXIT
+from services.trainer.distributed.worker_group import WORKER_LOST_EXIT
 from tests.conftest import require
 from tests.support.trainer_steps import assert_like_one_rank, grpc_metrics, one_rank_metrics, step_chunks
 from tests.support.weight_sync_runs import sync_spec

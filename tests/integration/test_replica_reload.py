@@ -16,12 +16,12 @@ from services.common.grpc.options import sync_channel
 from services.common.models.directory import load_tokenizer
 from recipes.tiny_model import build_model_dir
 from services.coordinator.clients import RolloutClient, TrainerClient
-from services.coordinator.embedded_redis import EmbeddedRedis
-from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.prompts import step_problems
-from services.coordinator.run_loop import RunDriver
+from services.coordinator.state.embedded_redis import EmbeddedRedis
+from services.coordinator.state.exporter import CoordinatorExporter
+from services.coordinator.run.prompts import step_problems
+from services.coordinator.run.loop import RunDriver
 from services.coordinator.run_spec import RunSpec
-from services.coordinator.store import RunStore
+from services.coordinator.state.store import RunStore
 from services.local_stack import LocalStack, ServiceProcess
 
 pytestmark = pytest.mark.slow

@@ -250,7 +250,7 @@ def test_math_task_with_a_missing_dataset_is_refused_at_submit_naming_it(client,
 
 
 def _replay(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.trainer.replay", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "services.trainer.tools.replay", *args], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], timeout=300)
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, BearerToken, generate_token
 from services.common.process.ports import free_port
 from services.common.rendezvous.store import RendezvousClient
-from services.trainer.rank_rendezvous import GROUP, LIVENESS_KEY
+from services.trainer.distributed.rank_rendezvous import GROUP, LIVENESS_KEY
 from tests.support.trainer_steps import assert_like_one_rank, grpc_metrics, one_rank_metrics, step_chunks
 from tests.trainer.trainer_support import build_tiny_model_dir
 
@@ -43,7 +43,7 @@ def test_a_rank_with_another_token_never_joins_and_the_right_one_trains(tmp_path
          "--metrics-port", "0", "--num-threads", "1", "--data-parallel", "2", "--rank-rendezvous-port",
          str(rendezvous_port), "--model-roots", str(tmp_path)],
         cwd=REPO, env=_env(token), stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
-    rank_cmd = [sys.executable, "-m", "services.trainer.rank", "--rank", "1", "--rendezvous", rendezvous,
+    rank_cmd = [sys.executable, "-m", "services.trainer.distributed.rank", "--rank", "1", "--rendezvous", rendezvous,
                 "--join-timeout-s", "240"]
     rank1 = None
     try:

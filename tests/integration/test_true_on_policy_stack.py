@@ -235,7 +235,7 @@ def test_streaming_trains_only_tokens_within_the_bound_with_their_versions_exact
     import json
 
     from services.trainer.trainer import Trainer
-    from services.trainer.wire import StepRequest, decode_trajectory
+    from services.trainer.data.wire import StepRequest, decode_trajectory
 
     s = lagged(model_dir, 1, "streaming")
     s["async"]["mode"] = "streaming"

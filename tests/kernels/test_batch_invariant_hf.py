@@ -77,7 +77,7 @@ def test_a_rows_logits_do_not_depend_on_the_batch(dtype):
 
 
 def test_lora_layers_are_covered_and_row_invariant():
-    from services.trainer import lora
+    from services.trainer.model import lora
     from contract.trainer_settings import LoraSettings
 
     model = _model()

@@ -92,13 +92,13 @@ def test_a_multi_rank_trainer_is_one_bundle_per_rank_meeting_at_rank_0s_node(tmp
     assert bundles([rank0, *ranks]) == [{"CPU": 2, "GPU": 1}] * 3
     # Rank 0 serves gRPC and the ranks' store; the device follows the bundle's GPUs.
     assert rank0.args[-6:] == ("--data-parallel", "3", "--rank-rendezvous-port", "29400", "--device", "cuda")
-    assert rank0.port == 50052 and all(p.port == 0 and p.module == "services.trainer.rank" for p in ranks)
+    assert rank0.port == 50052 and all(p.port == 0 and p.module == "services.trainer.distributed.rank" for p in ranks)
     env = {"NCCL_NVLS_ENABLE": "0", "NCCL_SOCKET_IFNAME": "eth0,eth1"}
     assert all(dict(p.env) == env for p in (rank0, *ranks))
     # The others learn the store's address once rank 0 is placed: its node's address.
     placed = with_rendezvous(ranks, "10.0.0.9", 29400)
     assert node_argv(placed[1], "10.0.0.4", "py") == [
-        "py", "-m", "services.trainer.rank", "--host", "10.0.0.4", "--rank", "2", "--rendezvous", "10.0.0.9:29400"]
+        "py", "-m", "services.trainer.distributed.rank", "--host", "10.0.0.4", "--rank", "2", "--rendezvous", "10.0.0.9:29400"]
     cpu = plan_trainer(RayStackConfig(trainer_world_size=2, trainer_rendezvous_port=29400))
     assert cpu[0].args[-2:] == ("--device", "cpu") and bundles(cpu) == [{"CPU": 1}] * 2
     assert cpu[1].args == ("--rank", "1")

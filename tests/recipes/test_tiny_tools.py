@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from contract.calculator_env import evaluate
+from services.environments.calculator import evaluate
 from recipes.tiny_tools import TASK_OPTIONS, WARM_START
 from recipes.tiny_tools.episodes import IGNORE, scripted_batches, scripted_episode
 from recipes.char_tokenizer import EOS_ID, build_char_tokenizer

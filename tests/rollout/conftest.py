@@ -12,7 +12,7 @@ import torch
 
 from contract.engine_options import SGLangEngineConfig
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
-from services.rollout.sglang_config import SGLangHostConfig, default_python
+from services.rollout.sglang.config import SGLangHostConfig, default_python
 from tests.conftest import require
 from tests.rollout.decoder_support import TINY
 
@@ -39,7 +39,7 @@ class SessionSGLang:
     test uses it) and goes on with other tests meanwhile; the first test that needs it waits for it."""
 
     def __init__(self) -> None:
-        from services.rollout.sglang_engine import SGLangEngine
+        from services.rollout.sglang.engine import SGLangEngine
 
         self._root = tempfile.TemporaryDirectory(prefix="sglang-session-")
         root = Path(self._root.name)

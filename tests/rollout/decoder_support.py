@@ -76,9 +76,9 @@ def batch_invariant_scorer(model: torch.nn.Module) -> torch.nn.Module:
 def packed_recompute(scorer: torch.nn.Module, prompts, responses, temperature: float) -> list[list[float]]:
     """Every sequence prompt+response in ONE packed forward of `scorer` (the trainer's packed layout and
     attention backend); each response token scored by the trainer's true_on_policy head
-    (services.trainer.policy.score_hidden_batch_invariant)."""
+    (services.trainer.model.policy.score_hidden_batch_invariant)."""
     from kernels.attention import REGISTRY, packed_forward_kwargs
-    from services.trainer.policy import score_hidden_batch_invariant
+    from services.trainer.model.policy import score_hidden_batch_invariant
 
     device = next(scorer.parameters()).device
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from contract.calculator_env import (
+from services.environments.calculator import (
     MAX_EXPRESSION_CHARS, CalculatorEnvironment, CalculatorError, CalculatorOptions, evaluate,
 )
 from contract.environment import EpisodeProblem, StepResult, check_observation, check_step_result, EndReason, \
@@ -93,7 +93,7 @@ def test_observations_are_checked_for_size_and_utf8():
 
 
 def test_number_guess_gives_feedback_until_the_number_is_found():
-    from contract.guess_env import GuessEnvironment, GuessOptions
+    from services.environments.number_guess import GuessEnvironment, GuessOptions
 
     env = GuessEnvironment(GuessOptions())
     assert env.reset(EpisodeProblem("p", "guess 0-99:", "42")) == "guess 0-99:"

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.decoder import Decoder, DecoderOptions
-from services.rollout.decoder_attention import DecoderUnsupported
+from services.rollout.embedded.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.decoder_attention import DecoderUnsupported
 from services.rollout.engine import GenerationRequest, PromptSpec
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 from tests.rollout.decoder_support import (
     PROMPTS,
     SEEDS,
@@ -169,7 +169,7 @@ def test_decode_under_deterministic_algorithms_as_the_service_runs(decoder_model
 
 def test_the_decoder_attention_refuses_calls_outside_a_decode(decoder_model_dir):
     """The attention function fails closed: without the KV pool kwarg, or given a mask, it raises."""
-    from services.rollout.kv_cache import KVStep, PagedKVPool, decoder_attention_forward
+    from services.rollout.embedded.kv_cache import KVStep, PagedKVPool, decoder_attention_forward
 
     layer = loaded(decoder_model_dir, "float32").model.layers[0].self_attn
     q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 3, 8)

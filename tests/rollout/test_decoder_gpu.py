@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.engine import SamplingConfig
 from tests.conftest import require
 from tests.rollout.decoder_support import batch_invariant_scorer, packed_recompute
@@ -110,7 +110,7 @@ def _small(family: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
 def test_fused_decode_step_equals_the_stock_step_bitwise(family):
-    """The fused decode forward (services.rollout.fused_step) against the stock HF forward, graphs on, three
+    """The fused decode forward (services.rollout.embedded.fused_step) against the stock HF forward, graphs on, three
     rows padded into the bucket of eight: the same tokens and log-prob bits."""
     model = _small(family)
     batch = prompts(PROMPT_LENGTHS[:5], SMALL["vocab"])
@@ -156,7 +156,7 @@ def test_throughput_at_the_qwen3_0_6b_shape():
                          ids=["plain", "truncated"])
 def test_cuda_sampler_draws_what_the_cpu_definition_draws(cfg):
     """The Triton path of sample_tokens (bf16 logits on the GPU) against the torch definition on the CPU."""
-    from services.rollout.sampling import row_keys, sample_tokens, seed_words
+    from services.rollout.embedded.sampling import row_keys, sample_tokens, seed_words
 
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(64, 151936, generator=g) * 4).to(torch.bfloat16)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.engine import SamplingConfig
 from tests.rollout.decoder_support import batch_invariant_scorer, packed_recompute
 from tests.rollout.test_decoder_gpu import SMALL, cuda_deterministic, prompts, qwen3  # noqa: F401 - fixture

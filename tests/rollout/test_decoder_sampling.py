@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from services.rollout.engine import SamplingConfig
-from services.rollout.sampling import (
+from services.rollout.embedded.sampling import (
     FMIX_C1,
     FMIX_C2,
     MASK32,
@@ -104,7 +104,7 @@ def test_triton_kernel_matches_the_torch_definition():
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")  # tests/conftest.py sets it on CPU hosts
-    from services.rollout.sampling import gumbel_argmax_reference
+    from services.rollout.embedded.sampling import gumbel_argmax_reference
     from kernels.sampling.triton_kernels import gumbel_argmax
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kernels.batch_invariant import KEY_BLOCK
-from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from tests.rollout.decoder_support import batch_invariant_scorer, loaded, packed_recompute, sampling
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -103,7 +103,7 @@ def test_fast_mode_runs_the_same_scheduler_through_preemption(decoder_model_dir)
 
 def test_the_engine_sizes_its_pool_from_its_options(decoder_model_dir):
     from services.rollout.engine import GenerationRequest, PromptSpec
-    from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+    from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 
     with pytest.raises(ValueError, match="engine_config.kv_cache_memory_fraction: .*CUDA"):
         TorchEngineConfig.from_json('{"kv_cache_memory_fraction": 0.5}')

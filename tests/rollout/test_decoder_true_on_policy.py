@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.engine import GenerationRequest, PromptSpec
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 from tests.rollout.decoder_support import (
     PROMPTS,
     SEEDS,

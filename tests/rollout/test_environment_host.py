@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
-from services.rollout.environment_host import EpisodeEnded, EpisodeEnvironment
+from services.rollout.episodes.environment_host import EpisodeEnded, EpisodeEnvironment
 from tests.rollout.hostile_environments import register_hostile
 
 register_hostile()

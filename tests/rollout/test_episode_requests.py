@@ -10,8 +10,8 @@ import torch
 from contract.environment import EndReason
 from proto import lockstep_pb2 as pb
 from services.common.tensors import from_proto, ids_to_proto
-from services.rollout.episode_requests import episode_request_from_proto, episodes_to_proto
-from services.rollout.episodes import Episode
+from services.rollout.episodes.requests import episode_request_from_proto, episodes_to_proto
+from services.rollout.episodes.runner import Episode
 
 
 def _request(**over) -> pb.GenerateRequest:

@@ -18,11 +18,11 @@ from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
 from kernels.attention import REGISTRY
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.rollout.engine import SamplingConfig
-from services.rollout.episodes import ChatTemplateCodec, EpisodeSpec, PlainCodec, SampledTurn, run_episodes
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
-from services.trainer.batching import TrainSample
+from services.rollout.episodes.runner import ChatTemplateCodec, EpisodeSpec, PlainCodec, SampledTurn, run_episodes
+from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
+from services.trainer.data.batching import TrainSample
 from services.trainer.trainer import Trainer
-from services.trainer.wire import StepRequest
+from services.trainer.data.wire import StepRequest
 from tests.rollout.hostile_environments import register_feedback, register_hostile
 
 register_feedback()
@@ -201,7 +201,7 @@ def test_tool_calls_and_their_errors_are_counted_per_episode():
 
 
 def test_an_episode_budget_past_the_models_longest_sequence_is_refused_before_any_episode(model_dir):
-    from services.rollout.episode_requests import EpisodeRequest
+    from services.rollout.episodes.requests import EpisodeRequest
 
     engine = TorchEngine(TorchEngineConfig(dtype="float32", max_context_tokens=64))
     engine.load(str(model_dir), 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.engine import SamplingConfig
 from tests.rollout.test_decoder_gpu import SMALL, cuda_deterministic, prompts, qwen3  # noqa: F401 - fixture
 

@@ -18,7 +18,7 @@ from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.server import RolloutServicer
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 from tests.rollout.test_rollout_server_ordering import Context
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
@@ -68,7 +68,7 @@ def test_pause_then_resume_under_new_weights_reports_each_tokens_version(decoder
 
 
 def test_bad_resumed_samples_are_refused_by_field(decoder_model_dir):
-    from services.rollout.convert import generation_request_from_proto
+    from services.rollout.wire import generation_request_from_proto
 
     ok = dict(response_token_ids=ids_to_proto([1, 2]), logprobs=logprobs_to_proto([-1.0, -2.0]),
               policy_versions=[0, 0])
@@ -123,7 +123,7 @@ def test_sample_ids_generate_only_those_samples_as_the_whole_request_does(decode
     (["g/0", "h/0"], ["g/1"], r"resumed\[0\]\.sample_id: 'g/1' is continued but not in sample_ids"),
 ])
 def test_bad_sample_ids_are_refused_by_field(ids, resumed, field):
-    from services.rollout.convert import generation_request_from_proto
+    from services.rollout.wire import generation_request_from_proto
 
     ok = dict(response_token_ids=ids_to_proto([1, 2]), logprobs=logprobs_to_proto([-1.0, -2.0]),
               policy_versions=[0, 0])

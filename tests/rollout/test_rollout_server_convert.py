@@ -9,7 +9,7 @@ import pytest
 from proto import lockstep_pb2 as pb
 from services.common.tensors import ids_to_proto, logprobs_to_proto
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.convert import (
+from services.rollout.wire import (
     check_sample_order,
     generation_request_from_proto,
     samples_to_proto,
@@ -18,7 +18,7 @@ from services.rollout.convert import (
 from services.rollout.engine import EngineUnavailable, GeneratedSample
 from services.rollout.registry import ENGINES, engine_class
 from services.rollout.server import RpcFailure, status_for
-from services.rollout.torch_engine import TorchEngine
+from services.rollout.embedded.torch_engine import TorchEngine
 
 
 def good_request(**over) -> pb.GenerateRequest:
@@ -95,7 +95,7 @@ def test_split_engine_config():
 
 def test_registry_is_by_name_and_refuses_unknown():
     assert engine_class("torch") is TorchEngine
-    assert ENGINES["torch"] == "services.rollout.torch_engine:TorchEngine"
+    assert ENGINES["torch"] == "services.rollout.embedded.torch_engine:TorchEngine"
     with pytest.raises(ValueError, match=r"unknown engine 'vllm'; known engines: \[.*'torch'") as info:
         engine_class("vllm")
     assert str(sorted(ENGINES)) in str(info.value)

@@ -1,7 +1,7 @@
 """The broadcast weight source into a real SGLang server (CPU, float32) over a gloo weight-update group.
 
 This process plays the trainer: it hosts the rendezvous and broadcasts the buckets as rank 0, exactly as
-services/trainer/weight_broadcast.py does, while the engine has the server join the group
+services/trainer/weights/broadcast_sender.py does, while the engine has the server join the group
 (/init_weights_update_group, its ranks reaching the rendezvous through the engine's loopback TCPStore
 bridge) and load each bucket (/update_weights_from_distributed, "flattened_bucket").
 Generation then follows the new weights, the server's weight_version is the new version, and the engine
@@ -31,14 +31,14 @@ from services.common.weights.broadcast_protocol import (
     tensor_spec,
 )
 from services.common.weights.files import write_weight_dir
-from services.rollout.sglang_client import (
+from services.rollout.sglang.client import (
     init_weights_update_group_body,
     update_weights_from_distributed_body,
     weights_checksum_body,
 )
-from services.rollout.sglang_config import default_python
-from services.rollout.sglang_weights import load_checkpoint_tensors
-from services.rollout.weight_broadcast import BroadcastReceiveFailed
+from services.rollout.sglang.config import default_python
+from services.rollout.sglang.weights import load_checkpoint_tensors
+from services.rollout.weights.broadcast_receiver import BroadcastReceiveFailed
 from tests.conftest import require
 from tests.support.rendezvous import HostedRendezvous
 from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures

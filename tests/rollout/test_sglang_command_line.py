@@ -27,8 +27,8 @@ from contract.command_line import (
 from contract.engine_options import SGLangEngineConfig
 from contract.platforms import CUDA_ATTENTION_BACKENDS, LORA_TARGET_MODULES
 from services.common.platform import Platform, SGLangLaunchPlan, SGLangPlatformConfig, sglang_launch_plan
-from services.rollout.sglang_config import default_python
-from services.rollout.sglang_server import engine_run_options, server_command
+from services.rollout.sglang.config import default_python
+from services.rollout.sglang.server import engine_run_options, server_command
 from tests.conftest import require
 
 HOSTILE = ["--x", "-x", "a b", "a\x00b", "a\tb", "\u00a0x", "x\u2028", ""]
@@ -151,8 +151,8 @@ def test_the_builder_refuses_at_launch_what_got_past_the_models():
 def test_the_engine_refuses_such_a_config_before_anything_runs(tmp_path):
     """SGLangEngine (what LoadModel builds) renders the run's options when it is built: a ValueError, which
     LoadModel answers with INVALID_ARGUMENT, before any server process could start."""
-    from services.rollout.sglang_config import SGLangHostConfig
-    from services.rollout.sglang_engine import SGLangEngine
+    from services.rollout.sglang.config import SGLangHostConfig
+    from services.rollout.sglang.engine import SGLangEngine
 
     bypassed = SGLangEngineConfig.model_construct(
         **{**SGLangEngineConfig().model_dump(exclude={"server"}), "platform": "cuda",

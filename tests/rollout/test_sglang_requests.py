@@ -18,7 +18,7 @@ import torch
 from contract.engine_options import SGLangEngineConfig
 from services.common.platform import Platform, SGLangPlatformConfig, sglang_launch_plan
 from services.rollout.engine import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
-from services.rollout.sglang_client import (
+from services.rollout.sglang.client import (
     SGLangRequestError,
     check_request,
     continuation_seed,
@@ -29,9 +29,9 @@ from services.rollout.sglang_client import (
     update_weights_from_disk_body,
     update_weights_from_distributed_body,
 )
-from services.rollout.sglang_config import SGLangHostConfig
-from services.rollout.sglang_server import API_KEY_ENV, BOOTSTRAP, engine_run_options, server_command, server_env
-from services.rollout.sglang_weights import checkpoint_specs, verify_tensors, write_checkpoint
+from services.rollout.sglang.config import SGLangHostConfig
+from services.rollout.sglang.server import API_KEY_ENV, BOOTSTRAP, engine_run_options, server_command, server_env
+from services.rollout.sglang.weights import checkpoint_specs, verify_tensors, write_checkpoint
 
 REQ = GenerationRequest(
     prompts=(PromptSpec("a", (1, 5, 6), seed=10), PromptSpec("b", (1, 7), seed=99)),
@@ -100,7 +100,7 @@ def test_a_turns_body_fits_sglangs_request_type():
     import subprocess
     from pathlib import Path
 
-    from services.rollout.sglang_config import default_python
+    from services.rollout.sglang.config import default_python
     from tests.conftest import require
 
     python = default_python()
@@ -307,7 +307,7 @@ def test_a_fixed_port_is_given_up_by_the_previous_engine(tmp_path):
     port (compose) the previous engine must release it or the new server could never bind."""
     from recipes.tiny_model import build_model_dir
     from services.rollout.engine import EngineUnavailable
-    from services.rollout.sglang_engine import _PORT_HOLDERS, SGLangEngine
+    from services.rollout.sglang.engine import _PORT_HOLDERS, SGLangEngine
 
     model = build_model_dir(tmp_path / "m", seed=0)
     cfg = SGLangEngineConfig(platform="cpu")

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from services.common.platform import Platform, SGLangPlatformConfig, sglang_launch_plan
-from services.rollout.sglang_server import SGLangServer, _group_alive
+from services.rollout.sglang.server import SGLangServer, _group_alive
 
 # Ignores SIGTERM (its Python handler can never run: the main thread is gone),
 # then ends its main thread with pthread_exit while a worker keeps the process

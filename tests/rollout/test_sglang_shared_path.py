@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.common.weights.files import read_weight_dir, write_weight_dir
-from services.rollout.sglang_weights import load_checkpoint_tensors
+from services.rollout.sglang.weights import load_checkpoint_tensors
 from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow

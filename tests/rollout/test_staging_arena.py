@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.rollout.staging_arena import StagingArena
+from services.rollout.weights.staging_arena import StagingArena
 
 
 def _take(lease, sizes):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from services.rollout.kv_cache import SCRATCH_PAGE
-from services.rollout.scheduler import Sequence
-from services.rollout.step_inputs import StepInputs
+from services.rollout.embedded.kv_cache import SCRATCH_PAGE
+from services.rollout.embedded.scheduler import Sequence
+from services.rollout.embedded.step_inputs import StepInputs
 
 PAD = 7
 WIDTH = 6

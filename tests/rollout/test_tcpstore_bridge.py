@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.rollout.sglang_config import default_python
-from services.rollout.tcpstore_bridge import TcpStoreBridge, is_loopback_url, peer_uid
+from services.rollout.sglang.config import default_python
+from services.rollout.weights.tcpstore_bridge import TcpStoreBridge, is_loopback_url, peer_uid
 from tests.conftest import REPO_ROOT, require
 from tests.support.rendezvous import HostedRendezvous
 

@@ -15,7 +15,7 @@ import torch
 
 from kernels.logprob import token_logprobs
 from services.rollout.engine import GenerationRequest, PromptSpec, SamplingConfig
-from services.rollout.torch_engine import TorchEngine, TorchEngineConfig, truncate_logits
+from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig, truncate_logits
 
 VOCAB = 32
 PARITY_TOL = 1e-5

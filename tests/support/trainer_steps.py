@@ -18,8 +18,8 @@ from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken
 from services.common.grpc.options import sync_channel
 from services.common.tensors import ids_to_proto, logprobs_to_proto
-from services.trainer.grpo import group_advantages
-from services.trainer.wire import StepRequest, decode_trajectory
+from services.trainer.loss.surrogate import group_advantages
+from services.trainer.data.wire import StepRequest, decode_trajectory
 from tests.trainer.trainer_support import make_episodes, rollout_logprobs
 
 CONFIG = {"lr": 1e-2, "microbatch_tokens": 12, "grad_clip": 1.0}
@@ -80,7 +80,7 @@ def grpc_metrics(address: str, token: BearerToken, model_dir: Path,
 
 def assert_like_one_rank(got: list[dict[str, float]], one: list[dict[str, float]]) -> None:
     """Step 1 starts from the same weights on any world size and every microbatch's forward runs on them:
-    every metric but grad_norm is bitwise one rank's (services/trainer/data_parallel.py). The gradients are
+    every metric but grad_norm is bitwise one rank's (services/trainer/distributed/data_parallel.py). The gradients are
     summed in another order than one rank accumulates them, so the weights after step 1 -- and the metrics
     of steps 2 and 3, computed from them -- equal one rank's only up to float32 rounding of that sum: those
     are compared to a relative 1e-4, orders of magnitude above a few float32 ulps and far below any change

@@ -28,7 +28,7 @@ from services.common.process.ports import free_port
 from services.common.rendezvous.key_table import GroupClosed, StoreFull
 from services.common.rendezvous.store import RendezvousClient
 from services.common.weights.broadcast_protocol import joined_key
-from services.rollout.weight_broadcast import BroadcastReceiveFailed, checked_plan, receive_broadcast
+from services.rollout.weights.broadcast_receiver import BroadcastReceiveFailed, checked_plan, receive_broadcast
 from tests.support.rendezvous import Intruder, listening_ips
 from tests.trainer.test_trainer_server import TOKEN, trainer_process
 

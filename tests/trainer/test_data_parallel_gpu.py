@@ -12,7 +12,7 @@ import torch
 from test_data_parallel import CONFIG, _configure, _steps
 
 from services.trainer.trainer import Trainer
-from services.trainer.worker_group import GroupSpec, GroupTrainer
+from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
 
 pytestmark = [
     pytest.mark.gpu,

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from services.trainer.grpo import (
+from services.trainer.loss.surrogate import (
     group_advantages,
     k3,
     kl_to_reference,

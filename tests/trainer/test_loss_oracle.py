@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from contract.trainer_run import TrainerRunConfig
-from services.trainer.policy_loss import StepShape, m2po_keep_mask, microbatch_loss
+from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss
 
 U = 2.0 ** -24  # float32 unit roundoff
 K = 12          # float32 roundings on one token's path, exp's 2 ulp counted as 4 (see the module docstring)

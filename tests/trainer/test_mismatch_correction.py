@@ -9,12 +9,12 @@ import torch
 from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
-from services.trainer.batching import TrainSample
-from services.trainer.grpo import group_advantages, ppo_clip_loss
-from services.trainer.mismatch_correction import MismatchCorrection
-from services.trainer.mismatch_correction import correction_weights as weights_with_bound
+from services.trainer.data.batching import TrainSample
+from services.trainer.loss.surrogate import group_advantages, ppo_clip_loss
+from services.trainer.loss.mismatch_correction import MismatchCorrection
+from services.trainer.loss.mismatch_correction import correction_weights as weights_with_bound
 from services.trainer.trainer import Trainer
-from services.trainer.wire import StepRequest
+from services.trainer.data.wire import StepRequest
 
 D = torch.tensor([0.0, math.log(3.0), math.log(0.25), math.log(1.5), math.log(0.8)])  # log(pi_train / pi_rollout)
 SEQ = torch.tensor([0, 0, 1, 1, 2])

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 from trainer_support import make_episodes, on_policy_request, rollout_logprobs
 
-from services.trainer.batching import TrainSample
-from services.trainer.grpo import group_advantages
+from services.trainer.data.batching import TrainSample
+from services.trainer.loss.surrogate import group_advantages
 from services.trainer.trainer import Trainer
-from services.trainer.wire import StepRequest
+from services.trainer.data.wire import StepRequest
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
 
@@ -121,8 +121,8 @@ def test_float32_on_one_rank_is_bitwise_a_plain_module(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from kernels.attention import register_hf_attention
-    from services.trainer.grpo import ppo_clip_loss
-    from services.trainer.policy import score_hidden
+    from services.trainer.loss.surrogate import ppo_clip_loss
+    from services.trainer.model.policy import score_hidden
     from services.trainer.trainer import build_microbatches
 
     t = _trainer(tiny_model_dir, lr=1e-2, grad_clip=0.5)
@@ -173,7 +173,7 @@ def test_activation_checkpointing_changes_memory_not_numbers(tiny_model_dir):
 
 
 def test_optimizer_offload_needs_an_accelerator(tiny_model_dir):
-    from services.trainer.wire import InvalidRequest
+    from services.trainer.data.wire import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="optimizer_offload: .*device 'cpu'"):
         _trainer(tiny_model_dir, optimizer_offload=True)

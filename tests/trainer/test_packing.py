@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from services.trainer.packing import PackingConfig, PackSample, fed_length, pack_samples, plan_microbatches
+from services.trainer.data.packing import PackingConfig, PackSample, fed_length, pack_samples, plan_microbatches
 
 
 def _sample(rng: random.Random, p: int, r: int, adv: float | None = None) -> PackSample:
@@ -130,7 +130,7 @@ def test_config_rejects_nonpositive_budget_and_unknown_fields():
 
 def test_packed_matches_the_padded_path_token_for_token():
     """Same samples through batching's padded collate and through packing: same response rows per sample."""
-    from services.trainer.batching import TrainSample, canonical_order, padded_microbatches
+    from services.trainer.data.batching import TrainSample, canonical_order, padded_microbatches
 
     rng = random.Random(4)
     samples = []

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernels.attention import REGISTRY, register_hf_attention
-from services.trainer.packing import PackingConfig, PackSample, pack_samples
+from services.trainer.data.packing import PackingConfig, PackSample, pack_samples
 from services.trainer.parity_gate import ParityGateError, ParityThresholds, check_parity
 from tests.support.boundary_blind_attention import backend as boundary_blind_backend
 from tests.support.rounding_bounds import response_logprob_bounds

@@ -10,8 +10,8 @@ import torch
 from pydantic import ValidationError
 
 from contract.trainer_run import TrainerRunConfig
-from services.trainer.grpo import step_metrics
-from services.trainer.policy_loss import (
+from services.trainer.loss.surrogate import step_metrics
+from services.trainer.loss.policy_loss import (
     StepShape,
     aggregate_loss,
     gspo_sequence_ratio,
@@ -23,7 +23,7 @@ from services.trainer.policy_loss import (
     sequence_mean,
 )
 from services.trainer.run_setup import parse_run_config
-from services.trainer.wire import InvalidRequest
+from services.trainer.data.wire import InvalidRequest
 
 # ------------------------------------------------------------ M2PO --
 

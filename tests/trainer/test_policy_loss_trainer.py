@@ -24,7 +24,7 @@ import pytest
 import torch
 from trainer_support import on_policy_request
 
-from services.trainer.policy_loss import m2po_keep_mask
+from services.trainer.loss.policy_loss import m2po_keep_mask
 from services.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
@@ -77,7 +77,7 @@ def assert_split_invariant(model_dir, *, scale: float, **overrides):
 
 
 def canonical(req):
-    from services.trainer.batching import canonical_order
+    from services.trainer.data.batching import canonical_order
 
     return canonical_order(req.samples)
 
@@ -153,7 +153,7 @@ def test_sequence_aggregations_step_loss_and_split(tiny_model_dir, loss_agg, ext
 
 
 def test_m2po_mask_spans_every_rank_of_a_group(tiny_model_dir):
-    from services.trainer.worker_group import GroupSpec, GroupTrainer
+    from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
 
     # A small budget: several microbatches spread over two ranks; the mask must still be the step's.
     overrides = {"microbatch_tokens": 12, "policy_loss": {"kind": "m2po"}}

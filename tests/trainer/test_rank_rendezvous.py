@@ -1,4 +1,4 @@
-"""Where a multi-rank trainer's ranks meet (services/trainer/rank_rendezvous.py), over real gRPC and real
+"""Where a multi-rank trainer's ranks meet (services/trainer/distributed/rank_rendezvous.py), over real gRPC and real
 sockets in one process: a rank reads rank 0's spec from a fresh store and refuses the store of a group it
 already joined; a rank with another token is refused at once and writes nothing; a closed liveness
 connection reports the lost rank at once on either end, and nothing once the group is closing; a stranger
@@ -18,9 +18,9 @@ import pytest
 
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, BearerToken, generate_token
 from services.common.process.ports import free_port
-from services.trainer.rank_rendezvous import (LivenessHub, LivenessLink, RendezvousRefused, join_store,
+from services.trainer.distributed.rank_rendezvous import (LivenessHub, LivenessLink, RendezvousRefused, join_store,
                                               liveness_proof, serve_store)
-from services.trainer.rank_rendezvous import _hang_up as hang_up
+from services.trainer.distributed.rank_rendezvous import _hang_up as hang_up
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN = BearerToken(generate_token())
@@ -143,20 +143,20 @@ def test_a_stranger_at_the_liveness_socket_neither_takes_a_rank_nor_ends_the_gro
     (["--rank", "1", "--rendezvous", "no-port"], "rendezvous"),
 ])
 def test_the_rank_entry_point_names_a_bad_flag(argv, message):
-    out = subprocess.run([sys.executable, "-m", "services.trainer.rank", *argv], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "services.trainer.distributed.rank", *argv], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode != 0 and f"configuration error: {message}" in out.stderr, out.stderr
 
 
 def test_the_rank_entry_point_does_not_start_without_a_token():
     env = {k: v for k, v in os.environ.items() if k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
-    out = subprocess.run([sys.executable, "-m", "services.trainer.rank", "--rank", "1", "--rendezvous",
+    out = subprocess.run([sys.executable, "-m", "services.trainer.distributed.rank", "--rank", "1", "--rendezvous",
                           f"127.0.0.1:{free_port()}"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 2 and "configuration error: no authentication token" in out.stderr, out.stderr
 
 
 def test_a_rank_imports_no_module_the_store_names_unless_started_allowing_it():
-    from services.trainer.worker_group import GroupSpec, run_rank
+    from services.trainer.distributed.worker_group import GroupSpec, run_rank
 
     address = f"127.0.0.1:{free_port()}"
     spec = GroupSpec(world_size=2, device="cpu", num_threads=1, timeout_s=10, rendezvous=address,

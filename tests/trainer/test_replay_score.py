@@ -5,8 +5,8 @@ import math
 
 import torch
 
-from services.trainer.grpo import mismatch_stats
-from services.trainer.replay_score import json_safe, score_report
+from services.trainer.loss.surrogate import mismatch_stats
+from services.trainer.tools.replay_score import json_safe, score_report
 from services.trainer.trainer import ScoredTokens
 
 

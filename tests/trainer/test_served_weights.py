@@ -1,4 +1,4 @@
-"""The trainer's served version (services/trainer/served_weights.py) sends what the reference chunker
+"""The trainer's served version (services/trainer/weights/served_weights.py) sends what the reference chunker
 sends: for every chunk size, every dtype and layout, its chunks parse as iter_weight_chunks' chunks (same
 fields, same bytes, same digests), a second reader gets the same bytes, the snapshot does not move when
 the live tensors do, each byte is hashed once however many replicas read the version, and a held
@@ -12,7 +12,7 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.weights.stream import LoraAdapterMeta, WeightStreamAssembler, iter_weight_chunks
-from services.trainer.served_weights import VersionRetired, WeightVersion
+from services.trainer.weights.served_weights import VersionRetired, WeightVersion
 from tests.support.digest_reference import Sha256Counter
 
 

@@ -1,10 +1,10 @@
-"""The per-token staleness bound the trainer enforces (services/trainer/token_versions.py), as pure logic."""
+"""The per-token staleness bound the trainer enforces (services/trainer/data/token_versions.py), as pure logic."""
 from __future__ import annotations
 
 import pytest
 
-from services.trainer.token_versions import check_header_bound, check_token_versions, lowest_version
-from services.trainer.wire_errors import FailedPrecondition, InvalidRequest
+from services.trainer.data.token_versions import check_header_bound, check_token_versions, lowest_version
+from services.trainer.data.wire_errors import FailedPrecondition, InvalidRequest
 
 
 def check(versions, *, step=5, trajectory_version=None, num_tokens=None, header_version=None, k=2, streaming=True):

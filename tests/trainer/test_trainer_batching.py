@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from services.trainer.batching import (
+from services.trainer.data.batching import (
     TrainSample,
     canonical_order,
     collate_padded,

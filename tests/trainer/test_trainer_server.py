@@ -27,7 +27,7 @@ from services.common.metric_defs import STEP_METRIC_HELP
 from services.common.models.loading import load_causal_lm
 from services.common.tensors import ids_to_proto, logprobs_to_proto
 from services.common.weights.stream import WeightStreamAssembler
-from services.trainer.grpo import group_advantages
+from services.trainer.loss.surrogate import group_advantages
 from tests.support.rounding_bounds import response_logprob_bounds
 
 REPO = Path(__file__).resolve().parents[2]

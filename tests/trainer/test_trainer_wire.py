@@ -7,7 +7,7 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from services.common.tensors import ids_to_proto, logprobs_to_proto
-from services.trainer.wire import InvalidRequest, read_train_step
+from services.trainer.data.wire import InvalidRequest, read_train_step
 
 
 def header(n: int = 2, **kw) -> pb.TrainStepChunk:
@@ -41,7 +41,7 @@ def test_valid_stream_decodes():
 
 
 def test_token_versions_outside_the_bound_are_a_failed_precondition_naming_the_step():
-    from services.trainer.wire import FailedPrecondition
+    from services.trainer.data.wire import FailedPrecondition
 
     ok = read([header(1, step=4, policy_version=2, max_staleness=1, streaming=True),
                traj(0, step=4, policy_version=2, token_policy_versions=[2, 3, 3])])

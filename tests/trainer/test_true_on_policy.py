@@ -16,10 +16,10 @@ from kernels.attention import REGISTRY, register_hf_attention
 from kernels.attention.hf import packed_forward_kwargs
 from kernels.batch_invariant.hf import make_batch_invariant
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
-from services.trainer.batching import TrainSample
-from services.trainer.policy import score_hidden, score_hidden_batch_invariant
+from services.trainer.data.batching import TrainSample
+from services.trainer.model.policy import score_hidden, score_hidden_batch_invariant
 from services.trainer.trainer import Trainer
-from services.trainer.wire import StepRequest
+from services.trainer.data.wire import StepRequest
 from trainer_support import current_policy
 
 SMALL = TinyQwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -167,7 +167,7 @@ def test_the_batch_invariant_head_is_chunking_invariant_with_gradients_like_the_
 def test_a_model_true_on_policy_cannot_run_is_refused_at_configure(tmp_path, restore_torch_globals):
     from recipes.char_tokenizer import CharVocab
     from recipes.tiny_model import build_tiny_qwen3, save_model_dir
-    from services.trainer.wire import InvalidRequest
+    from services.trainer.data.wire import InvalidRequest
 
     model = build_tiny_qwen3(SMALL, seed=0)
     model.config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
@@ -190,7 +190,7 @@ def test_the_kl_reference_scores_with_the_same_bits(model_dir, restore_torch_glo
 
 
 def test_a_data_parallel_group_scores_the_samplers_bits(model_dir, restore_torch_globals):
-    from services.trainer.worker_group import GroupSpec, GroupTrainer
+    from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
 
     group = GroupTrainer(GroupSpec(world_size=2, device="cpu", num_threads=1, timeout_s=120))
     try:

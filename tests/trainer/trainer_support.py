@@ -86,9 +86,9 @@ def current_policy(trainer, model_dir: Path, *, device: str = "cpu") -> torch.nn
 def on_policy_request(trainer, model_dir: Path, step: int, *, n_groups: int, per_group: int, seed: int):
     """StepRequest of step `step`: make_episodes(seed=seed + step) scored by the trainer's current weights, as a
     rollout synced to it would report them, with GRPO advantages."""
-    from services.trainer.batching import TrainSample
-    from services.trainer.grpo import group_advantages
-    from services.trainer.wire import StepRequest
+    from services.trainer.data.batching import TrainSample
+    from services.trainer.loss.surrogate import group_advantages
+    from services.trainer.data.wire import StepRequest
 
     policy = current_policy(trainer, model_dir, device=trainer.device)
     eps = make_episodes(n_groups=n_groups, per_group=per_group, seed=seed + step)

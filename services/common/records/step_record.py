@@ -2,7 +2,7 @@
 
 A record holds the TrainStep stream exactly as it went over gRPC (header, then
 every trajectory) plus what a trainer needs to be configured for it (run id,
-model path, seed, trainer config). `python -m services.trainer.replay` feeds it
+model path, seed, trainer config). `python -m services.trainer.tools.replay` feeds it
 to a fresh trainer: with the weights the step started from, it gives the
 step's metrics and update bit for bit (same hardware, same thread count), so a
 surprising step (an IW spike, a parity-gate refusal) can be studied without

@@ -13,7 +13,7 @@ Any other key is refused (a check finds it not set). `RendezvousLimits` bounds w
 whoever writes it: a write that would pass a limit is refused (`StoreFull`) and stores nothing.
 
 The ranks of a multi-rank trainer meet the same way, at a KeyTable of their own that rank 0 serves with
-one group open for the group's lifetime (services/trainer/rank_rendezvous.py).
+one group open for the group's lifetime (services/trainer/distributed/rank_rendezvous.py).
 """
 from __future__ import annotations
 

@@ -249,7 +249,7 @@ def read_weight_dir(directory: str | Path, *, policy_version: int, expected_sha2
     returned) are checked; a FiniteTensors when every floating value was found finite, else a plain dict.
 
     `allocate(nbytes)` gives the memory each tensor is read into (flat uint8, 64-byte aligned; e.g. a
-    services.rollout.staging_arena lease, whose memory is already faulted in): new memory by default."""
+    services.rollout.weights.staging_arena lease, whose memory is already faulted in): new memory by default."""
     path = Path(directory) / WEIGHTS_FILE
     if not path.is_file():
         raise WeightFilesError(f"directory: no {WEIGHTS_FILE} in {str(directory)!r}")

@@ -84,7 +84,7 @@ def iter_weight_chunks(
     lora: LoraAdapterMeta | None = None,
 ) -> Iterator[pb.WeightChunk]:
     """The stream's definition, chunk by chunk, as parsed messages: what a client pushing UpdateWeights
-    sends, and the reference the trainer's served versions (services/trainer/served_weights.py) are
+    sends, and the reference the trainer's served versions (services/trainer/weights/served_weights.py) are
     tested against. `lora` marks the stream as that adapter's tensors (set on every chunk).
     `named_tensors` is consumed lazily, and each tensor is let go once its last chunk is cut."""
     if chunk_bytes <= 0:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 
 from proto import lockstep_pb2 as pb
 from services.common.records.step_record import read_step_record
-from services.coordinator.store import RUN_ID_PATTERN, RunStore, is_run_id
+from services.coordinator.state.store import RUN_ID_PATTERN, RunStore, is_run_id
 
 RunIdParam = Annotated[str, PathParam(description="A run id as POST /v1/runs returned it.",
                                       json_schema_extra={"pattern": RUN_ID_PATTERN})]

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 
 from services.common.records.run_bundle import BundleError, documents_from_upload
 from services.common.records.run_compare import RunSeries, compare_runs
-from services.coordinator.store import RUN_ID_PATTERN, RunStore, is_run_id
+from services.coordinator.state.store import RUN_ID_PATTERN, RunStore, is_run_id
 
 MAX_IMPORT_BYTES = 64 * 1024 * 1024
 MAX_COMPARED = 8

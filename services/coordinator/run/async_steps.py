@@ -16,10 +16,10 @@ import time
 
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import RolloutClient
-from services.coordinator.event_log import PhaseTimer
-from services.coordinator.fixed_lag import BusyIntervals, behaviour_version, rollouts_at, staleness_metrics
-from services.coordinator.run_errors import RunFailed
-from services.coordinator.streaming import admit, token_staleness_metrics, token_versions
+from services.coordinator.state.event_log import PhaseTimer
+from services.coordinator.run.fixed_lag import BusyIntervals, behaviour_version, rollouts_at, staleness_metrics
+from services.coordinator.run.errors import RunFailed
+from services.coordinator.run.streaming import admit, token_staleness_metrics, token_versions
 
 log = logging.getLogger("lockstep.coordinator.run")
 

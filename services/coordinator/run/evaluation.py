@@ -30,7 +30,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 
 from proto import lockstep_pb2 as pb
-from services.coordinator.prompts import SamplingPlan
+from services.coordinator.run.prompts import SamplingPlan
 from services.coordinator.run_spec import HELDOUT_SET, RunSpec
 from services.coordinator.tasks import Problem, Task, read_eval_set
 from services.coordinator.tasks.episodic import EpisodicTask

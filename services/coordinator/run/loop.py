@@ -52,24 +52,24 @@ from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
 from services.common.records.fingerprint import run_fingerprint
 from services.common.records.step_record import StepRecordMeta, write_step_record
-from services.coordinator.async_steps import AsyncSteps
+from services.coordinator.run.async_steps import AsyncSteps
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable
-from services.coordinator.dynamic_sampling import select_informative
-from services.coordinator.evaluation import EvalReport, Evaluator, build_eval_sets
-from services.coordinator.event_log import EventLog, PhaseTimer
-from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.fixed_lag import BusyIntervals, behaviour_version
+from services.coordinator.run.dynamic_sampling import select_informative
+from services.coordinator.run.evaluation import EvalReport, Evaluator, build_eval_sets
+from services.coordinator.state.event_log import EventLog, PhaseTimer
+from services.coordinator.state.exporter import CoordinatorExporter
+from services.coordinator.run.fixed_lag import BusyIntervals, behaviour_version
 from services.coordinator.fleet import RolloutFleet
-from services.coordinator.kept_rollouts import KeptRollouts
-from services.coordinator.prompts import SamplingPlan, step_problems
+from services.coordinator.state.kept_rollouts import KeptRollouts
+from services.coordinator.run.prompts import SamplingPlan, step_problems
 from services.coordinator.replicas import NoLiveReplica, ReplicaPool
-from services.coordinator.run_errors import RunCancelled, RunFailed, RunPaused
+from services.coordinator.run.errors import RunCancelled, RunFailed, RunPaused
 from services.coordinator.run_spec import RunSpec
-from services.coordinator.store import RunStore
-from services.coordinator.stream_generator import GenerationGate, StreamGenerator
+from services.coordinator.state.store import RunStore
+from services.coordinator.run.stream_generator import GenerationGate, StreamGenerator
 from services.coordinator.tasks import Problem, Task, build_task
 from services.coordinator.tasks.episodic import EpisodicTask, episode_metrics
-from services.coordinator.trainer_session import SpaceRetry, TrainerSession
+from services.coordinator.run.trainer_session import SpaceRetry, TrainerSession
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
 __all__ = ["RunCancelled", "RunDriver", "RunFailed", "RunPaused", "SpaceRetry", "next_step"]

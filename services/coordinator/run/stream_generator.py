@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from proto import lockstep_pb2 as pb
 from services.coordinator.fleet import RolloutFleet
-from services.coordinator.kept_rollouts import KeptRollouts
-from services.coordinator.prompts import group_id
-from services.coordinator.streaming import merge_round
+from services.coordinator.state.kept_rollouts import KeptRollouts
+from services.coordinator.run.prompts import group_id
+from services.coordinator.run.streaming import merge_round
 
 # How often a sync asks again for a pause while a Generate call is still in flight: a call sent just
 # before the pause was asked had not reached its engine's decode loop, so that pause found nothing.

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from contract.wire_tensors import array_from_proto as from_proto
 from proto import lockstep_pb2 as pb
-from services.coordinator.fixed_lag import behaviour_version
+from services.coordinator.run.fixed_lag import behaviour_version
 
 
 def token_versions(t: pb.Trajectory) -> list[int]:

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import CheckpointOutOfSpace, TrainerClient, TrainerUnavailable
-from services.coordinator.event_log import EventLog
-from services.coordinator.run_errors import RunFailed, RunPaused
+from services.coordinator.state.event_log import EventLog
+from services.coordinator.run.errors import RunFailed, RunPaused
 from services.coordinator.run_spec import RunSpec
-from services.coordinator.store import RunStore
+from services.coordinator.state.store import RunStore
 
 
 # A wait is cut into slices this long, so a cancel is noticed within one.

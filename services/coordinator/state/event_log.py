@@ -11,11 +11,11 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from services.common.process.structured_logging import log_event
-from services.coordinator.exporter import CoordinatorExporter
-from services.coordinator.store import RunStore
+from services.coordinator.state.exporter import CoordinatorExporter
+from services.coordinator.state.store import RunStore
 
 if TYPE_CHECKING:
-    from services.coordinator.evaluation import EvalReport
+    from services.coordinator.run.evaluation import EvalReport
 
 Export = Callable[[CoordinatorExporter], None]
 

@@ -16,7 +16,7 @@ from services.common.metric_defs import (
 )
 
 if TYPE_CHECKING:
-    from services.coordinator.evaluation import EvalReport
+    from services.coordinator.run.evaluation import EvalReport
 
 
 class CoordinatorExporter:

@@ -3,14 +3,14 @@
     decoder = Decoder(model, DecoderOptions(numerics="fast", max_batch_size=256, cuda_graphs=True))
     rows = decoder.decode(prompts, seeds, SamplingConfig(...))   # list[DecodedSequence], in prompt order
 
-Sequences are scheduled by services.rollout.scheduler: waiting sequences are admitted as rows and pages free
+Sequences are scheduled by services.rollout.embedded.scheduler: waiting sequences are admitted as rows and pages free
 up, prefilled in packed chunks of at most `prefill_chunk_tokens` tokens (one [1, T] forward, no padding,
 cu_seqlens) interleaved with decode steps, and a finished row gives its pages back at once. The n samples
 of a prompt share its prefill and its pages (copy on write of the partly filled last page). When the pool
 runs out of pages the latest admitted sequence is preempted and later recomputed from its tokens.
 
 Each decode step runs the stock HF model on [B, 1] ids with position_ids = each row's position,
-`use_cache=False`, and the decoder's attention function (services.rollout.kv_cache), which writes the new
+`use_cache=False`, and the decoder's attention function (services.rollout.embedded.kv_cache), which writes the new
 K/V into the row's page and attends over the row's pages. The logits of every row go through
 `kernels.logprob.token_logprobs` (the trainer's log-prob definition) and the sampler (kernels.sampling: one
 batched call per step; a sample's tokens depend only on its seed, its step and its logits).
@@ -27,7 +27,7 @@ Numerics modes:
   log-prob then has the same bits as the trainer's packed recompute of the whole sequence, whatever else
   is in the batch, however its prefill was chunked, whether its prompt's pages were shared, and whether
   its K/V was written by decode steps or recomputed after a preemption. Decode steps run the model's
-  parameters through fused kernels of the same bits (services.rollout.fused_step; `decode_forward` says
+  parameters through fused kernels of the same bits (services.rollout.embedded.fused_step; `decode_forward` says
   "fused", or "hf" for a model it does not cover or with `fused_step=False`).
   torch.compile is never used (fusion changes rounding).
 
@@ -56,17 +56,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.rollout.decoder_attention import (
+from services.rollout.embedded.decoder_attention import (
     check_decodable,
     decoder_attention,
     fast_prefill_attention,
     sdpa_paged_decode,
 )
 from services.rollout.engine import PrefillCounts, SamplingConfig
-from services.rollout.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
-from services.rollout.sampling import sample_tokens, seed_words
-from services.rollout.scheduler import KeptPrefixes, PageAllocator, Scheduler, Sequence as Seq, Unit, pages_for
-from services.rollout.step_inputs import StepInputs
+from services.rollout.embedded.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
+from services.rollout.embedded.sampling import sample_tokens, seed_words
+from services.rollout.embedded.scheduler import KeptPrefixes, PageAllocator, Scheduler, Sequence as Seq, Unit, pages_for
+from services.rollout.embedded.step_inputs import StepInputs
 
 NUMERICS_MODES = ("fast", "true_on_policy")
 SCHEDULERS = ("continuous", "static")
@@ -103,7 +103,7 @@ class DecoderOptions:
     """'continuous' (admit as rows and pages free up) or 'static' (a batch at a time, finished rows kept until
     the batch ends: the baseline a benchmark compares against)."""
     fused_step: bool = True
-    """true_on_policy: run decode steps on the fused batch-invariant kernels (services.rollout.fused_step), the
+    """true_on_policy: run decode steps on the fused batch-invariant kernels (services.rollout.embedded.fused_step), the
     stock forward's bits in fewer launches, where the model allows; False: always the stock forward."""
 
 
@@ -209,7 +209,7 @@ class Decoder:
         self._fused, self.decode_forward = None, "hf"
         if options.numerics == "true_on_policy":
             from kernels.batch_invariant.hf import make_batch_invariant
-            from services.rollout.fused_step import FusedDecodeStep, unsupported_reason
+            from services.rollout.embedded.fused_step import FusedDecodeStep, unsupported_reason
 
             make_batch_invariant(model)
             self._packed_attention, self.prefill_attention = None, "batch_invariant"

@@ -2,7 +2,7 @@
 
 - `check_decodable`: DecoderUnsupported for a model the decoder does not implement (sliding-window layers,
   logit softcapping, an output head other than nn.Linear, no base model under base_model_prefix).
-- `decoder_attention`: the model on the paged attention function of services.rollout.kv_cache for the length of
+- `decoder_attention`: the model on the paged attention function of services.rollout.embedded.kv_cache for the length of
   a decode, on its own implementation after, so it stays a stock HF module for anything else that scores with it.
 - `sdpa_paged_decode`: fast-mode decode attention on CPU, torch SDPA over the gathered pages (the
   batch-invariant CPU kernel walks key blocks in Python, and fast mode promises no bits).
@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from services.rollout.kv_cache import DECODER_ATTN_IMPLEMENTATION, register_decoder_attention
-from services.rollout.scheduler import pages_for
+from services.rollout.embedded.kv_cache import DECODER_ATTN_IMPLEMENTATION, register_decoder_attention
+from services.rollout.embedded.scheduler import pages_for
 
 
 class DecoderUnsupported(ValueError):

@@ -117,7 +117,7 @@ def decoder_attention_forward(
     impl = DECODER_ATTN_IMPLEMENTATION
     if lockstep_kv is None:
         raise RuntimeError(f"{impl}: called without the lockstep_kv forward kwarg; this attention only runs "
-                           "inside services.rollout.decoder (it needs the paged KV pool)")
+                           "inside services.rollout.embedded.decoder (it needs the paged KV pool)")
     if attention_mask is not None:
         raise RuntimeError(f"{impl}: got an attention mask; the decoder carries boundaries in its KV layout")
     if dropout or sliding_window is not None or kwargs.get("output_attentions"):

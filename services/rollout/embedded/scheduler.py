@@ -1,7 +1,7 @@
 """Which sequences the decoder runs each iteration: admission, prefill chunks, page tables, preemption.
 
 Pure bookkeeping (no torch): the decoder asks it for the next prefill chunk and the next decode batch and
-reports sampled tokens back. Pages are the KV pool's (services.rollout.kv_cache); page 0 is scratch and is
+reports sampled tokens back. Pages are the KV pool's (services.rollout.embedded.kv_cache); page 0 is scratch and is
 never handed out.
 
 - A sequence's state is its tokens (prompt, then sampled tokens) and `computed`, how many leading positions
@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from services.rollout.kv_cache import PAGE_TOKENS, SCRATCH_PAGE
+from services.rollout.embedded.kv_cache import PAGE_TOKENS, SCRATCH_PAGE
 
 
 def pages_for(tokens: int) -> int:

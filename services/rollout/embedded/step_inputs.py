@@ -19,8 +19,8 @@ from collections.abc import Sequence as Seqs
 import numpy as np
 import torch
 
-from services.rollout.kv_cache import SCRATCH_PAGE
-from services.rollout.scheduler import Sequence
+from services.rollout.embedded.kv_cache import SCRATCH_PAGE
+from services.rollout.embedded.scheduler import Sequence
 
 
 class StepInputs:

@@ -1,4 +1,4 @@
-"""The embedded PyTorch rollout engine: the stock Hugging Face model driven by services.rollout.decoder.
+"""The embedded PyTorch rollout engine: the stock Hugging Face model driven by services.rollout.embedded.decoder.
 
 It runs the trainer's model code (services.common.models.loading.load_causal_lm, the
 stock Hugging Face module) and scores every sampled token with the trainer's
@@ -34,7 +34,7 @@ from services.common.models.loading import load_causal_lm
 from services.common.weights.files import FiniteTensors
 from services.common.weights.stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.engine import (
     Engine,
     GeneratedSample,
@@ -44,11 +44,11 @@ from services.rollout.engine import (
     check_request_fits_model,
     require_device,
 )
-from services.rollout.episodes import SampledTurn
+from services.rollout.episodes.runner import SampledTurn
 from services.common.weights.finite_check import all_finite
-from services.rollout.lora_adapter import merged_weight, module_adapters
-from services.rollout.sampling import truncate_logits
-from services.rollout.scheduler import pages_for
+from services.rollout.weights.lora_adapter import merged_weight, module_adapters
+from services.rollout.embedded.sampling import truncate_logits
+from services.rollout.embedded.scheduler import pages_for
 
 __all__ = ["TorchEngine", "TorchEngineConfig", "decoder_options", "truncate_logits"]
 
@@ -208,7 +208,7 @@ class TorchEngine(Engine):
 
     def sample_turns(self, contexts: list[list[int]], seeds: list[int], sampling: SamplingConfig,
                      episode_ids: list[str] | None = None) -> list[SampledTurn]:
-        """One model turn of each multi-turn episode (services/rollout/episodes.py): each context's
+        """One model turn of each multi-turn episode (services/rollout/episodes/runner.py): each context's
         continuation from its seed's stream, tokens and log-probs as sampled. With `episode_kv_reuse`, each
         episode's K/V is kept under its id after the turn and reused by its next turn (its next context
         extends this one), until `episodes_ended`."""

@@ -40,7 +40,7 @@ def _context() -> multiprocessing.context.BaseContext:
     with _CONTEXT_LOCK:
         if _CONTEXT is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["contract.environment", "contract.calculator_env", "contract.guess_env"])
+            ctx.set_forkserver_preload(["contract.environment", "services.environments.calculator", "services.environments.number_guess"])
             _CONTEXT = ctx
         return _CONTEXT
 

@@ -1,4 +1,4 @@
-"""GenerateRequest.episode <-> multi-turn episodes (services/rollout/episodes.py): validation and the wire.
+"""GenerateRequest.episode <-> multi-turn episodes (services/rollout/episodes/runner.py): validation and the wire.
 
 Every error is a ValueError naming the field (the server answers INVALID_ARGUMENT); an environment is
 named, never imported from the request: only registered environments run.
@@ -14,9 +14,9 @@ from contract.environment import EpisodeLimits, EpisodeProblem, environment_opti
 from proto import lockstep_pb2 as pb
 from services.common.bounded_json import loads_bounded
 from services.common.tensors import ids_to_proto, logprobs_to_proto, to_proto
-from services.rollout.convert import MAX_SAMPLES_PER_PROMPT, MAX_SEED, sampling_from_proto
+from services.rollout.wire import MAX_SAMPLES_PER_PROMPT, MAX_SEED, sampling_from_proto
 from services.rollout.engine import SamplingConfig
-from services.rollout.episodes import Episode, EpisodeSpec
+from services.rollout.episodes.runner import Episode, EpisodeSpec
 
 MAX_SETTINGS_BYTES = 64 * 1024
 MAX_PROBLEM_CHARS = 64 * 1024

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
 from services.rollout.engine import SamplingConfig
-from services.rollout.environment_host import EpisodeEnded, EpisodeEnvironment
+from services.rollout.episodes.environment_host import EpisodeEnded, EpisodeEnvironment
 
 
 class TextTokenizer(Protocol):

@@ -16,10 +16,10 @@ from __future__ import annotations
 from proto import lockstep_pb2 as pb
 from services.common.rendezvous.store import BlockingStore
 from services.common.weights.broadcast_protocol import TensorSpec
-from services.rollout.sglang_client import SGLangConnectionError, SGLangRequestError
-from services.rollout.sglang_weights import verify_broadcast_plan
-from services.rollout.tcpstore_bridge import LOOPBACK, TcpStoreBridge, is_loopback_url
-from services.rollout.weight_broadcast import await_group_formed
+from services.rollout.sglang.client import SGLangConnectionError, SGLangRequestError
+from services.rollout.sglang.weights import verify_broadcast_plan
+from services.rollout.weights.tcpstore_bridge import LOOPBACK, TcpStoreBridge, is_loopback_url
+from services.rollout.weights.broadcast_receiver import await_group_formed
 
 
 class SGLangBroadcast:
@@ -39,7 +39,7 @@ class SGLangBroadcast:
 
         `store` is the plan's rendezvous, reached with the deployment's token. The server's ranks speak
         torch's TCPStore protocol, which carries no credentials, so they reach `store` through a
-        TcpStoreBridge on this host's loopback (services/rollout/tcpstore_bridge.py), open for this call
+        TcpStoreBridge on this host's loopback (services/rollout/weights/tcpstore_bridge.py), open for this call
         only: the server must run on this host."""
         plan = request.plan
         if plan.HasField("lora"):

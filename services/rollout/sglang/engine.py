@@ -55,8 +55,8 @@ from services.common.models.directory import check_model_dir, layout_digest
 from services.common.weights.stream import LoraAdapterMeta
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
 from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, GenerationRequest
-from services.rollout.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter
-from services.rollout.sglang_client import (
+from services.rollout.weights.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter
+from services.rollout.sglang.client import (
     SGLangClient,
     check_request,
     SGLangConnectionError,
@@ -65,10 +65,10 @@ from services.rollout.sglang_client import (
     parse_generate_response,
 )
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.sglang_config import SGLangHostConfig
-from services.rollout.sglang_broadcast import SGLangBroadcast
-from services.rollout.sglang_server import SGLangServer, SGLangStartError, engine_run_options
-from services.rollout.sglang_weights import (
+from services.rollout.sglang.config import SGLangHostConfig
+from services.rollout.sglang.broadcast import SGLangBroadcast
+from services.rollout.sglang.server import SGLangServer, SGLangStartError, engine_run_options
+from services.rollout.sglang.weights import (
     checkpoint_specs,
     eos_token_ids,
     load_checkpoint_tensors,

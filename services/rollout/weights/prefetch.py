@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.weights.files import WeightFiles
-from services.rollout.staging_arena import StagingArena
+from services.rollout.weights.staging_arena import StagingArena
 
 # A prefetch reads beside the engine's decode loop, in its process: every reading thread takes the GIL
 # between two blocks, and a decode loop that waits for it launches its kernels later. So a prefetch reads

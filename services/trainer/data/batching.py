@@ -3,7 +3,7 @@
 The training loop sees a microbatch only through the `Microbatch` protocol:
 "give me the final hidden states (and which rows score response tokens), and the per-token targets,
 rollout log-probs and advantages in the same order". A padded microbatch
-(here) and a packed one (services/trainer/packing.py, issue 6) both satisfy
+(here) and a packed one (services/trainer/data/packing.py, issue 6) both satisfy
 it, so packing replaces `plan_padded` + `PaddedMicrobatch` without touching
 the loss code.
 

@@ -4,7 +4,7 @@ A pure function (`pack_samples`) from a list of samples to a list of
 microbatches. Each microbatch is one flat buffer of whole sequences, no
 padding. A sample of L = P + R tokens (prompt + response) contributes its
 first L - 1 tokens: nothing is predicted from the last one (the same choice as
-services/trainer/batching.py), so every row has a target. Per microbatch:
+services/trainer/data/batching.py), so every row has a target. Per microbatch:
 
     input_ids        int64 [T]   the sequences back to back
     position_ids     int64 [T]   restarting at 0 for every sequence (RoPE sees what the rollout saw)
@@ -20,7 +20,7 @@ t + 1 of the same sample), so the trainer never shifts:
     advantages       fp32  [T]   the sample's advantage (0 where loss_mask is False)
     sample_index     int64 [T]   index of the row's sample in the input list
 
-`PackedMicrobatch` satisfies services/trainer/batching.py's `Microbatch`
+`PackedMicrobatch` satisfies services/trainer/data/batching.py's `Microbatch`
 protocol (hidden_states / response_targets / response_rollout_logprobs /
 response_advantages / sample_ids / num_response_tokens / to), so the loss code
 is the same for padded and packed microbatches. Its `hidden_states` refuses
@@ -41,7 +41,7 @@ from typing import Protocol, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.trainer.batching import ResponseSelection
+from services.trainer.data.batching import ResponseSelection
 
 
 class PackingConfig(BaseModel):

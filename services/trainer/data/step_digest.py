@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
-from services.trainer.batching import TrainSample
-from services.trainer.wire import FailedPrecondition
+from services.trainer.data.batching import TrainSample
+from services.trainer.data.wire import FailedPrecondition
 
 _DOMAIN = b"lockstep.trajectories.v1"
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.trainer.wire_errors import FailedPrecondition, InvalidRequest
+from services.trainer.data.wire_errors import FailedPrecondition, InvalidRequest
 
 # The run spec's bound on async.max_staleness; a header claiming more is malformed.
 MAX_STALENESS_LIMIT = 64

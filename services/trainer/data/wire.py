@@ -14,9 +14,9 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.tensors import from_proto
-from services.trainer.batching import TrainSample
-from services.trainer.token_versions import check_header_bound, check_token_versions
-from services.trainer.wire_errors import FailedPrecondition, InvalidRequest
+from services.trainer.data.batching import TrainSample
+from services.trainer.data.token_versions import check_header_bound, check_token_versions
+from services.trainer.data.wire_errors import FailedPrecondition, InvalidRequest
 
 __all__ = ["FailedPrecondition", "InvalidRequest", "StepRequest", "check_header", "decode_trajectory",
            "read_train_step", "step_metrics_message"]

@@ -1,6 +1,6 @@
 """The control collectives of a multi-rank trainer: commands, statuses, results in order.
 
-The model itself is sharded by FSDP (services/trainer/sharding.py), which
+The model itself is sharded by FSDP (services/trainer/distributed/sharding.py), which
 reduce-scatters the gradients; this is what travels beside it. A step's
 microbatches are built identically on every rank (canonical sample order);
 rank r trains on microbatches r, r + N, r + 2N, ...

@@ -1,4 +1,4 @@
-"""`python -m services.trainer.rank`: one worker rank (1..N-1) of a multi-rank trainer, started apart from
+"""`python -m services.trainer.distributed.rank`: one worker rank (1..N-1) of a multi-rank trainer, started apart from
 rank 0 (the Ray launcher places each as an actor, on any node). It serves nothing: it joins rank 0's
 rendezvous at --rendezvous with the deployment's token (as every service loads it; without one it does
 not start, and a token rank 0 refuses stops it with exit status 1, naming the refusal), takes the
@@ -47,8 +47,8 @@ class TrainerRankConfig(AuthSetting):
 def main(argv: list[str] | None = None) -> int:
     config = parse_service_config(TrainerRankConfig, env_prefix="LOCKSTEP_TRAINER_RANK", argv=argv)
     token = load_token_or_exit(config.auth_token_file)
-    from services.trainer.rank_rendezvous import RendezvousRefused
-    from services.trainer.worker_group import run_rank  # torch and the model code: after the flags are checked
+    from services.trainer.distributed.rank_rendezvous import RendezvousRefused
+    from services.trainer.distributed.worker_group import run_rank  # torch and the model code: after the flags are checked
 
     try:
         run_rank(config.rank, config.rendezvous, token, config.join_timeout_s, tuple(config.attention_plugins))

@@ -17,7 +17,7 @@ path for one rank and for N:
 
 A single trainer process forms a world of one in-process (a HashStore, no
 port); a data-parallel group joins its ranks at rank 0's authenticated rendezvous
-(services/trainer/worker_group.py, rank_rendezvous.py). Either way the default process group is
+(services/trainer/distributed/worker_group.py, rank_rendezvous.py). Either way the default process group is
 the trainer's: one trainer per process.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A multi-rank (FSDP) trainer: the serving process is rank 0; ranks 1..N-1 run `run_rank`.
 
 Where ranks 1..N-1 run: on this host, started by rank 0 as processes (the default), or anywhere,
-started by someone else (`python -m services.trainer.rank`; the Ray launcher places them as actors
-across nodes). Either way they meet at rank 0's rendezvous (services/trainer/rank_rendezvous.py: gRPC,
+started by someone else (`python -m services.trainer.distributed.rank`; the Ray launcher places them as actors
+across nodes). Either way they meet at rank 0's rendezvous (services/trainer/distributed/rank_rendezvous.py: gRPC,
 the deployment's token on every call), read the group's spec from it, and run the same loop below.
 
 Rank 0 answers every RPC. Every rank holds 1/N of each master weight, so
@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from services.common.auth import BearerToken, generate_token
 from services.common.process.ports import free_port
-from services.trainer import sharding
-from services.trainer.data_parallel import DataParallel
-from services.trainer.rank_rendezvous import (LIVENESS_KEY, LivenessHub, LivenessLink, join_store, serve_store,
+from services.trainer.distributed import sharding
+from services.trainer.distributed.data_parallel import DataParallel
+from services.trainer.distributed.rank_rendezvous import (LIVENESS_KEY, LivenessHub, LivenessLink, join_store, serve_store,
                                               split_address)
 from services.trainer.trainer import Trainer
 

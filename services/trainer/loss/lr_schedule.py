@@ -21,7 +21,7 @@ import math
 from collections.abc import Sequence
 
 from contract.trainer_settings import LRSchedule
-from services.trainer.batching import TrainSample
+from services.trainer.data.batching import TrainSample
 
 
 def lr_at(step: int, base_lr: float, schedule: LRSchedule) -> float:

@@ -1,7 +1,7 @@
 """The policy-gradient objective of a step (PPO-clip, GSPO, M2PO) and how token losses aggregate.
 
 Pure functions over flat per-token tensors of response tokens (the layout of
-services/trainer/grpo.py). The run-spec settings that choose them
+services/trainer/loss/surrogate.py). The run-spec settings that choose them
 (`trainer.policy_loss`, `trainer.loss_agg`) are in contract/trainer_settings.py.
 
 What "old" means. Every objective takes a ratio against the PPO old policy,
@@ -42,8 +42,8 @@ import torch
 
 from contract.trainer_run import TrainerRunConfig
 from contract.trainer_settings import LossAggregation, PolicyLoss
-from services.trainer.grpo import bounded_exp, clipped_surrogate, kl_to_reference
-from services.trainer.mismatch_correction import correction_weights
+from services.trainer.loss.surrogate import bounded_exp, clipped_surrogate, kl_to_reference
+from services.trainer.loss.mismatch_correction import correction_weights
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Refuse a non-finite update before it reaches the weights, naming the step and the tokens that carry it.
 
-Every log-ratio in the losses is bounded (services/trainer/policy_loss.py), so a finite batch of log-probs
+Every log-ratio in the losses is bounded (services/trainer/loss/policy_loss.py), so a finite batch of log-probs
 gives a finite loss and gradient whatever the rollout's staleness. What is left is the model itself: a
 log-prob that came out NaN or inf from the forward (an overflow in a bf16 layer, a weight already broken), or
 a backward that overflowed. The trainer checks the step's loss, its gradient norm, and each response token's

@@ -107,7 +107,7 @@ def adapter_meta(lm: torch.nn.Module, settings: LoraSettings) -> LoraAdapterMeta
 
 def named_adapter_tensors(lm: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(saved-adapter key, whole float32 master) of every adapter parameter, in module order. Collective."""
-    from services.trainer.sharding import full_tensor
+    from services.trainer.distributed.sharding import full_tensor
 
     for name, p in lm.named_parameters():
         if is_adapter_param(name):
@@ -136,6 +136,6 @@ def check_adapter_weights(lm: torch.nn.Module, weights: dict[str, torch.Tensor],
 
 def load_adapter_tensors(lm: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Copy whole adapter tensors (saved-adapter keys, already checked) into the possibly sharded masters."""
-    from services.trainer.sharding import load_master_tensors
+    from services.trainer.distributed.sharding import load_master_tensors
 
     load_master_tensors(lm, {param_name(k): v for k, v in weights.items()})

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from services.trainer.batching import Microbatch
+from services.trainer.data.batching import Microbatch
 
 
 def score_hidden(hidden: torch.Tensor, weight: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, *,

@@ -1,4 +1,4 @@
-"""`python -m services.trainer.replay --record R [--checkpoint C]`: one recorded step into a fresh trainer.
+"""`python -m services.trainer.tools.replay --record R [--checkpoint C]`: one recorded step into a fresh trainer.
 
 parse -> build -> run -> close: read the step record (services/common/records/step_record.py), configure an
 in-process Trainer for its run from the checkpoint holding the step's starting weights (policy
@@ -18,7 +18,7 @@ from services.common.process.service_config import parse_service_config
 from services.common.records.step_record import read_step_record
 from services.trainer import checkpoint as ckpt
 from services.trainer.trainer import StepFailed, Trainer
-from services.trainer.wire import FailedPrecondition, StepRequest, read_train_step
+from services.trainer.data.wire import FailedPrecondition, StepRequest, read_train_step
 
 
 class ReplayConfig(BaseModel):

@@ -10,7 +10,7 @@ trainer reported for that step (its step metrics hold them; per-token trainer lo
 recorded). On the machine that recorded the step, with the same thread count, the statistics are the
 recorded ones: bit for bit in true_on_policy.
 
-parse -> build -> run -> close, as services/trainer/replay.py.
+parse -> build -> run -> close, as services/trainer/tools/replay.py.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from services.common.process.service_config import parse_service_config
 from services.common.records.step_record import read_step_record
 from services.trainer import checkpoint as ckpt
 from services.trainer.parity_gate import check_parity
-from services.trainer.replay import recorded_request
+from services.trainer.tools.replay import recorded_request
 from services.trainer.trainer import ScoredTokens, Trainer
 
 # The step metrics that are the same statistics over the same tokens (services/trainer/grpo.mismatch_stats).

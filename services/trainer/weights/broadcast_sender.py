@@ -40,7 +40,7 @@ from services.common.weights.broadcast_protocol import (
 )
 from services.common.weights.digest import BlockDigests
 from services.trainer.run_state import WeightSnapshot
-from services.trainer.wire import FailedPrecondition, InvalidRequest
+from services.trainer.data.wire import FailedPrecondition, InvalidRequest
 
 # Plans kept for RunWeightBroadcast. A coordinator runs a plan right after opening it, and a plan holds
 # its snapshot (a compute-dtype copy of the policy) until then: a newer plan replaces an unrun one.
