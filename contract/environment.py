@@ -1,4 +1,4 @@
-"""Multi-turn environments: the interface, its limits, the reasons an episode ends, and the registry.
+"""Multi-turn environments: the interface, its limits, the reasons an episode ends, and a registry entry.
 
 An episode alternates model turns and environment observations:
 
@@ -9,8 +9,9 @@ The environment sees the model's turn as text (decoded from the sampled tokens) 
 the rollout keeps the sampled tokens as they were sampled and appends the observation's tokens after
 them, so an environment never changes a model token.
 
-An environment is ordinary Python registered here by name (`register_environment`): a run spec picks
-one by that name, never a module or an executable. Environments are run by a host that can stop them
+An environment is ordinary Python listed by name in services/environments/registry.py (the built-ins)
+or registered there in process (`register_environment`): a run spec picks one by that name, never a
+module or an executable. Environments are run by a host that can stop them
 (services/rollout/episodes/environment_host.py): an exception, a hang past `EpisodeLimits.step_timeout_s`, an
 observation over `max_observation_bytes`, one that is not UTF-8, or a malformed result ends that episode
 with one of the `EndReason`s below and is counted; the run goes on.
@@ -166,7 +167,7 @@ def check_step_result(result: object, max_bytes: int) -> StepResult:
     return StepResult(text, float(reward), done, tool_call, tool_error)
 
 
-# ---------------------------------------------------------------- registry
+# ---------------------------------------------------------------- registry entry
 
 @dataclass(frozen=True)
 class EnvironmentEntry:
@@ -174,42 +175,3 @@ class EnvironmentEntry:
     options_model: type[BaseModel]
     factory: Callable[[BaseModel], Environment]
     """Builds one episode's environment from validated options."""
-
-
-_ENVIRONMENTS: dict[str, EnvironmentEntry] = {}
-
-
-def register_environment(name: str, options_model: type[BaseModel],
-                         factory: Callable[[BaseModel], Environment]) -> None:
-    if name in _ENVIRONMENTS:
-        raise ValueError(f"environment {name!r} is already registered")
-    _ENVIRONMENTS[name] = EnvironmentEntry(name, options_model, factory)
-
-
-def _load_builtins() -> None:
-    # Built-in environments register themselves on import; imported here so any process (the coordinator, a
-    # rollout, an environment's worker process) that asks for one finds it.
-    from services.environments import calculator, number_guess  # noqa: F401
-
-
-def known_environments() -> tuple[str, ...]:
-    _load_builtins()
-    return tuple(sorted(_ENVIRONMENTS))
-
-
-def environment_options(name: str, options: dict) -> BaseModel:
-    """Validated options of environment `name` (ValueError naming the environment and the option)."""
-    return environment_entry(name).options_model.model_validate(dict(options), strict=True)
-
-
-def environment_entry(name: str) -> EnvironmentEntry:
-    _load_builtins()
-    try:
-        return _ENVIRONMENTS[name]
-    except KeyError:
-        raise ValueError(f"unknown environment {name!r}; known: {sorted(_ENVIRONMENTS)}") from None
-
-
-def build_environment(name: str, options: dict) -> Environment:
-    """A fresh environment for one episode."""
-    return environment_entry(name).factory(environment_options(name, options))

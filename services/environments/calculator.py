@@ -19,7 +19,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contract.environment import Environment, EpisodeProblem, StepResult, register_environment
+from contract.environment import Environment, EpisodeProblem, StepResult
 
 MAX_EXPRESSION_CHARS = 200
 """Longest expression the calculator reads (ast.parse's own nesting limit is far above what fits)."""
@@ -125,5 +125,3 @@ class CalculatorEnvironment(Environment):
         correct = found is not None and found.group(0) == self.problem.answer
         return StepResult("", self.options.correct_reward if correct else 0.0, True)
 
-
-register_environment("calculator", CalculatorOptions, CalculatorEnvironment)

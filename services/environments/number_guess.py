@@ -11,7 +11,7 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from contract.environment import Environment, EpisodeProblem, StepResult, register_environment
+from contract.environment import Environment, EpisodeProblem, StepResult
 
 _INTEGER = re.compile(r"-?\d{1,12}")
 
@@ -42,5 +42,3 @@ class GuessEnvironment(Environment):
             return StepResult("", self.options.correct_reward, True)
         return StepResult(" higher: " if guess < self.target else " lower: ", 0.0, False)
 
-
-register_environment("number_guess", GuessOptions, GuessEnvironment)

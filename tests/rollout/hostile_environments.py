@@ -9,7 +9,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from contract.environment import Environment, EpisodeProblem, StepResult, register_environment
+from contract.environment import Environment, EpisodeProblem, StepResult
+from services.environments.registry import register_environment
 
 
 class NoOptions(BaseModel):
@@ -101,7 +102,7 @@ HOSTILE = {"test-raises": Raises, "test-hangs": Hangs, "test-huge": Huge, "test-
 
 
 def register_hostile() -> None:
-    from contract.environment import known_environments
+    from services.environments.registry import known_environments
 
     known = known_environments()
     for name, cls in HOSTILE.items():
@@ -125,7 +126,7 @@ class Feedback(Environment):
 
 
 def register_feedback() -> None:
-    from contract.environment import known_environments
+    from services.environments.registry import known_environments
 
     if "test-feedback" not in known_environments():
         register_environment("test-feedback", NoOptions, Feedback)

@@ -1,6 +1,6 @@
 """Tasks whose samples are multi-turn episodes: the environment writes the prompt and the rewards.
 
-An `EpisodicTask` names a registered environment (contract/environment.py) and the episode limits
+An `EpisodicTask` names a registered environment (services/environments/registry.py) and the episode limits
 (`options.episode`); the coordinator sends each problem to the rollout, which runs the episode turn by
 turn and returns the environment's reward with the trajectory. Built in:
 

@@ -25,8 +25,9 @@ from pydantic import BaseModel
 
 from contract.environment import (
     EndReason, Environment, EpisodeLimits, EpisodeProblem, ObservationRefused, StepResult, check_observation,
-    check_step_result, environment_entry, environment_options,
+    check_step_result,
 )
+from services.environments.registry import environment_entry, environment_options
 
 _FRAMING_BYTES = 4096
 """Room for the pickled reply's own structure around the observation text."""
