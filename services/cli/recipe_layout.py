@@ -19,8 +19,8 @@ from pathlib import Path, PurePosixPath
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from contract.math_options import MAX_DATASET_LINES, MathConfig, reference_answer
 from services.cli.client import apply_overrides, load_recipe
-from services.coordinator.tasks.math_dataset import MAX_DATASET_LINES, MathConfig, reference_answer
 
 RECIPE_FILE = "recipe.yaml"
 LAYOUT_FILE = "layout.yaml"
