@@ -6,6 +6,9 @@ and map errors to status codes. The lock is a threading.Lock taken *inside*
 the worker thread: when a client goes away mid-step the handler is cancelled
 but the thread finishes its update still holding the lock, so a retried
 TrainStep waits for it and then sees a replay instead of training twice.
+Which weights version GetWeights and WriteWeights serve, and how a request for
+a kept version is answered while a step holds the lock, is
+services/trainer/weights/serving.py.
 Status codes:
 - no or a wrong bearer token (any method)   -> UNAUTHENTICATED (services.common.auth's interceptor)
 - InvalidRequest (malformed request, or a
@@ -29,14 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import pickle
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
@@ -63,10 +63,9 @@ from services.trainer.config import TrainerServiceConfig
 from services.trainer.disk_space import OutOfSpace, writing
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
-from services.trainer.weights.served_weights import DEFAULT_CUT_WORKERS, VersionRetired, WeightVersion
-from services.trainer.run_state import WeightSnapshot
 from services.trainer.trainer import StepFailed, StepOutcome, Trainer
 from services.trainer.weights.broadcast_sender import BroadcastFailed, WeightBroadcaster
+from services.trainer.weights.serving import VersionNotKept, WeightChunksAsKept, WeightServing
 from services.trainer.data.wire import (
     FailedPrecondition,
     InvalidRequest,
@@ -83,11 +82,6 @@ T = TypeVar("T")
 # What loading files a request named raises when they are not a loadable model or checkpoint (transformers,
 # safetensors and torch.load use these); the request's fault, so INVALID_ARGUMENT naming the field.
 LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError, pickle.UnpicklingError)
-
-
-class VersionNotKept(FailedPrecondition):
-    """GetWeights or WriteWeights named a version the trainer neither holds nor kept: NOT_FOUND, so that a
-    replica tells it from a trainer that lost the run (FAILED_PRECONDITION, which the run recovers from)."""
 
 
 ERRORS = RpcErrors(SERVICE, StatusMap(
@@ -132,45 +126,18 @@ def confined(value: str, roots: Sequence[str], field: str) -> str:
         raise InvalidRequest(str(exc)) from None
 
 
-@dataclass
-class ServedWeights:
-    """One weights state's GetWeights stream: `snapshot` identifies the state, `version` holds its bytes and
-    chunk digests for every replica that reads it. `withdrawn`: the trainer's weights were replaced other
-    than by a step from this state (ConfigureRun, LoadCheckpoint, a TrainStep that did not keep it), so it
-    is no longer the run's version `snapshot.policy_version`."""
-
-    snapshot: WeightSnapshot
-    chunk_bytes: int
-    version: WeightVersion
-    withdrawn: bool = False
-
-
-# How often a request for a version waits for the trainer's lock before it looks again for that version
-# kept by the TrainStep holding the lock.
-KEPT_POLL_S = 0.05
-
-
 class TrainerServicer(pb_grpc.TrainerServicer):
     def __init__(self, trainer: Trainer, collectors: dict[str, object], *, weight_chunk_bytes: int,
                  model_roots: Sequence[str], checkpoint_roots: Sequence[str], broadcaster: WeightBroadcaster) -> None:
         self.trainer = trainer
         self.broadcaster = broadcaster
         self.metrics = collectors
-        self.weight_chunk_bytes = weight_chunk_bytes
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
         self.lock = threading.Lock()
-        # The last version cut (GetWeights, WriteWeights, a TrainStep keeping its previous weights), kept for
-        # other replicas; while the weights it was cut from are current, or after a TrainStep that kept it.
-        self.served: ServedWeights | None = None
-        # The version a weight change retired: its host buffer is written over by the next cut.
-        self._retired: WeightVersion | None = None
-        self._hash_pool = ThreadPoolExecutor(DEFAULT_CUT_WORKERS, thread_name_prefix="weights-hash")
-        self._encode_pool = ThreadPoolExecutor(DEFAULT_CUT_WORKERS, thread_name_prefix="weights-encode")
+        self.weights = WeightServing(trainer, self.lock, chunk_bytes=weight_chunk_bytes)
 
     def close(self) -> None:
-        self.served = self._retired = None
-        for pool in (self._hash_pool, self._encode_pool):
-            pool.shutdown(wait=False, cancel_futures=True)
+        self.weights.close()
 
     async def _locked(self, fn: Callable[..., T], *args: object) -> T:
         def run() -> T:
@@ -180,67 +147,13 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         return await asyncio.to_thread(run)
 
     async def _locked_changing_weights(self, fn: Callable[..., T], *args: object) -> T:
-        """_locked for a call that may change the weights: the kept version of the old ones is no longer
-        served; its host memory is kept for the next version's cut (one host copy of the weights, which
-        the trainer holds between syncs anyway)."""
-        def run() -> T:
-            self._withdraw_served()
-            return fn(*args)
-
-        return await self._locked(run)
-
-    def _withdraw_served(self) -> None:
-        if self.served is not None:
-            self.served.withdrawn = True
-            self._retired, self.served = self.served.version, None
+        """_locked for a call that may change the weights: the version served of the old ones is withdrawn."""
+        return await self._locked(self.weights.changing_weights, fn, *args)
 
     def _train_step(self, req: StepRequest) -> StepOutcome:
-        """Under the lock. With keep_previous_weights, the weights the step starts from (version step - 1) are
-        cut first and stay served by version while it trains; otherwise they are withdrawn."""
-        run = self.trainer.run
-        if not req.keep_previous_weights:
-            self._withdraw_served()
-        elif run is not None and run.run_id == req.run_id and run.policy_version == req.step - 1:
-            self._served_weights(req.run_id, self.weight_chunk_bytes)
-        # else: a replay or a refused step, which leaves the weights as they are
+        """Under the lock: the served weights follow the step's keep_previous_weights, then it trains."""
+        self.weights.before_step(req)
         return self.trainer.train_step(req)
-
-    def _kept(self, run_id: str, version: int, chunk_bytes: int) -> ServedWeights | None:
-        """The served `version` of the run, held (the caller releases it), or None."""
-        served = self.served
-        if (served is None or served.withdrawn or served.snapshot.run.run_id != run_id
-                or served.snapshot.policy_version != version or served.chunk_bytes != chunk_bytes):
-            return None
-        try:
-            served.version.acquire()
-        except VersionRetired:
-            return None
-        return served
-
-    def _serve(self, run_id: str, version: int | None, chunk_bytes: int) -> ServedWeights:
-        """(In a worker thread.) The weights to send or write, held (the caller releases them): `version` of
-        the run, from the trainer's current weights or the copy a TrainStep kept; with None, the current
-        weights. FailedPrecondition when the trainer has neither. A kept version is found without the lock,
-        so that it is served while the step that kept it trains."""
-        if version is not None:
-            while not self.lock.acquire(timeout=KEPT_POLL_S):
-                if (kept := self._kept(run_id, version, chunk_bytes)) is not None:
-                    return kept
-        else:
-            self.lock.acquire()
-        try:
-            if version is not None:
-                if (kept := self._kept(run_id, version, chunk_bytes)) is not None:
-                    return kept
-                current = self.trainer.require_run(run_id).policy_version
-                if current != version:
-                    raise VersionNotKept(f"policy_version: the trainer holds version {current} of run {run_id!r} "
-                                         f"and keeps no copy of version {version} (in chunks of {chunk_bytes} bytes)")
-            served = self._served_weights(run_id, chunk_bytes)
-            served.version.acquire()
-            return served
-        finally:
-            self.lock.release()
 
     def _service_info(self) -> pb.ServiceInfo:
         info = self.trainer.info()
@@ -293,57 +206,22 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         verdict = await self._locked(self.trainer.check_parity, req)
         return parity_report(verdict)
 
-    def _served_weights(self, run_id: str, chunk_bytes: int) -> ServedWeights:
-        """The run's current weights as served (under the lock): the version kept from an earlier GetWeights
-        while the weights are unchanged, else a new one cut now (copied to host memory before the lock is
-        let go; hashed on the pool as the stream goes)."""
-        served = self.served
-        if served is not None and served.chunk_bytes == chunk_bytes and served.snapshot.run.run_id == run_id:
-            try:
-                self.trainer.check_weights_unchanged(served.snapshot)
-                return served
-            except FailedPrecondition:
-                pass
-        retired = self.served.version if self.served is not None else self._retired
-        self.served = self._retired = None
-        snapshot = self.trainer.weight_tensors(run_id)
-        version = WeightVersion(snapshot.tensors, run_id=run_id, policy_version=snapshot.policy_version,
-                                chunk_bytes=chunk_bytes, lora=snapshot.lora, hash_pool=self._hash_pool,
-                                encode_pool=self._encode_pool, reuse=retired)
-        del snapshot.tensors[:]  # the compute-dtype casts (on a GPU, device memory) go now
-        self.served = ServedWeights(dataclasses.replace(snapshot, tensors=[]), chunk_bytes, version)
-        return self.served
-
     async def GetWeights(self, request: pb.GetWeightsRequest, context) -> AsyncIterator[bytes]:
         """Yields serialized WeightChunks: registered without a response serializer (add_trainer_service)."""
         if request.chunk_bytes < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"chunk_bytes: must be >= 0, got {request.chunk_bytes}")
-        chunk_bytes = request.chunk_bytes or self.weight_chunk_bytes
+        chunk_bytes = request.chunk_bytes or self.weights.chunk_bytes
         wanted = request.policy_version if request.HasField("policy_version") else None
         try:
-            served = await asyncio.to_thread(self._serve, request.run_id, wanted, chunk_bytes)
+            served = await asyncio.to_thread(self.weights.hold, request.run_id, wanted, chunk_bytes)
         except FailedPrecondition as exc:
             await context.abort(status_for(exc), str(exc))
         try:
-            reader = served.version.reader()
-        finally:
-            served.version.release()
-        # The version is a snapshot: a step that changes the live weights mid-stream cannot tear it. A stream
-        # of the current weights fails if they change before it ends, rather than hand out a version the
-        # trainer has moved past; one of a named version fails only if the version is withdrawn.
-        try:
-            while (upcoming := reader.next_chunk()) is not None:
-                chunk = await asyncio.wrap_future(upcoming)
-                if wanted is None:
-                    self.trainer.check_weights_unchanged(served.snapshot)
-                elif served.withdrawn:
-                    raise FailedPrecondition(f"weights of policy_version {wanted} were replaced (the trainer was "
-                                             "configured or loaded a checkpoint) while they were being read")
-                yield chunk
-        except FailedPrecondition as exc:
+            async with contextlib.aclosing(self.weights.chunks(served, wanted)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except FailedPrecondition as exc:  # the weights changed, or were withdrawn, mid-stream
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
-        finally:
-            reader.close()
 
     @rpc_handler(ERRORS, "SaveCheckpoint")
     async def SaveCheckpoint(self, request: pb.SaveCheckpointRequest, context) -> pb.SaveCheckpointResponse:
@@ -358,7 +236,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         lock: a step that trains meanwhile does not wait for the disk."""
         directory = confined(request.directory, self.checkpoint_roots, "directory")
         wanted = request.policy_version if request.HasField("policy_version") else None
-        served = await asyncio.to_thread(self._serve, request.run_id, wanted, self.weight_chunk_bytes)
+        served = await asyncio.to_thread(self.weights.hold, request.run_id, wanted, self.weights.chunk_bytes)
         try:
             snapshot = served.snapshot
             if snapshot.lora is not None:
@@ -410,29 +288,8 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         return self._service_info()
 
 
-class _WeightChunksAsKept:
-    """The server as add_TrainerServicer_to_server sees it: GetWeights' handler is registered without a
-    response serializer (its chunks are serialized once, when cut, and sent as the kept bytes); every other
-    handler is registered unchanged. The generated code registers the same handlers twice, as a generic
-    handler and by method name; both are made here from the by-name ones (a trainer without them serves
-    nothing, which every test of it would show)."""
-
-    def __init__(self, server: grpc.aio.Server) -> None:
-        self._server = server
-
-    def add_generic_rpc_handlers(self, handlers: object) -> None:
-        pass  # made from the by-name handlers below
-
-    def add_registered_method_handlers(self, service: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        get = handlers["GetWeights"]
-        handlers = {**handlers, "GetWeights": grpc.unary_stream_rpc_method_handler(
-            get.unary_stream, request_deserializer=get.request_deserializer)}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-        self._server.add_registered_method_handlers(service, handlers)
-
-
 def add_trainer_service(servicer: "TrainerServicer", server: grpc.aio.Server) -> None:
-    pb_grpc.add_TrainerServicer_to_server(servicer, _WeightChunksAsKept(server))
+    pb_grpc.add_TrainerServicer_to_server(servicer, WeightChunksAsKept(server))
 
 
 class TrainerServer:
