@@ -1,12 +1,11 @@
 """The launch commands a resolved recipe implies: compose, the SGLang server the rollout starts, environments.
 
 Printed by `lockstep recipe show` and `--dry-run`, and pinned by snapshot
-tests. The SGLang command line and its environment come from the rollout's
-own code (services.common.platform.sglang_launch_plan,
-services.rollout.sglang.server.server_command / server_env), so what is
-printed is what the rollout service would run; only values decided when it
-runs (its pid, a free port, the generated --api-key) are shown as
-placeholders.
+tests. The SGLang command line and its environment come from the code the
+rollout builds them with (services.common.platform.sglang_launch_plan,
+contract.sglang_command.server_command / server_env), so what is printed is
+what the rollout service would run; only values decided when it runs (its
+pid, a free port, the generated --api-key) are shown as placeholders.
 """
 from __future__ import annotations
 
@@ -14,8 +13,8 @@ import shlex
 from dataclasses import dataclass, field
 
 from contract.engine_options import SGLangEngineConfig
+from contract.sglang_command import BOOTSTRAP, engine_run_options, server_command, server_env
 from services.common.platform import Platform, sglang_launch_plan
-from services.rollout.sglang.server import BOOTSTRAP, engine_run_options, server_command, server_env
 
 COMPOSE_FILES: dict[Platform, tuple[str, ...]] = {
     Platform.ROCM: ("deploy/docker-compose.yml",),
@@ -81,6 +80,8 @@ def sglang_launch(spec: dict, platform: Platform, rollout_gpus: str) -> SGLangLa
     at = argv.index(BOOTSTRAP)
     argv[at], argv[at + 1] = BOOTSTRAP_SHOWN, PARENT_PID_SHOWN
     argv[argv.index("--port=0")] = f"--port={PORT_SHOWN}"
+    # The rollout also withholds Lockstep's own token from the server; `base` holds none, and what is
+    # shown is only what the rollout adds or changes.
     env = server_env(plan, base, api_key=API_KEY_SHOWN)
     added = {k: v for k, v in env.items() if base.get(k) != v}
     return SGLangLaunch(platform=chosen, argv=argv, env_added=added)

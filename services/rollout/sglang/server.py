@@ -5,6 +5,9 @@ the rollout service's: sglang pins its own torch/transformers. It is started in
 a new session so that its process group holds the server and the scheduler /
 detokenizer processes it forks; stopping signals that group by the server's
 pid, so nothing is left behind even after the server itself was SIGKILLed.
+
+Its command line and environment are built by contract/sglang_command.py,
+which `lockstep recipe show` prints from as well.
 """
 from __future__ import annotations
 
@@ -20,103 +23,30 @@ from pathlib import Path
 
 import httpx
 
-from contract.command_line import SpecOption, command_line_fields, render_spec_options, spec_option
-from contract.engine_options import SGLangEngineConfig
+from contract.command_line import SpecOption
+from contract.sglang_command import (  # noqa: F401 - the rollout's engine and tests take these from here
+    API_KEY_ENV,
+    BOOTSTRAP,
+    engine_run_options,
+    server_command,
+)
+from contract.sglang_command import server_env as launch_env
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from services.common.platform import SGLangLaunchPlan
 from services.common.process.ports import free_port
 
 log = logging.getLogger(__name__)
 
-# Variables that would change what the server reports, removed from its
-# environment: SGLANG_RETURN_ORIGINAL_LOGPROB=1 makes /generate return
-# log-probs of the *unscaled* logits, not the temperature-scaled distribution
-# the trainer recomputes (see sglang_client.py).
-SCRUBBED_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_USE_CPU_ENGINE")
-API_KEY_ENV = "LOCKSTEP_SGLANG_API_KEY"
-"""How the bootstrap receives the server's --api-key: the environment is readable by the same user only,
-a command line by everyone on the host."""
-
 
 class SGLangStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message carries its log tail."""
 
 
-# The child's entry point: SGLang's own launcher, plus a watchdog thread that
-# takes the server's process group down when the rollout service that started
-# it is gone (getppid() changes on reparenting). atexit and close() cover an
-# orderly exit; this covers a rollout service that was SIGKILLed or crashed,
-# which would otherwise leave a server holding GBs of memory and its port.
-# (PR_SET_PDEATHSIG is no substitute: it fires when the launching *thread*
-# exits, and servers are launched from worker and restart threads.)
-# The bootstrap also hands SGLang its --api-key from the environment: arguments
-# set in sys.argv here never appear in /proc/<pid>/cmdline. As one `--api-key=KEY`
-# argument: a URL-safe key may start with '-', which argparse would otherwise take
-# for an option and refuse the server's start.
-BOOTSTRAP = (
-    "import os, runpy, signal, sys, threading, time\n"
-    "parent = int(sys.argv.pop(1))\n"
-    f"sys.argv.append('--api-key=' + os.environ.pop({API_KEY_ENV!r}))\n"
-    "def watch():\n"
-    "    while os.getppid() == parent:\n"
-    "        time.sleep(1.0)\n"
-    "    os.killpg(0, signal.SIGTERM)\n"
-    "    time.sleep(10.0)\n"
-    "    os.killpg(0, signal.SIGKILL)\n"
-    "threading.Thread(target=watch, name='lockstep-parent-watch', daemon=True).start()\n"
-    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)\n"
-)
-
-
-def engine_run_options(config: SGLangEngineConfig) -> tuple[SpecOption, ...]:
-    """The run's engine options outside `server` that become server flags: every field that declares one."""
-    return tuple(spec_option(config, name, "engine_config.") for name in command_line_fields(type(config)))
-
-
-def server_command(
-    python: str,
-    plan: SGLangLaunchPlan,
-    *,
-    model_path: str,
-    host: str,
-    port: int,
-    weight_version: str,
-    run_options: Sequence[SpecOption] = (),
-    extra_args: Sequence[str] = (),
-    parent_pid: int,
-) -> list[str]:
-    """The full command line. Pure, so a test can pin it.
-
-    The one place the server's command line is built. What the operator and
-    this code decide (`host`, `port`, `weight_version`, `plan.flags`,
-    `extra_args`) is taken as is; what a run chose (`model_path`,
-    `plan.options`, `run_options`) goes through render_spec_options, which
-    refuses, naming the field, any value that could read as an option
-    (contract/command_line.py): a new option cannot reach the command line
-    without that check.
-
-    --skip-tokenizer-init: the engine speaks token ids only (prompts arrive
-    tokenized, samples leave as ids), so the server needs no tokenizer and
-    does no detokenization work.
-    """
-    chosen = render_spec_options([SpecOption("model_path", "--model-path", model_path), *plan.options, *run_options])
-    return [
-        python, "-c", BOOTSTRAP, str(parent_pid),
-        f"--host={host}",
-        f"--port={port}",
-        f"--weight-version={weight_version}",
-        "--skip-tokenizer-init",
-        *plan.flags,
-        *chosen,
-        *extra_args,
-    ]
-
-
 def server_env(plan: SGLangLaunchPlan, base: Mapping[str, str], api_key: str) -> dict[str, str]:
-    """The server's environment: `base` without SCRUBBED_ENV and without Lockstep's own token, plus the
-    server's API key for the bootstrap."""
-    env = {k: v for k, v in base.items() if k not in SCRUBBED_ENV and k not in (TOKEN_ENV, TOKEN_FILE_ENV)}
-    return {**plan.child_env(env), API_KEY_ENV: api_key}
+    """The server's environment (contract.sglang_command.server_env) from `base` without Lockstep's own
+    token, which the server has no use for."""
+    credentials = (TOKEN_ENV, TOKEN_FILE_ENV)
+    return launch_env(plan, {k: v for k, v in base.items() if k not in credentials}, api_key)
 
 
 _LIVE: "weakref.WeakSet[SGLangServer]" = weakref.WeakSet()
