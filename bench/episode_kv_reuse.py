@@ -23,7 +23,7 @@ from pathlib import Path
 
 def _request(groups: int, per_group: int, turns: int, max_new_tokens: int, prompt_chars: int):
     from contract.environment import EpisodeLimits, EpisodeProblem
-    from services.rollout.engine import SamplingConfig
+    from services.rollout.types import SamplingConfig
     from services.rollout.episodes.requests import EpisodeRequest
     from services.rollout.episodes.runner import EpisodeSpec
 

@@ -25,7 +25,7 @@ import time
 import torch
 
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
-from services.rollout.engine import SamplingConfig
+from services.rollout.types import SamplingConfig
 
 LONGTAIL_SHAPES = {
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,

@@ -8,126 +8,13 @@ fallback to another engine.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from services.common.weights.stream import LoraAdapterMeta
-    from services.rollout.config import RolloutServiceConfig
-    from services.rollout.episodes.requests import EpisodeRequest
-    from services.rollout.episodes.runner import Episode, ObservationCodec, SampledTurn
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 16
-    stop_token_ids: tuple[int, ...] = ()
-    greedy: bool = False
-
-    def validate(self) -> None:
-        """Raise ValueError naming the field for any out-of-range value."""
-        if not self.greedy and not (self.temperature > 0 and self.temperature < float("inf")):
-            raise ValueError(f"sampling.temperature: must be > 0 and finite, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"sampling.top_p: must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"sampling.top_k: must be >= 0, got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"sampling.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-
-    @property
-    def logprob_temperature(self) -> float:
-        """Temperature of the distribution whose log-probs are reported (1 when greedy)."""
-        return 1.0 if self.greedy else self.temperature
-
-
-@dataclass(frozen=True)
-class PromptSpec:
-    group_id: str
-    token_ids: tuple[int, ...]
-    seed: int  # sample i of this prompt is drawn with seed + i
-
-
-@dataclass(frozen=True)
-class ResumedSample:
-    """A sample paused earlier: its tokens so far, their log-probs and the policy version of each."""
-
-    sample_id: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    policy_versions: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompts: tuple[PromptSpec, ...]
-    sampling: SamplingConfig
-    samples_per_prompt: int = 1
-    resumed: tuple[ResumedSample, ...] = ()
-    sample_ids: tuple[str, ...] = ()  # non-empty: only these samples are generated (GenerateRequest.sample_ids)
-
-    def sequences(self) -> list[tuple[PromptSpec, int]]:
-        """(prompt, sample index) of every sample to generate, in prompt then index order."""
-        wanted = set(self.sample_ids)
-        return [(p, i) for p in self.prompts for i in range(self.samples_per_prompt)
-                if not wanted or f"{p.group_id}/{i}" in wanted]
-
-
-@dataclass
-class GeneratedSample:
-    group_id: str
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]  # fp32 log-prob of each token under the sampled distribution
-    finish_reason: str     # "stop" | "length" | "paused"
-    policy_versions: list[int] = field(default_factory=list)  # of each token; empty: all the engine's version
-
-    @property
-    def sample_id(self) -> str:
-        return f"{self.group_id}/{self.index}"
-
-
-@dataclass
-class PrefillCounts:
-    """An engine's prefill work over some requests (exported as rollout metrics)."""
-
-    prefill_tokens: int = 0
-    """Tokens run through prefill forwards (K/V computed)."""
-    reused_tokens: int = 0
-    """Context tokens of episode turns whose K/V was kept from the episode's previous turn (not prefilled)."""
-    misses: dict[str, int] = field(default_factory=dict)
-    """Episode turns that re-prefilled a context whose earlier K/V had been kept, by why it was gone."""
-
-
-def check_request_fits_model(request: "GenerationRequest", *, vocab: int, max_len: int | None) -> None:
-    """What every engine checks against its model: the sampling settings, at least one prompt and one
-    sample, every prompt and resumed token id inside the `vocab`, and every prompt plus its new tokens
-    within `max_len` positions (None: no limit). ValueError names the field."""
-    request.sampling.validate()
-    if request.samples_per_prompt < 1:
-        raise ValueError(f"samples_per_prompt: must be >= 1, got {request.samples_per_prompt}")
-    if not request.prompts:
-        raise ValueError("prompts: empty")
-    for i, p in enumerate(request.prompts):
-        if not p.token_ids:
-            raise ValueError(f"prompts[{i}].token_ids: empty")
-        bad = [t for t in p.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompts[{i}].token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
-        if max_len is not None and len(p.token_ids) + request.sampling.max_new_tokens > max_len:
-            raise ValueError(
-                f"sampling.max_new_tokens: prompts[{i}] has {len(p.token_ids)} tokens; plus "
-                f"{request.sampling.max_new_tokens} new tokens exceeds max_position_embeddings={max_len}"
-            )
-    for i, r in enumerate(request.resumed):
-        bad = [t for t in r.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"resumed[{i}].response_token_ids: id {bad[0]} outside the vocabulary [0, {vocab})")
+from services.common.weights.stream import LoraAdapterMeta
+from services.rollout.config import RolloutServiceConfig
+from services.rollout.episodes.requests import EpisodeRequest
+from services.rollout.episodes.runner import Episode, ObservationCodec, SampledTurn, episode_codec, run_episodes
+from services.rollout.types import GeneratedSample, GenerationRequest, PrefillCounts, PromptSpec, SamplingConfig
 
 
 class DeviceUnavailable(RuntimeError):
@@ -159,7 +46,7 @@ class Engine(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def from_config_json(cls, text: str, service: "RolloutServiceConfig | None" = None) -> "Engine":
+    def from_config_json(cls, text: str, service: RolloutServiceConfig | None = None) -> "Engine":
         """Build from LoadModelRequest.engine_config_json; ValueError naming the field on bad options.
 
         `service` is the rollout service's own configuration: what the operator decides (interpreters,
@@ -194,19 +81,17 @@ class Engine(abc.ABC):
         this to load `directory` in place rather than write the same tensors out again."""
         self.update_weights(tensors, policy_version)
 
-    def update_lora_adapter(self, meta: "LoraAdapterMeta", tensors: dict[str, torch.Tensor],
+    def update_lora_adapter(self, meta: LoraAdapterMeta, tensors: dict[str, torch.Tensor],
                             policy_version: int) -> None:
         """Serve the base model with this LoRA adapter from `policy_version` on (replacing any earlier one);
         every tensor verified first, nothing applied on any error. Engines without LoRA support refuse."""
         raise ValueError(f"weights.lora: the {self.name} engine cannot apply LoRA adapters")
 
     def sample_turns(self, contexts: list[list[int]], seeds: list[int], sampling: SamplingConfig,
-                     episode_ids: list[str] | None = None) -> list["SampledTurn"]:
+                     episode_ids: list[str] | None = None) -> list[SampledTurn]:
         """One model turn of each multi-turn episode: each context's continuation from its seed's stream, as
         one generate() call whose prompts are the contexts (token ids in, token ids out). `episode_ids` name
         the episodes (an engine that keeps an episode's K/V between turns reads them; this one does not)."""
-        from services.rollout.episodes.runner import SampledTurn
-
         prompts = tuple(PromptSpec(f"turn{i}", tuple(c), s) for i, (c, s) in enumerate(zip(contexts, seeds)))
         return [SampledTurn(g.token_ids, g.logprobs, g.finish_reason)
                 for g in self.generate(GenerationRequest(prompts=prompts, sampling=sampling))]
@@ -218,17 +103,15 @@ class Engine(abc.ABC):
     def episodes_ended(self, episode_ids: list[str]) -> None:
         """These episodes take no more turns: drop anything kept for them (by default nothing is kept)."""
 
-    def take_prefill_counts(self) -> "PrefillCounts | None":
+    def take_prefill_counts(self) -> PrefillCounts | None:
         """Prefill work since the last call (the rollout's metrics read it after each request); None: this
         engine does not count it."""
         return None
 
-    def run_episodes(self, request: "EpisodeRequest") -> list["Episode"]:
+    def run_episodes(self, request: EpisodeRequest) -> list[Episode]:
         """Every episode of `request` (services/rollout/episodes/runner.py), each turn sampled by `sample_turns`;
         the model directory's tokenizer encodes observations (through its chat template when it has one)
         and decodes turns for the environment."""
-        from services.rollout.episodes.runner import run_episodes
-
         if not self.supports_episodes:
             raise ValueError(f"episode: the {self.name} engine does not run multi-turn episodes")
         longest = self.max_sequence_tokens()
@@ -244,10 +127,8 @@ class Engine(abc.ABC):
         finally:  # whatever ended them (a failure included), none of these episodes takes another turn
             self.episodes_ended([f"{s.group_id}/{s.index}" for s in request.specs])
 
-    def _episode_codec(self) -> "ObservationCodec":
+    def _episode_codec(self) -> ObservationCodec:
         """The codec of the loaded model's tokenizer, read once per model directory."""
-        from services.rollout.episodes.runner import episode_codec
-
         cached = getattr(self, "_codec_cache", None)
         if cached is None or cached[0] != self.model_path:
             cached = (self.model_path, episode_codec(self.model_path))

@@ -14,7 +14,7 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.bounded_json import loads_bounded
 from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto
-from services.rollout.engine import GeneratedSample, GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
+from services.rollout.types import GeneratedSample, GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 
 # Key of engine_config_json that selects the engine; every other key is the
 # engine's own option and is validated by that engine's config.

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
-from services.rollout.engine import SamplingConfig
+from services.rollout.types import SamplingConfig
 from tests.conftest import require
 from tests.rollout.decoder_support import batch_invariant_scorer, packed_recompute
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
-from services.rollout.engine import SamplingConfig
+from services.rollout.types import SamplingConfig
 from tests.rollout.decoder_support import batch_invariant_scorer, packed_recompute
 from tests.rollout.test_decoder_gpu import SMALL, cuda_deterministic, prompts, qwen3  # noqa: F401 - fixture
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.engine import SamplingConfig
+from services.rollout.types import SamplingConfig
 from services.rollout.embedded.sampling import (
     FMIX_C1,
     FMIX_C2,

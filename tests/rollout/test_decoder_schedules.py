@@ -102,7 +102,7 @@ def test_fast_mode_runs_the_same_scheduler_through_preemption(decoder_model_dir)
 
 
 def test_the_engine_sizes_its_pool_from_its_options(decoder_model_dir):
-    from services.rollout.engine import GenerationRequest, PromptSpec
+    from services.rollout.types import GenerationRequest, PromptSpec
     from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 
     with pytest.raises(ValueError, match="engine_config.kv_cache_memory_fraction: .*CUDA"):

@@ -17,7 +17,7 @@ import torch
 from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
 from kernels.attention import REGISTRY
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
-from services.rollout.engine import SamplingConfig
+from services.rollout.types import SamplingConfig
 from services.rollout.episodes.runner import ChatTemplateCodec, EpisodeSpec, PlainCodec, SampledTurn, run_episodes
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 from services.trainer.data.batching import TrainSample

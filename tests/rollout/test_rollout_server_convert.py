@@ -15,7 +15,8 @@ from services.rollout.wire import (
     samples_to_proto,
     split_engine_config,
 )
-from services.rollout.engine import EngineUnavailable, GeneratedSample
+from services.rollout.engine import EngineUnavailable
+from services.rollout.types import GeneratedSample
 from services.rollout.registry import ENGINES, engine_class
 from services.rollout.server import RpcFailure, status_for
 from services.rollout.embedded.torch_engine import TorchEngine

@@ -17,7 +17,8 @@ from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.tensors import ids_to_proto
 from services.common.weights.stream import iter_weight_chunks
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.engine import Engine, GeneratedSample, GenerationRequest
+from services.rollout.engine import Engine
+from services.rollout.types import GeneratedSample, GenerationRequest
 from services.rollout.server import RolloutServicer
 
 

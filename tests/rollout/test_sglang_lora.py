@@ -13,7 +13,7 @@ import torch
 
 from contract.engine_options import SGLangEngineConfig
 from services.common.weights.stream import LoraAdapterMeta
-from services.rollout.engine import GenerationRequest, PromptSpec, SamplingConfig
+from services.rollout.types import GenerationRequest, PromptSpec, SamplingConfig
 from services.rollout.sglang.client import generate_body, load_lora_adapter_body, update_weight_version_body
 from services.rollout.sglang.config import default_python
 from services.rollout.sglang.engine import SGLangEngine

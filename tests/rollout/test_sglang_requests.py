@@ -17,7 +17,7 @@ import torch
 
 from contract.engine_options import SGLangEngineConfig
 from services.common.platform import Platform, SGLangPlatformConfig, sglang_launch_plan
-from services.rollout.engine import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
+from services.rollout.types import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 from services.rollout.sglang.client import (
     SGLangRequestError,
     check_request,

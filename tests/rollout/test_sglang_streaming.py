@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from services.rollout.engine import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
+from services.rollout.types import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 from services.rollout.sglang.weights import load_checkpoint_tensors
 from tests.rollout.test_sglang_engine import EOS, TOL, engine, model_dir, recompute  # noqa: F401 - fixtures
 

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from kernels.logprob import token_logprobs
-from services.rollout.engine import GenerationRequest, PromptSpec, SamplingConfig
-from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig, truncate_logits
+from services.rollout.types import GenerationRequest, PromptSpec, SamplingConfig
+from kernels.sampling import truncate_logits
+from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 
 VOCAB = 32
 PARITY_TOL = 1e-5

@@ -62,7 +62,7 @@ from services.rollout.embedded.decoder_attention import (
     fast_prefill_attention,
     sdpa_paged_decode,
 )
-from services.rollout.engine import PrefillCounts, SamplingConfig
+from services.rollout.types import PrefillCounts, SamplingConfig
 from services.rollout.embedded.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
 from services.rollout.embedded.sampling import sample_tokens, seed_words
 from services.rollout.embedded.scheduler import KeptPrefixes, PageAllocator, Scheduler, Sequence as Seq, Unit, pages_for

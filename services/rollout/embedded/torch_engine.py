@@ -35,14 +35,9 @@ from services.common.weights.files import FiniteTensors
 from services.common.weights.stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
-from services.rollout.engine import (
-    Engine,
-    GeneratedSample,
-    GenerationRequest,
-    PrefillCounts,
-    SamplingConfig,
-    check_request_fits_model,
-    require_device,
+from services.rollout.engine import Engine, require_device
+from services.rollout.types import (
+    GeneratedSample, GenerationRequest, PrefillCounts, SamplingConfig, check_request_fits_model,
 )
 from services.rollout.episodes.runner import SampledTurn
 from services.common.weights.finite_check import all_finite

@@ -23,12 +23,8 @@ from typing import Any, Literal
 
 import httpx
 
-from services.rollout.engine import (
-    GeneratedSample,
-    GenerationRequest,
-    ResumedSample,
-    SamplingConfig,
-    check_request_fits_model,
+from services.rollout.types import (
+    GeneratedSample, GenerationRequest, ResumedSample, SamplingConfig, check_request_fits_model,
 )
 
 

@@ -54,7 +54,8 @@ from contract.engine_options import SGLangEngineConfig
 from services.common.models.directory import check_model_dir, layout_digest
 from services.common.weights.stream import LoraAdapterMeta
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
-from services.rollout.engine import Engine, EngineUnavailable, GeneratedSample, GenerationRequest
+from services.rollout.engine import Engine, EngineUnavailable
+from services.rollout.types import GeneratedSample, GenerationRequest
 from services.rollout.weights.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter
 from services.rollout.sglang.client import (
     SGLangClient,
