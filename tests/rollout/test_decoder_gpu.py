@@ -156,7 +156,8 @@ def test_throughput_at_the_qwen3_0_6b_shape():
                          ids=["plain", "truncated"])
 def test_cuda_sampler_draws_what_the_cpu_definition_draws(cfg):
     """The Triton path of sample_tokens (bf16 logits on the GPU) against the torch definition on the CPU."""
-    from services.rollout.embedded.sampling import row_keys, sample_tokens, seed_words
+    from kernels.sampling import row_keys, seed_words
+    from services.rollout.embedded.decoder import sample_tokens
 
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(64, 151936, generator=g) * 4).to(torch.bfloat16)

@@ -4,19 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.rollout.types import SamplingConfig
-from services.rollout.embedded.sampling import (
+from kernels.sampling import (
     FMIX_C1,
     FMIX_C2,
     MASK32,
     SEED_SALT,
     TOKEN_MULT,
     row_keys,
-    sample_tokens,
     seed_words,
     stream_keys,
     uniforms,
 )
+from services.rollout.embedded.decoder import sample_tokens
+from services.rollout.types import SamplingConfig
 
 CPU = torch.device("cpu")
 
@@ -104,7 +104,7 @@ def test_triton_kernel_matches_the_torch_definition():
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a GPU or TRITON_INTERPRET=1")  # tests/conftest.py sets it on CPU hosts
-    from services.rollout.embedded.sampling import gumbel_argmax_reference
+    from kernels.sampling import gumbel_argmax_reference
     from kernels.sampling.triton_kernels import gumbel_argmax
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

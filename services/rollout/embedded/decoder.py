@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels.sampling import sample_tokens as sample_from_keys
+from kernels.sampling import seed_words
 from services.rollout.embedded.decoder_attention import (
     check_decodable,
     decoder_attention,
@@ -64,7 +66,6 @@ from services.rollout.embedded.decoder_attention import (
 )
 from services.rollout.types import PrefillCounts, SamplingConfig
 from services.rollout.embedded.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
-from services.rollout.embedded.sampling import sample_tokens, seed_words
 from services.rollout.embedded.scheduler import KeptPrefixes, PageAllocator, Scheduler, Sequence as Seq, Unit, pages_for
 from services.rollout.embedded.step_inputs import StepInputs
 
@@ -575,5 +576,12 @@ class Decoder:
 
 def seed_hashes_of(seeds: Sequence[int], device: torch.device) -> torch.Tensor:
     from kernels.sampling import seed_hashes
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, keys: torch.Tensor) -> torch.Tensor:
+    """Next token (int64 [B]) of every row of `logits` [B, V] under `sampling`; row b draws from the stream
+    keyed keys[b] (kernels.sampling defines the streams)."""
+    return sample_from_keys(logits, keys, greedy=sampling.greedy, temperature=sampling.temperature,
+                            top_k=sampling.top_k, top_p=sampling.top_p)
 
     return seed_hashes(seed_words(seeds, device))

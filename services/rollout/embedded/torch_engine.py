@@ -42,10 +42,9 @@ from services.rollout.types import (
 from services.rollout.episodes.runner import SampledTurn
 from services.common.weights.finite_check import all_finite
 from services.rollout.weights.lora_adapter import merged_weight, module_adapters
-from services.rollout.embedded.sampling import truncate_logits
 from services.rollout.embedded.scheduler import pages_for
 
-__all__ = ["TorchEngine", "TorchEngineConfig", "decoder_options", "truncate_logits"]
+__all__ = ["TorchEngine", "TorchEngineConfig", "decoder_options"]
 
 
 def decoder_options(config: TorchEngineConfig) -> DecoderOptions:
