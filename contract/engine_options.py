@@ -151,13 +151,6 @@ class TorchEngineConfig(BaseModel):
         "the new suffix (the last sampled token and the observation). False re-prefills the whole context every "
         "turn (the baseline; in true_on_policy both give the same bits).",
     )
-    stop_check_interval: int = Field(
-        8,
-        ge=1,
-        le=4096,
-        description="Accepted for compatibility; the continuous scheduler reads every decode step's tokens "
-        "(it frees a finished sequence's KV pages at once).",
-    )
     logprob_backend: str = Field(
         "auto",
         min_length=1,

@@ -61,7 +61,7 @@ def test_a_samples_tokens_do_not_depend_on_its_batch(decoder_model_dir):
 
 def test_stop_tokens_end_rows_and_finished_rows_do_not_disturb_others(decoder_model_dir):
     model = loaded(decoder_model_dir, "float32")
-    decoder = Decoder(model, DecoderOptions(max_batch_size=8, stop_check_interval=3))
+    decoder = Decoder(model, DecoderOptions(max_batch_size=8))
     stops = (4, 5, 6)
     cfg = sampling(temperature=1.0, max_new_tokens=16, stop_token_ids=stops)
     rows = decoder.decode(PROMPTS, SEEDS, cfg)
@@ -81,7 +81,7 @@ def test_stop_tokens_end_rows_and_finished_rows_do_not_disturb_others(decoder_mo
 
 
 def test_decoding_ends_once_every_row_has_stopped(decoder_model_dir):
-    decoder = Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions(max_batch_size=8, stop_check_interval=2))
+    decoder = Decoder(loaded(decoder_model_dir, "float32"), DecoderOptions(max_batch_size=8))
     steps = []
     forward = decoder._decode_logits
     decoder._decode_logits = lambda *a: steps.append(1) or forward(*a)

@@ -90,8 +90,6 @@ class DecoderOptions:
     """Id fed to padded rows (and to a static batch's finished rows); never attended by real rows."""
     logprob_backend: str = "auto"
     """kernels.logprob backend scoring the sampled tokens."""
-    stop_check_interval: int = 8
-    """Kept for configuration compatibility: the scheduler reads every step's tokens."""
     kv_pool_tokens: int | None = None
     """KV pool size in tokens (rounded up to whole pages); fixed once allocated."""
     kv_pool_memory_fraction: float | None = None
@@ -181,7 +179,7 @@ class Decoder:
             raise ValueError(f"numerics: {options.numerics!r} is not one of {list(NUMERICS_MODES)}")
         if options.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler: {options.scheduler!r} is not one of {list(SCHEDULERS)}")
-        for name in ("max_batch_size", "stop_check_interval", "prefill_chunk_tokens"):
+        for name in ("max_batch_size", "prefill_chunk_tokens"):
             if getattr(options, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(options, name)}")
         for name in ("max_context_tokens", "kv_pool_tokens"):

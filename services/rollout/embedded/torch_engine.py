@@ -56,7 +56,6 @@ def decoder_options(config: TorchEngineConfig) -> DecoderOptions:
         max_context_tokens=config.max_context_tokens,
         pad_token_id=config.pad_token_id,
         logprob_backend=config.logprob_backend,
-        stop_check_interval=config.stop_check_interval,
         kv_pool_tokens=config.kv_cache_tokens,
         kv_pool_memory_fraction=config.kv_cache_memory_fraction,
         prefill_chunk_tokens=config.prefill_chunk_tokens,
