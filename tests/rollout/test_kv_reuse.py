@@ -17,7 +17,7 @@ from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
 from kernels.batch_invariant import KEY_BLOCK
 from services.rollout.episodes.requests import EpisodeRequest
 from services.rollout.episodes.runner import EpisodeSpec
-from services.rollout.embedded.scheduler import KeptPrefixes, PageAllocator, Scheduler, Sequence, Unit, pages_for
+from services.rollout.embedded.scheduler import KeptPrefixes, PageAllocator, Scheduler, DecodeSequence, Unit, pages_for
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 from tests.rollout.decoder_support import sampling
 from tests.rollout.hostile_environments import register_feedback
@@ -50,8 +50,8 @@ def _drive(sched: Scheduler, next_token) -> list[tuple[int, int]]:
     return copies
 
 
-def _seq(index: int, tokens: list[int], new: int, key: str | None) -> Sequence:
-    return Sequence(index, len(tokens), list(tokens), len(tokens) + new, key=key)
+def _seq(index: int, tokens: list[int], new: int, key: str | None) -> DecodeSequence:
+    return DecodeSequence(index, len(tokens), list(tokens), len(tokens) + new, key=key)
 
 
 def _scheduler(kept: KeptPrefixes, chunk: int = 1000) -> Scheduler:

@@ -9,19 +9,19 @@ from __future__ import annotations
 import torch
 
 from services.rollout.embedded.kv_cache import SCRATCH_PAGE
-from services.rollout.embedded.scheduler import Sequence
+from services.rollout.embedded.scheduler import DecodeSequence
 from services.rollout.embedded.step_inputs import StepInputs
 
 PAD = 7
 WIDTH = 6
 
 
-def seq(index: int, pages: list[int], computed: int) -> Sequence:
+def seq(index: int, pages: list[int], computed: int) -> DecodeSequence:
     tokens = [100 + index * 10 + i for i in range(computed + 1)]
-    return Sequence(index=index, prompt_len=1, tokens=tokens, max_tokens=99, pages=list(pages), computed=computed)
+    return DecodeSequence(index=index, prompt_len=1, tokens=tokens, max_tokens=99, pages=list(pages), computed=computed)
 
 
-def staged_rows(inputs: StepInputs, rows: list[Sequence], bucket: int) -> dict:
+def staged_rows(inputs: StepInputs, rows: list[DecodeSequence], bucket: int) -> dict:
     context = inputs.stage(rows, bucket, PAD)
     return {"context": context, "ids": inputs.ids[:bucket, 0].tolist(),
             "positions": inputs.positions[:bucket, 0].tolist(), "lengths": inputs.lengths[:bucket].tolist(),
@@ -29,7 +29,7 @@ def staged_rows(inputs: StepInputs, rows: list[Sequence], bucket: int) -> dict:
             "pad_pages": inputs.tables[len(rows):bucket, 0].tolist()}
 
 
-def rebuilt(rows: list[Sequence], bucket: int) -> dict:
+def rebuilt(rows: list[DecodeSequence], bucket: int) -> dict:
     """What every step must stage: each row's own pages, token and position; padded rows on the scratch page."""
     n = len(rows)
     return {"context": sum(s.computed + 1 for s in rows),
@@ -39,7 +39,7 @@ def rebuilt(rows: list[Sequence], bucket: int) -> dict:
             "tables": [list(s.pages) for s in rows], "pad_pages": [SCRATCH_PAGE] * (bucket - n)}
 
 
-def advance(s: Sequence, token: int) -> None:
+def advance(s: DecodeSequence, token: int) -> None:
     s.tokens.append(token)
     s.computed += 1
 

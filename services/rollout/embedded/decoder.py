@@ -66,7 +66,9 @@ from services.rollout.embedded.decoder_attention import (
 )
 from services.rollout.types import PrefillCounts, SamplingConfig
 from services.rollout.embedded.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
-from services.rollout.embedded.scheduler import KeptPrefixes, PageAllocator, Scheduler, Sequence as Seq, Unit, pages_for
+from services.rollout.embedded.scheduler import (
+    DecodeSequence, KeptPrefixes, PageAllocator, Scheduler, Unit, pages_for,
+)
 from services.rollout.embedded.step_inputs import StepInputs
 
 NUMERICS_MODES = ("fast", "true_on_policy")
@@ -321,7 +323,7 @@ class Decoder:
                 if len(pre[0]) >= sampling.max_new_tokens:
                     raise ValueError(f"prefixes[{i}]: {len(pre[0])} tokens already reach max_new_tokens="
                                      f"{sampling.max_new_tokens}")
-        seqs = [Seq(i, len(p), list(p) + list(pre[0] if pre else ()), len(p) + sampling.max_new_tokens,
+        seqs = [DecodeSequence(i, len(p), list(p) + list(pre[0] if pre else ()), len(p) + sampling.max_new_tokens,
                     logprobs=[float(x) for x in (pre[1] if pre else ())], key=key)
                 for i, (p, pre, key) in enumerate(zip(prompts, prefixes, keys))]
         stops = frozenset(sampling.stop_token_ids)
@@ -334,7 +336,7 @@ class Decoder:
             self._run(seqs, self._units(seqs), hashes, sampling, stops, should_pause)
         return [DecodedSequence(s.tokens[s.prompt_len:], s.logprobs, s.finish_reason or "paused") for s in seqs]
 
-    def _units(self, seqs: list[Seq]) -> list[Unit]:
+    def _units(self, seqs: list[DecodeSequence]) -> list[Unit]:
         """Consecutive sequences with the same known tokens share one prefill (at most max_batch_size each)."""
         units: list[Unit] = []
         for s in seqs:
@@ -348,7 +350,7 @@ class Decoder:
                 units.append(Unit([s]))
         return units
 
-    def _ensure_pool(self, seqs: list[Seq]) -> None:
+    def _ensure_pool(self, seqs: list[DecodeSequence]) -> None:
         """Allocate the pool once (or, with no size configured, grow it to this request's dense need)."""
         opts = self.options
         longest = max(s.max_tokens for s in seqs)
@@ -390,7 +392,7 @@ class Decoder:
         else:  # a pool after release(), which dropped everything kept
             self._kept.alloc = PageAllocator(pages)
 
-    def _run(self, seqs: list[Seq], units: list[Unit], hashes: torch.Tensor, sampling: SamplingConfig,
+    def _run(self, seqs: list[DecodeSequence], units: list[Unit], hashes: torch.Tensor, sampling: SamplingConfig,
              stops: frozenset[int], should_pause: Callable[[], bool] | None) -> None:
         opts = self.options
         chunk = opts.prefill_chunk_tokens if opts.scheduler == "continuous" else 1 << 62  # static: one prefill
@@ -435,11 +437,11 @@ class Decoder:
             elif not pieces and not sched.done:
                 raise RuntimeError("decoder: the scheduler made no progress (a bug)")
 
-    def _sample(self, logits: torch.Tensor, members: list[Seq], hashes: torch.Tensor,
+    def _sample(self, logits: torch.Tensor, members: list[DecodeSequence], hashes: torch.Tensor,
                 sampling: SamplingConfig) -> tuple[list[int], list[float]]:
         return self._read_sampled(self._launch_sampling(logits, members, hashes, sampling), len(members))
 
-    def _launch_sampling(self, logits: torch.Tensor, members: list[Seq], hashes: torch.Tensor,
+    def _launch_sampling(self, logits: torch.Tensor, members: list[DecodeSequence], hashes: torch.Tensor,
                          sampling: SamplingConfig) -> torch.Tensor:
         """float64 [2n] on the device: `members`' sampled tokens, then their log-probs (token ids up to 2^53
         and fp32 log-probs are exact in float64, so one read returns both). One upload of their stream keys."""
@@ -505,7 +507,7 @@ class Decoder:
         for s, t, lp in zip(members, tokens, logps):
             sched.sampled(s, t, lp, stops)
 
-    def _decode(self, rows: list[Seq], sched: Scheduler, hashes: torch.Tensor, sampling: SamplingConfig,
+    def _decode(self, rows: list[DecodeSequence], sched: Scheduler, hashes: torch.Tensor, sampling: SamplingConfig,
                 stops: frozenset[int]) -> None:
         t0 = time.perf_counter()
         n = len(rows)
@@ -575,11 +577,11 @@ class Decoder:
 def seed_hashes_of(seeds: Sequence[int], device: torch.device) -> torch.Tensor:
     from kernels.sampling import seed_hashes
 
+    return seed_hashes(seed_words(seeds, device))
+
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig, keys: torch.Tensor) -> torch.Tensor:
     """Next token (int64 [B]) of every row of `logits` [B, V] under `sampling`; row b draws from the stream
     keyed keys[b] (kernels.sampling defines the streams)."""
     return sample_from_keys(logits, keys, greedy=sampling.greedy, temperature=sampling.temperature,
                             top_k=sampling.top_k, top_p=sampling.top_p)
-
-    return seed_hashes(seed_words(seeds, device))

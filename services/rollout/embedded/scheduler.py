@@ -163,7 +163,7 @@ class KeptPrefixes:
 
 
 @dataclass(eq=False)
-class Sequence:
+class DecodeSequence:
     """A sequence is an entity: compared by identity (membership tests stay O(1) per element)."""
 
     index: int
@@ -197,10 +197,10 @@ class Sequence:
 class Unit:
     """Sequences admitted together whose known tokens are identical (the samples of one prompt): prefilled once."""
 
-    members: list[Sequence]
+    members: list[DecodeSequence]
 
     @property
-    def leader(self) -> Sequence:
+    def leader(self) -> DecodeSequence:
         return self.members[0]
 
 
@@ -223,7 +223,7 @@ class Scheduler:
         self.max_rows, self.chunk_tokens, self.policy = max_rows, chunk_tokens, policy
         self.waiting: deque[Unit] = deque()
         self.prefilling: list[Unit] = []  # admitted, prefill not complete (in admission order)
-        self.running: list[Sequence] = []  # admitted, in admission order (prefilling members too)
+        self.running: list[DecodeSequence] = []  # admitted, in admission order (prefilling members too)
         self.prefill_tokens = 0  # tokens run through prefill forwards (a unit's prompt counts once)
         self.reused_tokens = 0  # tokens admitted with kept K/V (not prefilled; a unit's counts once)
         self.preemptions = 0
@@ -242,7 +242,7 @@ class Scheduler:
         """Whether the kept page a prefill writes into next is held by another too (then it is copied first)."""
         return kept is not None and bool(len(kept.tokens) % PAGE_TOKENS) and self.alloc.refs[kept.pages[-1]] > 1
 
-    def _need(self, lead: Sequence, kept: KeptPrefix | None) -> int:
+    def _need(self, lead: DecodeSequence, kept: KeptPrefix | None) -> int:
         """Pages to allocate to admit `lead` onto `kept`."""
         have = len(kept.pages) if kept is not None else 0
         return pages_for(len(lead.tokens)) - have + self._copy_first(kept)
@@ -329,12 +329,12 @@ class Scheduler:
 
     # ----------------------------------------------------------------- decode --
 
-    def decode_batch(self) -> list[Sequence]:
+    def decode_batch(self) -> list[DecodeSequence]:
         """Rows of the next decode step, in admission order, each with a private page for the slot it writes.
 
         May preempt. Static policy: finished rows stay in the batch (fed a pad token) until all have finished.
         Linear in the rows: membership is re-read only after a preemption (rare)."""
-        rows: list[Sequence] = []
+        rows: list[DecodeSequence] = []
         seen, live = self.preemptions, None
         for s in list(self.running):
             if self.preemptions != seen:  # a preemption took rows out: recompute who still runs
@@ -349,7 +349,7 @@ class Scheduler:
         live = {id(r) for r in self.running}
         return [s for s in rows if id(s) in live]
 
-    def _own_slot(self, s: Sequence) -> bool:
+    def _own_slot(self, s: DecodeSequence) -> bool:
         """Give `s` a private page for position s.computed; preempt later sequences (or s itself) if none is free."""
         i = s.computed // PAGE_TOKENS
         while True:
@@ -397,7 +397,7 @@ class Scheduler:
 
     # --------------------------------------------------------------- results --
 
-    def sampled(self, s: Sequence, token: int, logprob: float, stops: frozenset[int]) -> None:
+    def sampled(self, s: DecodeSequence, token: int, logprob: float, stops: frozenset[int]) -> None:
         """A token sampled for `s` (from a prefill's last position or a decode step)."""
         if s.finish_reason is not None:  # a static batch's finished row: its tokens are discarded
             s.computed += 1
@@ -416,7 +416,7 @@ class Scheduler:
         elif all(r.finish_reason for r in self.running):  # a static batch ends with its last row
             self._release_all_finished()
 
-    def _finish(self, s: Sequence) -> None:
+    def _finish(self, s: DecodeSequence) -> None:
         self.running.remove(s)
         if s.key is not None:
             # The last sampled token's K/V was never written (a static batch's pad steps wrote past it; the

@@ -14,13 +14,13 @@ buffer the host is changing.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence as Seqs
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from services.rollout.embedded.kv_cache import SCRATCH_PAGE
-from services.rollout.embedded.scheduler import Sequence
+from services.rollout.embedded.scheduler import DecodeSequence
 
 
 class StepInputs:
@@ -38,7 +38,7 @@ class StepInputs:
         self._tables = self.tables.numpy()
         # What row b of the staged table holds: the sequence of the previous step's row b and how many of
         # its pages were written (0: nothing valid). Only rows of the previous step keep an entry.
-        self._holder: list[Sequence | None] = [None] * rows
+        self._holder: list[DecodeSequence | None] = [None] * rows
         self._written = [0] * rows
         self._last = [SCRATCH_PAGE] * rows
         """The last page written into each row (a copy on write replaces it without changing the count)."""
@@ -50,7 +50,7 @@ class StepInputs:
         self._written = [0] * len(self._written)
         self._rows = 0
 
-    def stage(self, rows: Seqs[Sequence], bucket: int, pad_token_id: int) -> int:
+    def stage(self, rows: Sequence[DecodeSequence], bucket: int, pad_token_id: int) -> int:
         """Write the inputs of `rows` (padded to `bucket` rows); the sum of their context lengths."""
         n = len(rows)
         tables, holder, written = self._tables, self._holder, self._written
@@ -92,7 +92,7 @@ class StepInputs:
         return tuple(h[:bucket].to(self.device, copy=True)
                      for h in (self.ids, self.positions, self.lengths, self.tables))
 
-    def keys(self, members: Seqs[Sequence]) -> torch.Tensor:
+    def keys(self, members: Sequence[DecodeSequence]) -> torch.Tensor:
         """int64 [2, len(members)] on the device: each member's request index and its step in its stream."""
         n = len(members)
         staged = self.sample_keys[:2 * n].view(2, n)
