@@ -1,5 +1,6 @@
 """`lockstep export`, `import`, `compare` and `replay-score`: runs moved between deployments as bundles,
-compared, and a recorded step re-scored on this machine (services/trainer/tools/replay_score.py).
+compared, and a recorded step re-scored on this machine (the trainer's replay-score entry point, run as a
+process: contract/replay_score.py).
 
 A bundle (services.common.records.run_bundle) is written from GET /v1/runs/{id}/bundle and the run's recorded
 steps; `import` checks every file against the manifest here, then the coordinator checks the documents'
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from contract.replay_score import REFUSED_EXIT, ReplayScoreConfig, replay_score_command
 from services.cli.client import CoordinatorClient
 from services.common.records.run_bundle import DOCUMENTS, MANIFEST, load_bundle, recorded_step, verify_bundle, write_bundle
 from services.common.records.run_compare import RunSeries, compare_runs, report_rows
@@ -96,6 +100,29 @@ def compare(client_factory: Callable[[], CoordinatorClient], runs: list[str], wi
     return compare_runs(series, window=window)
 
 
+def replay_score(config: ReplayScoreConfig) -> dict:
+    """The report of the trainer's replay-score entry point, run as a child process (torch and the trainer
+    load there, never in the CLI). RuntimeError with the child's stderr when it fails; its stderr is passed
+    on when it succeeds (warnings)."""
+    done = subprocess.run(replay_score_command(sys.executable, config), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True)
+    if done.returncode == REFUSED_EXIT:  # it wrote why: "replay-score: <reason>" or a configuration error
+        raise RuntimeError(done.stderr.strip() or f"replay-score: refused (exit {REFUSED_EXIT}) without a reason")
+    if done.returncode != 0:
+        raise RuntimeError(f"replay-score: the trainer's entry point exited with code {done.returncode}:\n"
+                           f"{done.stderr.strip()}")
+    sys.stderr.write(done.stderr)
+    try:
+        report = json.loads(done.stdout)
+    except ValueError as exc:
+        raise RuntimeError(f"replay-score: the trainer's entry point printed no JSON report ({exc}); its "
+                           f"output:\n{done.stdout[-4000:]}") from None
+    if not isinstance(report, dict):
+        raise RuntimeError(f"replay-score: the trainer's entry point printed a JSON {type(report).__name__}, "
+                           "not a report")
+    return report
+
+
 def run_exchange(args: argparse.Namespace, client_factory: Callable[[], CoordinatorClient], emit: Emit) -> int:
     if args.cmd == "export":
         client = client_factory()
@@ -114,14 +141,11 @@ def run_exchange(args: argparse.Namespace, client_factory: Callable[[], Coordina
         emit(f"imported {args.bundle} as run {run['id']} ({run['name']}, {run['status']})\n")
         return 0
     if args.cmd == "replay-score":
-        recorded_step(args.bundle, args.step)  # a refused bundle is refused before torch is loaded
-        # Imported here: the other commands are a REST client and must not pay for torch.
-        from services.trainer.tools.replay_score import ReplayScoreConfig, json_safe, replay_score
-
-        result = replay_score(ReplayScoreConfig(
+        recorded_step(args.bundle, args.step)  # a refused bundle is refused before a trainer process starts
+        config = ReplayScoreConfig(
             bundle=str(args.bundle), step=args.step, checkpoint=args.checkpoint, model=args.model,
-            device=args.device, num_threads=args.num_threads, worst_tokens=args.worst_tokens))
-        emit(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
+            device=args.device, num_threads=args.num_threads, worst_tokens=args.worst_tokens)
+        emit(json.dumps(replay_score(config), indent=1, allow_nan=False) + "\n")
         return 0
     report = compare(client_factory, args.runs, args.window)
     if args.json is not None:

@@ -1,10 +1,16 @@
-"""replay-score's report over scored tokens (pure): against the rollout, and against the recorded trainer."""
+"""replay-score's report over scored tokens (pure): against the rollout, and against the recorded trainer;
+the command line and exit status the CLI runs the entry point with."""
 from __future__ import annotations
 
+import importlib.util
 import math
 
+import pytest
 import torch
 
+from contract.replay_score import REPLAY_SCORE_MODULE, ReplayScoreConfig, replay_score_command
+from services.cli.exchange_commands import replay_score as cli_replay_score
+from services.common.process.service_config import parse_service_config
 from services.trainer.loss.surrogate import mismatch_stats
 from services.trainer.tools.replay_score import json_safe, score_report
 from services.trainer.trainer import ScoredTokens
@@ -41,3 +47,20 @@ def test_recorded_statistics_absent_are_no_reproduction_and_nan_stays_json():
     assert report["versus_recorded_trainer"] == {} and report["recorded_trainer_reproduced_bitwise"] is False
     assert report["versus_rollout"]["worst_tokens"] == []
     assert json_safe({"x": [float("nan"), 1.0]}) == {"x": ["nan", 1.0]}
+
+
+def test_the_entry_point_reads_the_command_line_the_cli_builds(monkeypatch):
+    """`lockstep replay-score` runs the trainer's entry point with every field as a flag: its parser reads
+    back the same config, a value starting with '-' included, and no LOCKSTEP_REPLAY_SCORE_* variable wins."""
+    config = ReplayScoreConfig(bundle="-odd dir/bundle", step=3, checkpoint="/ckpt/2", model="", device="cuda:1",
+                               num_threads=0, worst_tokens=5)
+    argv = replay_score_command("/py", config)
+    assert argv[:3] == ["/py", "-m", REPLAY_SCORE_MODULE]
+    assert importlib.util.find_spec(REPLAY_SCORE_MODULE) is not None
+    monkeypatch.setenv("LOCKSTEP_REPLAY_SCORE_DEVICE", "cpu")
+    assert parse_service_config(ReplayScoreConfig, env_prefix="LOCKSTEP_REPLAY_SCORE", argv=argv[3:]) == config
+
+
+def test_a_refusal_of_the_entry_point_reaches_the_cli_with_its_reason(tmp_path):
+    with pytest.raises(RuntimeError, match=r"^replay-score: manifest.json: cannot read it"):
+        cli_replay_score(ReplayScoreConfig(bundle=str(tmp_path / "absent"), step=1))

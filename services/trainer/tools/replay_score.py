@@ -1,14 +1,16 @@
-"""`lockstep replay-score BUNDLE --step S`: re-score a bundle's recorded step on this machine's trainer.
+"""`python -m services.trainer.tools.replay_score --bundle B --step S`: re-score a bundle's recorded step.
 
-The step-1 parity check, done across machines: the step's trajectories (recorded by the run that
-made the bundle, checked against the bundle's manifest) are scored by an in-process Trainer holding
-the weights the step started from (policy version S - 1: the run's model for step 1, a checkpoint
-otherwise), with no update. The report compares, token by token, this trainer's log-probs with the
-recorded rollout log-probs (mean, p99 and max of |logp - rollout_logp|, the importance-weight
-statistics, the worst tokens), and this trainer's mismatch statistics with the ones the recording
-trainer reported for that step (its step metrics hold them; per-token trainer log-probs are not
-recorded). On the machine that recorded the step, with the same thread count, the statistics are the
-recorded ones: bit for bit in true_on_policy.
+`lockstep replay-score BUNDLE --step S` runs this entry point as a process (contract/replay_score.py
+holds its configuration, command line and output). The step-1 parity check, done across machines:
+the step's trajectories (recorded by the run that made the bundle, checked against the bundle's
+manifest) are scored by a Trainer in this process holding the weights the step started from (policy
+version S - 1: the run's model for step 1, a checkpoint otherwise), with no update. The report
+compares, token by token, this trainer's log-probs with the recorded rollout log-probs (mean, p99
+and max of |logp - rollout_logp|, the importance-weight statistics, the worst tokens), and this
+trainer's mismatch statistics with the ones the recording trainer reported for that step (its step
+metrics hold them; per-token trainer log-probs are not recorded). On the machine that recorded the
+step, with the same thread count, the statistics are the recorded ones: bit for bit in
+true_on_policy.
 
 parse -> build -> run -> close, as services/trainer/tools/replay.py.
 """
@@ -20,8 +22,8 @@ import sys
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from contract.replay_score import REFUSED_EXIT, ReplayScoreConfig
 from contract.trainer_settings import ParityThresholds
 from services.common.records.run_bundle import BundleError, recorded_step
 from services.common.process.service_config import parse_service_config
@@ -33,26 +35,6 @@ from services.trainer.trainer import ScoredTokens, Trainer
 
 # The step metrics that are the same statistics over the same tokens (services/trainer/grpo.mismatch_stats).
 RECORDED_STATS = ("iw_mean", "iw_min", "iw_max", "logprob_abs_diff_mean", "logprob_abs_diff_max")
-
-
-class ReplayScoreConfig(BaseModel):
-    """Re-score one recorded step of a run bundle (services/common/records/run_bundle.py) on this machine."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    bundle: str = Field(..., description="The bundle directory (lockstep export).")
-    step: int = Field(..., ge=1, description="The recorded step to score.")
-    checkpoint: str = Field(
-        "", description="Checkpoint at the step's starting policy version (step - 1) on this machine; empty for "
-        "step 1, which starts from the run's model.")
-    model: str = Field(
-        "", description="The run's model directory on this machine; empty: the path the record names (the "
-        "exporting machine's).")
-    device: str = Field("cpu", description="torch device, as the trainer service's --device.")
-    num_threads: int = Field(
-        1, ge=0, description="torch CPU threads: equal to the recording trainer's for bitwise-equal results.")
-    worst_tokens: int = Field(8, ge=0, le=1000, description="How many tokens with the largest |logp - rollout_logp| "
-                              "the report lists.")
 
 
 def score_report(scored: ScoredTokens, recorded: dict[str, float], *, worst_tokens: int) -> dict:
@@ -130,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         result = replay_score(config)
     except (ValueError, FileNotFoundError) as exc:  # a refused bundle, record or checkpoint
         print(f"replay-score: {exc}", file=sys.stderr)
-        return 2
+        return REFUSED_EXIT
     print(json.dumps(json_safe(result), allow_nan=False))
     return 0
 
