@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from services.common.determinism import configure_determinism
 from services.common.records.fingerprint import probe_platform_details
-from services.common.metric_defs import STEP_METRIC_HELP
 from services.trainer import checkpoint as ckpt
 from services.trainer import run_setup
 from services.trainer.distributed import sharding
@@ -29,7 +29,7 @@ from services.trainer.model import lora
 from services.trainer.data.batching import Microbatch, TrainSample, canonical_order
 from contract.trainer_run import TrainerRunConfig
 from services.trainer.distributed.data_parallel import DataParallel
-from services.trainer.loss.surrogate import step_metrics
+from services.trainer.loss.microbatch_result import MicrobatchResult, TokenDeltas, results_step_metrics, step_loss
 from services.trainer.loss.lr_schedule import lr_at, mean_token_staleness, staleness_factor
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
@@ -40,10 +40,8 @@ from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_updat
 from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepRequest
 
 log = logging.getLogger("lockstep.trainer")
-
-# The keys TrainStep returns: the shared step-metric definitions minus what the
-# coordinator measures itself (eval accuracy).
-TRAIN_STEP_METRIC_KEYS: tuple[str, ...] = tuple(k for k in STEP_METRIC_HELP if k != "eval_accuracy")
+# What crosses ranks in microbatch order (Trainer._in_order).
+R = TypeVar("R", MicrobatchResult, TokenDeltas)
 
 
 @dataclass(frozen=True)
@@ -311,13 +309,12 @@ class Trainer:
         passes = -(-num_microbatches // self.dp.world_size)
         return mine + [None] * (passes - len(mine))
 
-    def _in_order(self, local: list[dict], total: int) -> list[dict]:
-        """Per-microbatch results of every rank, in microbatch order (this rank's alone without a group)."""
+    def _in_order(self, local: list[R], total: int) -> list[R]:
+        """Per-microbatch results of every rank, in microbatch order (this rank's alone without a group);
+        their tensors cross ranks on the CPU and come back on this rank's device."""
         if self.dp is None:
             return local
-        return [{k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in o.items()}
-                for o in self.dp.gather_in_order(
-                    [{k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in o.items()} for o in local], total)]
+        return [o.to(self.device) for o in self.dp.gather_in_order([o.to("cpu") for o in local], total)]
 
     def _m2po_keep(self, run: RunState, microbatches: list[Microbatch], shape: StepShape) -> torch.Tensor:
         """M2PO's keep mask over the whole step's tokens (canonical token order), from pre-update log-probs.
@@ -325,17 +322,17 @@ class Trainer:
         The mask depends on every token of the step, and each microbatch's backward runs right after its
         forward, so the log-probs come from a no-grad forward first (one extra forward per step)."""
         cfg = run.config
-        local: list[dict] = []
+        local: list[TokenDeltas] = []
         with torch.no_grad():
             for k in self._my_passes(len(microbatches)):
                 mb = microbatches[0 if k is None else k]
                 logp = run.policy(mb, temperature=cfg.temperature)[0]
                 if k is not None:
-                    local.append({"keys": shape.token_keys(mb.response_sample_index, mb.response_ranks),
-                                  "delta": (logp - mb.response_rollout_logprobs).cpu()})
+                    local.append(TokenDeltas(keys=shape.token_keys(mb.response_sample_index, mb.response_ranks),
+                                             delta=(logp - mb.response_rollout_logprobs).cpu()))
         delta = torch.empty(shape.num_tokens, dtype=torch.float32)
         for o in self._in_order(local, len(microbatches)):
-            delta[o["keys"].cpu()] = o["delta"].cpu()
+            delta[o.keys.cpu()] = o.delta.cpu()
         return m2po_keep_mask(delta, cfg.policy_loss.m2po_threshold)
 
     def _apply_update(self, run: RunState, samples: list[TrainSample], *, step: int) -> dict[str, float]:
@@ -354,13 +351,11 @@ class Trainer:
         run.optimizer.zero_grad(set_to_none=True)
         try:
             outputs = self._forward_backward(run, microbatches, shape, keep)
-            loss_value = 0.0
-            for o in outputs:  # in microbatch order, one rank or many: the same sum
-                loss_value += o["loss"]
+            loss_value = step_loss(outputs)
             if step == 1:
                 # Step-1 parity gate: same weights on both sides, so any
                 # disagreement is a bug; refuse before the update.
-                verdict = self._parity_verdict(run, microbatches, [o["logp"] for o in outputs], samples)
+                verdict = self._parity_verdict(run, microbatches, [o.logp for o in outputs], samples)
                 log.info("parity gate", extra={"fields": {"run_id": run.run_id, "passed": verdict.passed,
                                                           **verdict.stats}})
                 if not verdict.passed:
@@ -370,15 +365,16 @@ class Trainer:
                                                  staleness=mean_token_staleness(samples))
         finally:
             run.optimizer.zero_grad(set_to_none=True)
-        return self._step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm, lr=lr)
+        return results_step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm,
+                                    lr=lr)
 
     def _forward_backward(self, run: RunState, microbatches: list[Microbatch], shape: StepShape,
-                          keep: torch.Tensor | None) -> list[dict]:
+                          keep: torch.Tensor | None) -> list[MicrobatchResult]:
         """Forward, policy loss and backward of this rank's microbatches (gradients accumulate); per
         microbatch of every rank, in microbatch order: its loss, the pre-update tensors the metrics need,
         and which tokens are not finite (update_guard)."""
         cfg, policy = run.config, run.policy
-        local: list[dict] = []
+        local: list[MicrobatchResult] = []
         for k in self._my_passes(len(microbatches)):
             if k is None:
                 logp, _lse, _ent = policy(microbatches[0], temperature=cfg.temperature)
@@ -399,22 +395,22 @@ class Trainer:
             part.loss.backward()
             # Every forward here runs before the optimizer step, so these are
             # the pre-update log-probs: the train/inference mismatch measure.
-            out = {"loss": float(part.loss.detach()), "logp": logp.detach(), "rollout": mb.response_rollout_logprobs,
-                   "clipped": part.clipped, "clamped": part.clamped, "sample_index": mb.response_sample_index,
-                   "positions": mb.response_positions, "nonfinite": nonfinite_tokens(part.token_loss, logp, logp.grad),
-                   "is_weight": part.is_weight, "is_affected": part.is_affected, "entropy": ent.detach()}
-            local.append(out if part.kl is None else out | {"kl": part.kl})
+            local.append(MicrobatchResult(
+                loss=float(part.loss.detach()), logp=logp.detach(), rollout_logp=mb.response_rollout_logprobs,
+                clipped=part.clipped, clamped=part.clamped, sample_index=mb.response_sample_index,
+                positions=mb.response_positions, nonfinite=nonfinite_tokens(part.token_loss, logp, logp.grad),
+                is_weight=part.is_weight, is_affected=part.is_affected, entropy=ent.detach(), kl=part.kl))
         return self._in_order(local, len(microbatches))
 
     def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int, loss_value: float,
-                        outputs: list[dict], sample_ids: list[str], staleness: float) -> tuple[float, float]:
+                        outputs: list[MicrobatchResult], sample_ids: list[str], staleness: float) -> tuple[float, float]:
         """Clip the accumulated gradients and apply them at the step's learning rate (its schedule's, scaled
         for the tokens' mean `staleness` as configured); (grad norm, lr).
         StepFailed, with nothing applied, for a non-finite loss or gradient."""
         cfg = run.config
         grad_norm = self._clip_gradients(params, cfg.grad_clip)
         if refusal := nonfinite_update(step, loss=loss_value, grad_norm=grad_norm, sample_ids=sample_ids,
-                                       tokens=[(o["nonfinite"], o["sample_index"], o["positions"]) for o in outputs]):
+                                       tokens=[(o.nonfinite, o.sample_index, o.positions) for o in outputs]):
             raise StepFailed(refusal)
         # Set from the step every time, never carried: a param group's lr
         # restored from a checkpoint's optimizer state (or left by the
@@ -425,22 +421,6 @@ class Trainer:
         run.optimizer.step()
         run.weights_epoch += 1
         return grad_norm, lr
-
-    @staticmethod
-    def _step_metrics(outputs: list[dict], samples: list[TrainSample], ordered: list[TrainSample],
-                      keep: torch.Tensor | None, *, loss_value: float, grad_norm: float, lr: float) -> dict[str, float]:
-        """The step's metrics (grpo.step_metrics) from the microbatches' pre-update tensors, keyed and
-        ordered as TRAIN_STEP_METRIC_KEYS."""
-        cat = {k: torch.cat([o[k] for o in outputs]) for k, v in outputs[0].items() if isinstance(v, torch.Tensor)}
-        metrics = step_metrics(
-            loss=loss_value, logp=cat["logp"], rollout_logp=cat["rollout"], clipped=cat["clipped"],
-            clamped=cat["clamped"], sample_index=cat["sample_index"], m2po_keep=keep, is_weight=cat["is_weight"],
-            is_affected=cat["is_affected"], entropy=cat["entropy"], kl=cat.get("kl"),
-            rewards=[s.reward for s in ordered], num_tokens_total=sum(s.num_tokens for s in samples),
-            grad_norm=grad_norm, lr=lr)
-        if set(metrics) != set(TRAIN_STEP_METRIC_KEYS):
-            raise AssertionError(f"step metric keys drifted from STEP_METRIC_HELP: {sorted(set(metrics) ^ set(TRAIN_STEP_METRIC_KEYS))}")
-        return {k: metrics[k] for k in TRAIN_STEP_METRIC_KEYS}
 
     @staticmethod
     def _clip_gradients(params: list[torch.nn.Parameter], grad_clip: float) -> float:
