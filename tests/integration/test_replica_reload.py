@@ -78,7 +78,7 @@ def test_restarted_replica_is_reloaded_on_generate_and_on_weight_sync(tmp_path):
                                                 num_trajectories=len(trajectories))
                     assert (await trainer.train_step(header, trajectories)).policy_version == 1
                     await asyncio.to_thread(_restart, stack)  # between the train step and its weight sync
-                    await driver._sync_weights(1)
+                    await driver.fleet.sync_weights(1)  # what a synchronous step's weight sync calls
                     info = await rollout.info()
                     assert (info.run_id, info.policy_version) == (run.id, 1)  # the run's model, current weights
 

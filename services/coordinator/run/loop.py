@@ -425,9 +425,6 @@ class RunDriver(AsyncSteps):
             out.append(t)
         return out
 
-    async def _sync_weights(self, version: int) -> None:
-        await self.fleet.sync_weights(version)
-
     async def _eval_rollout(self, problems: list[Problem], policy_version: int,
                             plan: SamplingPlan) -> list[tuple[int, pb.Sample]]:
         # step 0 for the group ids, as the eval always used: eval requests never share a call with a step's.
