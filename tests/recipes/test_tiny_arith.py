@@ -25,7 +25,7 @@ from recipes.char_tokenizer import (
 )
 from recipes.tiny_model import TinyQwen3Config, build_model_dir, build_tiny_qwen3
 from services.coordinator.tasks import build_task
-from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, parse_answer
+from services.coordinator.tasks.arithmetic import EOS_TEXT, ArithmeticConfig, ArithmeticTask, parse_answer
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = TinyQwen3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -51,6 +51,13 @@ def test_tokenizer_special_ids_are_fixed():
     assert tok.decode([tok.encode("7")[0], EOS_ID]) == "7" + EOS_TOKEN
     assert tok.decode([tok.encode("7")[0], EOS_ID, PAD_ID], skip_special_tokens=True) == "7"
     assert tok.encode("é\t") == [UNK_ID, UNK_ID]  # outside the vocabulary: unk, not an error
+
+
+def test_the_arithmetic_task_ends_a_response_where_the_demo_tokenizer_writes_eos():
+    # The task does not import the demo's tokenizer; the two spellings of eos are kept equal here.
+    tok = build_char_tokenizer()
+    assert EOS_TEXT == EOS_TOKEN == tok.decode([EOS_ID])
+    assert parse_answer(tok.decode([*tok.encode("42"), EOS_ID, *tok.encode("7")])) == "42"
 
 
 def test_tokenizer_saved_dir_loads_through_autotokenizer(tmp_path):
