@@ -3,12 +3,13 @@ the gate that keeps Generate calls and weight syncs apart (asyncio logic with a 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
-from services.coordinator.run.stream_generator import GenerationGate
+from services.coordinator.run.streaming_step import GenerationGate
 from services.coordinator.run.streaming import admit, merge_round, nearest_rank, token_staleness_metrics, token_versions
 
 
@@ -127,7 +128,8 @@ def test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weig
     from services.coordinator.fleet import RolloutFleet
     from services.coordinator.state.kept_rollouts import KeptRollouts
     from services.coordinator.run.prompts import SamplingPlan
-    from services.coordinator.run.stream_generator import StreamGenerator
+    from services.coordinator.run.fixed_lag import BusyIntervals
+    from services.coordinator.run.streaming_step import StreamGenerator
     from services.coordinator.tasks.base import Problem
     from services.rollout.config import RolloutServiceConfig
     from services.rollout.server import RolloutServicer
@@ -152,7 +154,6 @@ def test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weig
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         client = RolloutClient(f"127.0.0.1:{port}", 60.0, token)
-        version = [0]
 
         async def not_cancelled() -> None:
             return None
@@ -182,16 +183,19 @@ def test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weig
             return got, dropped
 
         fleet.generate = recording_generate
-        generator = StreamGenerator(fleet, gate, kept, last_step=1, problems_of=lambda t: problems,
-                                    plan_of=lambda t: plan, encode=lambda p: prompts[p.problem_id], score=score,
-                                    version=lambda: version[0], on_busy=lambda a, b: None)
+        # What the generator reads of the run's StepContext.
+        context = SimpleNamespace(fleet=fleet, kept=kept, spec=SimpleNamespace(steps=1),
+                                  problems=lambda t: problems, training_plan=lambda t: plan,
+                                  tokens=SimpleNamespace(encode=lambda p: prompts[p.problem_id]),
+                                  score_rollout=score, replicas_at=0)
+        generator = StreamGenerator(context, gate, BusyIntervals())
         try:
             generator.start(1)
             await generator.advance(1)
             await asyncio.to_thread(engine._generating.wait, 30)
             async with gate.syncing():
                 engine.update_weights(load_file(str(models[1] / "model.safetensors")), 1)
-                version[0] = 1
+                context.replicas_at = 1
             await generator.ready(1)
         finally:
             await generator.stop()

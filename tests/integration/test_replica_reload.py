@@ -67,24 +67,24 @@ def test_restarted_replica_is_reloaded_on_generate_and_on_weight_sync(tmp_path):
                                    tmp_path / "run", 3, load_tokenizer, replica_recovery_timeout_s=60)
                 try:
                     assert await driver._configure_services() == 0
-                    problems = step_problems(driver.task.split("train"), seed=spec.seed, step=1, count=2)
+                    problems = step_problems(driver.context.task.split("train"), seed=spec.seed, step=1, count=2)
 
                     await asyncio.to_thread(_restart, stack)  # between run start and step 1's rollout
-                    samples, dropped = await driver._rollout(problems, step=1, policy_version=0)
+                    samples, dropped = await driver.context.rollout(problems, step=1, policy_version=0)
                     assert (len(samples), dropped) == (4, 0)
 
-                    trajectories = await driver._score(problems, samples, 1, policy_version=0)
+                    trajectories = await driver.context.score(problems, samples, 1, policy_version=0)
                     header = pb.TrainStepHeader(run_id=run.id, step=1, policy_version=0,
                                                 num_trajectories=len(trajectories))
                     assert (await trainer.train_step(header, trajectories)).policy_version == 1
                     await asyncio.to_thread(_restart, stack)  # between the train step and its weight sync
-                    await driver.fleet.sync_weights(1)  # what a synchronous step's weight sync calls
+                    await driver.context.fleet.sync_weights(1)  # what a synchronous step's weight sync calls
                     info = await rollout.info()
                     assert (info.run_id, info.policy_version) == (run.id, 1)  # the run's model, current weights
 
                     reloaded = [e for e in await store.events(run.id) if e["event"] == "replica_reloaded"]
                     assert [(e["step"], e["policy_version"]) for e in reloaded] == [(1, 0), (1, 1)], reloaded
-                    assert driver.replicas.live() == [rollout]  # never evicted: it answered throughout
+                    assert driver.context.fleet.pool.live() == [rollout]  # never evicted: it answered throughout
                 finally:
                     await rollout.close()
                     await trainer.close()
