@@ -27,6 +27,10 @@ checkpoint. A write that fails (a full disk, say) removes the temporary sibling
 and leaves the target as it was. An existing directory is replaced only if it
 is a checkpoint of the same run; the trainer never deletes a directory the run
 did not create.
+
+`save_run` and `read_run` / `restore_run` are a configured run's checkpoint:
+what the trainer gathers from its shards to write one, and what it validates
+(every name, shape and dtype, before the first copy) and loads back.
 """
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ from pathlib import Path
 import torch
 
 from services.common.models.weight_files import SAFETENSORS_INDEX, load_failure, weight_files
+from services.trainer.distributed import sharding
+from services.trainer.model import lora
+from services.trainer.run_state import RunState
 
 STATE_FILE = "lockstep_trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -66,6 +73,18 @@ class TrainerState:
     trainer_config_json: str
     step_metrics: dict[int, dict[str, float]]
     step_digests: dict[int, str] = field(default_factory=dict)
+
+    @staticmethod
+    def of_run(run: RunState) -> TrainerState:
+        return TrainerState(
+            run_id=run.run_id,
+            policy_version=run.policy_version,
+            seed=run.seed,
+            model_path=run.model_path,
+            trainer_config_json=run.config.model_dump_json(),
+            step_metrics=dict(run.step_metrics),
+            step_digests=dict(run.step_digests),
+        )
 
     def to_json(self) -> str:
         return json.dumps(
@@ -297,3 +316,81 @@ def check_weights_match(model: torch.nn.Module, weights: dict[str, torch.Tensor]
     problems += [f"{names[0]}: missing" for names in groups.values() if not any(n in weights for n in names)]
     if problems:
         raise ValueError(f"{where}: weights do not match the model: " + "; ".join(problems[:8]))
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Refuse, before anything is modified, a state that load_state_dict would reject half-way."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        raise ValueError(f"{OPTIMIZER_FILE}: parameter groups do not match the optimizer")
+    for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
+        if len(mine["params"]) != len(theirs.get("params", ())):
+            raise ValueError(f"{OPTIMIZER_FILE}: group {i} holds {len(theirs.get('params', ()))} params, "
+                             f"the optimizer {len(mine['params'])}")
+
+
+# ------------------------------------------------------------ a configured run --
+
+
+def save_run(run: RunState, directory: str, *, write: bool) -> Path:
+    """The run's checkpoint in `directory`: masters (float32 safetensors, HF-loadable; a LoRA run's adapters)
+    and the whole optimizer state. Collective in a group: every rank gathers, the one with `write` writes
+    (the others return the path it is written at)."""
+    sharding.reshard(run.policy)
+    if run.config.lora is not None:
+        weights = {key: t.cpu() for key, t in lora.named_adapter_tensors(run.policy.lm)}
+    else:
+        weights = {name: t.cpu() for name, t in sharding.named_master_tensors(run.policy.lm)}
+    optim_state = sharding.optimizer_state(run.policy.lm, run.optimizer)
+    if not write:
+        return Path(directory).resolve()
+    if run.config.lora is not None:
+        return save_adapter_checkpoint(
+            directory, adapter_config=lora.saved_adapter_config(run.policy.lm, run.config.lora, base_model_path=run.model_path),
+            weights=weights, optimizer_state=optim_state, state=TrainerState.of_run(run), tokenizer_dir=run.model_path,
+        )
+    return save_checkpoint(
+        directory, lm=run.policy.lm, weights=weights, compute_dtype=run.compute_dtype, optimizer_state=optim_state,
+        state=TrainerState.of_run(run), tokenizer_dir=run.model_path,
+    )
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """A checkpoint of a run, read and checked against it: nothing of the run is changed yet."""
+
+    state: TrainerState
+    weights: dict[str, torch.Tensor]  # the masters (a LoRA run's adapters) by saved name
+    optimizer_state: dict
+
+
+def read_run(run: RunState, directory: str) -> RunCheckpoint:
+    """`directory`'s checkpoint of `run`, every name, shape and dtype checked against the run's model and
+    optimizer; FileNotFoundError or ValueError otherwise."""
+    state = read_state(directory)
+    if state.run_id != run.run_id:
+        raise ValueError(f"checkpoint belongs to run {state.run_id!r}, not {run.run_id!r}")
+    adapters = run.config.lora is not None
+    weights = load_adapter_weights(directory) if adapters else load_safetensors_weights(directory)
+    optim_state = read_optimizer_state(directory)
+    check_optimizer_state(run.optimizer, optim_state)
+    if adapters:
+        lora.check_adapter_weights(run.policy.lm, weights, where="directory")
+    else:
+        check_weights_match(run.policy.lm, weights, where="directory")
+    return RunCheckpoint(state, weights, optim_state)
+
+
+def restore_run(run: RunState, saved: RunCheckpoint) -> None:
+    """Load `saved` (read_run's) into `run`: weights, optimizer state, policy version, step metrics and
+    digests. Collective in a group."""
+    run.weights_epoch += 1
+    sharding.reshard(run.policy)
+    if run.config.lora is not None:
+        lora.load_adapter_tensors(run.policy.lm, saved.weights)
+    else:
+        sharding.load_master_tensors(run.policy.lm, saved.weights)
+    sharding.load_optimizer_state(run.policy.lm, run.optimizer, saved.optimizer_state)
+    run.policy_version = saved.state.policy_version
+    run.step_metrics = dict(saved.state.step_metrics)
+    run.step_digests = dict(saved.state.step_digests)

@@ -149,13 +149,3 @@ def build_microbatches(samples: list[TrainSample], config: TrainerRunConfig) -> 
         return padded_microbatches(samples, config.microbatch_tokens)
     raise InvalidRequest(f"trainer_config_json.batching: {config.batching!r} is not implemented")
 
-
-def check_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Refuse, before anything is modified, a state that load_state_dict would reject half-way."""
-    groups = state.get("param_groups") if isinstance(state, dict) else None
-    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
-        raise ValueError(f"{ckpt.OPTIMIZER_FILE}: parameter groups do not match the optimizer")
-    for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, groups)):
-        if len(mine["params"]) != len(theirs.get("params", ())):
-            raise ValueError(f"{ckpt.OPTIMIZER_FILE}: group {i} holds {len(theirs.get('params', ()))} params, "
-                             f"the optimizer {len(mine['params'])}")

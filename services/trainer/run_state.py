@@ -2,8 +2,9 @@
 
 `RunState` is what `Trainer.configure` builds and every call after it reads: the policy and optimizer,
 the policy version that makes TrainStep exactly-once, and each applied step's metrics and digest, which a
-checkpoint keeps (`trainer_state`). `WeightSnapshot` names one weights state by `weights_epoch`, which
-every change of the weights bumps, so a sender can tell that the tensors it streams are still current.
+checkpoint keeps (services/trainer/checkpoint.py, `TrainerState.of_run`). `WeightSnapshot` names one
+weights state by `weights_epoch`, which every change of the weights bumps, so a sender can tell that the
+tensors it streams are still current.
 """
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import torch
 from contract.trainer_run import TrainerRunConfig
 from services.common.models.loading import resolve_dtype
 from services.common.weights.stream import LoraAdapterMeta
-from services.trainer import checkpoint as ckpt
 from services.trainer.model.policy import PolicyModule
 
 
@@ -41,17 +41,6 @@ class RunState:
     @property
     def compute_dtype(self) -> torch.dtype:
         return resolve_dtype(self.config.dtype)
-
-    def trainer_state(self) -> ckpt.TrainerState:
-        return ckpt.TrainerState(
-            run_id=self.run_id,
-            policy_version=self.policy_version,
-            seed=self.seed,
-            model_path=self.model_path,
-            trainer_config_json=self.config.model_dump_json(),
-            step_metrics=dict(self.step_metrics),
-            step_digests=dict(self.step_digests),
-        )
 
 
 @dataclass(frozen=True)

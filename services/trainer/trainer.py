@@ -471,23 +471,7 @@ class Trainer:
         run = self.require_run(run_id)
         if not directory:
             raise InvalidRequest("directory: empty")
-        sharding.reshard(run.policy)
-        if run.config.lora is not None:
-            weights = {key: t.cpu() for key, t in lora.named_adapter_tensors(run.policy.lm)}
-        else:
-            weights = {name: t.cpu() for name, t in sharding.named_master_tensors(run.policy.lm)}
-        optim_state = sharding.optimizer_state(run.policy.lm, run.optimizer)
-        path = Path(directory).resolve()
-        if self.is_rank0 and run.config.lora is not None:
-            path = ckpt.save_adapter_checkpoint(
-                directory, adapter_config=lora.saved_adapter_config(run.policy.lm, run.config.lora, base_model_path=run.model_path),
-                weights=weights, optimizer_state=optim_state, state=run.trainer_state(), tokenizer_dir=run.model_path,
-            )
-        elif self.is_rank0:
-            path = ckpt.save_checkpoint(
-                directory, lm=run.policy.lm, weights=weights, compute_dtype=run.compute_dtype, optimizer_state=optim_state,
-                state=run.trainer_state(), tokenizer_dir=run.model_path,
-            )
+        path = ckpt.save_run(run, directory, write=self.is_rank0)
         if self.is_rank0:
             log.info("checkpoint saved", extra={"fields": {"run_id": run_id, "directory": str(path),
                                                            "policy_version": run.policy_version}})
@@ -499,30 +483,10 @@ class Trainer:
         if not directory:
             raise InvalidRequest("directory: empty")
         try:
-            state = ckpt.read_state(directory)
-            if state.run_id != run_id:
-                raise ValueError(f"checkpoint belongs to run {state.run_id!r}, not {run_id!r}")
-            adapters = run.config.lora is not None
-            weights = ckpt.load_adapter_weights(directory) if adapters else ckpt.load_safetensors_weights(directory)
-            optim_state = ckpt.read_optimizer_state(directory)
-            run_setup.check_optimizer_state(run.optimizer, optim_state)
-            # Validates every name/shape/dtype before the first copy.
-            if adapters:
-                lora.check_adapter_weights(run.policy.lm, weights, where="directory")
-            else:
-                ckpt.check_weights_match(run.policy.lm, weights, where="directory")
+            saved = ckpt.read_run(run, directory)  # validates every name/shape/dtype before the first copy
         except (FileNotFoundError, ValueError) as exc:
             raise InvalidRequest(f"directory: {exc}") from None
-        run.weights_epoch += 1
-        sharding.reshard(run.policy)
-        if adapters:
-            lora.load_adapter_tensors(run.policy.lm, weights)
-        else:
-            sharding.load_master_tensors(run.policy.lm, weights)
-        sharding.load_optimizer_state(run.policy.lm, run.optimizer, optim_state)
-        run.policy_version = state.policy_version
-        run.step_metrics = dict(state.step_metrics)
-        run.step_digests = dict(state.step_digests)
+        ckpt.restore_run(run, saved)
         log.info("checkpoint loaded", extra={"fields": {"run_id": run_id, "directory": directory,
                                                         "policy_version": run.policy_version}})
         return run.policy_version
