@@ -21,13 +21,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.batch_invariant import reference
+from kernels.batch_invariant.errors import BatchInvariantInputError
 
 Impl = Literal["auto", "reference", "triton"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class BatchInvariantInputError(ValueError):
-    """An argument a batch-invariant op cannot take; the message names it and why."""
 
 
 # ---- checks ---------------------------------------------------------------------------------------

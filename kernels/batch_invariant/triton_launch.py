@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.batch_invariant.ops import BatchInvariantInputError
+from kernels.batch_invariant.errors import BatchInvariantInputError
 from kernels.batch_invariant.reference import KEY_BLOCK
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"

@@ -20,6 +20,10 @@ from contract.platforms import Platform
 from kernels.logprob.tiling import TILE_COUNT, ShardLayout
 
 
+class BackendUnavailable(RuntimeError):
+    """Raised by a loader when its backend cannot run here (package missing, build failed)."""
+
+
 class LogprobContractError(ValueError):
     """A request that no definition-preserving execution can serve (refused before any work)."""
 

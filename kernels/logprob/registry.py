@@ -18,17 +18,15 @@ from typing import Any, Callable, Protocol
 import torch
 
 from contract.engine_options import LOGPROB_BACKEND_NAMES
-from kernels.logprob.contract import DeterminismScope, LogprobContract, LogprobContractError, MaskMode, Platform
+from kernels.logprob.contract import (
+    BackendUnavailable, DeterminismScope, LogprobContract, LogprobContractError, MaskMode, Platform,
+)
 
 BACKEND_NAMES = LOGPROB_BACKEND_NAMES  # the names a run spec may choose (torch-free contract)
 
 
 class LogprobBackendError(LogprobContractError):
     """No backend (or not the one named) can serve the contract; the message lists why for each."""
-
-
-class BackendUnavailable(RuntimeError):
-    """Raised by a loader when its backend cannot run here (package missing, build failed)."""
 
 
 class LogprobBackend(Protocol):

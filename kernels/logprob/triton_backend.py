@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.logprob.contract import Platform
-from kernels.logprob.registry import BackendUnavailable
+from kernels.logprob.contract import BackendUnavailable, Platform
 from kernels.logprob.tiling import ShardLayout
 from kernels.logprob.triton_launch import KernelLauncher, compiled_launch_supported
 

@@ -33,12 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-
-MASK32 = 0xFFFFFFFF
-FMIX_C1 = 0x85EBCA6B
-FMIX_C2 = 0xC2B2AE35
-SEED_SALT = 0x243F6A88
-TOKEN_MULT = 0x9E3779B1
+from kernels.sampling.hash import FMIX_C1, FMIX_C2, MASK32, SEED_SALT, TOKEN_MULT
 
 _TOP_P_SCALE = float(2**40)
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sampling.stream import FMIX_C1, FMIX_C2, TOKEN_MULT
+from kernels.sampling.hash import FMIX_C1, FMIX_C2, TOKEN_MULT
 
 BLOCK_V = 2048
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.logprob.contract import Platform
-from kernels.logprob.registry import BackendUnavailable
+from kernels.logprob.contract import BackendUnavailable, Platform
 from kernels.logprob.tiling import ShardLayout
 
 SRC_DIR = Path(__file__).resolve().parent
