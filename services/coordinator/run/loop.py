@@ -22,8 +22,8 @@ and step s trains on the trajectories whose every token is of a version >= s-1-K
 once per run, from its spec (step_kind); each orders the phases of step_context.StepContext.
 
 The collaborators, held by the StepContext: fleet.RolloutFleet (replicas, eviction, readmission, reload,
-weight sync), trainer_session.TrainerSession (configure, train, replay, checkpoint, recovery) and
-event_log.EventLog (every event written to Redis, the log and Prometheus in one call).
+weight sync), trainer_session.TrainerSession (configure, train, replay, checkpoint, waiting for a lost
+trainer) and event_log.EventLog (every event written to Redis, the log and Prometheus in one call).
 
 Resuming: the trainer keeps its state across a coordinator restart and treats
 a TrainStep for a step it already applied as a replay (it returns that step's
@@ -31,9 +31,9 @@ recorded metrics and does not train again), so a coordinator killed anywhere
 inside step s redoes step s without double-applying it.
 
 A trainer that stops answering is waited for (trainer_recovery_timeout_s), then
-re-configured from the run's last checkpoint: it comes back at that
-checkpoint's version k, the replicas are brought back to k, and steps k+1 ..
-cursor are recomputed. Prompts and sampling seeds are functions of (seed,
+re-configured from the run's last checkpoint (RunDriver._recover): it comes back
+at that checkpoint's version k, the replicas are brought back to k, and steps
+k+1 .. cursor are recomputed. Prompts and sampling seeds are functions of (seed,
 step), so on deterministic hardware a recomputed step reproduces the recorded
 one bit for bit; the recorded history is never rewritten, and a
 `step_recomputed` event says whether the recomputation matched it.
@@ -180,7 +180,7 @@ class RunDriver:
         try:
             trainer_version = await self._configure_services()
         except TrainerUnavailable as exc:
-            trainer_version = await self.context.trainer.recover(run.step + 1, exc, self._configure_services)
+            trainer_version = await self._recover(run.step + 1, exc)
         await self._initial_eval(trainer_version)
         # Every run exports its bound (0 for a synchronous run), so a dashboard shows it for any run.
         self.context.events.exporter.max_staleness(self.run_id, self.context.max_staleness)
@@ -192,12 +192,26 @@ class RunDriver:
             except NoLiveReplica as exc:
                 raise RunFailed(f"step {step}: {exc}") from None
             except TrainerUnavailable as exc:
-                trainer_version = await self.context.trainer.recover(step, exc, self._configure_services)
+                trainer_version = await self._recover(step, exc)
                 continue
             trainer_version, cursor = step, max(cursor, step)
         if not await self.store.set_status(self.run_id, "completed"):
             raise RunCancelled(self.run_id)  # cancelled while the last step ran
         self.context.events.note("run completed", steps=self.spec.steps)
+
+    async def _recover(self, step: int, lost: TrainerUnavailable) -> int:
+        """Wait for a lost trainer, then configure the services again (the trainer resumes from the run's
+        last checkpoint); the version it came back at."""
+        recovery = await self.context.trainer.lost(step, lost)
+        while True:
+            await recovery.trainer_back()
+            try:
+                version = await self._configure_services()
+                break
+            except TrainerUnavailable as exc:
+                await recovery.retry(exc)
+        await recovery.recovered(version)
+        return version
 
     # ------------------------------------------------------------- phases --
     async def _configure_services(self) -> int:

@@ -1,5 +1,6 @@
 """The run as the trainer holds it: configuring it (from the run's last checkpoint when it lost the
-run), training and replaying steps, checkpoints, and waiting for a lost trainer to come back.
+run), training and replaying steps, checkpoints, and waiting for a lost trainer to come back
+(TrainerRecovery: the run loop configures the services again once it answers).
 
 A checkpoint the trainer refuses for lack of disk space wrote nothing, and the trainer still holds the
 step it trained: the checkpoint is tried again (SpaceRetry) and, when space does not return within the
@@ -76,32 +77,15 @@ class TrainerSession:
         self.details = dict(info.details)
         return info.policy_version
 
-    async def recover(self, step: int, lost: TrainerUnavailable, reconfigure: Callable[[], Awaitable[int]]) -> int:
-        """Wait for the trainer to answer again, then `reconfigure` (the trainer from the last
-        checkpoint, and the fleet at its version); the version it came back at."""
+    async def lost(self, step: int, lost: TrainerUnavailable) -> TrainerRecovery:
+        """The trainer stopped answering at `step`: the event, and the wait for it to come back (RunFailed
+        when trainer_recovery_timeout_s is 0)."""
         timeout = self.recovery_timeout_s
         await self.events.record("trainer_lost", "trainer lost", step=step, reason=str(lost),
                                  recovery_timeout_s=timeout)
         if timeout <= 0:
             raise RunFailed(f"step {step}: {lost} (trainer_recovery_timeout_s is 0)")
-        deadline, delay = time.monotonic() + timeout, 0.5
-        while True:
-            await self.check_cancelled()
-            try:
-                await self.trainer.health()
-                version = await reconfigure()
-                break
-            except TrainerUnavailable as exc:
-                if time.monotonic() + delay > deadline:
-                    raise RunFailed(f"step {step}: trainer did not come back within {timeout:.0f} s ({exc})") from None
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 5.0)
-        checkpoint = await self.store.get_aux(self.run_id, "last_checkpoint")
-        await self.events.record("trainer_recovered", "trainer recovered",
-                                 export=lambda exporter: exporter.trainer_recovered(self.run_id),
-                                 step=step, policy_version=version,
-                                 resumed_from=checkpoint["path"] if checkpoint else "")
-        return version
+        return TrainerRecovery(self, step, timeout)
 
     async def train(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory],
                     counts: dict[str, int]) -> pb.StepMetrics:
@@ -156,3 +140,41 @@ class TrainerSession:
         while (left := deadline - time.monotonic()) > 0:
             await asyncio.sleep(min(left, CANCEL_CHECK_S))
             await self.check_cancelled()
+
+
+class TrainerRecovery:
+    """One wait for a lost trainer, within trainer_recovery_timeout_s of its loss: the trainer is asked
+    for its health until it answers, with waits from 0.5 s doubling up to 5 s. The run loop then
+    configures the services itself (the trainer from the run's last checkpoint, the fleet at its
+    version), and calls retry() when that finds the trainer gone again."""
+
+    def __init__(self, session: TrainerSession, step: int, timeout_s: float) -> None:
+        self.session, self.step, self.timeout_s = session, step, timeout_s
+        self.deadline, self.delay = time.monotonic() + timeout_s, 0.5
+
+    async def trainer_back(self) -> None:
+        """Return once the trainer answers; RunFailed when it does not within the timeout."""
+        while True:
+            await self.session.check_cancelled()
+            try:
+                await self.session.trainer.health()
+                return
+            except TrainerUnavailable as exc:
+                await self.retry(exc)
+
+    async def retry(self, exc: TrainerUnavailable) -> None:
+        """The trainer did not answer (`exc`): wait before asking again, or RunFailed past the deadline."""
+        if time.monotonic() + self.delay > self.deadline:
+            raise RunFailed(f"step {self.step}: trainer did not come back within {self.timeout_s:.0f} s "
+                            f"({exc})") from None
+        await asyncio.sleep(self.delay)
+        self.delay = min(2 * self.delay, 5.0)
+
+    async def recovered(self, version: int) -> None:
+        """The services are configured again, the trainer at `version`: the event says where it resumed from."""
+        session = self.session
+        checkpoint = await session.store.get_aux(session.run_id, "last_checkpoint")
+        await session.events.record("trainer_recovered", "trainer recovered",
+                                    export=lambda exporter: exporter.trainer_recovered(session.run_id),
+                                    step=self.step, policy_version=version,
+                                    resumed_from=checkpoint["path"] if checkpoint else "")
