@@ -28,7 +28,7 @@ from contract.engine_options import SGLangEngineConfig
 from contract.platforms import CUDA_ATTENTION_BACKENDS, LORA_TARGET_MODULES
 from services.common.platform import Platform, SGLangLaunchPlan, SGLangPlatformConfig, sglang_launch_plan
 from services.rollout.sglang.config import default_python
-from services.rollout.sglang.server import engine_run_options, server_command
+from contract.sglang_command import engine_run_options, server_command
 from tests.conftest import require
 
 HOSTILE = ["--x", "-x", "a b", "a\x00b", "a\tb", "\u00a0x", "x\u2028", ""]

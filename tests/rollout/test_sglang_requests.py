@@ -30,7 +30,8 @@ from services.rollout.sglang.client import (
     update_weights_from_distributed_body,
 )
 from services.rollout.sglang.config import SGLangHostConfig
-from services.rollout.sglang.server import API_KEY_ENV, BOOTSTRAP, engine_run_options, server_command, server_env
+from contract.sglang_command import API_KEY_ENV, BOOTSTRAP, engine_run_options, server_command
+from services.rollout.sglang.server import server_env
 from services.rollout.sglang.weights import checkpoint_specs, verify_tensors, write_checkpoint
 
 REQ = GenerationRequest(

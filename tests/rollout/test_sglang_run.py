@@ -32,7 +32,7 @@ from services.common.grpc.options import sync_channel
 from services.common.platform import Platform, sglang_launch_plan
 from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack
-from services.rollout.sglang.server import engine_run_options, server_command
+from contract.sglang_command import engine_run_options, server_command
 from services.rollout.registry import ENGINES
 from services.rollout.sglang.config import default_python
 from tests.conftest import require

@@ -68,7 +68,8 @@ from services.rollout.sglang.client import (
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.sglang.config import SGLangHostConfig
 from services.rollout.sglang.broadcast import SGLangBroadcast
-from services.rollout.sglang.server import SGLangServer, SGLangStartError, engine_run_options
+from contract.sglang_command import engine_run_options
+from services.rollout.sglang.server import SGLangServer, SGLangStartError
 from services.rollout.sglang.weights import (
     checkpoint_specs,
     eos_token_ids,

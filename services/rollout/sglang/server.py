@@ -24,12 +24,7 @@ from pathlib import Path
 import httpx
 
 from contract.command_line import SpecOption
-from contract.sglang_command import (  # noqa: F401 - the rollout's engine and tests take these from here
-    API_KEY_ENV,
-    BOOTSTRAP,
-    engine_run_options,
-    server_command,
-)
+from contract.sglang_command import server_command
 from contract.sglang_command import server_env as launch_env
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV
 from services.common.platform import SGLangLaunchPlan
