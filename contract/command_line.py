@@ -13,7 +13,7 @@ element would be a flag the run chose. The rule, kept here in one place:
   the flag followed by the items, each item a token of the same grammar.
 
 The engine-option models declare the flag each field becomes with
-`server_flag(...)`; the command builder (services/rollout/sglang/server.py)
+`server_flag(...)`; the command builder (contract/sglang_command.py)
 renders every SpecOption through `render_spec_options`, which checks the
 grammar again at launch, so a value that got past a model is still refused.
 """

@@ -6,7 +6,7 @@ same ones at submit time, so both refuse a bad option with the same message.
 What the rollout host's operator decides (the SGLang interpreter, weight and
 log directories, server URL, where the server listens, extra flags) is not
 here: it is the rollout service's configuration (services/rollout/config.py,
-sglang_config.py). Options that reach the SGLang server's command line declare
+sglang/config.py). Options that reach the SGLang server's command line declare
 their flag and keep a grammar none of whose values reads as an option
 (contract/command_line.py).
 """

@@ -115,7 +115,7 @@ __all__ = ["RolloutService", "RolloutServicer", "RpcFailure", "serve", "status_f
 
 
 class RolloutServicer(pb_grpc.RolloutServicer):
-    """Holds the loaded engine; every handler is a few lines over the pure helpers in convert.py."""
+    """Holds the loaded engine; every handler is a few lines over the pure helpers in wire.py."""
 
     def __init__(self, config: RolloutServiceConfig, metrics: dict[str, Any], token: BearerToken) -> None:
         self.config = config

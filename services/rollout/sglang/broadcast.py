@@ -1,4 +1,4 @@
-"""The broadcast weight path of the SGLang rollout engine, mixed into SGLangEngine (sglang_engine.py).
+"""The broadcast weight path of the SGLang rollout engine, mixed into SGLangEngine (sglang/engine.py).
 
 - receive_broadcast (rollout.weight_sync broadcast): this process announces
   the server's rank at the group's join barrier (the trainer's rendezvous,

@@ -4,7 +4,7 @@
   --weight-version = the policy version.
 - generate: one batched /generate with token ids; every sample carries its own
   seed; per-token log-probs come from meta_info.output_token_logprobs and are
-  those of the temperature-scaled distribution (sglang_client.py says where).
+  those of the temperature-scaled distribution (sglang/client.py says where).
   Every sample's weight_version is checked against the policy version.
 - request_pause (async.mode streaming): /pause_generation in "abort" mode, then
   /continue_generation; the aborted /generate returns each unfinished sample
@@ -28,7 +28,7 @@
   lora_path, and the previous version's adapter is unloaded. A restarted server
   loads the current adapter again.
 
-- receive_broadcast (rollout.weight_sync broadcast): sglang_broadcast.py.
+- receive_broadcast (rollout.weight_sync broadcast): sglang/broadcast.py.
 
 There is no fallback to another engine: if SGLang cannot run, load fails.
 The LoRA path needs GPUs (SGLang's LoRA layers do not build on CPU:
