@@ -6,12 +6,13 @@ import math
 import pytest
 import torch
 
+from contract.trainer_settings import DEFAULT_LOG_RATIO_BOUND
+from services.trainer.loss.policy_loss import ppo_clip_token_loss
 from services.trainer.loss.surrogate import (
     group_advantages,
     k3,
     kl_to_reference,
     mismatch_stats,
-    ppo_clip_loss,
     reward_stats,
 )
 
@@ -59,7 +60,7 @@ def test_group_advantages_refuses_bad_input(rewards, groups, match):
         group_advantages(rewards, groups)
 
 
-def test_ppo_clip_loss_hand_computed():
+def test_ppo_clip_token_loss_hand_computed():
     # ratio, advantage -> loss = -min(r A, clip(r, 0.8, 1.2) A), clipped?
     # 1.5, +1 -> -min(1.5, 1.2) = -1.2, clipped (no gradient)
     # 1.5, -1 -> -min(-1.5, -1.2) = 1.5, not clipped (pessimistic branch keeps the gradient)
@@ -70,7 +71,8 @@ def test_ppo_clip_loss_hand_computed():
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0], dtype=torch.float64)
     rollout = torch.tensor([-1.0, -2.0, -0.5, -3.0, -0.1], dtype=torch.float64)
     logp = (rollout + ratio.log()).requires_grad_(True)
-    loss, clipped = ppo_clip_loss(logp, rollout, adv, clip_eps_low=0.2, clip_eps_high=0.2)
+    token = ppo_clip_token_loss(logp, rollout, adv, clip_low=0.2, clip_high=0.2, log_ratio_bound=DEFAULT_LOG_RATIO_BOUND)
+    loss, clipped = token.loss, token.clipped
     assert loss.tolist() == pytest.approx([-1.2, 1.5, -0.5, 0.8, -2.0], abs=1e-12)
     assert clipped.tolist() == [True, False, False, True, False]
     # d loss / d logp = -r A where unclipped, 0 where clipped.
@@ -82,8 +84,9 @@ def test_ppo_clip_asymmetric_high():
     # clip_eps_high 0.28 (DAPO): ratio 1.25 with A>0 is inside (1.25 < 1.28), 1.3 is clipped to 1.28.
     rollout = torch.zeros(2, dtype=torch.float64)
     logp = torch.tensor([math.log(1.25), math.log(1.3)], dtype=torch.float64)
-    loss, clipped = ppo_clip_loss(logp, rollout, torch.ones(2, dtype=torch.float64),
-                                  clip_eps_low=0.2, clip_eps_high=0.28)
+    token = ppo_clip_token_loss(logp, rollout, torch.ones(2, dtype=torch.float64),
+                                clip_low=0.2, clip_high=0.28, log_ratio_bound=DEFAULT_LOG_RATIO_BOUND)
+    loss, clipped = token.loss, token.clipped
     assert loss.tolist() == pytest.approx([-1.25, -1.28], abs=1e-12)
     assert clipped.tolist() == [False, True]
 

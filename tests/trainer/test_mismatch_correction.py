@@ -10,7 +10,9 @@ from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
 from services.trainer.data.batching import TrainSample
-from services.trainer.loss.surrogate import group_advantages, ppo_clip_loss
+from contract.trainer_settings import DEFAULT_LOG_RATIO_BOUND
+from services.trainer.loss.policy_loss import ppo_clip_token_loss
+from services.trainer.loss.surrogate import group_advantages
 from services.trainer.loss.mismatch_correction import MismatchCorrection
 from services.trainer.loss.mismatch_correction import correction_weights as weights_with_bound
 from services.trainer.trainer import Trainer
@@ -62,7 +64,9 @@ def test_decoupled_loss_gradient_is_the_weighted_policy_gradient():
     rollout = torch.tensor([-1.5, -1.0, -0.5])
     adv = torch.tensor([1.0, -1.0, 0.5])
     w = correction_weights(logp.detach() - rollout, torch.arange(3), MismatchCorrection(mode="truncate", upper=1.5))
-    loss, clipped = ppo_clip_loss(logp, logp.detach(), adv, clip_eps_low=0.2, clip_eps_high=0.2)
+    token = ppo_clip_token_loss(logp, logp.detach(), adv, clip_low=0.2, clip_high=0.2,
+                                log_ratio_bound=DEFAULT_LOG_RATIO_BOUND)
+    loss, clipped = token.loss, token.clipped
     (loss * w.weights).sum().backward()
     # ratio against itself is 1: nothing clipped, d/dlogp = -A * w, with w = min(exp(d), 1.5).
     expected_w = torch.clamp(torch.exp(logp.detach() - rollout), max=1.5)

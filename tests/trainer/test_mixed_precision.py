@@ -121,7 +121,7 @@ def test_float32_on_one_rank_is_bitwise_a_plain_module(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from kernels.attention import register_hf_attention
-    from services.trainer.loss.surrogate import ppo_clip_loss
+    from services.trainer.loss.policy_loss import ppo_clip_token_loss
     from services.trainer.model.policy import score_hidden
     from services.trainer.trainer import build_microbatches
 
@@ -139,8 +139,9 @@ def test_float32_on_one_rank_is_bitwise_a_plain_module(tiny_model_dir):
     for mb in microbatches:
         logp = score_hidden(mb.hidden_states(plain), plain.lm_head.weight, mb.loss_mask, mb.response_targets,
                             temperature=cfg.temperature)[0]
-        loss, _ = ppo_clip_loss(logp, mb.response_rollout_logprobs, mb.response_advantages,
-                                clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high)
+        loss = ppo_clip_token_loss(logp, mb.response_rollout_logprobs, mb.response_advantages,
+                                   clip_low=cfg.clip_eps_low, clip_high=cfg.clip_eps_high,
+                                   log_ratio_bound=cfg.policy_loss.log_ratio_bound).loss
         (loss.sum() / n_total).backward()
     torch.nn.utils.clip_grad_norm_(list(plain.parameters()), cfg.grad_clip)
     optimizer.step()

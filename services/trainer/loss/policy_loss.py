@@ -55,9 +55,12 @@ class TokenLoss:
 
 def ppo_clip_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, *,
                         clip_low: float, clip_high: float, log_ratio_bound: float) -> TokenLoss:
-    """Token-level PPO-clip on exp(clamp(logp - old_logp, +-log_ratio_bound)) (grpo.ppo_clip_loss).
+    """Token-level PPO-clip loss (to minimise), with the masks of clipped and clamped tokens:
 
-    Inside the bound these are the bits the loss always had."""
+    ratio = exp(clamp(logp - old_logp, -log_ratio_bound, log_ratio_bound))
+    loss  = -min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+
+    Inside the bound the ratio keeps the bits of exp(logp - old_logp) and its gradient."""
     ratio, clamped = bounded_exp(logp - old_logp, log_ratio_bound)
     return TokenLoss(*clipped_surrogate(ratio, advantages, clip_low=clip_low, clip_high=clip_high), clamped)
 

@@ -27,29 +27,7 @@ from contract.advantages import DEFAULT_ADVANTAGE_EPS, group_advantages  # noqa:
 from contract.trainer_settings import DEFAULT_LOG_RATIO_BOUND
 
 
-# ------------------------------------------------------------ PPO loss --
-
-
-def ppo_clip_loss(
-    logp: torch.Tensor,
-    rollout_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    log_ratio_bound: float = DEFAULT_LOG_RATIO_BOUND,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-level PPO-clip loss (to minimise) and the mask of clipped tokens.
-
-    ratio = exp(clamp(logp - rollout_logp, -bound, bound))
-    loss  = -min(ratio * A, clip(ratio, 1 - low, 1 + high) * A)
-
-    A token is "clipped" when the clipped branch is the smaller one, i.e. the
-    clip changed the objective and the token contributes no gradient
-    (ratio > 1 + high with A > 0, or ratio < 1 - low with A < 0).
-    """
-    ratio, _ = bounded_exp(logp - rollout_logp, log_ratio_bound)
-    return clipped_surrogate(ratio, advantages, clip_low=clip_eps_low, clip_high=clip_eps_high)
+# ------------------------------------------------------------ PPO-clip pieces --
 
 
 def bounded_exp(log_ratio: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +42,11 @@ def bounded_exp(log_ratio: torch.Tensor, bound: float) -> tuple[torch.Tensor, to
 
 def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, *, clip_low: float,
                       clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-min(ratio * A, clip(ratio, 1 - low, 1 + high) * A) and the mask where the clipped branch won."""
+    """-min(ratio * A, clip(ratio, 1 - low, 1 + high) * A) and the mask where the clipped branch won.
+
+    A token is "clipped" when the clipped branch is the smaller one, i.e. the clip changed the objective
+    and the token contributes no gradient (ratio > 1 + high with A > 0, or ratio < 1 - low with A < 0).
+    policy_loss.ppo_clip_token_loss is the token-level PPO-clip loss made of these."""
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
