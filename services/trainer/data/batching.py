@@ -1,11 +1,11 @@
-"""Microbatches of trajectories under a token budget (padded rows for now).
+"""What a microbatch is to the loss code, the step's canonical sample order, and the padded layout.
 
 The training loop sees a microbatch only through the `Microbatch` protocol:
 "give me the final hidden states (and which rows score response tokens), and the per-token targets,
-rollout log-probs and advantages in the same order". A padded microbatch
-(here) and a packed one (services/trainer/data/packing.py, issue 6) both satisfy
-it, so packing replaces `plan_padded` + `PaddedMicrobatch` without touching
-the loss code.
+rollout log-probs and advantages in the same order". Two layouts satisfy it: the padded one here
+(right-padded rows under a token budget, `plan_padded` + `PaddedMicrobatch`) and the packed one
+(services/trainer/data/packing.py, the default), so the loss code is the same for both. The run's
+`trainer.batching` chooses between them (services/trainer/run_setup.py, `build_microbatches`).
 
 Alignment: a sequence is prompt (P tokens) + response (R tokens), L = P + R.
 The model reads tokens 0..L-2 and its logits at position t predict token t+1,
