@@ -4,7 +4,9 @@ parse -> build -> run -> close: read the step record (services/common/records/st
 in-process Trainer for its run from the checkpoint holding the step's starting weights (policy
 version step - 1; for step 1 the run's model itself), apply the step, print
 {"run_id", "step", "policy_version", "metrics"} as one JSON line. The record went through the same
-wire checks the gRPC server applies.
+wire checks the gRPC server applies. Reading a record's request (`recorded_request`) and building the
+trainer at the step's start (`trainer_at_step_start`) are what services/trainer/tools/replay_score.py
+shares with it.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sys
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.process.service_config import parse_service_config
-from services.common.records.step_record import read_step_record
+from services.common.records.step_record import StepRecordMeta, read_step_record
 from services.trainer import checkpoint as ckpt
 from services.trainer.trainer import StepFailed, Trainer
 from services.trainer.data.wire import FailedPrecondition, StepRequest, read_train_step
@@ -44,19 +46,30 @@ def recorded_request(chunks) -> StepRequest:
     return asyncio.run(read_train_step(stream()))
 
 
-def replay(config: ReplayConfig) -> dict:
-    meta, chunks = read_step_record(config.record)
-    request = recorded_request(chunks)
-    if config.checkpoint:
-        version = ckpt.read_state(config.checkpoint).policy_version
+def trainer_at_step_start(meta: StepRecordMeta, *, checkpoint: str, device: str, num_threads: int,
+                          model_path: str = "") -> Trainer:
+    """A fresh in-process Trainer configured for the recorded step's run, holding the weights the step
+    starts from (policy version meta.step - 1): from `checkpoint`, which must hold that version, or, for
+    step 1 without one, the run's model. `model_path`: the run's model directory on this machine; empty,
+    the one the record names. ValueError for a checkpoint at another version, or none past step 1."""
+    if checkpoint:
+        version = ckpt.read_state(checkpoint).policy_version
         if version != meta.step - 1:
             raise ValueError(f"checkpoint: holds policy version {version}; step {meta.step} starts from "
                              f"{meta.step - 1}")
     elif meta.step != 1:
         raise ValueError(f"checkpoint: required for step {meta.step} (the weights at policy version {meta.step - 1})")
-    trainer = Trainer(device=config.device, num_threads=config.num_threads)
-    trainer.configure(run_id=meta.run_id, model_path=meta.model_path, seed=meta.seed,
-                      config_json=meta.trainer_config_json, resume_checkpoint=config.checkpoint)
+    trainer = Trainer(device=device, num_threads=num_threads)
+    trainer.configure(run_id=meta.run_id, model_path=model_path or meta.model_path, seed=meta.seed,
+                      config_json=meta.trainer_config_json, resume_checkpoint=checkpoint)
+    return trainer
+
+
+def replay(config: ReplayConfig) -> dict:
+    meta, chunks = read_step_record(config.record)
+    request = recorded_request(chunks)
+    trainer = trainer_at_step_start(meta, checkpoint=config.checkpoint, device=config.device,
+                                    num_threads=config.num_threads)
     outcome = trainer.train_step(request)
     return {"run_id": meta.run_id, "step": outcome.step, "policy_version": outcome.policy_version,
             "metrics": outcome.metrics}
