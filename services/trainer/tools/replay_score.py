@@ -28,10 +28,9 @@ from contract.trainer_settings import ParityThresholds
 from services.common.records.run_bundle import BundleError, recorded_step
 from services.common.process.service_config import parse_service_config
 from services.common.records.step_record import read_step_record
-from services.trainer import checkpoint as ckpt
 from services.trainer.parity_gate import check_parity
-from services.trainer.tools.replay import recorded_request
-from services.trainer.trainer import ScoredTokens, Trainer
+from services.trainer.tools.replay import recorded_request, trainer_at_step_start
+from services.trainer.trainer import ScoredTokens
 
 # The step metrics that are the same statistics over the same tokens (services/trainer/grpo.mismatch_stats).
 RECORDED_STATS = ("iw_mean", "iw_min", "iw_max", "logprob_abs_diff_mean", "logprob_abs_diff_max")
@@ -81,16 +80,8 @@ def replay_score(config: ReplayScoreConfig) -> dict:
     if meta.step != config.step:
         raise BundleError(f"step_records/step_{config.step:06d}.pb", f"holds step {meta.step}")
     request = recorded_request(chunks)
-    if config.checkpoint:
-        version = ckpt.read_state(config.checkpoint).policy_version
-        if version != meta.step - 1:
-            raise ValueError(f"checkpoint: holds policy version {version}; step {meta.step} starts from "
-                             f"{meta.step - 1}")
-    elif meta.step != 1:
-        raise ValueError(f"checkpoint: required for step {meta.step} (the weights at policy version {meta.step - 1})")
-    trainer = Trainer(device=config.device, num_threads=config.num_threads)
-    trainer.configure(run_id=meta.run_id, model_path=config.model or meta.model_path, seed=meta.seed,
-                      config_json=meta.trainer_config_json, resume_checkpoint=config.checkpoint)
+    trainer = trainer_at_step_start(meta, checkpoint=config.checkpoint, device=config.device,
+                                    num_threads=config.num_threads, model_path=config.model)
     report = score_report(trainer.score_tokens(request), recorded, worst_tokens=config.worst_tokens)
     return {"run_id": meta.run_id, "step": meta.step, **report}
 
