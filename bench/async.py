@@ -50,8 +50,8 @@ from pathlib import Path
 import torch
 
 from bench.rollout_longtail import LONGTAIL_SHAPES
-from recipes.tiny_arith import MODEL, TASK_OPTIONS
 from recipes.char_tokenizer import CHARACTERS, EOS_ID, CharVocab
+from recipes.tiny_arith import MODEL, TASK_OPTIONS
 from recipes.tiny_model import TinyQwen3Config, build_model_dir, build_tiny_qwen3, save_model_dir
 from services.local_stack import LocalStack
 

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from recipes.tiny_arith import MODEL, TASK_OPTIONS, WARM_START, WarmStartConfig
 from recipes.char_tokenizer import EOS_ID, PAD_ID, build_char_tokenizer
-from services.common.determinism import configure_determinism
+from recipes.tiny_arith import MODEL, TASK_OPTIONS, WARM_START, WarmStartConfig
 from recipes.tiny_model import TinyQwen3Config, build_tiny_qwen3, save_model_dir
+from services.common.determinism import configure_determinism
 from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 from services.coordinator.tasks.base import Problem
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from services.environments.calculator import CalculatorEnvironment, CalculatorOptions, evaluate
 from contract.environment import EpisodeProblem
 from recipes.char_tokenizer import EOS_ID, PAD_ID
 from services.coordinator.tasks.base import Problem
+from services.environments.calculator import CalculatorEnvironment, CalculatorOptions, evaluate
 
 IGNORE = -100  # cross_entropy's ignore_index: prompt, observation and padding positions carry no loss
 

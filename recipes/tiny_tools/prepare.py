@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from recipes.char_tokenizer import build_char_tokenizer
+from recipes.tiny_model import TinyQwen3Config, build_tiny_qwen3, save_model_dir
 from recipes.tiny_tools import MODEL, TASK_OPTIONS, WARM_START, WarmStartConfig
 from recipes.tiny_tools.episodes import IGNORE, ToolUseReport, greedy_tool_use, scripted_batches
-from recipes.char_tokenizer import build_char_tokenizer
 from services.common.determinism import configure_determinism
-from recipes.tiny_model import TinyQwen3Config, build_tiny_qwen3, save_model_dir
 from services.coordinator.tasks.episodic import CalculatorConfig, CalculatorTask
 
 TURN_TOKENS = 24

@@ -8,8 +8,8 @@ import uvicorn
 from services.common.auth import load_token_or_exit
 from services.common.process.service_config import parse_service_config
 from services.common.process.structured_logging import configure_logging
-from services.coordinator.http.api import create_app
 from services.coordinator.config import CoordinatorConfig
+from services.coordinator.http.api import create_app
 from services.coordinator.tasks import preload_tasks
 
 

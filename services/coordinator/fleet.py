@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import RolloutClient, TrainerUnavailable, is_unavailable
-from services.coordinator.state.event_log import EventLog
-from services.coordinator.run.prompts import SamplingPlan, group_id
 from services.coordinator.replicas import ReplicaPool
 from services.coordinator.run.errors import RunFailed
+from services.coordinator.run.prompts import SamplingPlan, group_id
 from services.coordinator.run_spec import RunSpec
+from services.coordinator.state.event_log import EventLog
 from services.coordinator.tasks import Problem
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights, judge_round, rpc_details
 

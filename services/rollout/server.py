@@ -67,20 +67,12 @@ from services.common.grpc.service import (
 )
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.path_roots import resolve_inside
-from services.common.rendezvous.store import RendezvousClient
 from services.common.process.structured_logging import log_event
+from services.common.rendezvous.store import RendezvousClient
 from services.common.weights.broadcast_protocol import bucket_specs
 from services.common.weights.files import WeightFiles, read_weight_dir
 from services.common.weights.stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.weights.staging_arena import StagingArena
-from services.rollout.weights.prefetch import PREFETCH_READ_THREADS, Allocate, DirectoryKey, WeightPrefetch
-from services.rollout.wire import (
-    check_sample_order,
-    generation_request_from_proto,
-    samples_to_proto,
-    split_engine_config,
-)
 from services.rollout.engine import DeviceUnavailable, Engine, EngineUnavailable
 from services.rollout.episodes.requests import episode_request_from_proto, episodes_to_proto
 from services.rollout.registry import build_engine
@@ -89,6 +81,14 @@ from services.rollout.weights.broadcast_receiver import (
     checked_plan,
     receive_broadcast,
     staging_device,
+)
+from services.rollout.weights.prefetch import PREFETCH_READ_THREADS, Allocate, DirectoryKey, WeightPrefetch
+from services.rollout.weights.staging_arena import StagingArena
+from services.rollout.wire import (
+    check_sample_order,
+    generation_request_from_proto,
+    samples_to_proto,
+    split_engine_config,
 )
 
 log = logging.getLogger("lockstep.rollout")

@@ -11,8 +11,8 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
-from services.common.rendezvous.key_table import RendezvousLimits
 from services.common.process.service_config import AuthSetting, split_host_port
+from services.common.rendezvous.key_table import RendezvousLimits
 
 
 class TrainerServiceConfig(AuthSetting):

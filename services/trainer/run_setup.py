@@ -7,16 +7,16 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from services.common.models.loading import load_causal_lm, resolve_dtype
-from services.trainer import checkpoint as ckpt
-from services.trainer.distributed import sharding
-from services.trainer.model import lora
-from services.trainer.data.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
 from contract.trainer_run import TrainerRunConfig, format_validation_error
 from contract.trainer_settings import BATCH_INVARIANT_ATTENTION, AttentionPolicy
+from services.common.models.loading import load_causal_lm, resolve_dtype
+from services.trainer import checkpoint as ckpt
+from services.trainer.data.batching import Microbatch, TrainSample, canonical_order, padded_microbatches
 from services.trainer.data.packing import PackingConfig, pack_samples
-from services.trainer.model.policy import PolicyModule
 from services.trainer.data.wire import InvalidRequest
+from services.trainer.distributed import sharding
+from services.trainer.model import lora
+from services.trainer.model.policy import PolicyModule
 
 
 def parse_run_config(text: str) -> TrainerRunConfig:

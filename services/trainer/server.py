@@ -60,12 +60,6 @@ from services.common.process.structured_logging import log_event
 from services.common.weights.files import WeightFilesError, write_weight_dir
 from services.trainer.checkpoint import ForeignDirectory
 from services.trainer.config import TrainerServiceConfig
-from services.trainer.disk_space import OutOfSpace, writing
-from services.trainer.parity_gate import ParityVerdict
-from services.trainer.plugins import import_attention_plugins
-from services.trainer.trainer import StepFailed, StepOutcome, Trainer
-from services.trainer.weights.broadcast_sender import BroadcastFailed, WeightBroadcaster
-from services.trainer.weights.serving import VersionNotKept, WeightChunksAsKept, WeightServing
 from services.trainer.data.wire import (
     FailedPrecondition,
     InvalidRequest,
@@ -73,7 +67,13 @@ from services.trainer.data.wire import (
     read_train_step,
     step_metrics_message,
 )
+from services.trainer.disk_space import OutOfSpace, writing
 from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
+from services.trainer.parity_gate import ParityVerdict
+from services.trainer.plugins import import_attention_plugins
+from services.trainer.trainer import StepFailed, StepOutcome, Trainer
+from services.trainer.weights.broadcast_sender import BroadcastFailed, WeightBroadcaster
+from services.trainer.weights.serving import VersionNotKept, WeightChunksAsKept, WeightServing
 
 log = logging.getLogger("lockstep.trainer")
 SERVICE = "trainer"

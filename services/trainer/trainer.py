@@ -20,24 +20,24 @@ from typing import TypeVar
 
 import torch
 
+from contract.trainer_run import TrainerRunConfig
 from services.common.determinism import configure_determinism
 from services.common.records.fingerprint import probe_platform_details
 from services.trainer import checkpoint as ckpt
 from services.trainer import run_setup
-from services.trainer.distributed import sharding
-from services.trainer.model import lora
 from services.trainer.data.batching import Microbatch, TrainSample, canonical_order
-from contract.trainer_run import TrainerRunConfig
+from services.trainer.data.step_digest import check_replay, trajectories_digest
+from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepRequest
+from services.trainer.distributed import sharding
 from services.trainer.distributed.data_parallel import DataParallel
-from services.trainer.loss.microbatch_result import MicrobatchResult, TokenDeltas, results_step_metrics, step_loss
 from services.trainer.loss.lr_schedule import lr_at, mean_token_staleness, staleness_factor
-from services.trainer.parity_gate import ParityVerdict, check_parity
+from services.trainer.loss.microbatch_result import MicrobatchResult, TokenDeltas, results_step_metrics, step_loss
 from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
+from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_update
+from services.trainer.model import lora
+from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.run_state import RunState, WeightSnapshot
-from services.trainer.data.step_digest import check_replay, trajectories_digest
-from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_update
-from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepRequest
 
 log = logging.getLogger("lockstep.trainer")
 # What crosses ranks in microbatch order (Trainer._in_order).

@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from services.common.weights.safetensors_layout import encode_header
 from services.common.weights.files import (
     ORDER_KEY,
     VERSION_KEY,
@@ -28,6 +27,7 @@ from services.common.weights.files import (
     write_tensor_data,
     write_weight_dir,
 )
+from services.common.weights.safetensors_layout import encode_header
 from tests.support.digest_reference import BLOCK, Sha256Counter, digest_by_definition, raw_bytes
 
 

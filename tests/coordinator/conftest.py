@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from recipes.tiny_model import build_model_dir
 from services.common.auth import TOKEN_FILE_ENV, read_token_file, write_token_file
 from services.common.process.ports import free_port
-from recipes.tiny_model import build_model_dir
 from services.local_stack import ServiceProcess, service_env
 
 

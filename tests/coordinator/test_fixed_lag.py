@@ -12,9 +12,8 @@ from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken
 from services.coordinator.clients import RolloutClient
-from services.coordinator.state.embedded_redis import EmbeddedRedis
-from services.coordinator.state.event_log import EventLog
-from services.coordinator.state.exporter import CoordinatorExporter
+from services.coordinator.fleet import RolloutFleet
+from services.coordinator.run.errors import RunFailed
 from services.coordinator.run.fixed_lag import (
     BusyIntervals,
     behaviour_version,
@@ -22,9 +21,10 @@ from services.coordinator.run.fixed_lag import (
     rollouts_at,
     staleness_metrics,
 )
-from services.coordinator.fleet import RolloutFleet
 from services.coordinator.run.prompts import SamplingPlan
-from services.coordinator.run.errors import RunFailed
+from services.coordinator.state.embedded_redis import EmbeddedRedis
+from services.coordinator.state.event_log import EventLog
+from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.store import RunStore
 from services.coordinator.tasks.base import Problem
 

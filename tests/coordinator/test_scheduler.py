@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 
 from recipes.tiny_model import build_model_dir
+from services.coordinator.run.run_scheduler import RunScheduler
+from services.coordinator.run_spec import RunSpec
 from services.coordinator.state.embedded_redis import EmbeddedRedis
 from services.coordinator.state.exporter import CoordinatorExporter
-from services.coordinator.run_spec import RunSpec
-from services.coordinator.run.run_scheduler import RunScheduler
 from services.coordinator.state.store import RunStore
 
 

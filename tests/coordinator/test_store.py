@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from services.coordinator.state.embedded_redis import DISABLED_COMMANDS, EmbeddedRedis
 from services.coordinator.run.prompts import step_problems
+from services.coordinator.state.embedded_redis import DISABLED_COMMANDS, EmbeddedRedis
 from services.coordinator.state.store import RunStore, StoreError
 from services.coordinator.tasks import build_task
 

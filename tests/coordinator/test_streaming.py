@@ -9,8 +9,8 @@ import pytest
 
 from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
-from services.coordinator.run.streaming_step import GenerationGate
 from services.coordinator.run.streaming import admit, merge_round, nearest_rank, token_staleness_metrics, token_versions
+from services.coordinator.run.streaming_step import GenerationGate
 
 
 def traj(versions: list[int], *, version: int | None = None, tokens: int | None = None) -> pb.Trajectory:

@@ -8,8 +8,8 @@ import importlib.util
 import json
 import re
 
-from services.common.records.run_compare import STEP_METRICS
 from services.common.metric_defs import step_metric_name
+from services.common.records.run_compare import STEP_METRICS
 from tests.conftest import REPO_ROOT
 from tests.deploy.promql_names import dashboard_exprs
 

@@ -17,9 +17,9 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from recipes.tiny_model import build_model_dir
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, BearerToken, generate_token
 from services.common.grpc.options import grpc_options, sync_channel
-from recipes.tiny_model import build_model_dir
 from services.local_stack import REPO_ROOT
 
 WRONG = BearerToken(generate_token())

@@ -25,9 +25,9 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from recipes.tiny_model import build_model_dir
 from services.common.grpc.options import sync_channel
 from services.common.process.ports import free_port
-from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 from tests.support.rendezvous import Intruder, listening_ips
 from tests.support.stack_logs import text_after

@@ -14,9 +14,9 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from recipes.tiny_model import build_model_dir
 from services.common.auth import TOKEN_ENV, BearerToken, generate_token
 from services.common.grpc.options import sync_channel
-from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack, free_port
 from services.trainer.distributed.worker_group import WORKER_LOST_EXIT
 

@@ -19,9 +19,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from recipes.tiny_model import build_model_dir
 from services.cli.client import ApiError, CoordinatorClient
 from services.common.process.ports import free_port
-from recipes.tiny_model import build_model_dir
 from services.coordinator.state.embedded_redis import EmbeddedRedis
 from services.local_stack import LocalStack
 from services.trainer.checkpoint import read_state

@@ -21,11 +21,11 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from recipes.tiny_model import build_model_dir
 from services.common.auth import TOKEN_FILE_ENV, read_token_file, write_token_file
 from services.common.grpc.options import sync_channel
-from services.common.process.ports import free_port
-from recipes.tiny_model import build_model_dir
 from services.common.models.weight_files import PICKLE_SINGLE, SAFETENSORS_INDEX
+from services.common.process.ports import free_port
 from services.local_stack import ServiceProcess, service_env
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

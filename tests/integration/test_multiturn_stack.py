@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.cli.client import ApiError
 from services.common.records.step_record import read_step_record
-from recipes.tiny_model import TinyQwen3Config, build_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,10 @@ import httpx
 import pytest
 import torch
 
+from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.common.auth import TOKEN_FILE_ENV
 from services.common.records.fingerprint import CPUINFO_FILE, parse_cpu_model
 from services.common.records.run_bundle import DOCUMENTS
-from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.local_stack import LocalStack
 from tests.support.boundary_blind_attention import NAME as BLIND
 

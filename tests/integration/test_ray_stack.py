@@ -21,11 +21,11 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from recipes.tiny_model import build_model_dir
 from services.cli.client import CoordinatorClient
 from services.common.auth import read_token_file
 from services.common.grpc.options import sync_channel
 from services.common.process.ports import free_port_run
-from recipes.tiny_model import build_model_dir
 from services.ray_stack.config import RayStackConfig
 from services.ray_stack.launcher import RayStack
 from services.trainer.distributed.worker_group import WORKER_LOST_EXIT

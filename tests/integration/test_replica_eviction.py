@@ -8,10 +8,10 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from recipes.tiny_model import build_model_dir
 from services.cli.client import CoordinatorClient
 from services.common.auth import BearerToken
 from services.common.grpc.options import sync_channel
-from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow

@@ -12,15 +12,15 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from recipes.tiny_model import build_model_dir
 from services.common.grpc.options import sync_channel
 from services.common.models.directory import load_tokenizer
-from recipes.tiny_model import build_model_dir
 from services.coordinator.clients import RolloutClient, TrainerClient
+from services.coordinator.run.loop import RunDriver
+from services.coordinator.run.prompts import step_problems
+from services.coordinator.run_spec import RunSpec
 from services.coordinator.state.embedded_redis import EmbeddedRedis
 from services.coordinator.state.exporter import CoordinatorExporter
-from services.coordinator.run.prompts import step_problems
-from services.coordinator.run.loop import RunDriver
-from services.coordinator.run_spec import RunSpec
 from services.coordinator.state.store import RunStore
 from services.local_stack import LocalStack, ServiceProcess
 

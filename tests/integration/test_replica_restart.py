@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from services.cli.client import CoordinatorClient
 from recipes.tiny_model import build_model_dir
+from services.cli.client import CoordinatorClient
 from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow

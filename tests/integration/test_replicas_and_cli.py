@@ -11,8 +11,8 @@ import yaml
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc.options import sync_channel
 from recipes.tiny_model import build_model_dir
+from services.common.grpc.options import sync_channel
 
 pytestmark = pytest.mark.slow
 

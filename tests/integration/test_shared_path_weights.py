@@ -15,8 +15,8 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc.options import sync_channel
 from recipes.tiny_model import build_model_dir
+from services.common.grpc.options import sync_channel
 from tests.support.weight_sync_runs import sync_spec, synced
 
 pytestmark = pytest.mark.slow

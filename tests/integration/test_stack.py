@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.client import ApiError
 from recipes.tiny_model import build_model_dir
+from services.cli.client import ApiError
 from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from proto import lockstep_pb2 as pb
-from services.common.records.step_record import read_step_record
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
+from services.common.records.step_record import read_step_record
 from tests.support.weight_sync_runs import run_events
 
 pytestmark = pytest.mark.slow

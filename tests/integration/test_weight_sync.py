@@ -18,8 +18,8 @@ import pytest
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
-from services.common.grpc.options import sync_channel
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
+from services.common.grpc.options import sync_channel
 from services.local_stack import LocalStack
 
 pytestmark = pytest.mark.slow

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.cli.recipe_layout import Recipe, resolve_spec, task_fields
 from recipes.tiny_model import build_model_dir
+from services.cli.recipe_layout import Recipe, resolve_spec, task_fields
 
 TRAIN_PROBLEMS = 130
 """More than the recipes' task.options.heldout_size (100), so the training split is not empty."""

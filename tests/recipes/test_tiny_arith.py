@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.tiny_arith import MODEL, TASK_OPTIONS
 from recipes.char_tokenizer import (
     BOS_ID,
     CHARACTERS,
@@ -23,6 +22,7 @@ from recipes.char_tokenizer import (
     build_char_tokenizer,
     save_char_tokenizer,
 )
+from recipes.tiny_arith import MODEL, TASK_OPTIONS
 from recipes.tiny_model import TinyQwen3Config, build_model_dir, build_tiny_qwen3
 from services.coordinator.tasks import build_task
 from services.coordinator.tasks.arithmetic import EOS_TEXT, ArithmeticConfig, ArithmeticTask, parse_answer

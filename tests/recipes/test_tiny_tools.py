@@ -8,12 +8,12 @@ import pytest
 import torch
 import yaml
 
-from services.environments.calculator import evaluate
+from recipes.char_tokenizer import EOS_ID, build_char_tokenizer
 from recipes.tiny_tools import TASK_OPTIONS, WARM_START
 from recipes.tiny_tools.episodes import IGNORE, scripted_batches, scripted_episode
-from recipes.char_tokenizer import EOS_ID, build_char_tokenizer
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.tasks.episodic import CalculatorConfig, CalculatorTask
+from services.environments.calculator import evaluate
 
 REPO = Path(__file__).resolve().parents[2]
 

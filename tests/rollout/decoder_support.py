@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from kernels.logprob import token_logprobs
-from services.common.models.loading import load_causal_lm
 from recipes.tiny_model import TinyQwen3Config
+from services.common.models.loading import load_causal_lm
 from services.rollout.types import SamplingConfig
 
 # Large init std: distributions far from uniform, so a position or cache bug moves log-probs by far more

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import pytest
 
+from contract.environment import EpisodeProblem, StepResult, check_observation, check_step_result, EndReason, \
+    ObservationRefused
 from services.environments.calculator import (
     MAX_EXPRESSION_CHARS, CalculatorEnvironment, CalculatorError, CalculatorOptions, evaluate,
 )
-from contract.environment import EpisodeProblem, StepResult, check_observation, check_step_result, EndReason, \
-    ObservationRefused
 
 
 @pytest.mark.parametrize("expression,value", [

@@ -12,8 +12,8 @@ import torch
 
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.embedded.decoder_attention import DecoderUnsupported
-from services.rollout.types import GenerationRequest, PromptSpec
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.types import GenerationRequest, PromptSpec
 from tests.rollout.decoder_support import (
     PROMPTS,
     SEEDS,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
-from services.rollout.types import GenerationRequest, PromptSpec
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.types import GenerationRequest, PromptSpec
 from tests.rollout.decoder_support import (
     PROMPTS,
     SEEDS,

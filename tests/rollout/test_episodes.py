@@ -17,12 +17,12 @@ import torch
 from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
 from kernels.attention import REGISTRY
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
-from services.rollout.types import SamplingConfig
-from services.rollout.episodes.runner import ChatTemplateCodec, EpisodeSpec, PlainCodec, SampledTurn, run_episodes
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.episodes.runner import ChatTemplateCodec, EpisodeSpec, PlainCodec, SampledTurn, run_episodes
+from services.rollout.types import SamplingConfig
 from services.trainer.data.batching import TrainSample
-from services.trainer.trainer import Trainer
 from services.trainer.data.wire import StepRequest
+from services.trainer.trainer import Trainer
 from tests.rollout.hostile_environments import register_feedback, register_hostile
 
 register_feedback()

@@ -15,10 +15,10 @@ import pytest
 
 from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
 from kernels.batch_invariant import KEY_BLOCK
-from services.rollout.episodes.requests import EpisodeRequest
-from services.rollout.episodes.runner import EpisodeSpec
 from services.rollout.embedded.scheduler import KeptPrefixes, PageAllocator, Scheduler, DecodeSequence, Unit, pages_for
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.episodes.requests import EpisodeRequest
+from services.rollout.episodes.runner import EpisodeSpec
 from tests.rollout.decoder_support import sampling
 from tests.rollout.hostile_environments import register_feedback
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from services.common.weights.stream import LoraAdapterMeta, WeightStreamAssembler, WeightStreamError, iter_weight_chunks
-from services.rollout.weights.lora_adapter import write_peft_adapter
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.weights.lora_adapter import write_peft_adapter
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 META = LoraAdapterMeta(rank=4, alpha=16.0, target_modules=tuple(sorted(TARGETS)))

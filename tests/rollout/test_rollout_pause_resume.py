@@ -17,8 +17,8 @@ from services.common.auth import BearerToken, generate_token
 from services.common.metric_defs import ROLLOUT_METRICS, build_collectors
 from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto
 from services.rollout.config import RolloutServiceConfig
-from services.rollout.server import RolloutServicer
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.server import RolloutServicer
 from tests.rollout.test_rollout_server_ordering import Context
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")

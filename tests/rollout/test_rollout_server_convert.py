@@ -9,17 +9,17 @@ import pytest
 from proto import lockstep_pb2 as pb
 from services.common.tensors import ids_to_proto, logprobs_to_proto
 from services.rollout.config import RolloutServiceConfig
+from services.rollout.embedded.torch_engine import TorchEngine
+from services.rollout.engine import EngineUnavailable
+from services.rollout.registry import ENGINES, engine_class
+from services.rollout.server import RpcFailure, status_for
+from services.rollout.types import GeneratedSample
 from services.rollout.wire import (
     check_sample_order,
     generation_request_from_proto,
     samples_to_proto,
     split_engine_config,
 )
-from services.rollout.engine import EngineUnavailable
-from services.rollout.types import GeneratedSample
-from services.rollout.registry import ENGINES, engine_class
-from services.rollout.server import RpcFailure, status_for
-from services.rollout.embedded.torch_engine import TorchEngine
 
 
 def good_request(**over) -> pb.GenerateRequest:

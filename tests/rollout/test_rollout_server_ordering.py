@@ -18,8 +18,8 @@ from services.common.tensors import ids_to_proto
 from services.common.weights.stream import iter_weight_chunks
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import Engine
-from services.rollout.types import GeneratedSample, GenerationRequest
 from services.rollout.server import RolloutServicer
+from services.rollout.types import GeneratedSample, GenerationRequest
 
 
 class RecordingEngine(Engine):

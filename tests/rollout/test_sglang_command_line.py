@@ -26,9 +26,9 @@ from contract.command_line import (
 )
 from contract.engine_options import SGLangEngineConfig
 from contract.platforms import CUDA_ATTENTION_BACKENDS, LORA_TARGET_MODULES
+from contract.sglang_command import engine_run_options, server_command
 from services.common.platform import Platform, SGLangLaunchPlan, SGLangPlatformConfig, sglang_launch_plan
 from services.rollout.sglang.config import default_python
-from contract.sglang_command import engine_run_options, server_command
 from tests.conftest import require
 
 HOSTILE = ["--x", "-x", "a b", "a\x00b", "a\tb", "\u00a0x", "x\u2028", ""]

@@ -27,8 +27,8 @@ import torch
 from kernels.logprob import token_logprobs
 from services.common.models.loading import load_causal_lm
 from services.rollout.engine import EngineUnavailable
-from services.rollout.types import GenerationRequest, PromptSpec, SamplingConfig
 from services.rollout.sglang.weights import load_checkpoint_tensors
+from services.rollout.types import GenerationRequest, PromptSpec, SamplingConfig
 
 TOL = 1e-5  # mean |rollout log-prob - recompute| in float32 (acceptance criterion of issue 3)
 EOS = 2

@@ -13,10 +13,10 @@ import torch
 
 from contract.engine_options import SGLangEngineConfig
 from services.common.weights.stream import LoraAdapterMeta
-from services.rollout.types import GenerationRequest, PromptSpec, SamplingConfig
 from services.rollout.sglang.client import generate_body, load_lora_adapter_body, update_weight_version_body
 from services.rollout.sglang.config import default_python
 from services.rollout.sglang.engine import SGLangEngine
+from services.rollout.types import GenerationRequest, PromptSpec, SamplingConfig
 from tests.conftest import require
 
 REQ = GenerationRequest(prompts=(PromptSpec("a", (1, 5, 6), seed=10), PromptSpec("b", (1, 7), seed=99)),

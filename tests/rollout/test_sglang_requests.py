@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from contract.engine_options import SGLangEngineConfig
+from contract.sglang_command import API_KEY_ENV, BOOTSTRAP, engine_run_options, server_command
 from services.common.platform import Platform, SGLangPlatformConfig, sglang_launch_plan
-from services.rollout.types import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 from services.rollout.sglang.client import (
     SGLangRequestError,
     check_request,
@@ -30,9 +30,9 @@ from services.rollout.sglang.client import (
     update_weights_from_distributed_body,
 )
 from services.rollout.sglang.config import SGLangHostConfig
-from contract.sglang_command import API_KEY_ENV, BOOTSTRAP, engine_run_options, server_command
 from services.rollout.sglang.server import server_env
 from services.rollout.sglang.weights import checkpoint_specs, verify_tensors, write_checkpoint
+from services.rollout.types import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 
 REQ = GenerationRequest(
     prompts=(PromptSpec("a", (1, 5, 6), seed=10), PromptSpec("b", (1, 7), seed=99)),

@@ -26,13 +26,13 @@ import pytest
 
 from contract.engine_options import SGLangEngineConfig
 from contract.platforms import SGLangPlatformConfig
+from contract.sglang_command import engine_run_options, server_command
 from proto import lockstep_pb2 as pb
+from recipes.tiny_model import build_model_dir
 from services.cli.client import ApiError
 from services.common.grpc.options import sync_channel
 from services.common.platform import Platform, sglang_launch_plan
-from recipes.tiny_model import build_model_dir
 from services.local_stack import LocalStack
-from contract.sglang_command import engine_run_options, server_command
 from services.rollout.registry import ENGINES
 from services.rollout.sglang.config import default_python
 from tests.conftest import require

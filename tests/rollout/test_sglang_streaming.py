@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 
-from services.rollout.types import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 from services.rollout.sglang.weights import load_checkpoint_tensors
+from services.rollout.types import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 from tests.rollout.test_sglang_engine import EOS, TOL, engine, model_dir, recompute  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from kernels.logprob import token_logprobs
-from services.rollout.types import GenerationRequest, PromptSpec, SamplingConfig
 from kernels.sampling import truncate_logits
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
+from services.rollout.types import GenerationRequest, PromptSpec, SamplingConfig
 
 VOCAB = 32
 PARITY_TOL = 1e-5

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from services.common.weights.files import WeightFiles
-from services.rollout.weights.staging_arena import StagingArena
 from services.rollout.weights.prefetch import DirectoryKey, WeightPrefetch
+from services.rollout.weights.staging_arena import StagingArena
 
 A = DirectoryKey("/w/v000001", 1, "a" * 64)
 B = DirectoryKey("/w/v000002", 2, "b" * 64)

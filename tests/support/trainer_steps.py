@@ -18,8 +18,8 @@ from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.auth import BearerToken
 from services.common.grpc.options import sync_channel
 from services.common.tensors import ids_to_proto, logprobs_to_proto
-from services.trainer.loss.surrogate import group_advantages
 from services.trainer.data.wire import StepRequest, decode_trajectory
+from services.trainer.loss.surrogate import group_advantages
 from tests.trainer.trainer_support import make_episodes, rollout_logprobs
 
 CONFIG = {"lr": 1e-2, "microbatch_tokens": 12, "grad_clip": 1.0}

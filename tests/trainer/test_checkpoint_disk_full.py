@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 
 from services.trainer import checkpoint as ckpt
 from services.trainer.disk_space import OutOfSpace, space_errno, writing
-from services.trainer.trainer import Trainer
 from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
+from services.trainer.trainer import Trainer
 from tests.support.small_disk import fill, small_tmpfs
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")

@@ -17,9 +17,9 @@ import torch
 from trainer_support import on_policy_request
 
 from services.trainer.data.batching import TrainSample
-from services.trainer.trainer import Trainer
 from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepRequest
 from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
+from services.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
 # A small budget: each step splits into several microbatches (not a multiple of the ranks), spread over them.

@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_data_parallel import CONFIG, _configure, _steps
 
-from services.trainer.trainer import Trainer
 from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
+from services.trainer.trainer import Trainer
 
 pytestmark = [
     pytest.mark.gpu,

@@ -21,10 +21,10 @@ import torch
 from trainer_support import current_policy, make_episodes, rollout_logprobs
 
 from services.trainer.data.batching import TrainSample
-from services.trainer.loss.surrogate import group_advantages
-from services.trainer.loss.policy_loss import m2po_keep_mask
-from services.trainer.trainer import Trainer
 from services.trainer.data.wire import StepRequest
+from services.trainer.loss.policy_loss import m2po_keep_mask
+from services.trainer.loss.surrogate import group_advantages
+from services.trainer.trainer import Trainer
 
 CLIP = 0.2
 # Opened so that a stale step gets through (the gate checks the trainer/rollout mismatch of synchronous

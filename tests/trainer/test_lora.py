@@ -8,12 +8,12 @@ import torch
 from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
+from contract.trainer_run import TrainerRunConfig
 from services.common.models.loading import load_causal_lm
 from services.trainer.data.batching import TrainSample
-from contract.trainer_run import TrainerRunConfig
+from services.trainer.data.wire import InvalidRequest, StepRequest
 from services.trainer.loss.surrogate import group_advantages
 from services.trainer.trainer import Trainer
-from services.trainer.data.wire import InvalidRequest, StepRequest
 from tests.support.rounding_bounds import response_logprob_bounds
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")

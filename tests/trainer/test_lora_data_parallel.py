@@ -12,10 +12,10 @@ from trainer_support import make_episodes, rollout_logprobs
 
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 from services.trainer.data.batching import TrainSample
-from services.trainer.loss.surrogate import group_advantages
-from services.trainer.trainer import Trainer
 from services.trainer.data.wire import StepRequest
 from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
+from services.trainer.loss.surrogate import group_advantages
+from services.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
 CONFIG = {"lr": 1e-2, "microbatch_tokens": 12, "grad_clip": 1.0,

@@ -10,9 +10,9 @@ from test_lora import LORA, base_weights
 from trainer_support import make_episodes
 
 from services.trainer.data.batching import TrainSample
+from services.trainer.data.wire import StepRequest
 from services.trainer.loss.surrogate import group_advantages
 from services.trainer.trainer import Trainer
-from services.trainer.data.wire import StepRequest
 
 pytestmark = [
     pytest.mark.gpu,

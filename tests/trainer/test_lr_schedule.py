@@ -14,12 +14,12 @@ import torch
 from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
-from services.trainer.data.batching import TrainSample
 from contract.trainer_run import TrainerRunConfig
-from services.trainer.loss.surrogate import group_advantages
-from services.trainer.loss.lr_schedule import LRSchedule, lr_at, mean_token_staleness, staleness_factor
-from services.trainer.trainer import Trainer, parse_run_config
+from services.trainer.data.batching import TrainSample
 from services.trainer.data.wire import InvalidRequest, StepRequest
+from services.trainer.loss.lr_schedule import LRSchedule, lr_at, mean_token_staleness, staleness_factor
+from services.trainer.loss.surrogate import group_advantages
+from services.trainer.trainer import Trainer, parse_run_config
 
 BASE = 3e-4
 

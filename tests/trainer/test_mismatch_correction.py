@@ -9,14 +9,14 @@ import torch
 from pydantic import ValidationError
 from trainer_support import make_episodes, rollout_logprobs
 
-from services.trainer.data.batching import TrainSample
 from contract.trainer_settings import DEFAULT_LOG_RATIO_BOUND
-from services.trainer.loss.policy_loss import ppo_clip_token_loss
-from services.trainer.loss.surrogate import group_advantages
+from services.trainer.data.batching import TrainSample
+from services.trainer.data.wire import StepRequest
 from services.trainer.loss.mismatch_correction import MismatchCorrection
 from services.trainer.loss.mismatch_correction import correction_weights as weights_with_bound
+from services.trainer.loss.policy_loss import ppo_clip_token_loss
+from services.trainer.loss.surrogate import group_advantages
 from services.trainer.trainer import Trainer
-from services.trainer.data.wire import StepRequest
 
 D = torch.tensor([0.0, math.log(3.0), math.log(0.25), math.log(1.5), math.log(0.8)])  # log(pi_train / pi_rollout)
 SEQ = torch.tensor([0, 0, 1, 1, 2])

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 from trainer_support import make_episodes, on_policy_request, rollout_logprobs
 
 from services.trainer.data.batching import TrainSample
+from services.trainer.data.wire import StepRequest
 from services.trainer.loss.surrogate import group_advantages
 from services.trainer.trainer import Trainer
-from services.trainer.data.wire import StepRequest
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
 

@@ -19,13 +19,13 @@ import torch
 
 from kernels.attention import REGISTRY
 from proto import lockstep_pb2 as pb
-from services.common.tensors import to_proto
 from recipes.tiny_model import build_model_dir
+from services.common.tensors import to_proto
 from services.trainer.data.batching import TrainSample, collate_padded
 from services.trainer.data.packing import PackSample, pack_samples
+from services.trainer.data.wire import InvalidRequest, StepRequest, decode_trajectory
 from services.trainer.loss.policy_loss import StepShape, microbatch_loss, step_shape
 from services.trainer.trainer import Trainer
-from services.trainer.data.wire import InvalidRequest, StepRequest, decode_trajectory
 from test_true_on_policy import SMALL, TEMPERATURE, _rollout_model, sample_full_recompute
 
 

@@ -10,7 +10,7 @@ import torch
 from pydantic import ValidationError
 
 from contract.trainer_run import TrainerRunConfig
-from services.trainer.loss.surrogate import step_metrics
+from services.trainer.data.wire import InvalidRequest
 from services.trainer.loss.policy_loss import (
     StepShape,
     aggregate_loss,
@@ -22,8 +22,8 @@ from services.trainer.loss.policy_loss import (
     ppo_clip_token_loss,
     sequence_mean,
 )
+from services.trainer.loss.surrogate import step_metrics
 from services.trainer.run_setup import parse_run_config
-from services.trainer.data.wire import InvalidRequest
 
 # ------------------------------------------------------------ M2PO --
 

@@ -10,9 +10,9 @@ from trainer_support import VOCAB, current_policy, make_episodes, rollout_logpro
 
 from services.common.metric_defs import STEP_METRIC_HELP
 from services.trainer.data.batching import TrainSample
+from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepRequest
 from services.trainer.loss.surrogate import group_advantages
 from services.trainer.trainer import Trainer
-from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepRequest
 from tests.support.rounding_bounds import response_logprob_bounds
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")

@@ -17,9 +17,9 @@ from kernels.attention.hf import packed_forward_kwargs
 from kernels.batch_invariant.hf import make_batch_invariant
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.trainer.data.batching import TrainSample
+from services.trainer.data.wire import StepRequest
 from services.trainer.model.policy import score_hidden, score_hidden_batch_invariant
 from services.trainer.trainer import Trainer
-from services.trainer.data.wire import StepRequest
 from trainer_support import current_policy
 
 SMALL = TinyQwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -10,10 +10,10 @@ import pytest
 import torch
 from trainer_support import current_policy, on_policy_request, rollout_logprobs
 
-from services.trainer.distributed import sharding
 from services.trainer.data.batching import canonical_order
-from services.trainer.trainer import StepFailed, Trainer
+from services.trainer.distributed import sharding
 from services.trainer.loss.update_guard import NAMED_TOKENS, nonfinite_tokens, nonfinite_update
+from services.trainer.trainer import StepFailed, Trainer
 
 pytestmark = pytest.mark.usefixtures("restore_torch_globals")
 

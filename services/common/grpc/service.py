@@ -26,8 +26,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.auth import BearerToken, BearerTokenInterceptor
 from services.common.grpc.decode import RefuseUndecodable
-from services.common.grpc.options import grpc_options
 from services.common.grpc.health import add_health_service
+from services.common.grpc.options import grpc_options
 from services.common.process.structured_logging import log_event
 
 UNKNOWN_VERSION = "0+unknown"

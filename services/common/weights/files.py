@@ -33,6 +33,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from services.common.weights.digest import (
+    DIGEST_BLOCK_BYTES,
+    block_pool_threads,
+    block_sha256,
+    block_spans,
+    digest_of_blocks,
+    tensor_byte_view,
+)
 from services.common.weights.finite_check import bytes_all_finite, checks_bytes
 from services.common.weights.safetensors_layout import (
     HEADER_LENGTH_BYTES,
@@ -41,14 +49,6 @@ from services.common.weights.safetensors_layout import (
     encode_header,
     header_length,
     parse_header,
-)
-from services.common.weights.digest import (
-    DIGEST_BLOCK_BYTES,
-    block_pool_threads,
-    block_sha256,
-    block_spans,
-    digest_of_blocks,
-    tensor_byte_view,
 )
 
 WEIGHTS_FILE = "model.safetensors"

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.weights.chunk_frames import ChunkFrameError, split_chunk
-from services.common.weights.finite_check import bytes_all_finite, checks_bytes
 from services.common.tensors import dtype_from_name, dtype_name
+from services.common.weights.chunk_frames import ChunkFrameError, split_chunk
 from services.common.weights.digest import DIGEST_BLOCK_BYTES, BlockDigests, tensor_byte_view
+from services.common.weights.finite_check import bytes_all_finite, checks_bytes
 
 # One chunk per digest block: a chunk's digest is then its block's, and no byte is hashed twice.
 DEFAULT_CHUNK_BYTES = DIGEST_BLOCK_BYTES

@@ -34,9 +34,10 @@ from services.common.auth import BearerToken
 from services.common.models.directory import load_tokenizer
 from services.coordinator.clients import RolloutClient, TrainerClient
 from services.coordinator.config import CoordinatorConfig
-from services.coordinator.state.embedded_redis import EmbeddedRedis
-from services.coordinator.state.exporter import CoordinatorExporter
+from services.coordinator.http.episode_views import episodes_router
+from services.coordinator.http.run_exchange import ImportBody, exchange_router
 from services.coordinator.run.loop import RunDriver, SpaceRetry
+from services.coordinator.run.run_scheduler import RunScheduler
 from services.coordinator.run_spec import (
     MAX_SPEC_BYTES,
     RunSpec,
@@ -45,9 +46,8 @@ from services.coordinator.run_spec import (
     parse_run_spec,
     validation_fields,
 )
-from services.coordinator.http.episode_views import episodes_router
-from services.coordinator.http.run_exchange import ImportBody, exchange_router
-from services.coordinator.run.run_scheduler import RunScheduler
+from services.coordinator.state.embedded_redis import EmbeddedRedis
+from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.store import OUTAGE_ERRORS, RUN_ID_PATTERN, STATUSES, RunStore, is_run_id
 
 STORE_RETRY_AFTER_S = 5

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.common.process.structured_logging import log_event
-from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.run.loop import RunCancelled, RunDriver, RunPaused
 from services.coordinator.run_spec import RunSpec
+from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.store import ACTIVE, RunStore, is_outage
 
 log = logging.getLogger("lockstep.coordinator.scheduler")

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from proto import lockstep_pb2 as pb
 from services.coordinator.clients import CheckpointOutOfSpace, TrainerClient, TrainerUnavailable
-from services.coordinator.state.event_log import EventLog
 from services.coordinator.run.errors import RunFailed, RunPaused
 from services.coordinator.run_spec import RunSpec
+from services.coordinator.state.event_log import EventLog
 from services.coordinator.state.store import RunStore
 
 

@@ -64,12 +64,12 @@ from services.rollout.embedded.decoder_attention import (
     fast_prefill_attention,
     sdpa_paged_decode,
 )
-from services.rollout.types import PrefillCounts, SamplingConfig
 from services.rollout.embedded.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
 from services.rollout.embedded.scheduler import (
     DecodeSequence, KeptPrefixes, PageAllocator, Scheduler, Unit, pages_for,
 )
 from services.rollout.embedded.step_inputs import StepInputs
+from services.rollout.types import PrefillCounts, SamplingConfig
 
 NUMERICS_MODES = ("fast", "true_on_policy")
 SCHEDULERS = ("continuous", "static")

@@ -29,20 +29,20 @@ from collections.abc import Iterator
 import torch
 
 from contract.engine_options import TorchEngineConfig
-from services.common.records.fingerprint import probe_platform_details
 from services.common.models.loading import load_causal_lm
+from services.common.records.fingerprint import probe_platform_details
 from services.common.weights.files import FiniteTensors
+from services.common.weights.finite_check import all_finite
 from services.common.weights.stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
+from services.rollout.embedded.scheduler import pages_for
 from services.rollout.engine import Engine, require_device
+from services.rollout.episodes.runner import SampledTurn
 from services.rollout.types import (
     GeneratedSample, GenerationRequest, PrefillCounts, SamplingConfig, check_request_fits_model,
 )
-from services.rollout.episodes.runner import SampledTurn
-from services.common.weights.finite_check import all_finite
 from services.rollout.weights.lora_adapter import merged_weight, module_adapters
-from services.rollout.embedded.scheduler import pages_for
 
 __all__ = ["TorchEngine", "TorchEngineConfig", "decoder_options"]
 

@@ -15,9 +15,9 @@ from proto import lockstep_pb2 as pb
 from services.common.bounded_json import loads_bounded
 from services.common.tensors import ids_to_proto, logprobs_to_proto, to_proto
 from services.environments.registry import environment_options
-from services.rollout.wire import MAX_SAMPLES_PER_PROMPT, MAX_SEED, sampling_from_proto
-from services.rollout.types import SamplingConfig
 from services.rollout.episodes.runner import Episode, EpisodeSpec
+from services.rollout.types import SamplingConfig
+from services.rollout.wire import MAX_SAMPLES_PER_PROMPT, MAX_SEED, sampling_from_proto
 
 MAX_SETTINGS_BYTES = 64 * 1024
 MAX_PROBLEM_CHARS = 64 * 1024

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from contract.environment import EndReason, EpisodeLimits, EpisodeProblem
-from services.rollout.types import SamplingConfig
 from services.rollout.episodes.environment_host import EpisodeEnded, EpisodeEnvironment
+from services.rollout.types import SamplingConfig
 
 
 class TextTokenizer(Protocol):

@@ -18,8 +18,8 @@ from services.common.rendezvous.store import BlockingStore
 from services.common.weights.broadcast_protocol import TensorSpec
 from services.rollout.sglang.client import SGLangConnectionError, SGLangRequestError
 from services.rollout.sglang.weights import verify_broadcast_plan
-from services.rollout.weights.tcpstore_bridge import LOOPBACK, TcpStoreBridge, is_loopback_url
 from services.rollout.weights.broadcast_receiver import await_group_formed
+from services.rollout.weights.tcpstore_bridge import LOOPBACK, TcpStoreBridge, is_loopback_url
 
 
 class SGLangBroadcast:

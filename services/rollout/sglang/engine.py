@@ -51,12 +51,13 @@ import torch
 
 from contract.command_line import check_arg_value, render_spec_options
 from contract.engine_options import SGLangEngineConfig
+from contract.sglang_command import engine_run_options
 from services.common.models.directory import check_model_dir, layout_digest
-from services.common.weights.stream import LoraAdapterMeta
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
+from services.common.weights.stream import LoraAdapterMeta
+from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import Engine, EngineUnavailable
-from services.rollout.types import GeneratedSample, GenerationRequest
-from services.rollout.weights.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter
+from services.rollout.sglang.broadcast import SGLangBroadcast
 from services.rollout.sglang.client import (
     SGLangClient,
     check_request,
@@ -65,10 +66,7 @@ from services.rollout.sglang.client import (
     generate_body,
     parse_generate_response,
 )
-from services.rollout.config import RolloutServiceConfig
 from services.rollout.sglang.config import SGLangHostConfig
-from services.rollout.sglang.broadcast import SGLangBroadcast
-from contract.sglang_command import engine_run_options
 from services.rollout.sglang.server import SGLangServer, SGLangStartError
 from services.rollout.sglang.weights import (
     checkpoint_specs,
@@ -78,6 +76,8 @@ from services.rollout.sglang.weights import (
     verify_tensors,
     write_checkpoint,
 )
+from services.rollout.types import GeneratedSample, GenerationRequest
+from services.rollout.weights.lora_adapter import ADAPTER_WEIGHTS_FILE, module_adapters, write_peft_adapter
 
 log = logging.getLogger("lockstep.rollout.sglang")
 

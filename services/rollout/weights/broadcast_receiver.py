@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from proto import lockstep_pb2 as pb
+from services.common.rendezvous.store import BlockingStore
 from services.common.weights.broadcast_protocol import (
     BACKENDS,
     TensorSpec,
@@ -25,7 +26,6 @@ from services.common.weights.broadcast_protocol import (
     join_when_formed,
     unpack_bucket,
 )
-from services.common.rendezvous.store import BlockingStore
 from services.common.weights.digest import BlockDigests
 from services.common.weights.stream import LoraAdapterMeta
 

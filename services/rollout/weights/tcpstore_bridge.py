@@ -28,8 +28,8 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from services.common.rendezvous.key_table import MAX_KEY_BYTES, add_to
-from services.common.rendezvous.store import BlockingStore
 from services.common.rendezvous.service import WAIT_SLICE_S
+from services.common.rendezvous.store import BlockingStore
 
 log = logging.getLogger(__name__)
 

@@ -55,10 +55,10 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from services.common.auth import BearerToken
+from services.common.process.service_config import split_host_port
 from services.common.rendezvous.key_table import KeyTable, RendezvousError, RendezvousLimits, Unauthenticated
 from services.common.rendezvous.service import RendezvousServer
 from services.common.rendezvous.store import BlockingStore, LocalStore, RendezvousClient
-from services.common.process.service_config import split_host_port
 
 log = logging.getLogger("lockstep.trainer.rendezvous")
 GROUP = "trainer"  # the one open group of the ranks' KeyTable: every key below is under "trainer/"

@@ -42,8 +42,8 @@ import torch
 
 from contract.trainer_run import TrainerRunConfig
 from contract.trainer_settings import LossAggregation, PolicyLoss
-from services.trainer.loss.surrogate import bounded_exp, clipped_surrogate, kl_to_reference
 from services.trainer.loss.mismatch_correction import correction_weights
+from services.trainer.loss.surrogate import bounded_exp, clipped_surrogate, kl_to_reference
 
 
 @dataclass(frozen=True)

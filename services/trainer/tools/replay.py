@@ -19,8 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.common.process.service_config import parse_service_config
 from services.common.records.step_record import StepRecordMeta, read_step_record
 from services.trainer import checkpoint as ckpt
-from services.trainer.trainer import StepFailed, Trainer
 from services.trainer.data.wire import FailedPrecondition, StepRequest, read_train_step
+from services.trainer.trainer import StepFailed, Trainer
 
 
 class ReplayConfig(BaseModel):

@@ -25,8 +25,8 @@ import torch
 
 from contract.replay_score import REFUSED_EXIT, ReplayScoreConfig
 from contract.trainer_settings import ParityThresholds
-from services.common.records.run_bundle import BundleError, recorded_step
 from services.common.process.service_config import parse_service_config
+from services.common.records.run_bundle import BundleError, recorded_step
 from services.common.records.step_record import read_step_record
 from services.trainer.parity_gate import check_parity
 from services.trainer.tools.replay import recorded_request, trainer_at_step_start

@@ -24,10 +24,10 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.auth import BearerToken
-from services.common.rendezvous.key_table import KeyTable, RendezvousLimits
-from services.common.rendezvous.store import LocalStore
-from services.common.rendezvous.service import RendezvousServer
 from services.common.process.structured_logging import log_event
+from services.common.rendezvous.key_table import KeyTable, RendezvousLimits
+from services.common.rendezvous.service import RendezvousServer
+from services.common.rendezvous.store import LocalStore
 from services.common.weights.broadcast_protocol import (
     WeightUpdateGroup,
     abandon_group,
@@ -39,8 +39,8 @@ from services.common.weights.broadcast_protocol import (
     tensor_spec,
 )
 from services.common.weights.digest import BlockDigests
-from services.trainer.run_state import WeightSnapshot
 from services.trainer.data.wire import FailedPrecondition, InvalidRequest
+from services.trainer.run_state import WeightSnapshot
 
 # Plans kept for RunWeightBroadcast. A coordinator runs a plan right after opening it, and a plan holds
 # its snapshot (a compute-dtype copy of the policy) until then: a newer plan replaces an unrun one.

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from proto import lockstep_pb2 as pb
-from services.common.weights.chunk_frames import encode_chunk
 from services.common.tensors import dtype_name
+from services.common.weights.chunk_frames import encode_chunk
 from services.common.weights.digest import BlockDigests
 from services.common.weights.stream import LoraAdapterMeta
 
