@@ -25,7 +25,7 @@ class Platform(str, enum.Enum):
 
 # SGLang 0.5.23's own choices for --attention-backend (those for NVIDIA GPUs and the portable ones;
 # sglang/srt/arg_groups/choices.py) and --lora-target-modules (sglang/srt/utils/common.py,
-# SUPPORTED_LORA_TARGET_MODULES and 'all'). tests/rollout/test_sglang_command_line.py checks both
+# SUPPORTED_LORA_TARGET_MODULES and 'all'). tests/rollout/sglang/test_sglang_command_line.py checks both
 # against the installed SGLang. Enumerations, so no value a run chooses reads as an option.
 CudaAttentionBackend = Literal[
     "fa3", "fa4", "flashinfer", "triton", "torch_native", "flex_attention", "flashmla", "trtllm_mha",

@@ -97,15 +97,15 @@ STACK_DIRS = ("tests/integration/",)
 # one is a stack test, wherever the fixture is imported to.
 STACK_FIXTURES = {
     ("tests/coordinator/conftest.py", "lone_coordinator"): "a coordinator process (and its redis-server)",
-    ("tests/coordinator/test_event_log.py", "server"): "an embedded redis-server",
-    ("tests/coordinator/test_store.py", "server"): "an embedded redis-server",
+    ("tests/coordinator/state/test_event_log.py", "server"): "an embedded redis-server",
+    ("tests/coordinator/state/test_store.py", "server"): "an embedded redis-server",
     ("tests/deploy/test_live_prometheus.py", "stack"): "the local stack",
     ("tests/deploy/test_live_prometheus.py", "prometheus"): "a Prometheus server",
     ("tests/recipes/test_recipe_train_rest.py", "coordinator"): "a coordinator process",
     ("tests/rollout/test_rollout_server_process.py", "server"): "a rollout service process",
-    ("tests/rollout/test_sglang_engine.py", "engine"): "an SGLang server",
-    ("tests/rollout/test_sglang_run.py", "stack"): "the local stack with SGLang",
-    ("tests/trainer/test_broadcast_abort.py", "trainer"): "a trainer service process",
+    ("tests/rollout/sglang/test_sglang_engine.py", "engine"): "an SGLang server",
+    ("tests/rollout/sglang/test_sglang_run.py", "stack"): "the local stack with SGLang",
+    ("tests/trainer/weights/test_broadcast_abort.py", "trainer"): "a trainer service process",
     ("tests/trainer/test_trainer_server.py", "server"): "a trainer service process",
     ("tests/trainer/test_trainer_server.py", "parity_server"): "a trainer service process",
 }
@@ -113,20 +113,20 @@ STACK_FIXTURES = {
 # Tests (path::name) or whole modules (path) that start one in their own body, or need the SGLang
 # virtualenv (`make sglang-venv`, which `make test-quick` does not build).
 STACK_TESTS = {
-    "tests/coordinator/test_scheduler.py": "runs the scheduler against a redis-server",
-    "tests/coordinator/test_store.py::test_appendonly_survives_server_restart": "restarts a redis-server",
+    "tests/coordinator/run/test_scheduler.py": "runs the scheduler against a redis-server",
+    "tests/coordinator/state/test_store.py::test_appendonly_survives_server_restart": "restarts a redis-server",
     "tests/deploy/test_metric_names.py::test_sglang_names_exist_in_sglang": "reads the SGLang virtualenv",
-    "tests/rollout/test_sglang_broadcast.py::test_broadcast_request_bodies_fit_sglangs_request_types":
+    "tests/rollout/sglang/test_sglang_broadcast.py::test_broadcast_request_bodies_fit_sglangs_request_types":
         "runs the SGLang virtualenv's Python",
-    "tests/rollout/test_sglang_lora.py::test_lora_request_bodies_fit_sglangs_request_types":
+    "tests/rollout/sglang/test_sglang_lora.py::test_lora_request_bodies_fit_sglangs_request_types":
         "runs the SGLang virtualenv's Python",
-    "tests/rollout/test_sglang_requests.py::test_a_turns_body_fits_sglangs_request_type":
+    "tests/rollout/sglang/test_sglang_requests.py::test_a_turns_body_fits_sglangs_request_type":
         "runs the SGLang virtualenv's Python",
-    "tests/coordinator/test_fixed_lag.py::test_a_replica_reporting_another_version_is_refused_naming_the_step":
+    "tests/coordinator/run/test_fixed_lag.py::test_a_replica_reporting_another_version_is_refused_naming_the_step":
         "drives the fleet against a redis-server",
-    "tests/rollout/test_tcpstore_bridge.py::test_a_tcpstore_client_is_served_every_operation_and_forms_a_gloo_group":
+    "tests/rollout/weights/test_tcpstore_bridge.py::test_a_tcpstore_client_is_served_every_operation_and_forms_a_gloo_group":
         "runs a TCPStore client in the SGLang virtualenv's Python",
-    "tests/rollout/test_sglang_command_line.py::test_sglangs_argparse_reads_each_command_line_as_the_config_says":
+    "tests/rollout/sglang/test_sglang_command_line.py::test_sglangs_argparse_reads_each_command_line_as_the_config_says":
         "runs SGLang's argument parser in its virtualenv's Python",
 }
 
@@ -134,14 +134,14 @@ STACK_TESTS = {
 # computations): `make test-quick` leaves these out too, to stay an inner loop. Entries as in STACK_TESTS.
 SLOW_TESTS = {
     "tests/kernels/test_logprob_check_targets.py": "compiles every kernel for MI300 and Hopper",
-    "tests/kernels/test_logprob_distributed.py": "a gloo group of forked processes",
-    "tests/kernels/test_logprob_linear_distributed.py": "gloo groups of forked processes",
+    "tests/kernels/logprob/test_logprob_distributed.py": "a gloo group of forked processes",
+    "tests/kernels/logprob/test_logprob_linear_distributed.py": "gloo groups of forked processes",
     "tests/kernels/test_logprob_native_source.py": "compiles the native kernel with g++",
-    "tests/trainer/test_data_parallel.py": "trainer ranks as processes",
-    "tests/trainer/test_lora_data_parallel.py": "trainer ranks as processes",
+    "tests/trainer/distributed/test_data_parallel.py": "trainer ranks as processes",
+    "tests/trainer/distributed/test_lora_data_parallel.py": "trainer ranks as processes",
     "tests/trainer/test_true_on_policy.py::test_a_data_parallel_group_scores_the_samplers_bits":
         "trainer ranks as processes",
-    "tests/trainer/test_policy_loss_trainer.py::test_m2po_mask_spans_every_rank_of_a_group":
+    "tests/trainer/loss/test_policy_loss_trainer.py::test_m2po_mask_spans_every_rank_of_a_group":
         "trainer ranks as processes",
     "tests/trainer/test_mixed_precision.py::test_compiled_layers_train_like_eager_and_rerun_bitwise":
         "torch.compile",
@@ -149,17 +149,17 @@ SLOW_TESTS = {
         "two warm starts as processes",
     "tests/recipes/test_tiny_tools.py::test_warm_start_is_deterministic_per_seed": "two warm starts as processes",
     "tests/deploy/test_prometheus_rules.py::test_unit_tests_catch_a_loosened_rule": "promtool per rule",
-    "tests/coordinator/test_streaming.py::test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weights":
+    "tests/coordinator/run/test_streaming.py::test_a_streamed_rollout_is_paused_by_a_sync_and_continued_under_the_new_weights":
         "a torch engine decode and two trainers scoring it",
     "tests/trainer/test_parity_gate.py::test_reference_attention_passes_the_gate": "rounding bounds of a model",
-    "tests/kernels/test_logprob_linear.py::test_matches_unfused_path_and_fp64": "large float64 references",
-    "tests/kernels/test_logprob_linear.py::test_weight_gradient_accumulates_in_fp32_across_chunks":
+    "tests/kernels/logprob/test_logprob_linear.py::test_matches_unfused_path_and_fp64": "large float64 references",
+    "tests/kernels/logprob/test_logprob_linear.py::test_weight_gradient_accumulates_in_fp32_across_chunks":
         "large float64 references",
-    "tests/kernels/test_logprob_linear.py::test_a_token_does_not_depend_on_the_rest_of_the_call":
+    "tests/kernels/logprob/test_logprob_linear.py::test_a_token_does_not_depend_on_the_rest_of_the_call":
         "many calls of the fused head",
-    "tests/kernels/test_batch_invariant_triton.py::test_triton_decode_equals_triton_packed_at_every_position":
+    "tests/kernels/batch_invariant/test_batch_invariant_triton.py::test_triton_decode_equals_triton_packed_at_every_position":
         "a decode per position in Triton's interpreter",
-    "tests/common/test_weight_stream_buffers.py::"
+    "tests/common/weights/test_weight_stream_buffers.py::"
     "test_the_finite_check_finds_a_bad_value_wherever_chunks_cut_the_tensor": "one stream per cut",
 }
 

@@ -5,7 +5,7 @@ sequence's keys), which is why every other backend is tested against this one.
 It issues exactly the call Hugging Face's `sdpa` attention issues for one
 unpadded sequence ([1, H, L, D] views, `is_causal=L > 1`, `enable_gqa`), so a
 packed forward through it can match one-sequence-at-a-time forwards bit for
-bit wherever the surrounding matmuls do (tests/kernels/test_attention_hf.py).
+bit wherever the surrounding matmuls do (tests/kernels/attention/test_attention_hf.py).
 Slow by design: a Python loop over sequences and a host read of cu_seqlens.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ mostly launch and tail, not bytes; these kernels cut the chain without touching 
   x tiles, each bi_matmul_kernel's K loop), optionally with torch's `silu(gate) * up` in the epilogue:
   silu as torch computes it for a 16-bit tensor (x / (1 + expf(-x)) in fp32, IEEE division, libdevice's
   expf, rounded to the dtype), then the product rounded. The epilogue's bits are checked against torch
-  for every 16-bit input on the GPU (tests/kernels/test_fused_decode_gpu.py).
+  for every 16-bit input on the GPU (tests/kernels/batch_invariant/test_fused_decode_gpu.py).
 
 fp32 models do not take these kernels on GPUs (see fused.py): fp32 sums of products could be contracted
 into FMAs by the compiler where torch's separate kernels round each product.

@@ -7,7 +7,7 @@ multiple of 4 warps) and gfx942 (wave64, MFMA), and checked by `python -m kernel
 What is known to keep a matmul's bits is BLOCK_K, the order of its K loop: on an H200 every M/N
 extent, warp count and stage count tried gave bi_linear's bits (bench/decode_step_profile.py
 --sweep matmul); the decode step's projections use narrower N tiles on that evidence
-(fused.decode_matmul_config), which tests/kernels/test_fused_decode_gpu.py checks at every shape.
+(fused.decode_matmul_config), which tests/kernels/batch_invariant/test_fused_decode_gpu.py checks at every shape.
 
 Matmul, 16-bit: 64 x 64 x 64, 4 warps, 4 stages. Small enough that a decode step's matmuls
 (M = batch rows, N down to 1024) still cover the GPU without split-K: M=256 rows by N=1024

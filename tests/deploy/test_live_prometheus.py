@@ -45,11 +45,11 @@ MAY_BE_ABSENT = {
     "run's trajectories are all of version step - 1 (tests/integration/test_true_on_policy_stack.py checks "
     "the fixed-lag runs' staleness)",
     "lockstep_step_token_staleness_p95": "a step metric of async runs only (async.max_staleness > 0; "
-    "tests/coordinator/test_streaming.py checks how it is computed)",
+    "tests/coordinator/run/test_streaming.py checks how it is computed)",
     "lockstep_step_trajectories_dropped_stale": "a step metric of streaming runs only (async.mode streaming; "
     "tests/integration/test_true_on_policy_stack.py checks a streaming run's)",
     "lockstep_steps_recomputed_total": "labelled counter, first exported when a lost trainer is recovered "
-    "(tests/integration/test_trainer_recovery.py checks it on the coordinator's /metrics)",
+    "(tests/integration/recovery/test_trainer_recovery.py checks it on the coordinator's /metrics)",
 }
 MISMATCH_AND_SERVICE_ALERTS = (
     "LockstepIWMeanOutOfBand|LockstepIWMaxAboveBound|LockstepLogprobDiffAboveGate|LockstepApproxKLSpike"

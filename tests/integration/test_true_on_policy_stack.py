@@ -231,7 +231,7 @@ def test_streaming_trains_only_tokens_within_the_bound_with_their_versions_exact
     log-prob is bitwise what a trainer holding that very version computes: checked by loading each
     version's checkpoint into a trainer of this process and scoring the trajectories with it. (Whether a
     sync finds a rollout in flight here depends on timing: on this tiny model generation usually outpaces a
-    train step. tests/coordinator/test_streaming.py pauses one deterministically and checks the same.)"""
+    train step. tests/coordinator/run/test_streaming.py pauses one deterministically and checks the same.)"""
     import json
 
     from services.trainer.trainer import Trainer

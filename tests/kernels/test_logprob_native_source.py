@@ -6,7 +6,7 @@ What this checks without a GPU: the kernels' indexing, tile windows, masks, onli
 order, merge and gradient formula, the C launchers' dispatch and vector/element path choice, and
 NativeBackend's plumbing -- against reference.py and fp64, and the bitwise claims (batch
 composition, TP degree, load path). What it cannot check: the platform intrinsics (the emulator
-supplies exp2 and fp16 conversions of its own) and performance; tests/kernels/test_logprob_gpu.py
+supplies exp2 and fp16 conversions of its own) and performance; tests/kernels/logprob/test_logprob_gpu.py
 runs the same claims on a GPU.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kernels.logprob.native import SRC_DIR, NativeBackend
 from kernels.logprob.reference import ReferenceBackend
 from kernels.logprob.tiling import ShardLayout
 from tests.conftest import require
-from tests.kernels.logprob_oracle import check_adversarial_rows, check_padded_columns_are_excluded, close, oracle
+from tests.kernels.logprob.logprob_oracle import check_adversarial_rows, check_padded_columns_are_excluded, close, oracle
 
 # The emulator: just enough of the CUDA runtime for logprob_kernels.cu. One OS thread runs a block's
 # lanes as ucontext fibers, round robin; ls_shfl_xor32 is two barriers (write, then read), and it

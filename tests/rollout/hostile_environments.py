@@ -1,4 +1,4 @@
-"""Environments that misbehave in each way an environment can, for tests/rollout/test_environment_host.py.
+"""Environments that misbehave in each way an environment can, for tests/rollout/episodes/test_environment_host.py.
 
 Module-level classes, so the environment host's child process finds them by reference."""
 from __future__ import annotations

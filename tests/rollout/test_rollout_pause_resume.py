@@ -2,7 +2,7 @@
 
 A Generate in flight is paused at a token boundary and returns its samples with finish_reason 'paused';
 they continue under new weights (version 1) from their tokens, and every token reports the policy version
-that sampled it. Bit-for-bit continuation under unchanged weights is tests/rollout/test_decoder_schedules.py's.
+that sampled it. Bit-for-bit continuation under unchanged weights is tests/rollout/embedded/test_decoder_schedules.py's.
 """
 from __future__ import annotations
 

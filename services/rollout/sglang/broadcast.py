@@ -9,7 +9,7 @@
   "flattened_bucket"), gloo on CPU and NCCL/RCCL on GPUs; those weights are
   not on disk, so a server lost afterwards cannot be restarted with them.
 
-The broadcast path runs against the CPU server over gloo (tests/rollout/test_sglang_broadcast.py).
+The broadcast path runs against the CPU server over gloo (tests/rollout/sglang/test_sglang_broadcast.py).
 """
 from __future__ import annotations
 

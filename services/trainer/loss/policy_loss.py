@@ -33,7 +33,7 @@ Every log-ratio is clamped before exp (policy_loss.log_ratio_bound for token
 ratios and the KL term, gspo_log_ratio_bound for GSPO's sequence ratio), so a
 step of stale or broken rollouts yields a finite loss and gradient; a clamped
 ratio is a constant. docs/losses.md gives each formula as the tests' float64
-oracle (tests/trainer/test_loss_oracle.py) writes it.
+oracle (tests/trainer/loss/test_loss_oracle.py) writes it.
 """
 from __future__ import annotations
 

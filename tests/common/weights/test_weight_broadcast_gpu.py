@@ -5,7 +5,7 @@ NCCL refuses two ranks on one GPU, so the trainer's side (rank 0, cuda:0) and a 
 the staging on the replica's device are those of a real sync, and NCCL's unique id crosses the
 rendezvous as the trainer serves it: rank 0 reads it in process, rank 1 over gRPC with the token.
 
-Run on a machine with two GPUs: `python -m pytest -q -m gpu tests/common/test_weight_broadcast_gpu.py`."""
+Run on a machine with two GPUs: `python -m pytest -q -m gpu tests/common/weights/test_weight_broadcast_gpu.py`."""
 from __future__ import annotations
 
 import os

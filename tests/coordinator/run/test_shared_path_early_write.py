@@ -3,7 +3,7 @@ trained, and step s+1's sync finds it written instead of waiting for the write. 
 logged and written again by the sync, which fails loud if that fails too. The replicas then prefetch it,
 and the sync's load of it waits for their prefetch. The trainer and replica are fakes that record each call
 (the real calls are covered by tests/integration/test_true_on_policy_stack.py and
-tests/integration/test_shared_path_weights.py)."""
+tests/integration/weights/test_shared_path_weights.py)."""
 from __future__ import annotations
 
 import asyncio

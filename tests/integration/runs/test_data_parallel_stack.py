@@ -21,7 +21,7 @@ from services.local_stack import LocalStack, free_port
 from services.trainer.distributed.worker_group import WORKER_LOST_EXIT
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _spec(model: Path, name: str) -> dict:

@@ -35,7 +35,7 @@ from tests.support.weight_sync_runs import sync_spec
 from tests.trainer.trainer_support import build_tiny_model_dir
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _gone(pid: int) -> bool:

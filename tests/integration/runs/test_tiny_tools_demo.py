@@ -18,7 +18,7 @@ from rich.console import Console
 from recipes.tiny_tools.demo import RECIPE, run_on
 from services.cli.client import load_recipe
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_a_short_tool_run_calls_the_tool_and_writes_the_summary(one_replica_stack, tmp_path_factory):

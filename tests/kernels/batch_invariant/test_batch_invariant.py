@@ -25,7 +25,7 @@ from kernels.batch_invariant import (
     decode_attention,
     packed_attention,
 )
-from tests.kernels.batch_invariant_support import (
+from tests.kernels.batch_invariant.batch_invariant_support import (
     ROW_COUNTS,
     assert_bitwise,
     decode_rows_of_sequences,
@@ -257,7 +257,7 @@ def test_bad_arguments_are_refused_by_name():
 # ---- the same invariance under torch's scalar CPU kernels ---------------------------------------------
 def test_invariance_holds_under_default_cpu_capability(repo_root):
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=str(repo_root))
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.batch_invariant_support"], cwd=repo_root, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.kernels.batch_invariant.batch_invariant_support"], cwd=repo_root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "capability=DEFAULT" in proc.stdout and "invariance ok" in proc.stdout, proc.stdout

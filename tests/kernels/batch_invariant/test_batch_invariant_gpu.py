@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kernels.batch_invariant import KEY_BLOCK, bi_linear, bi_rms_norm, decode_attention, packed_attention
 from tests.conftest import require
-from tests.kernels.batch_invariant_support import (
+from tests.kernels.batch_invariant.batch_invariant_support import (
     ROW_COUNTS,
     assert_bitwise,
     check_rotary_row_invariance,

@@ -19,7 +19,7 @@ from kernels.attention import (
     register_hf_attention,
 )
 from kernels.batch_invariant import bi_linear, bi_rms_norm, packed_attention
-from tests.kernels.batch_invariant_support import assert_bitwise, make_qkv
+from tests.kernels.batch_invariant.batch_invariant_support import assert_bitwise, make_qkv
 
 transformers = pytest.importorskip("transformers")
 LENGTHS = [1, 7, 70, 3, 130]

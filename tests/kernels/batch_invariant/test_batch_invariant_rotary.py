@@ -5,7 +5,7 @@ alone; this is the proof that it needs no patch.
 """
 from __future__ import annotations
 
-from tests.kernels.batch_invariant_support import check_rotary_row_invariance
+from tests.kernels.batch_invariant.batch_invariant_support import check_rotary_row_invariance
 
 
 def test_hf_rotary_embedding_is_row_invariant_on_cpu():

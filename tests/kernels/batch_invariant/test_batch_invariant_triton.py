@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kernels.batch_invariant import KEY_BLOCK, bi_linear, bi_rms_norm, decode_attention, packed_attention
-from tests.kernels.batch_invariant_support import (
+from tests.kernels.batch_invariant.batch_invariant_support import (
     assert_bitwise,
     decode_rows_of_sequences,
     make_qkv,

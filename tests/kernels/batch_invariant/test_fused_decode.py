@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kernels.batch_invariant import BatchInvariantInputError, bi_linear, bi_rms_norm
 from kernels.batch_invariant.fused import add_rms_norm, gate_up, grouped_linear, qk_norm_rope_store, rotate_half
-from tests.kernels.batch_invariant_support import assert_bitwise
+from tests.kernels.batch_invariant.batch_invariant_support import assert_bitwise
 from tests.kernels.interpreted_dot import row_position_dependent_matmul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

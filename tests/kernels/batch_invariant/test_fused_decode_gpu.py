@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kernels.batch_invariant import bi_linear, bi_rms_norm
 from kernels.batch_invariant.fused import add_rms_norm, gate_up, grouped_linear, qk_norm_rope_store, rotate_half
 from tests.conftest import require
-from tests.kernels.batch_invariant_support import ROW_COUNTS, assert_bitwise
+from tests.kernels.batch_invariant.batch_invariant_support import ROW_COUNTS, assert_bitwise
 
 pytestmark = pytest.mark.gpu
 

@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 
 from kernels.logprob import token_logprobs, token_logprobs_with_entropy  # noqa: E402
 from tests.conftest import require  # noqa: E402
-from tests.kernels.logprob_oracle import (  # noqa: E402
+from tests.kernels.logprob.logprob_oracle import (  # noqa: E402
     check_adversarial_rows,
     check_padded_columns_are_excluded,
     close,

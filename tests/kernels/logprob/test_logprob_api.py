@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.logprob import token_logprobs, token_logprobs_with_entropy
-from tests.kernels.logprob_oracle import oracle
+from tests.kernels.logprob.logprob_oracle import oracle
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

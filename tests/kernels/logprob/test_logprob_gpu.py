@@ -5,7 +5,7 @@ fp16, entropy, mask and temperature through every step, the element-load path of
 and the bitwise claims for each (tests/kernels/test_logprob_native_source.py runs the same source
 on a CPU emulator, without the platform's exp2, fp16 conversions and shuffles).
 
-Run on the device machine: `python -m pytest -m gpu tests/kernels/test_logprob_gpu.py`.
+Run on the device machine: `python -m pytest -m gpu tests/kernels/logprob/test_logprob_gpu.py`.
 """
 from __future__ import annotations
 

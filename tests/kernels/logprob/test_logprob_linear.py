@@ -24,7 +24,7 @@ from kernels.logprob import (  # noqa: E402
 )
 from kernels.logprob.vocab_blocks import pairwise_tree_sum, plan_vocab_blocks  # noqa: E402
 from tests.conftest import require  # noqa: E402
-from tests.kernels.logprob_oracle import oracle  # noqa: E402
+from tests.kernels.logprob.logprob_oracle import oracle  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 H, V, GVS = 16, 512, 500  # 64 tiles of 8 columns; blocks of 8 tiles = 64 columns, the last real one cut at 500

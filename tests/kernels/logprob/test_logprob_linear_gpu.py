@@ -4,7 +4,7 @@ Bitwise chunk invariance, agreement with the unfused path (`token_logprobs_with_
 within the bf16 bound derived below, and peak memory of forward + backward against the unfused
 path's (the numbers are printed: run with -s).
 
-Run on the device machine: `python -m pytest -m gpu -s tests/kernels/test_logprob_linear_gpu.py`.
+Run on the device machine: `python -m pytest -m gpu -s tests/kernels/logprob/test_logprob_linear_gpu.py`.
 """
 from __future__ import annotations
 

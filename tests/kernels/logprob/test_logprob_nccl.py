@@ -1,7 +1,7 @@
 """Real NCCL, one process per GPU: vocab-parallel outputs and gradient shards bitwise equal to TP=1.
 
 Needs 2 GPUs of one kind (run on the device machine's nvidia-h200-x2:
-`python -m pytest -m gpu tests/kernels/test_logprob_nccl.py`). Qwen3's vocab in bf16: each rank
+`python -m pytest -m gpu tests/kernels/logprob/test_logprob_nccl.py`). Qwen3's vocab in bf16: each rank
 holds 32 of the 64 tiles, computes its partials, all-gathers them over NCCL and merges the same
 list; the single-process reference runs the whole vocab on GPU 0.
 """

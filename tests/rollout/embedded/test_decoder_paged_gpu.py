@@ -13,7 +13,7 @@ import torch
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.types import SamplingConfig
 from tests.rollout.decoder_support import batch_invariant_scorer, packed_recompute
-from tests.rollout.test_decoder_gpu import SMALL, cuda_deterministic, prompts, qwen3  # noqa: F401 - fixture
+from tests.rollout.embedded.test_decoder_gpu import SMALL, cuda_deterministic, prompts, qwen3  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.gpu
 
@@ -67,8 +67,8 @@ def test_paged_kernels_at_the_qwen3_shape_equal_packed_bitwise():
     """Qwen3-0.6B attention shape (16 heads over 8 kv heads of 128), bf16: paged decode and chunked paged
     prefill over scattered pages give packed attention's bits."""
     from kernels.batch_invariant import packed_attention, paged_decode_attention, paged_prefill_attention
-    from tests.kernels.batch_invariant_support import assert_bitwise, make_qkv, pack_lengths
-    from tests.kernels.test_batch_invariant_paged import scatter_into_pool
+    from tests.kernels.batch_invariant.batch_invariant_support import assert_bitwise, make_qkv, pack_lengths
+    from tests.kernels.batch_invariant.test_batch_invariant_paged import scatter_into_pool
 
     lengths = [1, 63, 64, 65, 700, 2051]
     q, k, v = make_qkv(sum(lengths), 16, 8, 128, torch.bfloat16, seed=3, device="cuda")

@@ -13,7 +13,7 @@ import torch
 
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
 from services.rollout.types import SamplingConfig
-from tests.rollout.test_decoder_gpu import SMALL, cuda_deterministic, prompts, qwen3  # noqa: F401 - fixture
+from tests.rollout.embedded.test_decoder_gpu import SMALL, cuda_deterministic, prompts, qwen3  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import torch
 from services.common.weights.files import FiniteTensors, read_weight_dir, write_weight_dir
 from services.rollout.embedded import torch_engine
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
-from tests.rollout.test_torch_engine import build_tiny_qwen3, perturbed, snapshot
+from tests.rollout.embedded.test_torch_engine import build_tiny_qwen3, perturbed, snapshot
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 

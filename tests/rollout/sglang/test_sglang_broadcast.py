@@ -40,7 +40,7 @@ from services.rollout.sglang.config import default_python
 from services.rollout.sglang.weights import load_checkpoint_tensors
 from services.rollout.weights.broadcast_receiver import BroadcastReceiveFailed
 from tests.conftest import require
-from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
+from tests.rollout.sglang.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
 from tests.support.rendezvous import HostedRendezvous
 
 pytestmark = pytest.mark.slow

@@ -3,8 +3,8 @@ line, config validation and the synced checkpoint.
 
 Here the weight-sync and LoRA request bodies are checked field by field; the broadcast bodies are
 also built into sglang's own io_struct types and run against the CPU server over gloo
-(tests/rollout/test_sglang_broadcast.py), the LoRA ones built into those types
-(tests/rollout/test_sglang_lora.py: SGLang's LoRA layers need a GPU).
+(tests/rollout/sglang/test_sglang_broadcast.py), the LoRA ones built into those types
+(tests/rollout/sglang/test_sglang_lora.py: SGLang's LoRA layers need a GPU).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The SGLang engine loads a trainer-written weight directory (shared-path source) in place.
 
-Against a real SGLang server on loopback (CPU, float32), as tests/rollout/test_sglang_engine.py: the
+Against a real SGLang server on loopback (CPU, float32), as tests/rollout/sglang/test_sglang_engine.py: the
 directory write_weight_dir produced is served as written (the engine writes no copy of its own) and
 generation follows the new weights.
 """
@@ -11,7 +11,7 @@ import torch
 
 from services.common.weights.files import read_weight_dir, write_weight_dir
 from services.rollout.sglang.weights import load_checkpoint_tensors
-from tests.rollout.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
+from tests.rollout.sglang.test_sglang_engine import TOL, engine, gaps, make_request, model_dir  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Streaming with SGLang: a generate in flight is paused, the weights change, and it is continued.
 
-Against the session's real SGLang server on loopback (CPU, float32), as tests/rollout/test_sglang_engine.py.
+Against the session's real SGLang server on loopback (CPU, float32), as tests/rollout/sglang/test_sglang_engine.py.
 request_pause aborts the call's requests through /pause_generation (mode "abort") and lets the server run
 again (/continue_generation); the call returns its unfinished samples as 'paused' with their tokens so far.
 After a weight update, the same request with those samples listed as `resumed` continues them under the
@@ -17,7 +17,7 @@ import torch
 
 from services.rollout.sglang.weights import load_checkpoint_tensors
 from services.rollout.types import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
-from tests.rollout.test_sglang_engine import EOS, TOL, engine, model_dir, recompute  # noqa: F401 - fixtures
+from tests.rollout.sglang.test_sglang_engine import EOS, TOL, engine, model_dir, recompute  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.slow
 

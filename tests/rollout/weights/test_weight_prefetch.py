@@ -1,5 +1,5 @@
 """WeightPrefetch: the bookkeeping of LoadWeights' prefetch (the read is a stand-in that counts its calls and
-writes into the memory it is given; the real read through gRPC is tests/integration/test_shared_path_weights.py).
+writes into the memory it is given; the real read through gRPC is tests/integration/weights/test_shared_path_weights.py).
 
 A load of the prefetched directory is given the prefetched read; a load of another reads itself and lets the
 kept one go; a failed prefetch is not kept; the staging lease goes back to the arena once the load is done."""

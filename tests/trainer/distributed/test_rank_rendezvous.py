@@ -22,7 +22,7 @@ from services.trainer.distributed.rank_rendezvous import (LivenessHub, LivenessL
                                               liveness_proof, serve_store)
 from services.trainer.distributed.rank_rendezvous import _hang_up as hang_up
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TOKEN = BearerToken(generate_token())
 
 

@@ -1,5 +1,5 @@
 """Policy objectives (PPO-clip, GSPO, M2PO) and loss aggregation against hand-computed numbers, GSPO at its
-clip edge, and the log-ratio bounds (tests/trainer/test_loss_oracle.py compares them all with float64)."""
+clip edge, and the log-ratio bounds (tests/trainer/loss/test_loss_oracle.py compares them all with float64)."""
 from __future__ import annotations
 
 import json
