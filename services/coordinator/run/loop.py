@@ -49,7 +49,7 @@ from services.common.records.fingerprint import run_fingerprint
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable
 from services.coordinator.fleet import RolloutFleet
 from services.coordinator.replicas import NoLiveReplica
-from services.coordinator.run.errors import RunCancelled, RunFailed, RunPaused
+from services.coordinator.run.errors import CancelCheck, RunCancelled, RunFailed, RunPaused
 from services.coordinator.run.evaluation import Evaluator, build_eval_sets
 from services.coordinator.run.fixed_lag_step import FixedLagStep
 from services.coordinator.run.step_context import PromptTokens, StepContext, StepKind, eval_rollout
@@ -139,6 +139,7 @@ class RunDriver:
         space_retry: SpaceRetry = SpaceRetry(),
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
+        self._check_cancelled = CancelCheck(store, run_id)
         events = EventLog(run_id, store, exporter, log)
         shared = (SharedPathWeights(trainer, run_id, run_dir / "weights")
                   if spec.rollout.weight_sync == "shared_path" else None)
@@ -247,8 +248,3 @@ class RunDriver:
             await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": report.greedy_accuracy, "step": 0,
                                                                    "metrics": report.metrics()})
             self.context.events.exporter.on_eval(self.run_id, report)
-
-    async def _check_cancelled(self) -> None:
-        run = await self.store.get_run(self.run_id)
-        if run is None or run.status == "cancelled":
-            raise RunCancelled(self.run_id)
