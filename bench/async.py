@@ -200,7 +200,8 @@ def measure(client, model: Path, mode: str, k: int, steps: int, seed: int, args,
         "run_wall_s": round(wall, 2), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
         "token_staleness_max": max((m.get("token_staleness_max", 0.0) for m in steps_metrics), default=0.0),
         "trajectories_dropped_stale": sum(m.get("trajectories_dropped_stale", 0) for m in steps_metrics),
-        # per step, 1 when its sync ran while it trained (services/coordinator/run/fixed_lag_step.py, streaming_step.py), else 0
+        # per step, 1 when its sync ran while it trained, else 0 (services/coordinator/run/fixed_lag_step.py and
+        # streaming_step.py)
         "weight_sync_beside_training": [m.get("weight_sync_beside_training") for m in steps_metrics],
     }
 

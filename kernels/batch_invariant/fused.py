@@ -6,7 +6,8 @@ Each op is defined by its unfused composition (`impl="reference"`, or any input 
 not take): the public batch-invariant ops (bi_linear, bi_rms_norm, with the same `impl`) and torch's
 elementwise ops, exactly as a Hugging Face decoder layer patched by `make_batch_invariant` runs them.
 `impl="triton"` (the default on CUDA) runs fused_kernels.py, whose bits equal that composition on the
-GPU (tests/kernels/batch_invariant/test_fused_decode_gpu.py) and within the interpreter (tests/kernels/batch_invariant/test_fused_decode.py).
+GPU (tests/kernels/batch_invariant/test_fused_decode_gpu.py) and within the interpreter
+(tests/kernels/batch_invariant/test_fused_decode.py).
 
 Inference only (no autograd): the decoder calls them under no_grad.
 """

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from contract.replay_score import REFUSED_EXIT, ReplayScoreConfig, replay_score_command
 from services.cli.client import CoordinatorClient
-from services.common.records.run_bundle import DOCUMENTS, MANIFEST, load_bundle, recorded_step, verify_bundle, write_bundle
+from services.common.records.run_bundle import (
+    DOCUMENTS, MANIFEST, load_bundle, recorded_step, verify_bundle, write_bundle,
+)
 from services.common.records.run_compare import RunSeries, compare_runs, report_rows
 
 Emit = Callable[[str], None]

@@ -346,7 +346,8 @@ def save_run(run: RunState, directory: str, *, write: bool) -> Path:
         return Path(directory).resolve()
     if run.config.lora is not None:
         return save_adapter_checkpoint(
-            directory, adapter_config=lora.saved_adapter_config(run.policy.lm, run.config.lora, base_model_path=run.model_path),
+            directory,
+            adapter_config=lora.saved_adapter_config(run.policy.lm, run.config.lora, base_model_path=run.model_path),
             weights=weights, optimizer_state=optim_state, state=TrainerState.of_run(run), tokenizer_dir=run.model_path,
         )
     return save_checkpoint(

@@ -403,7 +403,8 @@ class Trainer:
         return self._in_order(local, len(microbatches))
 
     def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int, loss_value: float,
-                        outputs: list[MicrobatchResult], sample_ids: list[str], staleness: float) -> tuple[float, float]:
+                        outputs: list[MicrobatchResult], sample_ids: list[str],
+                        staleness: float) -> tuple[float, float]:
         """Clip the accumulated gradients and apply them at the step's learning rate (its schedule's, scaled
         for the tokens' mean `staleness` as configured); (grad norm, lr).
         StepFailed, with nothing applied, for a non-finite loss or gradient."""

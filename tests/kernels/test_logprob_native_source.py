@@ -25,7 +25,9 @@ from kernels.logprob.native import SRC_DIR, NativeBackend
 from kernels.logprob.reference import ReferenceBackend
 from kernels.logprob.tiling import ShardLayout
 from tests.conftest import require
-from tests.kernels.logprob.logprob_oracle import check_adversarial_rows, check_padded_columns_are_excluded, close, oracle
+from tests.kernels.logprob.logprob_oracle import (
+    check_adversarial_rows, check_padded_columns_are_excluded, close, oracle,
+)
 
 # The emulator: just enough of the CUDA runtime for logprob_kernels.cu. One OS thread runs a block's
 # lanes as ucontext fibers, round robin; ls_shfl_xor32 is two barriers (write, then read), and it

@@ -24,7 +24,9 @@ from proto import rendezvous_pb2 as rpb
 from proto import rendezvous_pb2_grpc as rpb_grpc
 from services.common.auth import BearerToken, SyncBearerTokenInterceptor
 from services.common.grpc.options import grpc_options
-from services.common.rendezvous.key_table import MAX_KEY_BYTES, GroupClosed, KeyRefused, KeyTable, RendezvousError, StoreFull
+from services.common.rendezvous.key_table import (
+    MAX_KEY_BYTES, GroupClosed, KeyRefused, KeyTable, RendezvousError, StoreFull,
+)
 
 # One Wait call waits at most this long; a client waiting longer asks again. Keeps every handler short,
 # so a few waiting ranks never hold all of the server's threads for long.

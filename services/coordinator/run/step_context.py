@@ -65,7 +65,8 @@ class PromptTokens:
     def encode(self, problem: Problem) -> list[int]:
         ids = self._prompt_ids.get(problem.problem_id)
         if ids is None:
-            ids = list(self.tokenizer.encode(problem.prompt, add_special_tokens=False))  # the task owns the whole prompt text
+            # The task owns the whole prompt text: no special tokens are added to it.
+            ids = list(self.tokenizer.encode(problem.prompt, add_special_tokens=False))
             self._prompt_ids[problem.problem_id] = ids
         return ids
 
@@ -336,7 +337,8 @@ class StepContext:
         """A step recorded before the trainer was lost, computed again: say whether the bits matched."""
         recorded = await self.store.step_metrics(self.run_id, step)
         same = recorded is not None and json.dumps(recorded, sort_keys=True) == json.dumps(metrics, sort_keys=True)
-        differing = sorted(k for k in metrics if recorded is None or json.dumps(recorded.get(k)) != json.dumps(metrics[k]))
+        differing = sorted(k for k in metrics
+                           if recorded is None or json.dumps(recorded.get(k)) != json.dumps(metrics[k]))
         await self.events.record("step_recomputed", "step recomputed",
                                  export=lambda exporter: exporter.step_recomputed(self.run_id, same),
                                  step=step, matches_recorded=same, differing_metrics=differing)

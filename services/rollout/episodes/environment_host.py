@@ -41,7 +41,8 @@ def _context() -> multiprocessing.context.BaseContext:
     with _CONTEXT_LOCK:
         if _CONTEXT is None:
             ctx = multiprocessing.get_context("forkserver")
-            ctx.set_forkserver_preload(["contract.environment", "services.environments.calculator", "services.environments.number_guess"])
+            ctx.set_forkserver_preload(["contract.environment", "services.environments.calculator",
+                                        "services.environments.number_guess"])
             _CONTEXT = ctx
         return _CONTEXT
 

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     config = parse_service_config(TrainerRankConfig, env_prefix="LOCKSTEP_TRAINER_RANK", argv=argv)
     token = load_token_or_exit(config.auth_token_file)
     from services.trainer.distributed.rank_rendezvous import RendezvousRefused
-    from services.trainer.distributed.worker_group import run_rank  # torch and the model code: after the flags are checked
+    # torch and the model code load here, after the flags are checked.
+    from services.trainer.distributed.worker_group import run_rank
 
     try:
         run_rank(config.rank, config.rendezvous, token, config.join_timeout_s, tuple(config.attention_plugins))

@@ -35,8 +35,9 @@ from services.common.auth import BearerToken, generate_token
 from services.common.process.ports import free_port
 from services.trainer.distributed import sharding
 from services.trainer.distributed.data_parallel import DataParallel
-from services.trainer.distributed.rank_rendezvous import (LIVENESS_KEY, LivenessHub, LivenessLink, join_store, serve_store,
-                                              split_address)
+from services.trainer.distributed.rank_rendezvous import (
+    LIVENESS_KEY, LivenessHub, LivenessLink, join_store, serve_store, split_address,
+)
 from services.trainer.trainer import Trainer
 
 log = logging.getLogger("lockstep.trainer.group")

@@ -99,5 +99,6 @@ def results_step_metrics(results: Sequence[MicrobatchResult], samples: list[Trai
         rewards=[s.reward for s in ordered], num_tokens_total=sum(s.num_tokens for s in samples),
         grad_norm=grad_norm, lr=lr)
     if set(metrics) != set(TRAIN_STEP_METRIC_KEYS):
-        raise AssertionError(f"step metric keys drifted from STEP_METRIC_HELP: {sorted(set(metrics) ^ set(TRAIN_STEP_METRIC_KEYS))}")
+        drifted = sorted(set(metrics) ^ set(TRAIN_STEP_METRIC_KEYS))
+        raise AssertionError(f"step metric keys drifted from STEP_METRIC_HELP: {drifted}")
     return {k: metrics[k] for k in TRAIN_STEP_METRIC_KEYS}

@@ -23,7 +23,9 @@ from services.common.weights.broadcast_protocol import (
 )
 from services.common.weights.digest import BlockDigests
 from services.common.weights.stream import iter_weight_chunks
-from services.rollout.weights.broadcast_receiver import BroadcastReceiveFailed, checked_plan, receive_broadcast, staging_device
+from services.rollout.weights.broadcast_receiver import (
+    BroadcastReceiveFailed, checked_plan, receive_broadcast, staging_device,
+)
 from tests.support.rendezvous import HostedRendezvous
 
 

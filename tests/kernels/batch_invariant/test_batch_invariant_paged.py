@@ -19,7 +19,9 @@ from kernels.batch_invariant import (
     paged_decode_attention,
     paged_prefill_attention,
 )
-from tests.kernels.batch_invariant.batch_invariant_support import assert_bitwise, decode_rows_of_sequences, make_qkv, pack_lengths
+from tests.kernels.batch_invariant.batch_invariant_support import (
+    assert_bitwise, decode_rows_of_sequences, make_qkv, pack_lengths,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked lanes
