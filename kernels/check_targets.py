@@ -106,6 +106,7 @@ def _batch_invariant_specs():
 
     from kernels.batch_invariant import KEY_BLOCK
     from kernels.batch_invariant import triton_kernels as k
+    from kernels.batch_invariant.reference import SPLIT_BLOCKS
     from kernels.batch_invariant.triton_launch import ATTENTION_CONFIGS, matmul_config, rms_norm_warps
 
     ptr = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
@@ -142,14 +143,36 @@ def _batch_invariant_specs():
                                  (torch.bfloat16, True, True), (torch.bfloat16, False, True)):
         cfg = ATTENTION_CONFIGS[dtype]
         types = [ptr[dtype]] * 4 + ["*i32"] * 3 + ["i32"] * 10 + ["fp32"]
-        const = dict(GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=KEY_BLOCK, DECODE=decode,
-                     PAGED=paged, DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
+        const = dict(GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=KEY_BLOCK,
+                     SPLIT_BLOCKS=SPLIT_BLOCKS, DECODE=decode, PAGED=paged, DOT_PRECISION=cfg.dot_precision,
+                     INTERPRETED=False)
         div16 = ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "seq_ptr", "stride_qt", "stride_qh", "stride_ot", "stride_oh",
                  "stride_kh", "stride_kn") + (("stride_kb",) if decode or paged else ())
         kind = ("paged " if paged else "") + ("decode" if decode else "prefill" if paged else "packed")
         specs.append((k.bi_attention_kernel, dict(zip(attn_sig, types)), const,
                       {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
                       f"bi_attention {kind} {str(dtype)[6:]} D=128 group=2", div16, None))
+    # Split-KV decode over the paged pool (the decoder's path for a few rows): its two passes, 8 kv heads, 4k keys.
+    cfg = ATTENTION_CONFIGS[torch.bfloat16]
+    shared = dict(GROUP=2, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m, BLOCK_N=KEY_BLOCK,
+                  SPLIT_BLOCKS=SPLIT_BLOCKS)
+    slots = 4096 // (SPLIT_BLOCKS * KEY_BLOCK)
+    split_sig = ["q_ptr", "k_ptr", "v_ptr", "seq_ptr", "table_ptr", "m_ptr", "l_ptr", "acc_ptr", "stride_qt",
+                 "stride_qh", "stride_kb", "stride_kh", "stride_kn", "stride_tb", "cap", "qk_scale"]
+    specs.append((k.bi_decode_split_kernel,
+                  dict(zip(split_sig, ["*bf16"] * 3 + ["*i32"] * 2 + ["*fp32"] * 3 + ["i32"] * 7 + ["fp32"])),
+                  dict(shared, N_KV=8, SLOTS=slots, TILES=1, PAGED=True, DOT_PRECISION=cfg.dot_precision,
+                       INTERPRETED=False),
+                  {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                  "bi_decode_split paged bf16 D=128 group=2",
+                  ("q_ptr", "k_ptr", "v_ptr", "seq_ptr", "m_ptr", "l_ptr", "acc_ptr", "stride_qt", "stride_qh",
+                   "stride_kb", "stride_kh", "stride_kn"), None))
+    combine_sig = ["seq_ptr", "m_ptr", "l_ptr", "acc_ptr", "o_ptr", "stride_ot", "stride_oh", "cap"]
+    specs.append((k.bi_decode_combine_kernel,
+                  dict(zip(combine_sig, ["*i32"] + ["*fp32"] * 3 + ["*bf16"] + ["i32"] * 3)),
+                  dict(shared, N_KV=8, SLOTS=slots), {"num_warps": cfg.num_warps},
+                  "bi_decode_combine bf16 D=128 group=2",
+                  ("seq_ptr", "m_ptr", "l_ptr", "acc_ptr", "o_ptr", "stride_ot", "stride_oh"), None))
     return specs
 
 

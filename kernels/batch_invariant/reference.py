@@ -15,6 +15,11 @@ floating-point reduction runs at a shape that does not depend on the number of r
   that row's state untouched (selected, not computed), so packed prefill (which walks every row
   of a chunk to the chunk's last block) and decode (which stops at its own last block) take
   the same arithmetic for a row.
+* the online softmax restarts every SPLIT_BLOCKS key blocks (a split), and the splits' partial
+  results (max, sum, unnormalised output) are folded into the row's total left to right. The
+  split is a fixed number of keys, so a decoder may compute a row's splits in parallel programs
+  (split-KV decode) and fold them afterwards in the same order with the same arithmetic: a
+  token's bits stay those of the packed prefill, whatever the schedule.
 
 Forward only; autograd lives in ops.py.
 """
@@ -30,6 +35,9 @@ ROW_CHUNK = 16
 
 PRODUCT_BUDGET = 1 << 22
 """Elements of one linear step's [rows, columns, K] fp32 product (16 MiB)."""
+
+SPLIT_BLOCKS = 4
+"""Key blocks per split of the online softmax (256 keys): fixed, never a function of the batch."""
 
 ATTN_ROW_CHUNK = 256
 """Query rows per attention step (memory: rows x KEY_BLOCK x head_dim fp32 products)."""
@@ -81,6 +89,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out.reshape(x.shape)
 
 
+def _fold(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, m_c: torch.Tensor, l_c: torch.Tensor,
+          acc_c: torch.Tensor, active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one split's partial (m_c, l_c, acc_c) into a row's running total; inactive rows keep theirs.
+
+    On a row's first split the total is (-inf, 0, 0), so the fold returns the partial exactly
+    (exp(-inf) = 0 and l_c * exp(0) = l_c)."""
+    m_new = torch.maximum(m, m_c)
+    a = torch.exp(m - m_new)
+    b = torch.exp(m_c - m_new)
+    l_new = l * a + l_c * b
+    acc_new = acc * a.unsqueeze(-1) + acc_c * b.unsqueeze(-1)
+    return (torch.where(active, m_new, m), torch.where(active, l_new, l),
+            torch.where(active.unsqueeze(-1), acc_new, acc))
+
+
 def _online_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_valid: torch.Tensor, scale: float,
                     p_dtype: torch.dtype) -> torch.Tensor:
     """Rows of q attend to the first n_valid[..., r] keys of k/v (batched over leading dims).
@@ -91,32 +114,39 @@ def _online_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_valid: 
     """
     lead = q.shape[:-2]
     rows, d = q.shape[-2:]
-    m_i = torch.full((*lead, rows), float("-inf"), dtype=torch.float32, device=q.device)
-    l_i = torch.zeros((*lead, rows), dtype=torch.float32, device=q.device)
-    acc = torch.zeros((*lead, rows, d), dtype=torch.float32, device=q.device)
+
+    def fresh() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (torch.full((*lead, rows), float("-inf"), dtype=torch.float32, device=q.device),
+                torch.zeros((*lead, rows), dtype=torch.float32, device=q.device),
+                torch.zeros((*lead, rows, d), dtype=torch.float32, device=q.device))
+
+    m_t, l_t, acc_t = fresh()
     n_blocks = -(-int(n_valid.max()) // KEY_BLOCK)
     q_b = q.unsqueeze(-2)  # [..., R, 1, D]
-    for blk in range(n_blocks):
-        lo = blk * KEY_BLOCK
-        kb = k[..., lo:lo + KEY_BLOCK, :].unsqueeze(-3)  # [..., 1, KB, D]
-        vb_t = v[..., lo:lo + KEY_BLOCK, :].transpose(-1, -2).contiguous().unsqueeze(-3)  # [..., 1, D, KB]
-        s = (q_b * kb).sum(-1) * scale  # [..., R, KB]
-        key_idx = torch.arange(lo, lo + KEY_BLOCK, device=q.device)
-        valid = key_idx < n_valid.unsqueeze(-1)
-        s = torch.where(valid, s, float("-inf"))
-        m_new = torch.maximum(m_i, s.amax(-1))
-        alpha = torch.exp(m_i - m_new)
-        p = torch.exp(s - m_new.unsqueeze(-1))
-        l_new = l_i * alpha + p.sum(-1)
-        # P enters P.V in the input dtype, as the Triton kernel feeds it to its second dot.
-        pv = (p.to(p_dtype).float().unsqueeze(-2) * vb_t).sum(-1)  # [..., R, D]
-        acc_new = acc * alpha.unsqueeze(-1) + pv
-        # A row with no valid key in this block keeps its state bit for bit.
-        active = n_valid > lo
-        m_i = torch.where(active, m_new, m_i)
-        l_i = torch.where(active, l_new, l_i)
-        acc = torch.where(active.unsqueeze(-1), acc_new, acc)
-    return acc / l_i.unsqueeze(-1)
+    for split_lo in range(0, n_blocks, SPLIT_BLOCKS):
+        m_i, l_i, acc = fresh()
+        for blk in range(split_lo, min(split_lo + SPLIT_BLOCKS, n_blocks)):
+            lo = blk * KEY_BLOCK
+            kb = k[..., lo:lo + KEY_BLOCK, :].unsqueeze(-3)  # [..., 1, KB, D]
+            vb_t = v[..., lo:lo + KEY_BLOCK, :].transpose(-1, -2).contiguous().unsqueeze(-3)  # [..., 1, D, KB]
+            s = (q_b * kb).sum(-1) * scale  # [..., R, KB]
+            key_idx = torch.arange(lo, lo + KEY_BLOCK, device=q.device)
+            valid = key_idx < n_valid.unsqueeze(-1)
+            s = torch.where(valid, s, float("-inf"))
+            m_new = torch.maximum(m_i, s.amax(-1))
+            alpha = torch.exp(m_i - m_new)
+            p = torch.exp(s - m_new.unsqueeze(-1))
+            l_new = l_i * alpha + p.sum(-1)
+            # P enters P.V in the input dtype, as the Triton kernel feeds it to its second dot.
+            pv = (p.to(p_dtype).float().unsqueeze(-2) * vb_t).sum(-1)  # [..., R, D]
+            acc_new = acc * alpha.unsqueeze(-1) + pv
+            # A row with no valid key in this block keeps its state bit for bit.
+            active = n_valid > lo
+            m_i = torch.where(active, m_new, m_i)
+            l_i = torch.where(active, l_new, l_i)
+            acc = torch.where(active.unsqueeze(-1), acc_new, acc)
+        m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc, n_valid > split_lo * KEY_BLOCK)
+    return acc_t / l_t.unsqueeze(-1)
 
 
 def _pad_keys(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -130,32 +130,73 @@ def _key_block(m_i, l_i, acc, q, k_base, v_base, stride_kn, n_valid, key_limit, 
 
 
 @triton.jit
-def _attend_keys(q, k_base, v_base, table_row, stride_page, stride_kn, n_valid, key_limit, n_blocks, qk_scale,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Online softmax of BLOCK_M query rows over keys [0, n_blocks * BLOCK_N) of one kv head.
+def _fold(m_t, l_t, acc_t, m_c, l_c, acc_c, active):
+    """Fold one split's partial into a row's total (reference._fold); inactive rows keep their total.
 
-    q [BLOCK_M, BLOCK_D] in the input dtype (head dims >= HEAD_DIM zero); row r sees keys j < n_valid[r];
-    keys j >= key_limit are not loaded (0). PAGED: key block `blk` lives in page table_row[blk] of the
-    pool (k_base/v_base point at page 0 of the kv head): only the addresses differ, never the arithmetic.
-    Returns (acc [BLOCK_M, BLOCK_D] fp32, l [BLOCK_M] fp32).
-    """
+    Explicit FMAs: the fold runs inline in the attention kernel and in the split-KV combine kernel,
+    and a multiply-add the compiler may or may not contract could round differently in the two."""
+    m_new = tl.maximum(m_t, m_c)
+    a = tl.exp2(m_t - m_new)
+    b = tl.exp2(m_c - m_new)
+    l_new = tl.fma(l_t, a, l_c * b)
+    acc_new = tl.fma(acc_t, a[:, None], acc_c * b[:, None])
+    return (tl.where(active, m_new, m_t), tl.where(active, l_new, l_t), tl.where(active[:, None], acc_new, acc_t))
+
+
+@triton.jit
+def _split_keys(q, k_base, v_base, table_row, stride_page, stride_kn, n_valid, key_limit, blk_lo, blk_hi, qk_scale,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One split: a fresh online softmax over key blocks [blk_lo, blk_hi). Returns its partial (m, l, acc)."""
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if INTERPRETED:
-        blk = 0
-        while blk < n_blocks:
+        blk = blk_lo
+        while blk < blk_hi:
             kb, vb = _block_bases(k_base, v_base, table_row, stride_page, stride_kn, blk, BLOCK_N, PAGED)
             m_i, l_i, acc = _key_block(m_i, l_i, acc, q, kb, vb, stride_kn, n_valid, key_limit, blk,
                                        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, INTERPRETED)
             blk += 1
     else:
-        for blk in range(0, n_blocks):
+        for blk in range(blk_lo, blk_hi):
             kb, vb = _block_bases(k_base, v_base, table_row, stride_page, stride_kn, blk, BLOCK_N, PAGED)
             m_i, l_i, acc = _key_block(m_i, l_i, acc, q, kb, vb, stride_kn, n_valid, key_limit, blk,
                                        qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PRECISION, INTERPRETED)
-    return acc, l_i
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_keys(q, k_base, v_base, table_row, stride_page, stride_kn, n_valid, key_limit, n_blocks, qk_scale,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SPLIT_BLOCKS: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """Online softmax of BLOCK_M query rows over keys [0, n_blocks * BLOCK_N) of one kv head, split by split.
+
+    q [BLOCK_M, BLOCK_D] in the input dtype (head dims >= HEAD_DIM zero); row r sees keys j < n_valid[r];
+    keys j >= key_limit are not loaded (0). PAGED: key block `blk` lives in page table_row[blk] of the
+    pool (k_base/v_base point at page 0 of the kv head): only the addresses differ, never the arithmetic.
+    Every SPLIT_BLOCKS blocks the softmax restarts and the split's partial is folded into the total, as
+    the split-KV decode's combine folds the partials its programs wrote. Returns (acc, l), both fp32.
+    """
+    m_t = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    if INTERPRETED:
+        lo = 0
+        while lo < n_blocks:
+            m_i, l_i, acc = _split_keys(q, k_base, v_base, table_row, stride_page, stride_kn, n_valid, key_limit,
+                                        lo, tl.minimum(lo + SPLIT_BLOCKS, n_blocks), qk_scale, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, BLOCK_N, PAGED, DOT_PRECISION, INTERPRETED)
+            m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc, n_valid > lo * BLOCK_N)
+            lo += SPLIT_BLOCKS
+    else:
+        for lo in range(0, n_blocks, SPLIT_BLOCKS):
+            m_i, l_i, acc = _split_keys(q, k_base, v_base, table_row, stride_page, stride_kn, n_valid, key_limit,
+                                        lo, tl.minimum(lo + SPLIT_BLOCKS, n_blocks), qk_scale, HEAD_DIM, BLOCK_D,
+                                        BLOCK_M, BLOCK_N, PAGED, DOT_PRECISION, INTERPRETED)
+            m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_i, l_i, acc, n_valid > lo * BLOCK_N)
+    return acc_t, l_t
 
 
 @triton.jit
@@ -176,7 +217,7 @@ def bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, start_ptr, table_pt
                         stride_qt, stride_qh, stride_ot, stride_oh,
                         stride_kb, stride_kh, stride_kn, stride_tb, cap, qk_scale,
                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
                         DECODE: tl.constexpr, PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         INTERPRETED: tl.constexpr):
     """Causal attention; k and v share strides (the launcher checks).
@@ -232,7 +273,90 @@ def bi_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, start_ptr, table_pt
         n_blocks = (first + tl.minimum(length, (pid_m + 1) * BLOCK_M) + BLOCK_N - 1) // BLOCK_N
     q = tl.load(q_rows + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     acc, l_i = _attend_keys(q, k_ptr + kv_off, v_ptr + kv_off, table_row, stride_kb, stride_kn, n_valid, key_limit,
-                            n_blocks, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, PAGED, DOT_PRECISION,
-                            INTERPRETED)
+                            n_blocks, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, SPLIT_BLOCKS, PAGED,
+                            DOT_PRECISION, INTERPRETED)
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
     tl.store(o_rows + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _decode_rows(pid_s, kv_head, tile, seq_ptr, cap, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A decode program's query rows: the query heads [tile * BLOCK_M, ...) of one kv head of batch row pid_s."""
+    length = tl.minimum(tl.load(seq_ptr + pid_s), cap)
+    offs_r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_r < GROUP
+    return length, offs_r, row_ok, tl.where(row_ok, length, 0)
+
+
+@triton.jit(do_not_specialize=["cap"])
+def bi_decode_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, table_ptr, m_ptr, l_ptr, acc_ptr,
+                           stride_qt, stride_qh, stride_kb, stride_kh, stride_kn, stride_tb, cap, qk_scale,
+                           N_KV: tl.constexpr, SLOTS: tl.constexpr, TILES: tl.constexpr,
+                           GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_BLOCKS: tl.constexpr,
+                           PAGED: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Split-KV decode, first pass: one program per (split, row tile) x batch row x kv head.
+
+    Grid (SLOTS * TILES, B, N_KV). Each program runs `_split_keys` over its split's key blocks exactly as
+    `_attend_keys` does inline, and writes the partial (m, l, acc) of its query heads to the workspace
+    [B, N_KV, SLOTS, GROUP] (m, l) and [B, N_KV, SLOTS, GROUP, HEAD_DIM] (acc). Splits past a row's
+    length write nothing; the combine never reads them. Caches as bi_attention_kernel's decode.
+    """
+    split = tl.program_id(0) // TILES
+    tile = tl.program_id(0) % TILES
+    pid_s = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    length, offs_r, row_ok, n_valid = _decode_rows(pid_s, kv_head, tile, seq_ptr, cap, GROUP, BLOCK_M)
+    n_blocks = (length + BLOCK_N - 1) // BLOCK_N
+    lo = split * SPLIT_BLOCKS
+    if lo >= n_blocks:
+        return
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_r
+    q = tl.load(q_ptr + pid_s.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if PAGED:
+        kv_off = kv_head.to(tl.int64) * stride_kh
+    else:
+        kv_off = pid_s.to(tl.int64) * stride_kb + kv_head * stride_kh
+    table_row = table_ptr + pid_s.to(tl.int64) * stride_tb
+    m_i, l_i, acc = _split_keys(q, k_ptr + kv_off, v_ptr + kv_off, table_row, stride_kb, stride_kn, n_valid, length,
+                                lo, tl.minimum(lo + SPLIT_BLOCKS, n_blocks), qk_scale, HEAD_DIM, BLOCK_D, BLOCK_M,
+                                BLOCK_N, PAGED, DOT_PRECISION, INTERPRETED)
+    slot = ((pid_s.to(tl.int64) * N_KV + kv_head) * SLOTS + split) * GROUP
+    tl.store(m_ptr + slot + offs_r, m_i, mask=row_ok)
+    tl.store(l_ptr + slot + offs_r, l_i, mask=row_ok)
+    tl.store(acc_ptr + (slot + offs_r[:, None]) * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["cap"])
+def bi_decode_combine_kernel(seq_ptr, m_ptr, l_ptr, acc_ptr, o_ptr, stride_ot, stride_oh, cap,
+                             N_KV: tl.constexpr, SLOTS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             SPLIT_BLOCKS: tl.constexpr):
+    """Split-KV decode, second pass: grid (TILES, B, N_KV); folds a row's partials from split 0 upward with
+    `_fold`, the arithmetic `_attend_keys` applies inline, then normalises as bi_attention_kernel does."""
+    tile = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    length, offs_r, row_ok, n_valid = _decode_rows(pid_s, kv_head, tile, seq_ptr, cap, GROUP, BLOCK_M)
+    n_splits = (length + SPLIT_BLOCKS * BLOCK_N - 1) // (SPLIT_BLOCKS * BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    ok = row_ok[:, None] & d_ok[None, :]
+    m_t = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc_t = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    split = 0
+    while split < n_splits:
+        slot = ((pid_s.to(tl.int64) * N_KV + kv_head) * SLOTS + split) * GROUP
+        m_c = tl.load(m_ptr + slot + offs_r, mask=row_ok, other=float("-inf"))
+        l_c = tl.load(l_ptr + slot + offs_r, mask=row_ok, other=0.0)
+        acc_c = tl.load(acc_ptr + (slot + offs_r[:, None]) * HEAD_DIM + offs_d[None, :], mask=ok, other=0.0)
+        m_t, l_t, acc_t = _fold(m_t, l_t, acc_t, m_c, l_c, acc_c, n_valid > split * SPLIT_BLOCKS * BLOCK_N)
+        split += 1
+    out = acc_t / tl.where(row_ok, l_t, 1.0)[:, None]
+    heads = kv_head * GROUP + offs_r
+    tl.store(o_ptr + pid_s.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=ok)

@@ -16,7 +16,11 @@ some of cuBLAS's throughput for it. Weights of N >= WIDE_N rows (an lm_head) hav
 spare at any M and take 128 x 128 x 64 tiles with 8 warps (3 stages on sm_90; 2 on gfx942, whose
 64 KB of LDS holds no more). The choice is a function of the weight's shape and the platform,
 which trainer and rollout share, never of M. fp32 uses IEEE fp32 dots (torch's default, no TF32).
-Attention: BLOCK_M = 64 query rows, BLOCK_N = KEY_BLOCK keys, 4 warps.
+Attention: BLOCK_M = 64 query rows, BLOCK_N = KEY_BLOCK keys, 4 warps, the online softmax restarted
+every SPLIT_BLOCKS key blocks. Decode runs a row's splits in one program (a large batch covers the
+GPU) or one program per split and a combine pass (split-KV: a few rows still spread over every
+SM). Which one is a scheduling choice of the launcher, from the batch's program count: both fold
+the same partials in the same order with the same `_fold`, so a token's bits do not depend on it.
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.batch_invariant.errors import BatchInvariantInputError
-from kernels.batch_invariant.reference import KEY_BLOCK
+from kernels.batch_invariant.reference import KEY_BLOCK, SPLIT_BLOCKS
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
@@ -178,30 +182,67 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             q, k, v, out, cu_seqlens, cu_seqlens, cu_seqlens, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             0, k.stride(1), k.stride(0), 0, t, scale * math.log2(math.e),
             GROUP=n_heads // k.shape[1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            DECODE=False, PAGED=False, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED,
+            SPLIT_BLOCKS=SPLIT_BLOCKS, DECODE=False, PAGED=False, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+SPLIT_KV_MIN_PROGRAMS_PER_SM = 4
+"""Decode takes the split-KV path while one program per (row, kv head, row tile) would give fewer programs than
+this many per SM: a function of the batch's shape and the device, never of a row's contents."""
+
+
+def use_split_kv(programs: int, device: torch.device) -> bool:
+    """Whether decode spreads a row's splits over programs. Interpreted runs (CPU) never do unless asked."""
+    if device.type != "cuda":
+        return False
+    return programs < SPLIT_KV_MIN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, table: torch.Tensor,
+            strides: tuple[int, int, int, int], cap: int, scale: float, paged: bool,
+            split_kv: bool | None) -> torch.Tensor:
+    """One decode launch (dense caches or a paged pool); strides = (per cache row or page, per kv head, per slot,
+    per block-table row)."""
     b, n_heads, d = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv
     block_d = head_block(d)
+    cfg = ATTENTION_CONFIGS[q.dtype]
+    tiles = triton_cdiv(group, cfg.block_m)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    split = use_split_kv(tiles * b * n_kv, q.device) if split_kv is None else split_kv
+    common = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  SPLIT_BLOCKS=SPLIT_BLOCKS)
+    qk_scale = scale * math.log2(math.e)
+    with _device_scope(q):
+        if not split:
+            _kernels().bi_attention_kernel[(tiles, b, n_kv)](
+                q, k, v, out, lengths, lengths, table, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                *strides, cap, qk_scale, DECODE=True, PAGED=paged, DOT_PRECISION=cfg.dot_precision,
+                INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+            return out
+        slots = triton_cdiv(cap, SPLIT_BLOCKS * cfg.block_n)
+        m_ws = torch.empty((b, n_kv, slots, group), dtype=torch.float32, device=q.device)
+        l_ws = torch.empty_like(m_ws)
+        acc_ws = torch.empty((b, n_kv, slots, group, d), dtype=torch.float32, device=q.device)
+        _kernels().bi_decode_split_kernel[(slots * tiles, b, n_kv)](
+            q, k, v, lengths, table, m_ws, l_ws, acc_ws, q.stride(0), q.stride(1), *strides, cap, qk_scale,
+            N_KV=n_kv, SLOTS=slots, TILES=tiles, PAGED=paged, DOT_PRECISION=cfg.dot_precision,
+            INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common)
+        _kernels().bi_decode_combine_kernel[(tiles, b, n_kv)](
+            lengths, m_ws, l_ws, acc_ws, out, out.stride(0), out.stride(1), cap, N_KV=n_kv, SLOTS=slots,
+            num_warps=cfg.num_warps, **common)
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, lengths: torch.Tensor,
+                     scale: float, *, split_kv: bool | None = None) -> torch.Tensor:
+    """split_kv: None lets use_split_kv decide; True/False force a schedule (tests: the bits must not move)."""
     q = _last_dim_contiguous(q)
     k_cache, v_cache = _kv_pair(k_cache, v_cache)
-    n_kv, cap = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    cfg = ATTENTION_CONFIGS[q.dtype]
-    group = n_heads // n_kv
-    grid = (triton_cdiv(group, cfg.block_m), b, n_kv)
-    with _device_scope(q):
-        _kernels().bi_attention_kernel[grid](
-            q, k_cache, v_cache, out, lengths, lengths, lengths, q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0, cap, scale * math.log2(math.e),
-            GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE=True,
-            PAGED=False, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-    return out
+    strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), 0)
+    return _decode(q, k_cache, v_cache, lengths, lengths, strides, k_cache.shape[2], scale, False, split_kv)
 
 
 def _pool_pair(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,25 +254,12 @@ def _pool_pair(k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    b, n_heads, d = q.shape
-    block_d = head_block(d)
+                           lengths: torch.Tensor, scale: float, *, split_kv: bool | None = None) -> torch.Tensor:
     q = _last_dim_contiguous(q)
     k_pool, v_pool = _pool_pair(k_pool, v_pool)
-    n_kv = k_pool.shape[1]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    cfg = ATTENTION_CONFIGS[q.dtype]
-    group = n_heads // n_kv
-    grid = (triton_cdiv(group, cfg.block_m), b, n_kv)
-    with _device_scope(q):
-        _kernels().bi_attention_kernel[grid](
-            q, k_pool, v_pool, out, lengths, lengths, block_tables, q.stride(0), q.stride(1), out.stride(0),
-            out.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0),
-            block_tables.shape[1] * KEY_BLOCK, scale * math.log2(math.e),
-            GROUP=group, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DECODE=True,
-            PAGED=True, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-    return out
+    strides = (k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0))
+    return _decode(q, k_pool, v_pool, lengths, block_tables, strides, block_tables.shape[1] * KEY_BLOCK, scale,
+                   True, split_kv)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -250,7 +278,7 @@ def paged_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch
             out.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), block_tables.stride(0), 0,
             scale * math.log2(math.e),
             GROUP=n_heads // k_pool.shape[1], HEAD_DIM=d, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            DECODE=False, PAGED=True, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED,
+            SPLIT_BLOCKS=SPLIT_BLOCKS, DECODE=False, PAGED=True, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
