@@ -37,7 +37,7 @@ from bench.rollout import hbm_copy_gb_per_s  # noqa: E402
 from bench.rollout_longtail import LONGTAIL_SHAPES, kv_bytes_per_token  # noqa: E402
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
-    ("attention", ("bi_attention_kernel",)),
+    ("attention", ("bi_attention_kernel", "bi_decode_split_kernel", "bi_decode_combine_kernel")),
     ("matmul", ("bi_matmul_kernel", "grouped_matmul_kernel", "gate_up_kernel")),
     ("rms_norm", ("bi_rms_norm_kernel", "add_rms_norm_kernel", "head_rms_norm_kernel")),
     ("rope_kv_write", ("rope_store_kernel",)),
@@ -279,9 +279,17 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="comma-separated: attention, matmul")
     ap.add_argument("--attention-probe", action="store_true",
                     help="only run one layer's paged decode attention twice (for ncu --launch-skip 1)")
+    ap.add_argument("--split-kv", default="auto", choices=("auto", "always", "never"),
+                    help="decode attention's schedule: the launcher's choice, or forced either way (the bits do not "
+                    "change; the time does)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     t0 = time.perf_counter()
+    if args.split_kv != "auto":
+        from kernels.batch_invariant import triton_launch
+
+        forced = args.split_kv == "always"
+        triton_launch.use_split_kv = lambda programs, device: forced
     if args.attention_probe:
         attention_probe(args.rows, args.context, args.seed)
         return
@@ -292,6 +300,7 @@ def main() -> None:
 
         with decoder_attention(model):
             result = {"benchmark": "decode_step_profile", "gpu": torch.cuda.get_device_name(),
+                      "split_kv": args.split_kv,
                       "torch": torch.__version__, "hbm_copy_gb_per_s": round(copy, 1), **info,
                       **profile_paths(decoders, inputs, bucket, info, copy, args.reps)}
             if "attention" in args.sweep:
