@@ -31,5 +31,10 @@ class Task(abc.ABC):
         untrusted (parsing model output with sympy) run it elsewhere; the default runs it inline."""
         return [self.reward(problem, text) for problem, text in items]
 
+    async def score_with_metrics(self, items: Sequence[tuple[Problem, str]]) -> tuple[list[float], dict[str, float]]:
+        """score()'s rewards and the task's own counts about these responses (the code task's outcomes), summed
+        into the step's metrics; none by default."""
+        return await self.score(items), {}
+
     def close(self) -> None:
         """Release what score() holds (worker processes); the run is over."""
