@@ -108,11 +108,27 @@ def _signal_name(returncode: int) -> str:
 
 
 def run_execution(bwrap: str, settings: SandboxSettings, limits: SandboxLimits, execution: Execution) -> ExecutionResult:
-    """Run `execution` in a new sandbox and wait at most `limits.wall_s` (plus the kill)."""
-    start = time.monotonic()
+    """Run `execution` in a new sandbox and wait at most `limits.wall_s` (plus the kill). A sandbox bubblewrap
+    could not build (it said so and exited before the interpreter ran: a namespace limit reached for a moment
+    on a busy host) is built again, up to SETUP_ATTEMPTS times, so a correct program is not scored 0 for it;
+    the result's detail keeps bubblewrap's words if every attempt failed."""
     refusal = _refusal(execution, limits)
     if refusal:
         return ExecutionResult(Outcome.REFUSED, 0, 0, 0.0, refusal)
+    for attempt in range(1, SETUP_ATTEMPTS + 1):
+        result = _run_once(bwrap, settings, limits, execution)
+        if not result.detail.startswith(SETUP_FAILED) or attempt == SETUP_ATTEMPTS:
+            return result
+        time.sleep(0.05 * attempt)
+    raise AssertionError("unreachable")
+
+
+SETUP_ATTEMPTS = 3
+SETUP_FAILED = "sandbox setup failed"
+
+
+def _run_once(bwrap: str, settings: SandboxSettings, limits: SandboxLimits, execution: Execution) -> ExecutionResult:
+    start = time.monotonic()
     nonce = secrets.token_hex(16)
     request = json.dumps({"nonce": nonce, "rlimits": rlimits(limits), "program": execution.program,
                           "test": execution.test, "entry_point": execution.entry_point}).encode("utf-8")
@@ -202,5 +218,7 @@ def _judge(returncode: int, cpu_seconds: float, raw: bytes, nonce: str, limits: 
     if returncode > 128 or returncode < 0:
         return ExecutionResult(Outcome.CRASHED, 0, 0, seconds, f"killed by {_signal_name(returncode)}", tail)
     said = raw.decode("utf-8", "replace").strip()[-200:] if not valid else ""  # bubblewrap's or Python's own words
+    if returncode == 1 and said.startswith("bwrap:"):
+        return ExecutionResult(Outcome.CRASHED, 0, 0, seconds, f"{SETUP_FAILED}: {said}", tail)
     return ExecutionResult(Outcome.CRASHED, 0, 0, seconds, f"exited with status {returncode} without a verdict"
                            + (f": {said}" if said else ""), tail)

