@@ -112,7 +112,7 @@ class StepContext:
     evaluator: Evaluator
     replicas_at: int = 0
     """fixed_lag and streaming: the version every live replica holds."""
-    _task_counts: dict[int, dict[str, float]] = field(default_factory=dict, init=False, repr=False)
+    _task_counts: dict[int, dict[str, float | list[str]]] = field(default_factory=dict, init=False, repr=False)
     """Per step: the task's own counts of the responses scored for it so far (Task.score_with_metrics)."""
 
     @property
@@ -189,13 +189,14 @@ class StepContext:
             out.append(t)
         return out
 
-    def _add_task_counts(self, step: int, counts: dict[str, float]) -> None:
-        """The task's counts of one scoring call, summed per step (dynamic sampling scores several rounds)."""
+    def _add_task_counts(self, step: int, counts: dict[str, float | list[str]]) -> None:
+        """The task's numbers of one scoring call into the step's (dynamic sampling scores several rounds):
+        counts summed, per-response lists joined in scoring order."""
         into = self._task_counts.setdefault(step, {})
         for key, value in counts.items():
-            into[key] = into.get(key, 0.0) + value
+            into[key] = into.get(key, [] if isinstance(value, list) else 0.0) + value
 
-    def pop_task_counts(self, step: int) -> dict[str, float]:
+    def pop_task_counts(self, step: int) -> dict[str, float | list[str]]:
         return self._task_counts.pop(step, {})
 
     async def score_rollout(self, step: int, samples: list[tuple[int, pb.Sample]],

@@ -21,7 +21,9 @@ gives the fraction of check()'s assert statements that passed (1.0 exactly when 
 than passed or failed (timeout, crashed, output_limit, refused) rewards 0.0. A response counts as correct for
 pass@k when its reward is 1.0. Each step's metrics count the outcomes of the responses it scored
 (`code_passed`, `code_failed`, `code_timeout`, `code_crashed`, `code_output_limit`, `code_refused`), with
-`code_tests_passed`, `code_tests_total` and `code_exec_seconds_sum`.
+`code_tests_passed`, `code_tests_total` and `code_exec_seconds_sum`, and each response's outcome in the order
+the step scored them (`code_sample_outcomes`: its prompts in order, each prompt's samples in order, then any
+further dynamic-sampling round's).
 
 Splits: the first `heldout_size` problems of a seeded shuffle are held out, the rest train; `heldout_path`
 names a separate held-out file instead. pass@k on the held-out split is the run spec's eval (`eval.k`
@@ -198,10 +200,12 @@ def mean_pass_at_k(correct_by_problem: Sequence[tuple[int, int]], k: int) -> flo
     return math.fsum(pass_at_k(n, c, k) for n, c in correct_by_problem) / len(correct_by_problem)
 
 
-def outcome_metrics(results: Sequence[ExecutionResult]) -> dict[str, float]:
-    """The step-metric counts of a batch of results (summed over a step's batches)."""
+def outcome_metrics(results: Sequence[ExecutionResult]) -> dict[str, float | list[str]]:
+    """The step-metric counts of a batch of results (summed over a step's batches), and each response's outcome
+    in scoring order (`code_sample_outcomes`, joined over a step's batches)."""
     counts = Counter(r.outcome for r in results)
-    out = {f"code_{o.value}": float(counts[o]) for o in Outcome}
+    out: dict[str, float | list[str]] = {f"code_{o.value}": float(counts[o]) for o in Outcome}
+    out["code_sample_outcomes"] = [r.outcome.value for r in results]
     out["code_tests_passed"] = float(sum(r.passed for r in results))
     out["code_tests_total"] = float(sum(r.total for r in results))
     out["code_exec_seconds_sum"] = math.fsum(r.seconds for r in results)
@@ -270,7 +274,8 @@ class CodeTask(Task):
     async def score(self, items: Sequence[tuple[Problem, str]]) -> list[float]:
         return (await self.score_with_metrics(items))[0]
 
-    async def score_with_metrics(self, items: Sequence[tuple[Problem, str]]) -> tuple[list[float], dict[str, float]]:
+    async def score_with_metrics(self, items: Sequence[tuple[Problem, str]]
+                                 ) -> tuple[list[float], dict[str, float | list[str]]]:
         results = await self.pool().run_batch_async([self.execution(p, text) for p, text in items])
         crashed = [r for r in results if r.outcome is Outcome.CRASHED]
         if crashed:  # model output crashes the interpreter rarely; a host problem shows here first

@@ -135,6 +135,7 @@ def test_rewards_and_outcome_counts_of_a_batch(tmp_path, sandbox_ready):
     assert rewards == [1.0, pytest.approx(1 / 3), 0.0, 1.0, 0.0]
     assert counts["code_passed"] == 2 and counts["code_failed"] == 1 and counts["code_timeout"] == 1
     assert counts["code_crashed"] == 1 and counts["code_refused"] == 0 and counts["code_output_limit"] == 0
+    assert counts["code_sample_outcomes"] == ["passed", "failed", "timeout", "passed", "crashed"]
     # a timeout or a crash ends before any verdict: its tests count in neither
     assert counts["code_tests_passed"] == 3 + 1 + 3 and counts["code_tests_total"] == 3 * 3
 
@@ -150,3 +151,15 @@ def test_all_pass_gives_no_partial_credit_and_no_outcome_but_passed_or_failed_ea
 def test_a_host_without_the_sandbox_refuses_the_task(tmp_path):
     with pytest.raises(ValueError, match="sandbox: bubblewrap '/nonexistent/bwrap' is not installed"):
         CodeTask(CodeConfig(), SandboxSettings(bwrap="/nonexistent/bwrap"))
+
+
+def test_a_steps_task_numbers_sum_counts_and_join_outcomes_over_its_scoring_rounds():
+    from services.coordinator.run.step_context import StepContext
+
+    ctx = StepContext(*[None] * 11)  # only the per-step bookkeeping is exercised
+    ctx._add_task_counts(3, {"code_passed": 2.0, "code_sample_outcomes": ["passed", "passed"]})
+    ctx._add_task_counts(4, {"code_passed": 5.0, "code_sample_outcomes": ["passed"]})
+    ctx._add_task_counts(3, {"code_passed": 0.0, "code_sample_outcomes": ["timeout"]})
+    assert ctx.pop_task_counts(3) == {"code_passed": 2.0, "code_sample_outcomes": ["passed", "passed", "timeout"]}
+    assert ctx.pop_task_counts(3) == {}
+    assert ctx.pop_task_counts(4) == {"code_passed": 5.0, "code_sample_outcomes": ["passed"]}

@@ -49,4 +49,7 @@ def test_the_code_demo_learns_from_execution(one_replica_stack, tmp_path_factory
     per_step = spec["rollout"]["prompts_per_step"] * spec["rollout"]["samples_per_prompt"]
     for step in steps:
         assert sum(step["metrics"][f"code_{o}"] for o in OUTCOMES) == per_step, step["step"]
+        outcomes = step["metrics"]["code_sample_outcomes"]
+        assert len(outcomes) == per_step and set(outcomes) <= set(OUTCOMES)
+        assert outcomes.count("passed") == step["metrics"]["code_passed"]
     assert steps[-1]["metrics"]["code_passed"] > steps[0]["metrics"]["code_passed"]
