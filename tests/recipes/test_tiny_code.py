@@ -76,3 +76,20 @@ def test_the_recipe_is_a_valid_spec_once_its_paths_exist(tmp_path):
     with pytest.raises(ValueError, match="heldout_size"):
         RunSpec.model_validate({**spec, "task": {**spec["task"], "options": {
             **spec["task"]["options"], "heldout_size": 243}}})
+
+
+def test_the_humaneval_recipe_is_a_valid_spec_once_its_model_is_set(tmp_path):
+    try:
+        probe(SandboxSettings())
+    except SandboxUnavailable as exc:
+        require(False, f"no sandbox on this host: {exc}")
+    from services.cli.client import load_recipe
+    from services.coordinator.run_spec import parse_run_spec
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    spec = load_recipe(REPO / "recipes" / "humaneval" / "recipe.yaml", {"model_path": str(model)})
+    parsed = parse_run_spec(json.dumps(spec).encode())  # as POST /v1/runs validates it: strict
+    assert parsed.task.name == "code" and parsed.task.options["path"] == ""
+    assert parsed.eval.k == 4 and parsed.rollout.engine_options["server"]["dtype"] == parsed.trainer.dtype
