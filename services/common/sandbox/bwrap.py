@@ -61,7 +61,8 @@ def bwrap_command(bwrap: str, settings: SandboxSettings, limits: SandboxLimits) 
         if os.path.islink(f"/{link}") and os.readlink(f"/{link}") == f"usr/{link}" and "/usr" in settings.read_only:
             cmd += ["--symlink", f"usr/{link}", f"/{link}"]
     cmd += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.scratch_mb << 20), "--tmpfs", SCRATCH,
-            "--remount-ro", "/", "--chdir", SCRATCH, os.path.realpath(settings.python), "-I", "-S", "-B", "-c", harness_source()]
+            "--remount-ro", "/", "--chdir", SCRATCH,
+            os.path.realpath(settings.python), "-I", "-S", "-B", "-c", harness_source()]
     return cmd
 
 

@@ -91,8 +91,8 @@ def _refusal(execution: Execution, limits: SandboxLimits) -> str:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """(Reaped by _reap.) SIGKILL bubblewrap's process group; its init then dies (--die-with-parent) and the kernel kills every
-    process of the sandbox's PID namespace, whatever session it moved to."""
+    """SIGKILL bubblewrap's process group (reaped by _reap). The interpreter, in a session of its own, dies of
+    --die-with-parent, and with it, the PID namespace's init, every process of the sandbox."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -107,7 +107,8 @@ def _signal_name(returncode: int) -> str:
         return f"signal {sig}"
 
 
-def run_execution(bwrap: str, settings: SandboxSettings, limits: SandboxLimits, execution: Execution) -> ExecutionResult:
+def run_execution(bwrap: str, settings: SandboxSettings, limits: SandboxLimits,
+                  execution: Execution) -> ExecutionResult:
     """Run `execution` in a new sandbox and wait at most `limits.wall_s` (plus the kill). A sandbox bubblewrap
     could not build (it said so and exited before the interpreter ran: a namespace limit reached for a moment
     on a busy host) is built again, up to SETUP_ATTEMPTS times, so a correct program is not scored 0 for it;

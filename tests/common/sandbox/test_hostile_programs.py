@@ -176,7 +176,8 @@ def test_the_pool_counts_every_outcome(batch):
 def test_the_cpu_bound_is_the_kernels():
     # A wall bound far past the CPU bound: only RLIMIT_CPU can end it this early.
     with sandbox_pool(workers=1, wall_s=120.0, cpu_s=1) as pool:
-        result = pool.run_one(hostile("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"))
+        result = pool.run_one(hostile("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                                      "while True:\n    pass"))
     assert result.outcome is Outcome.TIMEOUT
     assert "cpu_s=1" in result.detail and result.seconds < 120.0
 
