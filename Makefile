@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv sglang-venv demo demo-tools test test-quick proto clean
+.PHONY: venv sglang-venv demo demo-tools demo-code test test-quick proto clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: venv
 # The multi-turn demo: the tiny policy learns to call a calculator tool (recipes/tiny_tools).
 demo-tools: venv
 	$(PY) -m recipes.tiny_tools.demo
+
+# The code demo: the tiny policy learns from running its Python in the bubblewrap sandbox (recipes/tiny_code).
+demo-code: venv
+	$(PY) -m recipes.tiny_code.demo
 
 # Unit-level tests: everything but the `stack` tests (service processes, Redis, SGLang, Prometheus, Ray)
 # and the `slow` ones (process groups, compilers); tests/conftest.py marks both. They are independent and

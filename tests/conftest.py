@@ -133,6 +133,9 @@ STACK_TESTS = {
 # Tests that start no stack but cost more than a few CPU-seconds each (process groups, compilers, long
 # computations): `make test-quick` leaves these out too, to stay an inner loop. Entries as in STACK_TESTS.
 SLOW_TESTS = {
+    "tests/coordinator/tasks/test_code_task.py::test_every_canonical_solution_passes_and_a_wrong_one_fails":
+        "164 HumanEval executions in the sandbox",
+    "tests/common/sandbox/test_hostile_programs.py": "fork and memory bombs, loops and sleeps to their limits",
     "tests/kernels/test_logprob_check_targets.py": "compiles every kernel for MI300 and Hopper",
     "tests/kernels/logprob/test_logprob_distributed.py": "a gloo group of forked processes",
     "tests/kernels/logprob/test_logprob_linear_distributed.py": "gloo groups of forked processes",

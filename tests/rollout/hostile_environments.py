@@ -130,3 +130,39 @@ def register_feedback() -> None:
 
     if "test-feedback" not in known_environments():
         register_environment("test-feedback", NoOptions, Feedback)
+
+
+class PickleBomb(Environment):
+    """Writes a crafted pickle to the host's pipe itself, bypassing the reply _serve would send: unpickled, its
+    `__reduce__` creates the file named by the problem's prompt (a marker the test looks for). The environment
+    finds the pipe as any code in its process could, in the process's own objects."""
+
+    def __init__(self, options: NoOptions):
+        self.marker = ""
+
+    def reset(self, problem: EpisodeProblem) -> str:
+        self.marker = problem.prompt
+        return "ready"
+
+    def step(self, model_turn: str):
+        import gc
+        import pickle
+        from multiprocessing.connection import Connection
+
+        marker = self.marker
+
+        class Payload:
+            def __reduce__(self):
+                return (open, (marker, "w"))
+
+        for obj in gc.get_objects():
+            if isinstance(obj, Connection) and not obj.closed:
+                obj.send_bytes(pickle.dumps(("ok", Payload())))
+        time.sleep(30)  # the parent has read the crafted reply by now; never send the real one
+
+
+def register_pickle_bomb() -> None:
+    from services.environments.registry import known_environments
+
+    if "test-pickle-bomb" not in known_environments():
+        register_environment("test-pickle-bomb", NoOptions, PickleBomb)

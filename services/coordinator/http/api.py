@@ -89,11 +89,13 @@ class EvalInitialBody(BaseModel):
 
 class StepMetricsBody(BaseModel):
     step: int = Field(..., description="The step these metrics were recorded for.")
-    metrics: dict[str, int | float] = Field(
+    metrics: dict[str, int | float | list[str]] = Field(
         ..., description="Deterministic metrics of the step (same spec, same values): the trainer's (loss, "
         "iw_mean, ...), trajectory counts, and on eval steps 'eval_accuracy' (greedy held-out accuracy) and, "
         "for each eval set, 'eval/<set>/avg@<k>' (mean reward over k samples per problem) and "
-        "'eval/<set>/pass@<k>' (fraction of problems with a correct sample among k).")
+        "'eval/<set>/pass@<k>' (fraction of problems with a correct sample among k). The code task adds "
+        "'code_<outcome>' counts and 'code_sample_outcomes', each response's outcome in scoring order "
+        "(the only list).")
     timings: dict[str, float] = Field(..., description="Wall time of each phase of the step, in seconds.")
 
 

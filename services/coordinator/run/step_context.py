@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -112,6 +112,8 @@ class StepContext:
     evaluator: Evaluator
     replicas_at: int = 0
     """fixed_lag and streaming: the version every live replica holds."""
+    _task_counts: dict[int, dict[str, float | list[str]]] = field(default_factory=dict, init=False, repr=False)
+    """Per step: the task's own counts of the responses scored for it so far (Task.score_with_metrics)."""
 
     @property
     def max_staleness(self) -> int:
@@ -161,7 +163,9 @@ class StepContext:
             samples = [(i, s) for i, s in samples if s.response_token_ids.shape and s.response_token_ids.shape[0]]
             rewards = [float(s.episode_reward) for _, s in samples]
         else:
-            rewards = await self.task.score([(problems[i], self.tokens.decode(s)) for i, s in samples])
+            rewards, task_counts = await self.task.score_with_metrics(
+                [(problems[i], self.tokens.decode(s)) for i, s in samples])
+            self._add_task_counts(step, task_counts)
         advantages = group_advantages(rewards, [s.group_id for _, s in samples],
                                       std_normalization=self.spec.trainer.advantage_std_normalization)
         out = []
@@ -185,12 +189,23 @@ class StepContext:
             out.append(t)
         return out
 
+    def _add_task_counts(self, step: int, counts: dict[str, float | list[str]]) -> None:
+        """The task's numbers of one scoring call into the step's (dynamic sampling scores several rounds):
+        counts summed, per-response lists joined in scoring order."""
+        into = self._task_counts.setdefault(step, {})
+        for key, value in counts.items():
+            into[key] = into.get(key, [] if isinstance(value, list) else 0.0) + value
+
+    def pop_task_counts(self, step: int) -> dict[str, float | list[str]]:
+        return self._task_counts.pop(step, {})
+
     async def score_rollout(self, step: int, samples: list[tuple[int, pb.Sample]],
                             lost: int) -> tuple[list[pb.Trajectory], dict]:
         """A streamed rollout of `step` (`lost`: its samples no replica answered), scored at the replicas'
         version: its trajectories and counts."""
         trajectories = await self.score(self.problems(step), samples, step, self.replicas_at)
-        return trajectories, {"trajectories_trained": len(trajectories), "trajectories_dropped": lost}
+        return trajectories, {"trajectories_trained": len(trajectories), "trajectories_dropped": lost,
+                              **self.pop_task_counts(step)}
 
     async def sample_and_score(self, step: int, timer: PhaseTimer) -> tuple[list[pb.Trajectory], dict]:
         """The step's trajectories (scored, with advantages) and their counts."""
@@ -210,6 +225,7 @@ class StepContext:
                 trajectories, counts = await self._informative_groups(step, trajectories, dropped)
         if isinstance(self.task, EpisodicTask):  # the first round's episodes: what the policy does at this step
             counts.update(episode_metrics([s for _, s in samples]))
+        counts.update(self.pop_task_counts(step))
         if self.max_staleness:
             counts.update(self.staleness(step, trajectories))
         return trajectories, counts

@@ -37,6 +37,12 @@ def _number_guess(options: dict) -> Task:
     return GuessTask(GuessConfig.model_validate(options, strict=True))
 
 
+def _code(options: dict) -> Task:
+    from services.coordinator.tasks.code import CodeConfig, CodeTask
+
+    return CodeTask(CodeConfig.model_validate(options, strict=True))
+
+
 def _arithmetic_eval_set(options: dict, path: str, field: str) -> list[Problem]:
     from services.coordinator.tasks.arithmetic import ArithmeticConfig, read_eval_set
 
@@ -49,12 +55,22 @@ def _math_eval_set(options: dict, path: str, field: str) -> list[Problem]:
     return read_eval_set(path, field, MathConfig.model_validate(options, strict=True))
 
 
+def _code_eval_set(options: dict, path: str, field: str) -> list[Problem]:
+    from pathlib import Path
+
+    from services.coordinator.tasks.code import CodeConfig, read_problems
+
+    CodeConfig.model_validate(options, strict=True)
+    return read_problems(Path(path), field)
+
+
 _REGISTRY: dict[str, Callable[[dict], Task]] = {"arithmetic": _arithmetic, "math": _math,
-                                                "calculator": _calculator, "number_guess": _number_guess}
+                                                "calculator": _calculator, "number_guess": _number_guess,
+                                                "code": _code}
 _EVAL_SET_READERS: dict[str, Callable[[dict, str, str], list[Problem]]] = {
-    "arithmetic": _arithmetic_eval_set, "math": _math_eval_set}
+    "arithmetic": _arithmetic_eval_set, "math": _math_eval_set, "code": _code_eval_set}
 # Options naming files the coordinator reads: each must lie inside the coordinator's data_roots.
-_PATH_OPTIONS: dict[str, tuple[str, ...]] = {"math": ("path", "heldout_path")}
+_PATH_OPTIONS: dict[str, tuple[str, ...]] = {"math": ("path", "heldout_path"), "code": ("path", "heldout_path")}
 
 
 def task_path_options(name: str) -> tuple[str, ...]:

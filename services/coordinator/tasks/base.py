@@ -31,5 +31,11 @@ class Task(abc.ABC):
         untrusted (parsing model output with sympy) run it elsewhere; the default runs it inline."""
         return [self.reward(problem, text) for problem, text in items]
 
+    async def score_with_metrics(self, items: Sequence[tuple[Problem, str]]
+                                 ) -> tuple[list[float], dict[str, float | list[str]]]:
+        """score()'s rewards and the task's own numbers about these responses (the code task's outcomes): counts,
+        summed into the step's metrics, and per-response lists, joined in scoring order; none by default."""
+        return await self.score(items), {}
+
     def close(self) -> None:
         """Release what score() holds (worker processes); the run is over."""

@@ -11,12 +11,19 @@ parent sends each call over a pipe and waits at most `step_timeout_s`:
 - a timeout kills the child (SIGKILL; a hung step may be ignoring signals);
 - a dead child (a signal, os._exit) is noticed as a closed pipe.
 
+The child's replies come back as JSON, never pickle: the environment's own code runs in the child and can
+write anything to the pipe (it finds the connection in its own memory), and unpickling bytes it chose would
+run its code in the rollout process, undoing the isolation the child exists for. The parent decodes each
+reply with `decode_reply`, field by field (a status, then a str observation, or a finite float reward and
+bools, or a failure reason the child may name); anything else ends the episode with `bad_result`.
+
 Each failure raises `EpisodeEnded` with its `EndReason`; the caller ends that episode and counts it.
 """
 from __future__ import annotations
 
+import json
+import math
 import multiprocessing
-import pickle
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -30,7 +37,13 @@ from contract.environment import (
 from services.environments.registry import environment_entry, environment_options
 
 _FRAMING_BYTES = 4096
-"""Room for the pickled reply's own structure around the observation text."""
+"""Room for the JSON reply's own structure around the observation text."""
+_ESCAPE_FACTOR = 6
+"""JSON writes a control character of the observation as \\u00XX: 6 bytes for 1 of UTF-8, the most any
+character grows (others are sent as UTF-8, ensure_ascii=False)."""
+_REPORTABLE = frozenset({EndReason.ENV_ERROR, EndReason.OBSERVATION_TOO_LARGE, EndReason.OBSERVATION_NOT_UTF8,
+                         EndReason.BAD_RESULT})
+"""The reasons a child may name for itself (a timeout or a crash is only ever the parent's finding)."""
 
 _CONTEXT_LOCK = threading.Lock()
 _CONTEXT: multiprocessing.context.BaseContext | None = None
@@ -56,13 +69,21 @@ class EpisodeEnded(Exception):
         self.message = message
 
 
+def _send(conn: Connection, reply: dict) -> None:
+    conn.send_bytes(json.dumps(reply, ensure_ascii=False, allow_nan=False).encode("utf-8"))
+
+
+def _refused(reason: EndReason, message: str) -> dict:
+    return {"status": "refused", "reason": reason.value, "message": message[:1000]}
+
+
 def _serve(conn: Connection, factory: Callable[[BaseModel], Environment], options: BaseModel,
            max_bytes: int) -> None:
     """The child: build the environment, answer reset/step calls until the parent closes the pipe."""
     try:
         env = factory(options)
     except Exception as exc:  # noqa: BLE001 - any failure is reported, not raised into nothing
-        conn.send(("refused", EndReason.ENV_ERROR.value, f"building it raised {type(exc).__name__}: {exc}"))
+        _send(conn, _refused(EndReason.ENV_ERROR, f"building it raised {type(exc).__name__}: {exc}"))
         return
     while True:
         try:
@@ -71,16 +92,72 @@ def _serve(conn: Connection, factory: Callable[[BaseModel], Environment], option
             return
         try:
             if kind == "reset":
-                reply: object = check_observation(env.reset(payload), max_bytes)
+                reply: dict = {"status": "ok", "observation": check_observation(env.reset(payload), max_bytes)}
             else:
-                reply = check_step_result(env.step(payload), max_bytes)
+                r = check_step_result(env.step(payload), max_bytes)
+                reply = {"status": "ok", "observation": r.observation, "reward": r.reward, "done": r.done,
+                         "tool_call": r.tool_call, "tool_error": r.tool_error}
         except ObservationRefused as exc:
-            conn.send(("refused", exc.reason.value, str(exc)))
+            _send(conn, _refused(exc.reason, str(exc)))
             return
         except Exception as exc:  # noqa: BLE001 - the environment's own error ends its episode, nothing else
-            conn.send(("refused", EndReason.ENV_ERROR.value, f"{kind}() raised {type(exc).__name__}: {exc}"))
+            _send(conn, _refused(EndReason.ENV_ERROR, f"{kind}() raised {type(exc).__name__}: {exc}"))
             return
-        conn.send(("ok", reply))
+        _send(conn, reply)
+
+
+class BadReply(ValueError):
+    """The child's bytes are not a reply of the host's format."""
+
+
+def _no_constant(name: str) -> object:
+    raise BadReply(f"{name} is no JSON number")
+
+
+def decode_reply(raw: bytes, kind: str, max_bytes: int) -> str | StepResult | tuple[EndReason, str]:
+    """A child's reply to `kind` ('reset' or 'step'): the observation, the StepResult, or (reason, message) of a
+    failure the child reported. BadReply for anything else: nothing in `raw` is ever run or imported."""
+    try:
+        reply = json.loads(raw.decode("utf-8", errors="strict"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise BadReply(f"the reply is not UTF-8 JSON ({type(exc).__name__})") from None
+    if not isinstance(reply, dict):
+        raise BadReply(f"the reply is a JSON {type(reply).__name__}, not an object")
+    status = reply.get("status")
+    if status == "refused":
+        if set(reply) != {"status", "reason", "message"} or not isinstance(reply["message"], str):
+            raise BadReply("a refusal must be exactly {status, reason, message: str}")
+        try:
+            reason = EndReason(reply["reason"])
+        except ValueError:
+            raise BadReply(f"reason {str(reply['reason'])[:40]!r} is not one a child may report") from None
+        if reason not in _REPORTABLE:
+            raise BadReply(f"reason {reason.value!r} is not one a child may report")
+        return reason, reply["message"][:1000]
+    if status != "ok":
+        raise BadReply(f"status {str(status)[:40]!r} is neither 'ok' nor 'refused'")
+    want = {"status", "observation"} if kind == "reset" else {"status", "observation", "reward", "done",
+                                                               "tool_call", "tool_error"}
+    if set(reply) != want:
+        raise BadReply(f"a {kind}() reply must have exactly the keys {sorted(want)}")
+    observation = reply["observation"]
+    if not isinstance(observation, str):
+        raise BadReply("the observation is not a str")
+    try:
+        size = len(observation.encode("utf-8", errors="strict"))  # a lone surrogate (\\ud800) is refused here
+    except UnicodeEncodeError:
+        raise BadReply("the observation is not UTF-8 text") from None
+    if size > max_bytes:
+        raise BadReply(f"the observation is larger than max_observation_bytes={max_bytes}")
+    if kind == "reset":
+        return observation
+    reward = reply["reward"]
+    if type(reward) not in (int, float) or not math.isfinite(reward):
+        raise BadReply(f"reward {str(reward)[:40]!r} is not a finite number")
+    for key in ("done", "tool_call", "tool_error"):
+        if type(reply[key]) is not bool:
+            raise BadReply(f"{key} is not a bool")
+    return StepResult(observation, float(reward), reply["done"], reply["tool_call"], reply["tool_error"])
 
 
 class EpisodeEnvironment:
@@ -125,20 +202,21 @@ class EpisodeEnvironment:
             self._end(EndReason.ENV_CRASHED, f"the environment's process exited before {kind}()")
         if not self._conn.poll(self.limits.step_timeout_s):
             self._end(EndReason.ENV_TIMEOUT, f"{kind}() ran past step_timeout_s={self.limits.step_timeout_s}")
+        max_bytes = self.limits.max_observation_bytes
         try:
-            raw = self._conn.recv_bytes(self.limits.max_observation_bytes + _FRAMING_BYTES)
+            raw = self._conn.recv_bytes(_ESCAPE_FACTOR * max_bytes + _FRAMING_BYTES)
         except EOFError:
             self._end(EndReason.ENV_CRASHED, f"the environment's process exited during {kind}()")
         except OSError:  # the message is longer than maxlength: the pipe is now unusable anyway
             self._end(EndReason.OBSERVATION_TOO_LARGE,
-                      f"{kind}() answered more than max_observation_bytes={self.limits.max_observation_bytes}")
-        # The child sends only builtins and contract dataclasses (its reply is built by _serve, not by the
-        # environment), so unpickling it imports nothing new.
-        status, *rest = pickle.loads(raw)
-        if status == "ok":
-            return rest[0]
-        reason, message = rest
-        self._end(EndReason(reason), message)
+                      f"{kind}() answered more than max_observation_bytes={max_bytes}")
+        try:
+            reply = decode_reply(raw, kind, max_bytes)
+        except BadReply as exc:
+            self._end(EndReason.BAD_RESULT, f"the environment's process sent no valid {kind}() reply: {exc}")
+        if isinstance(reply, tuple):
+            self._end(*reply)
+        return reply
 
     def _end(self, reason: EndReason, message: str) -> None:
         self._ended = EpisodeEnded(reason, message)
