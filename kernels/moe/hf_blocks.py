@@ -1,0 +1,101 @@
+"""Forwards for Hugging Face's MoE router and experts modules, and the per-router state they share.
+
+kernels/batch_invariant/hf.py binds `bi_router_forward` and `bi_experts_forward` to every
+`*TopKRouter` / `*Experts` module of a covered family in `true_on_policy`; `observe_routing` binds
+`fast_router_forward` in `fast` mode, where the stock experts (Hugging Face's grouped_mm) stay. Either
+router forward returns what Hugging Face's does — (router logits, top-k weights in the logits' dtype,
+top-k expert ids) — so the stock SparseMoeBlock, the output recorders and the aux loss see the same
+interface, and keeps a `RouterState` on the module:
+
+* `experts`/`probs`: the last call's chosen experts [T, k] and float32 probabilities [T, E] (detached),
+  read by the trainer's routing metrics and by the rollout engine, which returns them with each token;
+* `forced`: expert ids [T, k] the next calls must use (routing replay); the weights then come from
+  the token's own probabilities at those experts. The caller sets and clears it around a forward
+  (activation checkpointing may run the router twice on the same tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels.moe.experts import experts_forward
+from kernels.moe.routing import check_forced, route, router_probabilities
+
+STATE_ATTR = "lockstep_routing"
+
+
+@dataclass
+class RouterState:
+    layer: int
+    """Index of the decoder layer the router belongs to."""
+    forced: torch.Tensor | None = None
+    """Expert ids [T, k] to use instead of the router's top-k (routing replay); None: route."""
+    experts: torch.Tensor | None = None
+    """The last call's experts [T, k] (int64, detached)."""
+    probs: torch.Tensor | None = None
+    """The last call's router probabilities [T, E] (float32, detached)."""
+
+
+def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's MoE routers in layer order (modules whose class name ends in TopKRouter)."""
+    return [m for _n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def attach_states(model: torch.nn.Module) -> list[RouterState]:
+    """A RouterState on every router (kept if present), in layer order."""
+    states = []
+    for layer, module in enumerate(router_modules(model)):
+        if STATE_ATTR not in module.__dict__:
+            module.__dict__[STATE_ATTR] = RouterState(layer)
+        states.append(module.__dict__[STATE_ATTR])
+    return states
+
+
+def router_states(model: torch.nn.Module) -> list[RouterState]:
+    """The routers' states in layer order ([] for a dense model or one never patched)."""
+    return [m.__dict__[STATE_ATTR] for m in router_modules(model) if STATE_ATTR in m.__dict__]
+
+
+def _state(module: torch.nn.Module) -> RouterState:
+    return module.__dict__[STATE_ATTR]
+
+
+def _finish(module: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+            probs: torch.Tensor):
+    state = _state(module)
+    state.experts, state.probs = experts.detach(), probs.detach()
+    return logits, weights.to(logits.dtype), experts
+
+
+def bi_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
+    """Router logits through bi_linear, then routing.route (fixed-order softmax, lowest-index ties)."""
+    from kernels.batch_invariant import bi_linear
+
+    logits = bi_linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    forced = _state(self).forced
+    weights, experts = route(logits, self.top_k, self.norm_topk_prob, forced=forced)
+    return _finish(self, logits, weights, experts, router_probabilities(logits.detach()))
+
+
+def fast_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
+    """Hugging Face's router math (F.linear, softmax, torch.topk) with recording and replay."""
+    logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    forced = _state(self).forced
+    if forced is None:
+        values, experts = torch.topk(probs, self.top_k, dim=-1)
+    else:
+        experts = check_forced(forced.to(logits.device), logits.shape[0], logits.shape[-1], self.top_k)
+        values = probs.gather(-1, experts)
+    if self.norm_topk_prob:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return _finish(self, logits, values, experts, probs)
+
+
+def bi_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts on the batch-invariant grouped GEMM of the device, combined in rank order."""
+    return experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                           self.act_fn, impl="auto")
