@@ -36,6 +36,10 @@ class RouterState:
     """The last call's experts [T, k] (int64, detached)."""
     probs: torch.Tensor | None = None
     """The last call's router probabilities [T, E] (float32, detached)."""
+    keep_logits: bool = False
+    """Keep the last call's router logits with their autograd graph in `logits` (auxiliary router losses)."""
+    logits: torch.Tensor | None = None
+    """The last call's router logits [T, E] in the compute dtype, with their graph (only with keep_logits)."""
 
 
 def router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -66,6 +70,7 @@ def _finish(module: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor
             probs: torch.Tensor):
     state = _state(module)
     state.experts, state.probs = experts.detach(), probs.detach()
+    state.logits = logits if state.keep_logits else None
     return logits, weights.to(logits.dtype), experts
 
 
@@ -92,6 +97,18 @@ def fast_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     if self.norm_topk_prob:
         values = values / values.sum(dim=-1, keepdim=True)
     return _finish(self, logits, values, experts, probs)
+
+
+def observe_routing(model: torch.nn.Module) -> list[RouterState]:
+    """`fast` mode: every router not already on the batch-invariant forward runs `fast_router_forward`
+    (Hugging Face's math, plus recording and replay); experts stay Hugging Face's. Idempotent."""
+    import types
+
+    for module in router_modules(model):
+        bound = getattr(module.__dict__.get("forward"), "__func__", None)
+        if bound not in (bi_router_forward, fast_router_forward):
+            module.forward = types.MethodType(fast_router_forward, module)
+    return attach_states(model)
 
 
 def bi_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

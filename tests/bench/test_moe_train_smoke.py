@@ -31,3 +31,6 @@ def test_small_mode_runs_the_whole_bench(tmp_path, restore_torch_globals):
         assert run["active_non_embedding_params"] < run["non_embedding_params"]
         assert run["mfu"] > 0
     assert out["train"][1]["step1_logprob_abs_diff_max"] == 0.0
+    for run in out["train"]:
+        moe = run["moe_metrics_last_step"]
+        assert moe["moe_dropped_tokens"] == 0.0 and moe["moe_expert_load_max"] >= moe["moe_expert_load_mean"] > 0

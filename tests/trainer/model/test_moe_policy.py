@@ -3,6 +3,7 @@ packing (step-1 IW exactly 1), fp32 masters updated through FSDP2 including ever
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -52,3 +53,62 @@ def test_a_step_updates_fp32_masters_of_every_expert_and_router(moe_dir, numeric
         if ".mlp.gate." in name or ".mlp.experts." in name:
             assert name in moved, name
     assert outcome.metrics["grad_norm"] > 0
+
+
+def _trainer(model_dir, **config):
+    trainer = Trainer(device="cpu", num_threads=1)
+    trainer.configure(run_id="r", model_path=str(model_dir), seed=1, config_json=json.dumps(
+        {"dtype": "float32", "microbatch_tokens": 64, "lr": 1e-3, **config}))
+    return trainer
+
+
+def test_step_metrics_report_expert_load_entropy_and_no_dropped_tokens(moe_dir, restore_torch_globals):
+    trainer = _trainer(moe_dir)
+    request = on_policy_request(trainer, moe_dir, 1, n_groups=2, per_group=3, seed=0)
+    m = trainer.train_step(request).metrics
+    positions = sum(s.num_tokens - 1 for s in request.samples)  # packed rows: every token but the last
+    cfg = TinyMoeConfig()
+    assert m["moe_expert_load_mean"] == positions * cfg.num_experts_per_tok / cfg.num_experts
+    assert positions * cfg.num_experts_per_tok / cfg.num_experts < m["moe_expert_load_max"] <= positions
+    assert m["moe_dropped_tokens"] == 0.0
+    assert 0 < m["moe_router_entropy"] <= math.log(cfg.num_experts) + 1e-6
+    assert not any(k.startswith("moe_routing_agreement") for k in m)  # no rollout experts were sent
+
+
+@pytest.mark.parametrize("loss", ["load_balancing_coef", "router_z_loss_coef"])
+def test_auxiliary_router_losses_reach_the_routers_and_nothing_downstream(moe_dir, loss, restore_torch_globals):
+    runs = {}
+    for coef in (0.0, 0.5):
+        trainer = _trainer(moe_dir, grad_clip=0.0, moe={loss: coef})
+        request = on_policy_request(trainer, moe_dir, 1, n_groups=2, per_group=3, seed=0)
+        runs[coef] = (trainer.train_step(request).metrics, trainer.master_state_dict())
+    (plain_m, plain_w), (aux_m, aux_w) = runs[0.0], runs[0.5]
+    assert plain_m["loss"] == aux_m["loss"]  # the policy loss itself is the same
+    routers = [k for k in plain_w if ".mlp.gate." in k]
+    assert routers and all(not torch.equal(plain_w[k], aux_w[k]) for k in routers)
+    # The router losses reach what lies upstream of a router (embeddings, attention, earlier layers) and
+    # nothing after the last router: its experts, the final norm and the head get only the policy gradient.
+    last = TinyMoeConfig().num_hidden_layers - 1
+    downstream = [k for k in plain_w if k.startswith(("lm_head.", "model.norm.", f"model.layers.{last}.mlp.experts."))]
+    assert len(downstream) == 4 and all(torch.equal(plain_w[k], aux_w[k]) for k in downstream)
+    assert not torch.equal(plain_w["model.embed_tokens.weight"], aux_w["model.embed_tokens.weight"])
+
+
+def test_moe_options_on_a_dense_model_are_refused_naming_the_field(tiny_model_dir, restore_torch_globals):
+    from services.trainer.data.wire import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match=r"trainer_config_json\.moe\.router_z_loss_coef: .*'qwen3'"):
+        _trainer(tiny_model_dir, moe={"router_z_loss_coef": 0.01})
+
+
+def test_step_metrics_from_microbatch_stats():
+    from services.trainer.model.moe import moe_step_metrics
+
+    # Two layers, three experts; columns: counts, entropy sum, tokens, agreeing, carried.
+    first = torch.tensor([[4.0, 2.0, 0.0, 3.0, 3.0, 2.0, 3.0], [1.0, 1.0, 4.0, 1.5, 3.0, 3.0, 3.0]], dtype=torch.float64)
+    second = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0, 1.0], [2.0, 0.0, 0.0, 0.5, 1.0, 1.0, 1.0]], dtype=torch.float64)
+    m = moe_step_metrics([first, second])
+    assert m["moe_expert_load_max"] == 4.0 and m["moe_expert_load_mean"] == 16.0 / 6
+    assert m["moe_router_entropy"] == 6.0 / 8
+    assert m["moe_routing_agreement_layer_0"] == 0.5 and m["moe_routing_agreement_layer_1"] == 1.0
+    assert m["moe_routing_agreement_min"] == 0.5 and m["moe_dropped_tokens"] == 0.0
