@@ -25,7 +25,9 @@ def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     """(order, counts): the flat (token, rank) pairs in expert order (stable), and rows per expert."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    # Not bincount: on CUDA it reads the max id back to the host, which a captured decode step cannot do.
+    # Integer adds are exact in any order.
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return order, counts
 
 
