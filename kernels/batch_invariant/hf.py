@@ -30,8 +30,10 @@ fixed-order float32 softmax, top-k with ties to the lowest expert index,
 renormalisation in rank order) and every `*Experts` module
 `bi_experts_forward` (tokens sorted by expert, one batch-invariant grouped GEMM
 per projection, the top-k outputs combined in rank order in float32); the
-SparseMoeBlock around them only calls children and elementwise ops
-(docs/moe.md). Anything else raises `BatchInvariantUnsupported` naming the module
+SparseMoeBlock around them only calls children and elementwise ops, and
+Qwen2-MoE's, whose shared-expert gate is a [T, 1] sigmoid, runs
+`bi_shared_expert_block_forward` (the sigmoid off the CPU's scalar tail;
+kernels/moe/rowwise.py, docs/moe.md). Anything else raises `BatchInvariantUnsupported` naming the module
 path and class (or the config field) before a single forward ran.
 
 peft LoRA layers are covered: their forward is `base_layer(x) +
@@ -144,7 +146,7 @@ def _pin_fp32_rotary_table(module: torch.nn.Module) -> None:
 
 
 _PATCHED_FORWARDS = (_bi_linear_forward, _bi_rms_norm_forward, _fp32_rotary_forward, hf_blocks.bi_router_forward,
-                     hf_blocks.bi_experts_forward)
+                     hf_blocks.bi_experts_forward, hf_blocks.bi_shared_expert_block_forward)
 
 
 def is_patched(module: torch.nn.Module) -> bool:
@@ -245,5 +247,7 @@ def make_batch_invariant(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = types.MethodType(hf_blocks.bi_router_forward, module)
         elif name.endswith("Experts"):
             module.forward = types.MethodType(hf_blocks.bi_experts_forward, module)
+        elif name.endswith("SparseMoeBlock") and hasattr(module, "shared_expert_gate"):
+            module.forward = types.MethodType(hf_blocks.bi_shared_expert_block_forward, module)
     hf_blocks.attach_states(model)
     return model

@@ -5,7 +5,8 @@
 
 The token-expert pairs are sorted by expert (a stable sort: within an expert, token order then rank
 order), gathered, and each projection is one `grouped_linear` over all experts; SiLU-and-mul is
-elementwise. The outputs go back to (token, rank) order and are combined in top-k rank order:
+elementwise (the SiLU through kernels/moe/rowwise.py, so no row falls on the CPU's scalar tail). The
+outputs go back to (token, rank) order and are combined in top-k rank order:
 acc = 0; acc += weight_r * out_r for r = 0..k-1, in float32, cast once. With a batch-invariant
 grouped GEMM each pair's expert output is the bits it would have alone, and the combination is a fixed
 sequence of elementwise ops of the token's own values, so a token's output does not depend on which
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.moe.grouped import GroupedImpl, grouped_linear
+from kernels.moe.rowwise import rowwise
 
 
 def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +43,7 @@ def experts_forward(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
     rows = hidden[order // k]  # [T*k, H], sorted by expert
     gate_up = grouped_linear(rows, gate_up_proj, counts, impl=impl)
     gate, up = gate_up.chunk(2, dim=-1)
-    out_sorted = grouped_linear(act(gate) * up, down_proj, counts, impl=impl)
+    out_sorted = grouped_linear(rowwise(act, gate) * up, down_proj, counts, impl=impl)
     out = out_sorted[torch.argsort(order)].reshape(tokens, k, -1)  # back to (token, rank) order: a gather
     w = weights.to(hidden.dtype).float()
     acc = out[:, 0].float() * w[:, :1]

@@ -99,6 +99,20 @@ def fast_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     return _finish(self, logits, values, experts, probs)
 
 
+def bi_shared_expert_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Qwen2-MoE's SparseMoeBlock: Hugging Face's forward with the shared expert's sigmoid gate through
+    kernels/moe/rowwise.py (a [T, 1] tensor puts rows on the CPU's scalar tail; see that module)."""
+    from kernels.moe.rowwise import rowwise
+
+    batch, length, hidden = hidden_states.shape
+    rows = hidden_states.view(-1, hidden)
+    shared = self.shared_expert(rows)
+    _logits, weights, experts = self.gate(rows)
+    routed = self.experts(rows, experts, weights)
+    out = routed + rowwise(torch.sigmoid, self.shared_expert_gate(rows)) * shared
+    return out.reshape(batch, length, hidden)
+
+
 def observe_routing(model: torch.nn.Module) -> list[RouterState]:
     """`fast` mode: every router not already on the batch-invariant forward runs `fast_router_forward`
     (Hugging Face's math, plus recording and replay); experts stay Hugging Face's. Idempotent."""

@@ -6,7 +6,8 @@
 The softmax, the top-k and the renormalisation are written in elementwise torch ops and reductions whose
 order is fixed by the code, never by a library's choice of kernel for the tensor's shape:
 
-* the row max is exact in any order; `exp(x - max)` is elementwise; the row sum is a pairwise tree over
+* the row max is exact in any order; `exp(x - max)` is elementwise (kernels/moe/rowwise.py keeps a row off
+  the CPU's scalar tail); the row sum is a pairwise tree over
   the expert axis built from elementwise adds of slices (`fixed_order_sum`), so a token's probabilities
   are the same bits whichever other tokens share the call, on every device;
 * top-k takes k times the largest remaining probability, and among equal ones the lowest expert index
@@ -20,6 +21,8 @@ the caller, validated, and the weights from this token's own probabilities at th
 from __future__ import annotations
 
 import torch
+
+from kernels.moe.rowwise import rowwise
 
 
 class RoutingInputError(ValueError):
@@ -39,7 +42,7 @@ def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
 def router_probabilities(logits: torch.Tensor) -> torch.Tensor:
     """float32 softmax over experts, row by row in a fixed order."""
     x = logits.float()
-    shifted = torch.exp(x - x.amax(-1, keepdim=True))
+    shifted = rowwise(torch.exp, x - x.amax(-1, keepdim=True))
     return shifted / fixed_order_sum(shifted)
 
 

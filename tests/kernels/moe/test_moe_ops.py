@@ -177,3 +177,16 @@ def test_grouped_reference_is_the_reference_even_on_large_columns():
     w = torch.randn(2, 96, 4096, generator=g)
     y = grouped_reference(x, w, counts)
     assert_bitwise(y[1:], bi_linear(x[1:], w[1], impl="reference"), "expert 1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn,width", [(torch.sigmoid, 1), (torch.exp, 8), (torch.nn.functional.silu, 16),
+                                      (torch.exp, 70)])
+def test_rowwise_gives_a_row_its_bits_wherever_it_sits(fn, width, dtype):
+    from kernels.moe.rowwise import rowwise
+
+    x = torch.randn(1500, width, generator=_gen(7)).to(dtype)  # more than one slab at the padded width
+    full = rowwise(fn, x)
+    torch.testing.assert_close(full.float(), fn(x).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=0)
+    for rows in ([1499], [0], list(range(37)), list(range(1499, 700, -1))):
+        assert_bitwise(rowwise(fn, x[rows]), full[rows], f"{fn.__name__} rows {rows[:3]}")
