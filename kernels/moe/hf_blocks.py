@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.moe.experts import experts_forward
-from kernels.moe.routing import check_forced, route, router_probabilities
+from kernels.moe.routing import check_forced, route, router_probabilities, top_k_lowest_index
 
 STATE_ATTR = "lockstep_routing"
 
@@ -33,7 +33,9 @@ class RouterState:
     forced: torch.Tensor | None = None
     """Expert ids [T, k] to use instead of the router's top-k (routing replay); None: route."""
     experts: torch.Tensor | None = None
-    """The last call's experts [T, k] (int64, detached)."""
+    """The last call's experts [T, k] (int64, detached): the forced ones under replay."""
+    own: torch.Tensor | None = None
+    """The experts the router itself chose in the last call [T, k] (== experts unless forced)."""
     probs: torch.Tensor | None = None
     """The last call's router probabilities [T, E] (float32, detached)."""
     keep_logits: bool = False
@@ -67,9 +69,10 @@ def _state(module: torch.nn.Module) -> RouterState:
 
 
 def _finish(module: torch.nn.Module, logits: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-            probs: torch.Tensor):
+            probs: torch.Tensor, own: torch.Tensor | None = None):
     state = _state(module)
     state.experts, state.probs = experts.detach(), probs.detach()
+    state.own = state.experts if own is None else own.detach()
     state.logits = logits if state.keep_logits else None
     return logits, weights.to(logits.dtype), experts
 
@@ -81,7 +84,9 @@ def bi_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     logits = bi_linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
     forced = _state(self).forced
     weights, experts = route(logits, self.top_k, self.norm_topk_prob, forced=forced)
-    return _finish(self, logits, weights, experts, router_probabilities(logits.detach()))
+    probs = router_probabilities(logits.detach())
+    own = None if forced is None else top_k_lowest_index(probs, self.top_k)[1]
+    return _finish(self, logits, weights, experts, probs, own)
 
 
 def fast_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
@@ -89,14 +94,15 @@ def fast_router_forward(self: torch.nn.Module, hidden_states: torch.Tensor):
     logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
     probs = torch.softmax(logits, dtype=torch.float, dim=-1)
     forced = _state(self).forced
-    if forced is None:
-        values, experts = torch.topk(probs, self.top_k, dim=-1)
-    else:
+    values, experts = torch.topk(probs, self.top_k, dim=-1)
+    own = None
+    if forced is not None:
+        own = experts
         experts = check_forced(forced.to(logits.device), logits.shape[0], logits.shape[-1], self.top_k)
         values = probs.gather(-1, experts)
     if self.norm_topk_prob:
         values = values / values.sum(dim=-1, keepdim=True)
-    return _finish(self, logits, values, experts, probs)
+    return _finish(self, logits, values, experts, probs, own)
 
 
 def bi_shared_expert_block_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:

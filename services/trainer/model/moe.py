@@ -53,9 +53,11 @@ class MoeRouting:
         optional."""
         rows = []
         for layer, state in enumerate(self.states):
-            experts, probs = state.experts, state.probs
+            # Load counts what ran (the forced experts under replay); agreement compares the rollout's
+            # choice with the router's own, so under replay it counts the tokens replay did not re-route.
+            experts, own, probs = state.experts, state.own, state.probs
             if valid is not None:
-                experts, probs = experts[valid], probs[valid]
+                experts, own, probs = experts[valid], own[valid], probs[valid]
             counts = torch.zeros(self.n_experts, dtype=torch.float64, device=experts.device)
             counts.scatter_add_(0, experts.reshape(-1), torch.ones(experts.numel(), dtype=torch.float64,
                                                                    device=experts.device))
@@ -66,7 +68,7 @@ class MoeRouting:
                 if valid is not None:
                     theirs = theirs[valid]
                 has = (theirs >= 0).all(-1)
-                same = (theirs.sort(-1).values == experts.sort(-1).values).all(-1) & has
+                same = (theirs.sort(-1).values == own.sort(-1).values).all(-1) & has
                 agree, carried = same.double().sum(), has.double().sum()
             extra = torch.stack([entropy, torch.tensor(float(experts.shape[0]), dtype=torch.float64,
                                                         device=experts.device), agree, carried])
@@ -113,3 +115,69 @@ def moe_step_metrics(stats: Sequence[torch.Tensor]) -> dict[str, float]:
         out.update({f"moe_routing_agreement_layer_{i}": float(v) for i, v in enumerate(per_layer)})
         out["moe_routing_agreement_min"] = float(per_layer.min())
     return out
+
+
+# ---- the rollout's experts on the wire -----------------------------------------------------------------
+def check_routed_experts(samples, *, layers: int, n_experts: int, top_k: int, required: bool) -> None:
+    """Refuse (InvalidRequest naming the trajectory) expert ids the model cannot have produced: the wrong
+    number of layers or experts per token, an id out of range or repeated within a token, a position the
+    model read without a full set of ids, or the padded last position (never read) carrying an id.
+    `required`: routing replay needs every trajectory to carry them."""
+    from services.trainer.data.wire import InvalidRequest
+
+    for i, sample in enumerate(samples):
+        where = f"trajectory[{i}] (sample_id {sample.sample_id!r}).routed_experts"
+        routed = sample.routed_experts
+        if routed is None:
+            if required:
+                raise InvalidRequest(f"{where}: absent, but trainer.moe.routing_replay needs the rollout's experts "
+                                     "for every token")
+            continue
+        if tuple(routed.shape[1:]) != (layers, top_k):
+            raise InvalidRequest(f"{where}: {tuple(routed.shape[1:])} (layers, experts per token) per token, the "
+                                 f"model has ({layers}, {top_k})")
+        read, last = routed[:-1], routed[-1]
+        if bool((last >= 0).any()):
+            raise InvalidRequest(f"{where}: position {routed.shape[0] - 1} (the last token, never read by the "
+                                 "model) is padding but carries an expert id")
+        if bool((read < 0).any()):
+            pos = int((read < 0).any(-1).any(-1).nonzero()[0, 0])
+            raise InvalidRequest(f"{where}: position {pos} was read by the model but has no expert id (padding)")
+        if read.numel() and int(read.max()) >= n_experts:
+            raise InvalidRequest(f"{where}: expert id {int(read.max())} out of range (the model has {n_experts} "
+                                 "experts)")
+        if top_k > 1 and read.numel() and bool((read.sort(-1).values.diff(dim=-1) == 0).any()):
+            raise InvalidRequest(f"{where}: a token lists one expert twice")
+
+
+def microbatch_routing(microbatch, ordered) -> torch.Tensor | None:
+    """The rollout's experts [layers, T, k] of a packed microbatch's positions (-1 where a sequence sent
+    none), None when no sequence of it sent any or the layout is not packed."""
+    members = getattr(microbatch, "samples", None)
+    if members is None or all(ordered[i].routed_experts is None for i in members):
+        return None
+    example = next(ordered[i].routed_experts for i in members if ordered[i].routed_experts is not None)
+    parts = []
+    for i in members:
+        s = ordered[i]
+        fed = s.num_tokens - 1
+        parts.append(s.routed_experts[:fed] if s.routed_experts is not None
+                     else torch.full((fed, *example.shape[1:]), -1, dtype=torch.int64))
+    return torch.cat(parts).permute(1, 0, 2).contiguous()
+
+
+def check_routing(run, samples) -> None:
+    """The routing checks of a step's trajectories against the run's model (nothing for a dense model, which
+    refuses routed experts outright)."""
+    from services.trainer.data.wire import InvalidRequest
+
+    cfg = run.policy.lm.config
+    if MoeRouting.of(run.policy.lm, run.config.moe) is None:
+        for i, sample in enumerate(samples):
+            if sample.routed_experts is not None:
+                raise InvalidRequest(f"trajectory[{i}] (sample_id {sample.sample_id!r}).routed_experts: the model "
+                                     "has no mixture-of-experts layers")
+        return
+    layers = len(router_states(run.policy.lm))
+    check_routed_experts(samples, layers=layers, n_experts=int(cfg.num_experts), top_k=int(cfg.num_experts_per_tok),
+                         required=run.config.moe.routing_replay)
