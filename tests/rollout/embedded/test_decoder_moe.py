@@ -6,6 +6,7 @@ themselves) gives the stock step's bits."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernels.batch_invariant import KEY_BLOCK
 from recipes.tiny_moe import TinyMoeConfig, build_moe_model_dir
@@ -60,3 +61,34 @@ def test_moe_sequences_have_the_same_bits_under_every_schedule(moe_dir, dtype):
 
 def test_stock_step_is_reported_when_fused_is_off(moe_dir):
     assert decoder(moe_dir, "float32", fused_step=False).decode_forward == "hf"
+
+
+@pytest.mark.parametrize("numerics", ["true_on_policy", "fast"])
+def test_each_token_comes_back_with_the_experts_the_trainer_routes_it_to(moe_dir, numerics):
+    """The decoder's routing table of a sequence equals, position by position, what a packed forward of the
+    whole sequence routes (true_on_policy: the trainer's own forward, bitwise; fast: the same model in one
+    forward); the last token, never read, is padding. Preemption recomputes and overwrites it."""
+    from kernels.moe.hf_blocks import observe_routing, router_states
+
+    cfg = sampling(temperature=0.9, max_new_tokens=16)
+    d = Decoder(loaded(moe_dir, "float32"), DecoderOptions(numerics=numerics, max_batch_size=16,
+                                                           kv_pool_tokens=2 * KEY_BLOCK))
+    rows = d.decode(PROMPTS, SEEDS, cfg)
+    assert d.stats.preemptions > 0
+    scorer = batch_invariant_scorer(loaded(moe_dir, "float32")) if numerics == "true_on_policy" else None
+    plain = loaded(moe_dir, "float32")
+    observe_routing(plain)
+    for prompt, row in zip(PROMPTS, rows):
+        table = row.routed_experts
+        tokens = list(prompt) + row.token_ids
+        assert table.dtype == torch.uint8 and tuple(table.shape) == (len(tokens), 2, 2)
+        assert (table[-1] == 255).all() and (table[:-1] < 8).all()
+        model = scorer if scorer is not None else plain
+        packed_recompute(model, [prompt], [row.token_ids], cfg.temperature) if scorer is not None else \
+            plain(input_ids=torch.tensor([tokens]), use_cache=False)
+        want = torch.stack([s.experts for s in router_states(model)], dim=1)[:len(tokens) - 1]
+        if numerics == "true_on_policy":
+            assert torch.equal(table[:-1].long(), want)
+        else:  # fast promises no bits: the same experts as a set for nearly every token
+            same = (table[:-1].long().sort(-1).values == want.sort(-1).values).all(-1).all(-1)
+            assert same.float().mean() > 0.9
