@@ -2,8 +2,8 @@
 float32 masters and the AdamW step included, and the grouped expert GEMM against the HBM and bf16
 tensor-core limits measured in the same run. Prints one JSON object (and writes it to --out).
 
-Committed on branch h/moe (issue 40); the commit that added it is the one whose subject reads
-"bench: moe_train.py" (`git log --oneline -- bench/moe_train.py`).
+Added on branch h/moe (issue 40) in commit b270198 ("bench: moe_train.py at the Qwen3-30B-A3B layer
+shape, and MoE GPU tests"); `git log --oneline -- bench/moe_train.py` lists later changes.
 
 GPU (the measurement, one H200: 6 layers of fp32 masters + grads + AdamW are ~70 GB):
 
