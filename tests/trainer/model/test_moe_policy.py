@@ -112,3 +112,22 @@ def test_step_metrics_from_microbatch_stats():
     assert m["moe_router_entropy"] == 6.0 / 8
     assert m["moe_routing_agreement_layer_0"] == 0.5 and m["moe_routing_agreement_layer_1"] == 1.0
     assert m["moe_routing_agreement_min"] == 0.5 and m["moe_dropped_tokens"] == 0.0
+
+
+def test_lora_covers_attention_and_refuses_adapters_inside_moe_blocks(moe_dir, shared_expert_dir,
+                                                                      restore_torch_globals):
+    from services.trainer.data.wire import InvalidRequest
+
+    # all-linear reaches into the MoE blocks (peft wraps the experts' 3-D parameters, and Qwen2-MoE's shared
+    # expert is linear layers): refused, naming the module.
+    for model_dir, module in ((moe_dir, r"model\.layers\.0\.mlp\.experts"),
+                              (shared_expert_dir, r"model\.layers\.0\.mlp\.")):
+        with pytest.raises(InvalidRequest, match=r"trainer_config_json\.lora\.target_modules: an adapter on "
+                                                 + module):
+            _trainer(model_dir, lora={"rank": 4, "alpha": 8.0})
+    for model_dir in (moe_dir, shared_expert_dir):
+        trainer = _trainer(model_dir, lora={"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "o_proj"]})
+        adapted = [n for n, m in trainer.run.policy.lm.named_modules() if n.endswith(".lora_A.default")]
+        assert len(adapted) == 3 * 2 and not any(".mlp." in n for n in adapted)
+        trainable = [n for n, p in trainer.run.policy.lm.named_parameters() if p.requires_grad]
+        assert trainable and all(".lora_" in n for n in trainable)
