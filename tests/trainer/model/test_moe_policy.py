@@ -131,3 +131,24 @@ def test_lora_covers_attention_and_refuses_adapters_inside_moe_blocks(moe_dir, s
         assert len(adapted) == 3 * 2 and not any(".mlp." in n for n in adapted)
         trainable = [n for n, p in trainer.run.policy.lm.named_parameters() if p.requires_grad]
         assert trainable and all(".lora_" in n for n in trainable)
+
+
+def test_an_moe_checkpoint_is_hugging_face_layout_and_resumes_bitwise(moe_dir, tmp_path, restore_torch_globals):
+    from transformers import AutoModelForCausalLM
+
+    first = _trainer(moe_dir, moe={"routing_replay": False})
+    first.train_step(on_policy_request(first, moe_dir, 1, n_groups=2, per_group=3, seed=0))
+    path, _ = first.save_checkpoint("r", str(tmp_path / "ckpt"))
+    loaded = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)  # the family's own layout
+    assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
+    assert torch.equal(loaded.model.layers[1].mlp.experts.gate_up_proj,
+                       first.master_state_dict()["model.layers.1.mlp.experts.gate_up_proj"])
+    step2 = on_policy_request(first, moe_dir, 2, n_groups=2, per_group=3, seed=0)
+    want = first.train_step(step2).metrics
+    resumed = Trainer(device="cpu", num_threads=1)
+    resumed.configure(run_id="r", model_path=str(moe_dir), seed=1, resume_checkpoint=str(path),
+                      config_json=json.dumps({"dtype": "float32", "microbatch_tokens": 64, "lr": 1e-3,
+                                              "moe": {"routing_replay": False}}))
+    assert resumed.train_step(step2).metrics == want
+    a, b = first.master_state_dict(), resumed.master_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
