@@ -169,6 +169,9 @@ class TrainerRunConfig(BaseModel):
         if self.moe.routing_replay and self.numerics == "true_on_policy":
             raise ValueError("moe.routing_replay: numerics 'true_on_policy' routes every token to the same experts "
                              "in rollout and trainer by construction; replay is for 'fast'")
+        if self.moe.routing_replay and self.batching != "packed":
+            raise ValueError(f"moe.routing_replay: needs batching 'packed' (the rollout's experts are laid out per "
+                             f"packed position), got {self.batching!r}")
         return self
 
     @model_validator(mode="after")

@@ -325,6 +325,13 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _replay_has_recorded_experts(self) -> "RunSpec":
+        if self.trainer.moe.routing_replay and self.rollout.engine != "torch":
+            raise field_error("trainer.moe.routing_replay", f"needs the experts of every token from the rollout; "
+                              f"engine {self.rollout.engine!r} does not return them here (the torch engine does)")
+        return self
+
+    @model_validator(mode="after")
     def _sglang_model_path_fits_a_command_line(self) -> "RunSpec":
         # The SGLang server is launched with --model-path=<this directory>: the path keeps the grammar of
         # every run-chosen command-line value (contract/command_line.py), as the rollout checks again at launch.

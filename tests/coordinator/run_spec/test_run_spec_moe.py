@@ -56,3 +56,14 @@ def test_the_contract_lists_the_families_the_kernels_patch():
 
     assert set(BATCH_INVARIANT_FAMILIES) == set(hf._FAMILIES)
     assert set(MOE_FAMILIES) == set(hf.MOE_FAMILIES)
+
+
+def test_routing_replay_is_refused_where_it_cannot_work(tmp_path):
+    d = _model_dir(tmp_path, {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})
+    ok = {**_spec(d, "fast"), "trainer": {"moe": {"routing_replay": True}}}
+    assert RunSpec.model_validate(ok).trainer.moe.routing_replay
+    for change, field in (({"numerics": "true_on_policy"}, "moe.routing_replay"),
+                          ({"trainer": {"moe": {"routing_replay": True}, "batching": "padded"}}, "moe.routing_replay"),
+                          ({"rollout": {"engine": "sglang"}}, "trainer.moe.routing_replay")):
+        with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
+            RunSpec.model_validate({**ok, **change})
