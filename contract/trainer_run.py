@@ -11,6 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, field_validator, model_validator
 
+from contract.moe_settings import MoeSettings
 from contract.trainer_settings import (
     BATCH_INVARIANT_ATTENTION,
     AttentionPolicy,
@@ -158,6 +159,20 @@ class TrainerRunConfig(BaseModel):
         description="Step-1 parity gate: before the run's first update, trainer and rollout log-probs must agree "
         "within these bounds or the step is refused and the run fails with a diagnostic.",
     )
+
+    # ---- mixture-of-experts (issue 40; contract/moe_settings.py) ----
+    moe: MoeSettings = Field(default_factory=MoeSettings,
+                             description="Mixture-of-experts options: auxiliary router losses and routing replay.")
+
+    @model_validator(mode="after")
+    def _moe_replay_is_for_fast(self) -> TrainerRunConfig:
+        if self.moe.routing_replay and self.numerics == "true_on_policy":
+            raise ValueError("moe.routing_replay: numerics 'true_on_policy' routes every token to the same experts "
+                             "in rollout and trainer by construction; replay is for 'fast'")
+        if self.moe.routing_replay and self.batching != "packed":
+            raise ValueError(f"moe.routing_replay: needs batching 'packed' (the rollout's experts are laid out per "
+                             f"packed position), got {self.batching!r}")
+        return self
 
     @model_validator(mode="after")
     def _consistent_loss(self) -> TrainerRunConfig:

@@ -173,6 +173,32 @@ def _batch_invariant_specs():
                   dict(shared, N_KV=8, SLOTS=slots), {"num_warps": cfg.num_warps},
                   "bi_decode_combine bf16 D=128 group=2",
                   ("seq_ptr", "m_ptr", "l_ptr", "acc_ptr", "o_ptr", "stride_ot", "stride_oh"), None))
+    return specs + _moe_specs()
+
+
+def _moe_specs():
+    """The batch-invariant grouped expert GEMM (kernels/moe/grouped_triton.py) at the Qwen3-30B-A3B expert
+    shape: gate_up (N 1536, K 2048) and down (N 2048, K 768), bf16, with bi_linear's tiles per platform."""
+    import torch
+
+    from kernels.batch_invariant.triton_launch import matmul_config
+    from kernels.moe.grouped_triton import bi_grouped_matmul_kernel
+
+    sig = ["x_ptr", "w_ptr", "out_ptr", "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr", "M", "N", "K",
+           "stride_xm", "stride_we", "stride_wn", "stride_om"]
+    types = ["*bf16"] * 3 + ["*i32"] * 3 + ["i32"] * 7
+    specs = []
+    for n, k in ((1536, 2048), (2048, 768)):
+        for platform in ("cuda", "rocm"):
+            cfg = matmul_config(torch.bfloat16, n, platform)
+            const = dict(stride_xk=1, stride_wk=1, stride_on=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                         BLOCK_K=cfg.block_k, DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
+            div16 = ("x_ptr", "w_ptr", "out_ptr", "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr", "N", "K",
+                     "stride_xm", "stride_we", "stride_wn", "stride_om")
+            specs.append((bi_grouped_matmul_kernel, dict(zip(sig, types)), const,
+                          {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
+                          f"bi_grouped_matmul bf16 N={n} K={k} {cfg.block_m}x{cfg.block_n}x{cfg.block_k}", div16,
+                          platform))
     return specs
 
 

@@ -138,7 +138,7 @@ class ResumedSample(_message.Message):
     def __init__(self, sample_id: _Optional[str] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., policy_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions", "prompt_token_ids", "response_mask", "episode_reward", "turns", "end_reason", "tool_calls", "tool_errors", "turn_rewards")
+    __slots__ = ("group_id", "sample_id", "index", "response_token_ids", "logprobs", "finish_reason", "policy_versions", "prompt_token_ids", "response_mask", "episode_reward", "turns", "end_reason", "tool_calls", "tool_errors", "turn_rewards", "routed_experts")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class Sample(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_ERRORS_FIELD_NUMBER: _ClassVar[int]
     TURN_REWARDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     sample_id: str
     index: int
@@ -169,7 +170,8 @@ class Sample(_message.Message):
     tool_calls: int
     tool_errors: int
     turn_rewards: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode_reward: _Optional[float] = ..., turns: _Optional[int] = ..., end_reason: _Optional[str] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., turn_rewards: _Optional[_Iterable[float]] = ...) -> None: ...
+    routed_experts: Tensor
+    def __init__(self, group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., index: _Optional[int] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., finish_reason: _Optional[str] = ..., policy_versions: _Optional[_Iterable[int]] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode_reward: _Optional[float] = ..., turns: _Optional[int] = ..., end_reason: _Optional[str] = ..., tool_calls: _Optional[int] = ..., tool_errors: _Optional[int] = ..., turn_rewards: _Optional[_Iterable[float]] = ..., routed_experts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("samples", "policy_version", "engine")
@@ -364,7 +366,7 @@ class ConfigureRunResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ServiceInfo, _Mapping]] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason", "token_policy_versions", "response_mask", "episode")
+    __slots__ = ("run_id", "step", "policy_version", "group_id", "sample_id", "prompt_token_ids", "response_token_ids", "rollout_logprobs", "reward", "advantage", "finish_reason", "token_policy_versions", "response_mask", "episode", "routed_experts")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -379,6 +381,7 @@ class Trajectory(_message.Message):
     TOKEN_POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_MASK_FIELD_NUMBER: _ClassVar[int]
     EPISODE_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
@@ -393,7 +396,8 @@ class Trajectory(_message.Message):
     token_policy_versions: _containers.RepeatedScalarFieldContainer[int]
     response_mask: Tensor
     episode: EpisodeRecord
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode: _Optional[_Union[EpisodeRecord, _Mapping]] = ...) -> None: ...
+    routed_experts: Tensor
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., group_id: _Optional[str] = ..., sample_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., response_token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., rollout_logprobs: _Optional[_Union[Tensor, _Mapping]] = ..., reward: _Optional[float] = ..., advantage: _Optional[float] = ..., finish_reason: _Optional[str] = ..., token_policy_versions: _Optional[_Iterable[int]] = ..., response_mask: _Optional[_Union[Tensor, _Mapping]] = ..., episode: _Optional[_Union[EpisodeRecord, _Mapping]] = ..., routed_experts: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class EpisodeRecord(_message.Message):
     __slots__ = ("turns", "turn_rewards", "tool_calls", "tool_errors", "end_reason")

@@ -40,6 +40,7 @@ ALERT_LINES = {
     "logprob_diff": ("lockstep_step_logprob_abs_diff_mean", ">", 0.03),
     "approx_kl": ("lockstep_step_approx_kl_k3", ">", 0.05),
     "m2po_m2": ("lockstep_step_m2po_m2", ">", 0.1),
+    "moe_routing_agreement": ("lockstep_step_moe_routing_agreement", "<", 0.9),
 }
 
 _DEFINED = {d.name for d in ALL_METRICS}
@@ -265,6 +266,25 @@ def build_panels() -> list[dict]:
         "Every generated trajectory ends in exactly one outcome.",
         [(f'sum by (run_id, outcome) (rate({m("lockstep_trajectories_total")}{{{RUN}}}[{rate}]))',
           "{{run_id}} {{outcome}}")]))
+
+    L.row("Mixture of experts (MoE policies only; docs/moe.md)")
+    L.add(timeseries(
+        "Routing agreement by layer",
+        "Fraction of the step's tokens whose top-k experts in the rollout equal the trainer's, per MoE layer. "
+        "1.0 in true_on_policy and under routing replay; the red line is LockstepMoeRoutingAgreementLow.",
+        [(f'{m("lockstep_step_moe_routing_agreement")}{{{RUN}}}', "{{run_id}} layer {{layer}}")],
+        unit="percentunit", lines=[ALERT_LINES["moe_routing_agreement"][2]]))
+    L.add(timeseries(
+        "Expert load",
+        "Tokens per expert and layer over the step's positions: the busiest expert against the mean. Dropped "
+        "tokens stay 0 (no capacity factor).",
+        [per_run("moe_expert_load_max", " max"), per_run("moe_expert_load_mean", " mean"),
+         per_run("moe_dropped_tokens", " dropped")]))
+    L.add(timeseries(
+        "Router entropy",
+        "Mean entropy (nats) of the router's distribution over experts; ln(experts) is uniform routing, a "
+        "collapse towards 0 means a few experts take every token.",
+        [per_run("moe_router_entropy")]))
 
     L.row("Services and alerts")
     L.add(stat(

@@ -21,8 +21,19 @@ mean over the hidden size — is what the patch replaces.
 Fail closed: every module of the model must be of a class on the allowlist
 below, and the config must not ask for anything those classes would compute
 outside the patched ops (sliding-window attention, scaled rotary variants,
-mixture-of-experts routing, Llama's pretraining_tp split matmuls, attention
-dropout). Anything else raises `BatchInvariantUnsupported` naming the module
+mixture-of-experts routing outside the covered MoE families, Llama's
+pretraining_tp split matmuls, attention dropout).
+
+Mixture-of-experts (Qwen3-MoE, Qwen2-MoE with its shared expert): every
+`*TopKRouter` runs `kernels.moe.hf_blocks.bi_router_forward` (bi_linear logits,
+fixed-order float32 softmax, top-k with ties to the lowest expert index,
+renormalisation in rank order) and every `*Experts` module
+`bi_experts_forward` (tokens sorted by expert, one batch-invariant grouped GEMM
+per projection, the top-k outputs combined in rank order in float32); the
+SparseMoeBlock around them only calls children and elementwise ops, and
+Qwen2-MoE's, whose shared-expert gate is a [T, 1] sigmoid, runs
+`bi_shared_expert_block_forward` (the sigmoid off the CPU's scalar tail;
+kernels/moe/rowwise.py, docs/moe.md). Anything else raises `BatchInvariantUnsupported` naming the module
 path and class (or the config field) before a single forward ran.
 
 peft LoRA layers are covered: their forward is `base_layer(x) +
@@ -38,6 +49,7 @@ import types
 import torch
 
 from kernels.batch_invariant import bi_linear, bi_rms_norm
+from kernels.moe import hf_blocks
 
 # Modules whose own forward is row-invariant given patched children: containers, gathers,
 # elementwise activations and the Hugging Face blocks of the supported families (their
@@ -55,8 +67,15 @@ _FAMILIES = {
     "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3"),
     "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
     "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3Moe"),
+    "qwen2_moe": ("transformers.models.qwen2_moe.modeling_qwen2_moe", "Qwen2Moe"),
 }
-_BLOCKS = ("ForCausalLM", "Model", "DecoderLayer", "Attention", "MLP", "RotaryEmbedding")
+MOE_FAMILIES = frozenset({"qwen3_moe", "qwen2_moe"})
+"""Families whose MoE blocks are covered: router and experts patched onto kernels/moe (docs/moe.md)."""
+_BLOCKS = ("ForCausalLM", "Model", "DecoderLayer", "Attention", "MLP", "RotaryEmbedding",
+           # MoE families: the block only calls its router, experts, shared expert and elementwise ops;
+           # router and experts get the forwards of kernels/moe/hf_blocks.py.
+           "SparseMoeBlock", "TopKRouter", "Experts")
 _PEFT_LORA_LINEAR = "peft.tuners.lora.layer.Linear"
 _HIDDEN_ACTS = frozenset({"silu"})
 
@@ -126,7 +145,8 @@ def _pin_fp32_rotary_table(module: torch.nn.Module) -> None:
     module.original_inv_freq = inv_freq.clone().to(device)
 
 
-_PATCHED_FORWARDS = (_bi_linear_forward, _bi_rms_norm_forward, _fp32_rotary_forward)
+_PATCHED_FORWARDS = (_bi_linear_forward, _bi_rms_norm_forward, _fp32_rotary_forward, hf_blocks.bi_router_forward,
+                     hf_blocks.bi_experts_forward, hf_blocks.bi_shared_expert_block_forward)
 
 
 def is_patched(module: torch.nn.Module) -> bool:
@@ -156,9 +176,10 @@ def _check_config(config) -> None:
         refuse("rope_parameters.rope_type", rope_type,
                "only the default rotary embedding is covered (scaled variants change the cos/sin tables per "
                "sequence length or attention scaling, not checked for batch invariance)")
-    for field in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if getattr(config, field, None):
-            refuse(field, getattr(config, field), "mixture-of-experts routing is not covered")
+    if model_type not in MOE_FAMILIES:
+        for field in ("num_experts", "num_local_experts", "n_routed_experts"):
+            if getattr(config, field, None):
+                refuse(field, getattr(config, field), "mixture-of-experts routing is not covered")
     if (getattr(config, "pretraining_tp", 1) or 1) != 1:
         refuse("pretraining_tp", config.pretraining_tp,
                "pretraining_tp > 1 splits the matmuls into F.linear calls outside nn.Linear")
@@ -185,6 +206,15 @@ def _check_module(path: str, module: torch.nn.Module) -> None:
                 "matmuls); only plain LoRA is covered")
         if len(module.lora_embedding_A) or len(module.lora_embedding_B):
             raise BatchInvariantUnsupported(where, name, "embedding adapters are not covered")
+    if name.endswith("Experts"):
+        for flag in ("has_bias", "is_transposed"):
+            if getattr(module, flag, False):
+                raise BatchInvariantUnsupported(where, name, f"{flag}=True experts are not covered (kernels/moe takes "
+                                                "bias-free [E, N, K] expert weights)")
+        e, h = module.gate_up_proj.shape[0], module.gate_up_proj.shape[2]
+        if module.gate_up_proj.shape[1] % 2 or tuple(module.down_proj.shape) != (e, h, module.gate_up_proj.shape[1] // 2):
+            raise BatchInvariantUnsupported(where, name, f"expert weights gate_up_proj {tuple(module.gate_up_proj.shape)} "
+                                            f"and down_proj {tuple(module.down_proj.shape)} are not [E, 2I, H] / [E, H, I]")
     if name.endswith("Attention") and getattr(module, "sliding_window", None) is not None:
         raise BatchInvariantUnsupported(where, name, f"sliding_window={module.sliding_window} is not covered")
 
@@ -213,4 +243,11 @@ def make_batch_invariant(model: torch.nn.Module) -> torch.nn.Module:
             module.forward = types.MethodType(_bi_rms_norm_forward, module)
         elif name.endswith("RotaryEmbedding"):
             module.forward = types.MethodType(_fp32_rotary_forward, module)
+        elif name.endswith("TopKRouter"):
+            module.forward = types.MethodType(hf_blocks.bi_router_forward, module)
+        elif name.endswith("Experts"):
+            module.forward = types.MethodType(hf_blocks.bi_experts_forward, module)
+        elif name.endswith("SparseMoeBlock") and hasattr(module, "shared_expert_gate"):
+            module.forward = types.MethodType(hf_blocks.bi_shared_expert_block_forward, module)
+    hf_blocks.attach_states(model)
     return model

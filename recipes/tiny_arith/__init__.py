@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes.tiny_model import TinyQwen3Config
+from recipes.tiny_moe import TinyMoeConfig
 
 MODEL = TinyQwen3Config(
     hidden_size=128,
@@ -31,6 +32,20 @@ MODEL = TinyQwen3Config(
     intermediate_size=384,
     max_position_embeddings=128,
 )
+
+MOE_MODEL = TinyMoeConfig(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=192,
+    max_position_embeddings=128,
+)
+"""`make demo`'s MoE variant (`demo --moe`): Qwen3-MoE, 8 experts, top-2, each half the dense MLP's width,
+so a token's active MLP width is the dense model's 384 (docs/moe.md)."""
 
 # Split seed is fixed here, not taken from the run seed: runs with different
 # seeds must share one held-out set, and it must stay disjoint from what every

@@ -28,22 +28,22 @@ from services.local_stack import LocalStack
 RECIPE = Path(__file__).with_name("recipe.yaml")
 
 
-def warm_start_fingerprint(seed: int) -> str:
+def warm_start_fingerprint(seed: int, moe: bool = False) -> str:
     """Names the cached model dir: the seed and every setting that shapes the warm-started weights."""
-    from recipes.tiny_arith import MODEL, TASK_OPTIONS, WARM_START
+    from recipes.tiny_arith import MODEL, MOE_MODEL, TASK_OPTIONS, WARM_START
 
-    text = repr((seed, MODEL, WARM_START, sorted(TASK_OPTIONS.items())))
+    text = repr((seed, MOE_MODEL if moe else MODEL, WARM_START, sorted(TASK_OPTIONS.items())))
     return f"seed{seed}-{hashlib.sha256(text.encode()).hexdigest()[:10]}"
 
 
-def prepare_model(out: Path, seed: int, console: Console) -> dict:
+def prepare_model(out: Path, seed: int, console: Console, moe: bool = False) -> dict:
     """Warm-started model dir, built once per fingerprint (deterministic, so the cache is exact)."""
     stamp = out / "prepare.json"
     if stamp.exists():
         return json.loads(stamp.read_text())
     console.print(f"building the tiny Qwen3 policy and its supervised warm start -> {out}")
-    proc = subprocess.run([sys.executable, "-m", "recipes.tiny_arith.prepare", "--out", str(out), "--seed", str(seed)],
-                          check=True, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "recipes.tiny_arith.prepare", "--out", str(out), "--seed", str(seed),
+                           *(["--moe"] if moe else [])], check=True, capture_output=True, text=True)
     info = json.loads(proc.stdout.strip().splitlines()[-1])
     stamp.write_text(json.dumps(info))
     return info
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recipe", default=str(RECIPE))
     p.add_argument("--seed", type=int, default=None, help="Override the recipe's seed.")
     p.add_argument("--steps", type=int, default=None, help="Override the recipe's step count.")
+    p.add_argument("--moe", action="store_true", help="A Qwen3-MoE policy (8 experts, top-2; docs/moe.md).")
     args = p.parse_args(argv)
     console = Console()
     t0 = time.monotonic()
@@ -122,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = {k: v for k, v in (("seed", args.seed), ("steps", args.steps)) if v is not None}
     spec = load_recipe(args.recipe, overrides)
-    model_dir = Path("runs/models").resolve() / f"tiny_arith-{warm_start_fingerprint(spec['seed'])}"
-    prep = prepare_model(model_dir, spec["seed"], console)
+    model_dir = Path("runs/models").resolve() / f"tiny_arith-{warm_start_fingerprint(spec['seed'], args.moe)}"
+    prep = prepare_model(model_dir, spec["seed"], console, args.moe)
     console.print(f"warm start: held-out greedy accuracy {prep.get('heldout_accuracy')} "
                   f"({prep.get('seconds', 0):.0f}s)")
     spec["model_path"] = str(model_dir)

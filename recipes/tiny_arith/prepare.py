@@ -163,13 +163,21 @@ def prepare(
     model_cfg: TinyQwen3Config = MODEL,
     task_options: dict | None = None,
     warm: WarmStartConfig = WARM_START,
+    moe: bool = False,
 ) -> dict:
-    """Build, warm-start and save the demo policy; returns the facts prepare prints."""
+    """Build, warm-start and save the demo policy (the MoE variant with `moe`); returns the facts prepare
+    prints."""
     t0 = time.monotonic()
     configure_determinism(seed, num_threads=warm.num_threads)
     task = ArithmeticTask(ArithmeticConfig(**(TASK_OPTIONS if task_options is None else task_options)))
     tokenizer = build_char_tokenizer()
-    model = build_tiny_qwen3(model_cfg, seed=seed)
+    if moe:
+        from recipes.tiny_arith import MOE_MODEL
+        from recipes.tiny_moe import build_tiny_moe
+
+        model = build_tiny_moe(MOE_MODEL, seed=seed)
+    else:
+        model = build_tiny_qwen3(model_cfg, seed=seed)
     result = warm_start(model, tokenizer, task, warm, seed=seed)
     model.eval()
     heldout = task.split("heldout")
@@ -197,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-accuracy", type=float, default=None,
                    help=f"Override the train-probe stop accuracy ({WARM_START.target_accuracy}).")
     p.add_argument("--threads", type=int, default=None, help=f"torch threads ({WARM_START.num_threads}).")
+    p.add_argument("--moe", action="store_true", help="The Qwen3-MoE policy (recipes.tiny_arith.MOE_MODEL).")
     args = p.parse_args(argv)
     overrides = {k: v for k, v in (("max_steps", args.max_steps), ("target_accuracy", args.target_accuracy),
                                    ("num_threads", args.threads)) if v is not None}
@@ -205,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         warm.validate()
     except ValueError as exc:
         p.error(str(exc))
-    info = prepare(args.out, seed=args.seed, warm=warm)
+    info = prepare(args.out, seed=args.seed, warm=warm, moe=args.moe)
     print(json.dumps(info), flush=True)
     return 0
 

@@ -80,6 +80,17 @@ EPISODE_STEP_METRIC_HELP: dict[str, str] = {
     "episode_tool_calls_mean": "Mean tool calls per episode of the step (turns the environment counted as one).",
     "episode_tool_errors": "Tool calls of the step's episodes that failed (a refused calculator expression).",
 }
+# Per-step routing of a mixture-of-experts policy (services/trainer/model/moe.py; docs/moe.md); a dense run has
+# none. Routing agreement per layer is lockstep_step_moe_routing_agreement{layer}.
+MOE_STEP_METRIC_HELP: dict[str, str] = {
+    "moe_expert_load_max": "Most tokens routed to one expert in one layer over the step's positions.",
+    "moe_expert_load_mean": "Mean tokens per expert and layer over the step's positions (positions x top-k / "
+    "experts).",
+    "moe_dropped_tokens": "Token slots dropped by an expert capacity limit; always 0 (no capacity factor).",
+    "moe_router_entropy": "Mean entropy (nats) of the router's expert distribution over positions and layers.",
+    "moe_routing_agreement_min": "Lowest over layers of the fraction of tokens whose top-k experts in the rollout "
+    "equal the trainer's (1.0 in true_on_policy and under routing replay); only when trajectories carry experts.",
+}
 STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 
 
@@ -91,6 +102,10 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in STEP_METRIC_HELP.items()),
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in ASYNC_STEP_METRIC_HELP.items()),
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in EPISODE_STEP_METRIC_HELP.items()),
+    *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in MOE_STEP_METRIC_HELP.items()),
+    MetricDef("lockstep_step_moe_routing_agreement", "gauge", "Fraction of the step's tokens whose top-k experts "
+              "in the rollout equal the trainer's, per MoE layer (only when trajectories carry experts).",
+              ("run_id", "layer")),
     MetricDef("lockstep_step_episodes_ended", "gauge", "Episodes of the last step that ended as `outcome` "
               "(done, max_turns, max_episode_tokens, or an environment failure: env_error, env_timeout, "
               "env_crashed, observation_too_large, observation_not_utf8, bad_result).", ("run_id", "outcome")),

@@ -310,6 +310,28 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _architecture_is_covered(self) -> "RunSpec":
+        # MoE families outside kernels/moe, and true_on_policy on a family without batch-invariant kernels,
+        # would fail at the trainer's or rollout's load: refuse them here, naming the model (docs/moe.md).
+        from contract.model_families import unsupported_reason
+
+        try:
+            config = json.loads((Path(self.model_path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return self  # the rollout refuses it at load, naming what is wrong
+        reason = unsupported_reason(config, self.numerics) if isinstance(config, dict) else None
+        if reason is not None:
+            raise field_error("model_path", reason)
+        return self
+
+    @model_validator(mode="after")
+    def _replay_has_recorded_experts(self) -> "RunSpec":
+        if self.trainer.moe.routing_replay and self.rollout.engine != "torch":
+            raise field_error("trainer.moe.routing_replay", f"needs the experts of every token from the rollout; "
+                              f"engine {self.rollout.engine!r} does not return them here (the torch engine does)")
+        return self
+
+    @model_validator(mode="after")
     def _sglang_model_path_fits_a_command_line(self) -> "RunSpec":
         # The SGLang server is launched with --model-path=<this directory>: the path keeps the grammar of
         # every run-chosen command-line value (contract/command_line.py), as the rollout checks again at launch.

@@ -6,6 +6,7 @@ import them without importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,9 @@ class GeneratedSample:
     logprobs: list[float]  # fp32 log-prob of each token under the sampled distribution
     finish_reason: str     # "stop" | "length" | "paused"
     policy_versions: list[int] = field(default_factory=list)  # of each token; empty: all the engine's version
+    routed_experts: Any = None
+    """MoE only: uint8/int32 tensor [prompt + tokens, layers, k], the experts each token was read through
+    (services/rollout/embedded/routing_record.py); None: the engine recorded none."""
 
     @property
     def sample_id(self) -> str:

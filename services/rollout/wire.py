@@ -13,7 +13,7 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.bounded_json import loads_bounded
-from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto
+from services.common.tensors import from_proto, ids_to_proto, logprobs_to_proto, to_proto
 from services.rollout.types import GeneratedSample, GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
 
 # Key of engine_config_json that selects the engine; every other key is the
@@ -172,6 +172,7 @@ def samples_to_proto(samples: list[GeneratedSample], policy_version: int) -> lis
                 logprobs=logprobs_to_proto(s.logprobs),
                 finish_reason=s.finish_reason,
                 policy_versions=s.policy_versions or [policy_version] * len(s.token_ids),
+                **({"routed_experts": to_proto(s.routed_experts)} if s.routed_experts is not None else {}),
             )
         )
     return out

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from contract.model_families import MOE_FAMILIES
 from contract.trainer_run import TrainerRunConfig, format_validation_error
 from contract.trainer_settings import BATCH_INVARIANT_ATTENTION, AttentionPolicy
 from services.common.models.loading import load_causal_lm, resolve_dtype
@@ -48,6 +49,11 @@ def apply_numerics(model: torch.nn.Module, config: TrainerRunConfig) -> torch.nn
     """In true_on_policy, patch the model onto the batch-invariant ops (idempotent: called again after
     LoRA injects its adapter Linears); in fast mode the model is left alone."""
     if config.numerics != "true_on_policy":
+        if getattr(model.config, "model_type", None) in MOE_FAMILIES:
+            # HF's router math, recorded for the routing metrics and open to replay (kernels/moe/hf_blocks.py).
+            from kernels.moe.hf_blocks import observe_routing
+
+            observe_routing(model)
         return model
     from kernels.batch_invariant.hf import BatchInvariantUnsupported, make_batch_invariant
 
@@ -55,6 +61,16 @@ def apply_numerics(model: torch.nn.Module, config: TrainerRunConfig) -> torch.nn
         return make_batch_invariant(model)
     except BatchInvariantUnsupported as exc:
         raise InvalidRequest(f"trainer_config_json.numerics: 'true_on_policy' cannot run this model: {exc}") from None
+
+
+def check_moe_settings(model: torch.nn.Module, config: TrainerRunConfig) -> None:
+    """trainer.moe options need routers to act on: refused for a dense model, naming the field."""
+    if getattr(model.config, "model_type", None) in MOE_FAMILIES:
+        return
+    for field, value in config.moe.model_dump().items():
+        if value:
+            raise InvalidRequest(f"trainer_config_json.moe.{field}: the model "
+                                 f"({getattr(model.config, 'model_type', None)!r}) has no mixture-of-experts layers")
 
 
 def load_model(path: str | Path, config: TrainerRunConfig, device: str, *, dtype: str,
@@ -67,6 +83,7 @@ def load_model(path: str | Path, config: TrainerRunConfig, device: str, *, dtype
     # function the rollout engine sampled from, or step-1 IW drifts from 1;
     # gradients flow in eval mode all the same.
     model.eval()
+    check_moe_settings(model, config)
     return apply_numerics(model, config)
 
 

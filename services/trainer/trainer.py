@@ -35,6 +35,7 @@ from services.trainer.loss.microbatch_result import MicrobatchResult, TokenDelta
 from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
 from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_update
 from services.trainer.model import lora
+from services.trainer.model.moe import MoeRouting, check_routing, microbatch_routing
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.run_state import RunState, WeightSnapshot
@@ -213,6 +214,7 @@ class Trainer:
         if not request.samples:
             raise InvalidRequest(f"header.num_trajectories: 0, but step {s} has not been applied and needs trajectories")
         self._check_token_ids(request.samples, run.vocab_size)
+        check_routing(run, request.samples)
         digest = trajectories_digest(request.samples)
         metrics = self._apply_update(run, request.samples, step=s)
         run.policy_version = s
@@ -292,6 +294,7 @@ class Trainer:
         if not request.samples:
             raise InvalidRequest("header.num_trajectories: 0, a parity check needs trajectories")
         self._check_token_ids(request.samples, run.vocab_size)
+        check_routing(run, request.samples)
         microbatches = self._microbatches(run, request.samples)
         with torch.no_grad():
             logps = [run.policy(mb, temperature=run.config.temperature)[0] for mb in microbatches]
@@ -350,7 +353,8 @@ class Trainer:
         params = [p for group in run.optimizer.param_groups for p in group["params"]]
         run.optimizer.zero_grad(set_to_none=True)
         try:
-            outputs = self._forward_backward(run, microbatches, shape, keep)
+            routing = [microbatch_routing(mb, ordered) for mb in microbatches]
+            outputs = self._forward_backward(run, microbatches, shape, keep, routing)
             loss_value = step_loss(outputs)
             if step == 1:
                 # Step-1 parity gate: same weights on both sides, so any
@@ -369,19 +373,29 @@ class Trainer:
                                     lr=lr)
 
     def _forward_backward(self, run: RunState, microbatches: list[Microbatch], shape: StepShape,
-                          keep: torch.Tensor | None) -> list[MicrobatchResult]:
+                          keep: torch.Tensor | None,
+                          routing: list[torch.Tensor | None] | None = None) -> list[MicrobatchResult]:
         """Forward, policy loss and backward of this rank's microbatches (gradients accumulate); per
         microbatch of every rank, in microbatch order: its loss, the pre-update tensors the metrics need,
         and which tokens are not finite (update_guard)."""
         cfg, policy = run.config, run.policy
+        moe = MoeRouting.of(policy.lm, cfg.moe)
         local: list[MicrobatchResult] = []
         for k in self._my_passes(len(microbatches)):
             if k is None:
                 logp, _lse, _ent = policy(microbatches[0], temperature=cfg.temperature)
-                (logp.sum() * 0.0).backward()
+                aux = moe.aux_loss(0.0) if moe is not None else None  # a collective pass: same graph, no weight
+                (logp.sum() * 0.0 + (aux if aux is not None else 0.0)).backward()
                 continue
             mb = microbatches[k]
+            rollout_experts = routing[k].to(self.device) if routing and routing[k] is not None else None
+            if moe is not None and cfg.moe.routing_replay:
+                moe.force(rollout_experts)  # kept through backward: activation checkpointing routes again
             logp, _lse, ent = policy(mb, temperature=cfg.temperature)
+            moe_stats = aux = None
+            if moe is not None:
+                moe_stats = moe.microbatch_stats(rollout_experts)
+                aux = moe.aux_loss(mb.input_ids.numel() / max(1, sum(m.input_ids.numel() for m in microbatches)))
             ref_logp = None
             if run.ref_model is not None:
                 with torch.no_grad():
@@ -392,14 +406,17 @@ class Trainer:
             part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, mb.response_advantages,
                                    mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
             logp.retain_grad()  # d loss / d logp per token, for naming the tokens of a non-finite update
-            part.loss.backward()
+            (part.loss if aux is None else part.loss + aux).backward()
+            if moe is not None:
+                moe.force(None)
             # Every forward here runs before the optimizer step, so these are
             # the pre-update log-probs: the train/inference mismatch measure.
             local.append(MicrobatchResult(
                 loss=float(part.loss.detach()), logp=logp.detach(), rollout_logp=mb.response_rollout_logprobs,
                 clipped=part.clipped, clamped=part.clamped, sample_index=mb.response_sample_index,
                 positions=mb.response_positions, nonfinite=nonfinite_tokens(part.token_loss, logp, logp.grad),
-                is_weight=part.is_weight, is_affected=part.is_affected, entropy=ent.detach(), kl=part.kl))
+                is_weight=part.is_weight, is_affected=part.is_affected, entropy=ent.detach(), kl=part.kl,
+                moe_stats=moe_stats))
         return self._in_order(local, len(microbatches))
 
     def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int, loss_value: float,

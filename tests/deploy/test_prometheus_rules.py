@@ -52,7 +52,7 @@ def test_every_alert_the_issue_asks_for_exists_and_is_unit_tested():
         "LockstepApproxKLSpike", "LockstepM2SecondMomentHigh", "LockstepRewardNaN", "LockstepRewardFlat", "LockstepServiceDown",
         "LockstepSGLangDown", "LockstepWeightSyncSlow", "LockstepRunStalled",
         "LockstepRolloutReplicaEvicted", "LockstepRolloutNoLiveReplica", "LockstepRecomputedStepDiffers",
-        "LockstepStalenessAboveBound",
+        "LockstepStalenessAboveBound", "LockstepMoeRoutingAgreementLow",
     }
     assert alerts == wanted
     tested = set()

@@ -241,3 +241,19 @@ def test_warm_start_is_deterministic_and_writes_a_loadable_dir(tmp_path):
     trained = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"))
     init = build_tiny_qwen3(MODEL, seed=7)
     assert not torch.equal(trained.model.embed_tokens.weight, init.model.embed_tokens.weight)
+
+
+def test_the_moe_variant_prepares_a_qwen3_moe_policy_directory(tmp_path):
+    """`demo --moe`: the warm start runs on a tiny Qwen3-MoE and writes a directory the services load (the
+    learning itself is measured by the demo run; the numbers are in the commit that added the variant)."""
+    from recipes.tiny_arith import MOE_MODEL, WarmStartConfig
+    from recipes.tiny_arith.demo import warm_start_fingerprint
+    from recipes.tiny_arith.prepare import prepare
+
+    info = prepare(tmp_path / "moe", seed=0, moe=True,
+                   warm=WarmStartConfig(max_steps=2, check_every=1, probe_size=8, batch_size=8))
+    config = json.loads((tmp_path / "moe" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe"
+    assert config.get("num_experts", config.get("num_local_experts")) == MOE_MODEL.num_experts
+    assert info["warm_start_steps"] == 2
+    assert warm_start_fingerprint(0, moe=True) != warm_start_fingerprint(0)

@@ -178,6 +178,8 @@ class StepContext:
                 sample_id=s.sample_id, response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
                 reward=float(r), advantage=float(a), finish_reason=s.finish_reason,
             )
+            if s.HasField("routed_experts"):  # MoE: the trainer checks it (and replays it when asked)
+                t.routed_experts.CopyFrom(s.routed_experts)
             if s.HasField("response_mask"):
                 t.prompt_token_ids.CopyFrom(s.prompt_token_ids)
                 t.response_mask.CopyFrom(s.response_mask)

@@ -10,6 +10,7 @@ from services.common.metric_defs import (
     ASYNC_STEP_METRIC_HELP,
     COORDINATOR_METRICS,
     EPISODE_STEP_METRIC_HELP,
+    MOE_STEP_METRIC_HELP,
     STEP_METRIC_HELP,
     build_collectors,
     step_metric_name,
@@ -25,10 +26,13 @@ class CoordinatorExporter:
         self._m = build_collectors(COORDINATOR_METRICS, self.registry)
 
     def on_step(self, run_id: str, step: int, metrics: dict, timings: dict) -> None:
-        for key in (*STEP_METRIC_HELP, *ASYNC_STEP_METRIC_HELP, *EPISODE_STEP_METRIC_HELP):
+        for key in (*STEP_METRIC_HELP, *ASYNC_STEP_METRIC_HELP, *EPISODE_STEP_METRIC_HELP, *MOE_STEP_METRIC_HELP):
             if key in metrics:
                 self._m[step_metric_name(key)].labels(run_id).set(float(metrics[key]))
         for key, value in metrics.items():
+            if key.startswith("moe_routing_agreement_layer_"):
+                layer = key.removeprefix("moe_routing_agreement_layer_")
+                self._m["lockstep_step_moe_routing_agreement"].labels(run_id, layer).set(value)
             if key.startswith("episodes_end_"):
                 self._m["lockstep_step_episodes_ended"].labels(run_id, key.removeprefix("episodes_end_")).set(value)
         self._m["lockstep_run_step"].labels(run_id).set(step)

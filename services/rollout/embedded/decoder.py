@@ -65,6 +65,7 @@ from services.rollout.embedded.decoder_attention import (
     sdpa_paged_decode,
 )
 from services.rollout.embedded.kv_cache import PAGE_TOKENS, KVStep, PagedKVPool
+from services.rollout.embedded.routing_record import RoutingRecorder
 from services.rollout.embedded.scheduler import (
     DecodeSequence, KeptPrefixes, PageAllocator, Scheduler, Unit, pages_for,
 )
@@ -113,6 +114,7 @@ class DecodedSequence:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "paused"
+    routed_experts: torch.Tensor | None = None  # MoE: [prompt + tokens, layers, k] (routing_record.py)
 
 
 @dataclass
@@ -220,6 +222,7 @@ class Decoder:
             self._packed_attention, self.prefill_attention = fast_prefill_attention(model, self.device)
         self._base = getattr(model, model.base_model_prefix)
         self._head = model.get_output_embeddings()
+        self.routing = RoutingRecorder(model, options.max_batch_size, self.device)
         cfg = model.config
         self._shape = dict(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
                            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
@@ -332,9 +335,11 @@ class Decoder:
                 s.finish_reason = "stop"
         self._ensure_pool(seqs)
         hashes = seed_hashes_of(seeds, self.device)
+        self.routing.start(seqs)
         with decoder_attention(self.model):
             self._run(seqs, self._units(seqs), hashes, sampling, stops, should_pause)
-        return [DecodedSequence(s.tokens[s.prompt_len:], s.logprobs, s.finish_reason or "paused") for s in seqs]
+        return [DecodedSequence(s.tokens[s.prompt_len:], s.logprobs, s.finish_reason or "paused",
+                                self.routing.table(s)) for s in seqs]
 
     def _units(self, seqs: list[DecodeSequence]) -> list[Unit]:
         """Consecutive sequences with the same known tokens share one prefill (at most max_batch_size each)."""
@@ -494,6 +499,7 @@ class Decoder:
         pos_dev = torch.tensor(positions, dtype=torch.int64, device=dev)
         hidden = self._base(input_ids=torch.tensor(ids, dtype=torch.int64, device=dev)[None],
                             position_ids=pos_dev[None], use_cache=False, lockstep_kv=kv).last_hidden_state[0]
+        self.routing.prefill(pieces, cu)
         finishing = [(i, piece) for i, piece in enumerate(pieces) if piece.completes]
         for piece in pieces:
             sched.prefilled(piece)
@@ -531,6 +537,7 @@ class Decoder:
         if timed:
             marks[2].record()
         tokens, logps = self._read_sampled(sampled, n)
+        self.routing.decode(rows)
         stats = self.stats
         if timed:
             stats.device_steps.append((marks[0].elapsed_time(marks[1]) / 1e3, marks[0].elapsed_time(marks[2]) / 1e3))
@@ -564,6 +571,7 @@ class Decoder:
             pages = tables.gather(1, (positions // PAGE_TOKENS))[:, 0].long()
             hidden = self._fused(ids, positions, pool.keys, pool.values, pages, positions[:, 0] % PAGE_TOKENS,
                                  lambda q, k_pool, v_pool, scale: paged(q, k_pool, v_pool, tables, lengths, scale))
+            self.routing.stash(ids.shape[0])
             return self._head(hidden)
 
         def attend(q, k, v, k_pool, v_pool, scale):
@@ -571,6 +579,7 @@ class Decoder:
 
         kv = KVStep.decode_step(self._pool, positions[:, 0], tables, attend)
         hidden = self._base(input_ids=ids, position_ids=positions, use_cache=False, lockstep_kv=kv).last_hidden_state
+        self.routing.stash(ids.shape[0])
         return self._head(hidden[:, -1])
 
 

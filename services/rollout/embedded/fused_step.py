@@ -20,7 +20,10 @@ GPU tests compare with bi_linear's), so a token's log-prob is the same bits on e
 compare the two paths and the trainer's recompute. Prefill keeps the stock forward.
 
 Covered: Qwen3 (per-head q/k norms), Qwen2 and Llama (optional q/k/v/o biases) with plain nn.Linear
-projections, SiLU MLPs without biases and the default rotary embedding. `unsupported_reason` names what
+projections, SiLU MLPs without biases and the default rotary embedding; Qwen3-MoE and Qwen2-MoE, whose
+MoE blocks run as the patched modules themselves (router on bi_linear, the batch-invariant grouped expert
+GEMM, shared expert: kernels/moe) on the fused step's normed rows, so their bits are the stock step's by
+construction; their attention, norms and residuals are fused as for the dense families. `unsupported_reason` names what
 else a model has; the decoder then runs the stock forward.
 """
 from __future__ import annotations
@@ -31,8 +34,17 @@ import torch
 
 from kernels.batch_invariant.fused import add_rms_norm, gate_up, grouped_linear, qk_norm_rope_store
 
-FAMILIES = ("qwen3", "qwen2", "llama")
+FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe", "qwen2_moe")
 _LINEAR = torch.nn.Linear
+
+
+def _is_moe_block(mlp: torch.nn.Module) -> bool:
+    """A SparseMoeBlock make_batch_invariant patched (its router and experts on kernels/moe)."""
+    from kernels.batch_invariant.hf import is_patched
+
+    gate, experts = getattr(mlp, "gate", None), getattr(mlp, "experts", None)
+    return (type(mlp).__name__.endswith("SparseMoeBlock") and gate is not None and experts is not None
+            and is_patched(gate) and is_patched(experts))
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -52,12 +64,16 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if attn is None or mlp is None:
             return f"layer {i} has no self_attn or mlp"
-        for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
+        moe = type(mlp).__name__.endswith("SparseMoeBlock")
+        if moe and not _is_moe_block(mlp):
+            return f"layer {i}: the MoE block is not on the batch-invariant router and experts (make_batch_invariant)"
+        mlp_names = () if moe else ("gate_proj", "up_proj", "down_proj")
+        for part, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, mlp_names)):
             for name in names:
                 lin = getattr(part, name, None)
                 if type(lin) is not _LINEAR:
                     return f"layer {i} {name} is a {type(lin).__name__}, not an nn.Linear (an adapter?)"
-        if any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
+        if not moe and any(getattr(mlp, n).bias is not None for n in ("gate_proj", "up_proj", "down_proj")):
             return f"layer {i}: MLP biases"
         if len({attn.q_proj.bias is None, attn.k_proj.bias is None, attn.v_proj.bias is None}) != 1:
             return f"layer {i}: some of q/k/v have a bias and some not"
@@ -88,6 +104,7 @@ class FusedDecodeStep:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.moe = [_is_moe_block(layer.mlp) for layer in self.base.layers]
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                  values: list[torch.Tensor], pages: torch.Tensor, slots: torch.Tensor,
@@ -117,7 +134,10 @@ class FusedDecodeStep:
                                  None if attn.o_proj.bias is None else [attn.o_proj.bias])
             post = layer.post_attention_layernorm
             residual, x = add_rms_norm(out, residual, post.weight, post.variance_epsilon)
-            out = grouped_linear(gate_up(x, mlp.gate_proj.weight, mlp.up_proj.weight), [mlp.down_proj.weight])
+            if self.moe[i]:
+                out = mlp(x[:, None])[:, 0]  # the patched block itself: the stock step's MoE bits
+            else:
+                out = grouped_linear(gate_up(x, mlp.gate_proj.weight, mlp.up_proj.weight), [mlp.down_proj.weight])
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else base.norm
             residual, x = add_rms_norm(out, residual, norm.weight, norm.variance_epsilon)
         return x

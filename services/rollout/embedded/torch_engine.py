@@ -193,7 +193,8 @@ class TorchEngine(Engine):
             out.append(GeneratedSample(group_id=p.group_id, index=i, token_ids=d.token_ids, logprobs=d.logprobs,
                                        finish_reason=d.finish_reason,
                                        policy_versions=before + [self._policy_version] * (len(d.token_ids)
-                                                                                           - len(before))))
+                                                                                           - len(before)),
+                                       routed_experts=d.routed_experts))
         return out
 
     def max_sequence_tokens(self) -> int | None:

@@ -37,6 +37,9 @@ class TrainSample:
     staleness_sum: int = 0
     """Over the model tokens, how many policy versions each was sampled behind the trainer that trains
     it (step - 1 - the token's version), summed: 0 for a synchronous step (lr_schedule.staleness_factor)."""
+    routed_experts: torch.Tensor | None = None
+    """int64 [P + R, layers, top_k]: the experts the rollout routed each token to (-1: pad, the last token);
+    None: none sent (services/trainer/model/moe.py checks and uses it)."""
 
     @property
     def num_tokens(self) -> int:

@@ -110,6 +110,7 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
         value = getattr(msg, name)
         if not math.isfinite(value):
             raise InvalidRequest(f"{where}.{name}: not finite ({value})")
+    routed = _routed_experts(msg, where, prompt.numel() + response.numel())
     return TrainSample(
         sample_id=msg.sample_id,
         group_id=msg.group_id,
@@ -120,7 +121,28 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
         advantage=float(msg.advantage),
         response_mask=mask,
         staleness_sum=staleness_sum,
+        routed_experts=routed,
     )
+
+
+def _routed_experts(msg: pb.Trajectory, where: str, tokens: int) -> torch.Tensor | None:
+    """int64 [P + R, layers, k] with pads as -1 (uint8 pads are 255), or None; the checks against the model
+    (ids in range, layers and k, which rows are pad) are the trainer's (services/trainer/model/moe.py)."""
+    if not msg.HasField("routed_experts"):
+        return None
+    field = f"{where}.routed_experts"
+    try:
+        routed = from_proto(msg.routed_experts, field=field, ndim=3)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if routed.dtype not in (torch.uint8, torch.int32):
+        raise InvalidRequest(f"{field}: dtype {routed.dtype} (expert ids travel as uint8, or int32 past 254 experts)")
+    if routed.shape[0] != tokens:
+        raise InvalidRequest(f"{field}: {routed.shape[0]} rows for {tokens} prompt and response tokens")
+    out = routed.long()
+    if routed.dtype == torch.uint8:
+        out[routed == 255] = -1
+    return out
 
 
 async def read_train_step(stream: AsyncIterator[pb.TrainStepChunk]) -> StepRequest:

@@ -58,6 +58,9 @@ class MicrobatchResult:
     """float32: the entropy of the temperature-scaled distribution each token was sampled from."""
     kl: torch.Tensor | None = None
     """float32: the k3 KL to the reference of each token; None when the run has no reference model."""
+    moe_stats: torch.Tensor | None = None
+    """float64 [layers, E + 4]: the microbatch's routing statistics (services/trainer/model/moe.py); None
+    for a dense model."""
 
     def to(self, device: torch.device | str) -> MicrobatchResult:
         return _moved(self, device)
@@ -101,4 +104,9 @@ def results_step_metrics(results: Sequence[MicrobatchResult], samples: list[Trai
     if set(metrics) != set(TRAIN_STEP_METRIC_KEYS):
         drifted = sorted(set(metrics) ^ set(TRAIN_STEP_METRIC_KEYS))
         raise AssertionError(f"step metric keys drifted from STEP_METRIC_HELP: {drifted}")
-    return {k: metrics[k] for k in TRAIN_STEP_METRIC_KEYS}
+    out = {k: metrics[k] for k in TRAIN_STEP_METRIC_KEYS}
+    if results and results[0].moe_stats is not None:  # MoE policies add metric_defs.MOE_STEP_METRIC_HELP's keys
+        from services.trainer.model.moe import moe_step_metrics
+
+        out.update(moe_step_metrics([r.moe_stats for r in results]))
+    return out

@@ -56,11 +56,22 @@ def apply_lora(lm: torch.nn.Module, settings: LoraSettings, *, base_model_path: 
         peft.inject_adapter_in_model(peft_config(settings, base_model_path=base_model_path), lm, adapter_name=ADAPTER_NAME)
     except ValueError as exc:
         raise ValueError(f"target_modules: {exc}") from None
+    _refuse_expert_adapters(lm)
     for name, p in lm.named_parameters():
         p.requires_grad_(is_adapter_param(name))
     if not any(p.requires_grad for p in lm.parameters()):
         raise ValueError("target_modules: no adapter was created in the model")
     return lm
+
+
+def _refuse_expert_adapters(lm: torch.nn.Module) -> None:
+    """LoRA on a mixture-of-experts model covers attention and dense layers only: an adapter inside an MoE
+    block (a router, the routed or shared experts) is refused naming the module (docs/moe.md)."""
+    blocks = [name for name, m in lm.named_modules() if type(m).__name__.endswith("SparseMoeBlock")]
+    for name, module in lm.named_modules():
+        if hasattr(module, "lora_A") and any(name.startswith(block + ".") for block in blocks):
+            raise ValueError(f"target_modules: an adapter on {name} ({type(module.base_layer).__name__}) inside a "
+                             "mixture-of-experts block; LoRA covers attention and dense layers only (name them)")
 
 
 def is_adapter_param(name: str) -> bool:
