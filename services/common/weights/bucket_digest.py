@@ -1,0 +1,101 @@
+"""The weights digest (services/common/weights/digest.py) of tensors packed in buckets, on either side of an
+IPC handover: the trainer over the buckets it shares, the replica over what it mapped.
+
+Work is one digest block (a tensor's 4 MiB piece), hashed on a thread pool (hashlib releases the GIL). Buckets
+in host memory are hashed where they lie. Device buckets are copied to the host in pieces of up to
+PIECE_BYTES (whole blocks) through a small ring of pinned buffers on a stream of their own, so the copy of one
+piece overlaps the hashing of the ones before: the ring is allocated at the first use and kept by its
+BucketHasher, and is small (RING_PIECES x PIECE_BYTES), so a first sync pays little more than a later one.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from services.common.weights.digest import DIGEST_BLOCK_BYTES, block_pool_threads, block_spans, digest_of_blocks
+from services.common.weights.ipc_transport import BucketLayout
+
+PIECE_BYTES = 64 * 1024 * 1024
+RING_PIECES = 4
+
+
+def block_ranges(layout: BucketLayout) -> list[tuple[int, int]]:
+    """Pure. (start, end) in the bucket of every digest block of its tensors, in digest order."""
+    out = []
+    for slot in layout.slots:
+        for offset in block_spans(slot.nbytes):
+            out.append((slot.offset + offset, slot.offset + min(offset + DIGEST_BLOCK_BYTES, slot.nbytes)))
+    return out
+
+
+def pieces(blocks: Sequence[tuple[int, int]], piece_bytes: int) -> list[list[tuple[int, int]]]:
+    """Pure. Consecutive blocks grouped so that each group spans at most `piece_bytes` (a larger block alone)."""
+    out: list[list[tuple[int, int]]] = []
+    for block in blocks:
+        if out and block[1] - out[-1][0][0] <= piece_bytes:
+            out[-1].append(block)
+        else:
+            out.append([block])
+    return out
+
+
+def _sha(view: memoryview) -> bytes:
+    return hashlib.sha256(view).digest()
+
+
+class BucketHasher:
+    """Keeps its thread pool and (for device buckets) its pinned ring between digests."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=threads or block_pool_threads(), thread_name_prefix="ipc-sha256")
+        self._ring: list[torch.Tensor] = []
+        self._ring_device: torch.device | None = None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self._ring = []
+
+    def digest(self, buffers: Sequence[torch.Tensor], layouts: Sequence[BucketLayout]) -> str:
+        """The weights digest of the layouts' tensors in order, read from `buffers` (flat uint8, one per layout)."""
+        futures: list[Future] = []
+        for buffer, layout in zip(buffers, layouts):
+            blocks = block_ranges(layout)
+            if buffer.is_cuda:
+                futures.extend(self._device_blocks(buffer, blocks))
+            else:
+                host = memoryview(buffer.numpy())
+                futures.extend(self.pool.submit(_sha, host[a:b]) for a, b in blocks)
+        return digest_of_blocks(f.result() for f in futures)
+
+    def _device_blocks(self, buffer: torch.Tensor, blocks: list[tuple[int, int]]) -> list[Future]:
+        if self._ring_device != buffer.device:
+            self._ring = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(RING_PIECES)]
+            self._ring_device = buffer.device
+        copier = torch.cuda.Stream(buffer.device)
+        copier.wait_stream(torch.cuda.current_stream(buffer.device))  # what was written there before is in
+        futures: list[Future] = []
+        in_flight: list[list[Future]] = [[] for _ in self._ring]
+        for n, group in enumerate(pieces(blocks, PIECE_BYTES)):
+            slot = n % len(self._ring)
+            for f in in_flight[slot]:  # the ring buffer is free again once its last piece is hashed
+                f.result()
+            start, end = group[0][0], group[-1][1]
+            host = self._ring[slot]
+            with torch.cuda.stream(copier):
+                host[:end - start].copy_(buffer[start:end], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(copier)
+            view = memoryview(host.numpy())
+            first = self.pool.submit(done.synchronize)
+            piece = [self.pool.submit(_after, first, view, a - start, b - start) for a, b in group]
+            in_flight[slot] = piece
+            futures.extend(piece)
+        return futures
+
+
+def _after(ready: Future, view: memoryview, a: int, b: int) -> bytes:
+    ready.result()
+    return hashlib.sha256(view[a:b]).digest()
