@@ -134,7 +134,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
         self._staging: StagingArena | None = None
         self._prefetch = WeightPrefetch(self._staging_arena)  # LoadWeights' prefetched directory
-        self._ipc = IpcReceiver()  # MapWeights' hashing pool, kept between handovers
+        self._ipc = IpcReceiver(digest_on=config.weight_ipc_digest)  # MapWeights' hashing, kept between handovers
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)

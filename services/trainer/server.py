@@ -345,7 +345,8 @@ class TrainerServer:
                                         model_roots=config.model_roots, checkpoint_roots=config.checkpoint_roots,
                                         broadcaster=broadcaster,
                                         handovers=WeightHandoverHost(self.trainer, logger=log,
-                                                                     bucket_bytes=config.weight_ipc_bucket_bytes))
+                                                                     bucket_bytes=config.weight_ipc_bucket_bytes,
+                                                                     digest_on=config.weight_ipc_digest))
         self.host = GrpcServiceHost(
             SERVICE, lambda server: add_trainer_service(self.servicer, server), token,
             host=config.host, grpc_port=config.grpc_port, metrics_port=config.metrics_port, registry=registry,

@@ -6,6 +6,11 @@ in host memory are hashed where they lie. Device buckets are copied to the host 
 PIECE_BYTES (whole blocks) through a small ring of pinned buffers on a stream of their own, so the copy of one
 piece overlaps the hashing of the ones before: the ring is allocated at the first use and kept by its
 BucketHasher, and is small (RING_PIECES x PIECE_BYTES), so a first sync pays little more than a later one.
+
+`on="device"` hashes the whole 4 MiB blocks of device buckets on the device instead (kernels/digest: one lane
+per block, every bucket's launch on a stream of its own), and only each tensor's shorter last block on the host
+as above: the same digest, without copying most bytes to the host or spending every core on them. Buckets in
+host memory are hashed on the host whatever `on` says.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from services.common.weights.ipc_transport import BucketLayout
 
 PIECE_BYTES = 64 * 1024 * 1024
 RING_PIECES = 4
+DIGEST_ON = ("host", "device")
 
 
 def block_ranges(layout: BucketLayout) -> list[tuple[int, int]]:
@@ -49,10 +55,20 @@ def _sha(view: memoryview) -> bytes:
 class BucketHasher:
     """Keeps its thread pool and (for device buckets) its pinned ring between digests."""
 
-    def __init__(self, threads: int | None = None) -> None:
+    def __init__(self, threads: int | None = None, on: str = "host") -> None:
+        if on not in DIGEST_ON:
+            raise ValueError(f"weight_ipc_digest: {on!r} is not one of {list(DIGEST_ON)}")
+        self.on = on
         self.pool = ThreadPoolExecutor(max_workers=threads or block_pool_threads(), thread_name_prefix="ipc-sha256")
         self._ring: list[torch.Tensor] = []
         self._ring_device: torch.device | None = None
+
+    def warm(self) -> None:
+        """Compile the device kernel now (at service start) rather than at the first handover."""
+        if self.on == "device" and torch.cuda.is_available():
+            from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks
+            digests_of(launch_sha256_blocks(torch.zeros(DIGEST_BLOCK_BYTES, dtype=torch.uint8, device="cuda"), [0],
+                                            DIGEST_BLOCK_BYTES))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -60,17 +76,42 @@ class BucketHasher:
 
     def digest(self, buffers: Sequence[torch.Tensor], layouts: Sequence[BucketLayout]) -> str:
         """The weights digest of the layouts' tensors in order, read from `buffers` (flat uint8, one per layout)."""
-        futures: list[Future] = []
+        pending: list[Future | tuple[int, int]] = []  # per block in digest order: a host future, or (launch, row)
+        launched: list[tuple[torch.Tensor, torch.cuda.Stream]] = []  # per device launch: its states, its stream
         for buffer, layout in zip(buffers, layouts):
             blocks = block_ranges(layout)
-            if buffer.is_cuda:
-                futures.extend(self._device_blocks(buffer, blocks))
-            else:
+            if not buffer.is_cuda:
                 host = memoryview(buffer.numpy())
-                futures.extend(self.pool.submit(_sha, host[a:b]) for a, b in blocks)
-        return digest_of_blocks(f.result() for f in futures)
+                pending.extend(self.pool.submit(_sha, host[a:b]) for a, b in blocks)
+            elif self.on == "host":
+                pending.extend(self._device_blocks(buffer, blocks))
+            else:
+                whole = [(a, b) for a, b in blocks if b - a == DIGEST_BLOCK_BYTES]
+                launched.append(self._launch(buffer, [a for a, _ in whole]))  # queued before the host work below
+                rows = iter(range(len(whole)))
+                tails = iter(self._device_blocks(buffer, [(a, b) for a, b in blocks if b - a != DIGEST_BLOCK_BYTES]))
+                pending.extend((len(launched) - 1, next(rows)) if b - a == DIGEST_BLOCK_BYTES else next(tails)
+                               for a, b in blocks)
+        device: list[list[bytes]] = []
+        if launched:
+            from kernels.digest.sha256_blocks import digests_of
+            for states, stream in launched:
+                stream.synchronize()
+                device.append(digests_of(states))
+        return digest_of_blocks(p.result() if isinstance(p, Future) else device[p[0]][p[1]] for p in pending)
+
+    @staticmethod
+    def _launch(buffer: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.cuda.Stream]:
+        """Queue the device hashing of the whole blocks at `starts` on a stream of the bucket's own."""
+        from kernels.digest.sha256_blocks import launch_sha256_blocks
+        stream = torch.cuda.Stream(buffer.device)
+        stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        with torch.cuda.stream(stream):
+            return launch_sha256_blocks(buffer, starts, DIGEST_BLOCK_BYTES), stream
 
     def _device_blocks(self, buffer: torch.Tensor, blocks: list[tuple[int, int]]) -> list[Future]:
+        if not blocks:
+            return []
         if self._ring_device != buffer.device:
             self._ring = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(RING_PIECES)]
             self._ring_device = buffer.device

@@ -49,9 +49,10 @@ Apply = Callable[[dict[str, torch.Tensor], int, LoraAdapterMeta | None], Awaitab
 class IpcReceiver:
     """Keeps its hashing pool (and pinned ring) between handovers."""
 
-    def __init__(self, hash_threads: int | None = None) -> None:
+    def __init__(self, hash_threads: int | None = None, digest_on: str = "host") -> None:
         self.node = ipc.node_id()
-        self.hasher = BucketHasher(hash_threads)
+        self.hasher = BucketHasher(hash_threads, on=digest_on)
+        self.hasher.warm()
 
     def close(self) -> None:
         self.hasher.close()
