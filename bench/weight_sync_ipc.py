@@ -2,12 +2,20 @@
 
 Prints one JSON object (and writes it to --out).
 
-Run on one GPU (the lead's command; about 10 minutes with both shapes, most of it writing the 4B model):
+Run on one GPU (the lead's commands; one per shape keeps each under 10 minutes, the 4B one mostly writing
+and loading its 8 GB model; the first start of the services compiles the device digest kernel, cached after):
 
-    .venv/bin/python bench/weight_sync_ipc.py --device cuda --shapes qwen3-0.6b,qwen3-4b \
-        --out bench/results/weight_sync_ipc_h200.json
+    .venv/bin/python bench/weight_sync_ipc.py --device cuda --shapes qwen3-0.6b \
+        --out bench/results/weight_sync_ipc_0.6b_h200.json
+    .venv/bin/python bench/weight_sync_ipc.py --device cuda --shapes qwen3-4b --reps 2 \
+        --out bench/results/weight_sync_ipc_4b_h200.json
 
 CPU smoke test (a tiny model, shared-memory transport, the same code path): `python bench/weight_sync_ipc.py --small`.
+
+Each shape is measured once per --digest mode (weight_ipc_digest of both services, default both): `host`
+copies the device buckets to the host through pinned buffers and hashes them on every core, `device` hashes
+their whole 4 MiB blocks on the GPU (kernels/digest/sha256_blocks.py) and only each tensor's shorter last block
+on the host; the digest is the same.
 
 For each model shape (Qwen3 dimensions of bench/train.py SHAPES, Qwen3 vocabulary, random init, bf16; the 4B
 body is 36 layers x 2560 hidden, about 8 GB): a real trainer service and a real rollout service (torch
@@ -123,27 +131,42 @@ def write_small_model(directory: Path) -> dict:
     return {"layers": 2, "full_layers": 2}
 
 
-def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
-    from bench.weight_sync import Services, write_model
+def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> list[dict]:
+    """One result per --digest mode, each from services of its own over the same model files."""
+    from bench.weight_sync import write_model
 
+    out = []
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         workdir = Path(tmp)
         counts = write_small_model(workdir / "model") if args.small else write_model(shape, layers, workdir / "model",
                                                                                      args.seed)
-        load_before = os.getloadavg()
-        with Services(workdir, args.device, args.num_threads) as services:
-            services.wait_ready()
-            caller = subprocess.run(
-                [sys.executable, __file__, "--caller", "--rollout", services.rollout_address, "--trainer",
-                 services.trainer_address, "--run-id", f"bench-{shape}", "--token-file", str(workdir / "auth_token"),
-                 "--reps", str(args.reps), "--weights-dir", str(workdir / "weights"), "--bucket-bytes",
-                 str(args.bucket_bytes), "--model-path", str(workdir / "model"), "--device", args.device],
-                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                    p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p)})
-            if caller.returncode != 0:
-                logs = "\n".join(f"--- {p.name}:\n{p.tail()}" for p in services.processes)
-                raise RuntimeError(f"the caller failed ({caller.returncode}):\n{caller.stderr[-4000:]}\n{logs}")
-            got = json.loads(caller.stdout.strip().splitlines()[-1])
+        for digest in args.digest.split(","):
+            out.append({"shape": shape, "digest_on": digest, **counts, **measure_mode(shape, workdir, digest, args)})
+            if args.out:
+                args.partial.append(out[-1])
+                Path(args.out).write_text(json.dumps({**args.report, "results": args.partial}, indent=1) + "\n")
+    return out
+
+
+def measure_mode(shape: str, workdir: Path, digest: str, args: argparse.Namespace) -> dict:
+    from bench.weight_sync import Services
+
+    # Both services hash an IPC handover's device buckets where `digest` says (weight_ipc_digest).
+    os.environ["LOCKSTEP_TRAINER_WEIGHT_IPC_DIGEST"] = os.environ["LOCKSTEP_ROLLOUT_WEIGHT_IPC_DIGEST"] = digest
+    load_before = os.getloadavg()
+    with Services(workdir, args.device, args.num_threads) as services:
+        services.wait_ready(timeout_s=900)  # a first start compiles the device digest kernel
+        caller = subprocess.run(
+            [sys.executable, __file__, "--caller", "--rollout", services.rollout_address, "--trainer",
+             services.trainer_address, "--run-id", f"bench-{shape}-{digest}", "--token-file",
+             str(workdir / "auth_token"), "--reps", str(args.reps), "--weights-dir", str(workdir / "weights"),
+             "--bucket-bytes", str(args.bucket_bytes), "--model-path", str(workdir / "model"), "--device",
+             args.device], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                p for p in (str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")) if p)})
+        if caller.returncode != 0:
+            logs = "\n".join(f"--- {p.name}:\n{p.tail()}" for p in services.processes)
+            raise RuntimeError(f"the caller failed ({caller.returncode}):\n{caller.stderr[-4000:]}\n{logs}")
+        got = json.loads(caller.stdout.strip().splitlines()[-1])
     nbytes = got["bytes"]
     limits = {"device_copy": memcpy_limit(nbytes, args.device, args.reps),
               f"sha256_{os.cpu_count()}_threads": sha256_limit(nbytes, args.reps, os.cpu_count() or 1)}
@@ -156,7 +179,7 @@ def measure_shape(shape: str, layers: int, args: argparse.Namespace) -> dict:
     ipc_s = sources["ipc"]["median_s"]
     target = TARGETS_S.get(shape)
     return {
-        "shape": shape, **counts, "bytes": nbytes, "tensors": got["tensors"], "digest": got["digests"][0],
+        "bytes": nbytes, "tensors": got["tensors"], "digest": got["digests"][0],
         "digests_equal_across_sources_and_reps": len(set(got["digests"])) == 1,
         **sources, "ipc_parts": parts, "limits": limits,
         "ratios": {"ipc_speedup_over_grpc": round(sources["grpc"]["median_s"] / ipc_s, 2),
@@ -178,6 +201,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (trainer and engine on one GPU) or cpu")
     ap.add_argument("--reps", type=int, default=3, help="timed reps after the first (reported apart)")
     ap.add_argument("--bucket-bytes", type=int, default=0, help="IPC bucket size (0: the trainer's default)")
+    ap.add_argument("--digest", default="host,device",
+                    help="comma-separated weight_ipc_digest modes, each measured with services of its own: host "
+                    "(device buckets hashed on every core) and device (their whole blocks hashed on the GPU)")
     ap.add_argument("--small", action="store_true",
                     help="CPU smoke test: a tiny model, --device cpu, 2 reps; no targets judged")
     ap.add_argument("--num-threads", type=int, default=0, help="torch threads per service (0 = torch's default)")
@@ -193,23 +219,25 @@ def main() -> None:
         run_caller(args)
         return
     if args.small:
-        args.device, args.reps, args.shapes = "cpu", 2, "tiny"
+        args.device, args.reps, args.shapes, args.digest = "cpu", 2, "tiny", "host"
     from bench.train import SHAPES
 
     layers = {k: int(v) for k, v in (item.split("=", 1) for item in args.layers.split(",") if item)}
     report = {"benchmark": "weight_sync_ipc", "device": args.device, "reps": args.reps, "small": args.small,
+              "digest_modes": args.digest.split(","),
               "bucket_bytes": args.bucket_bytes or "trainer default",
               "statistic": "median wall seconds over the reps after the first; first_s: the first; "
                            "gb_per_s = bytes / median / 1e9",
               "versions": versions(args.device), "note": args.note, "results": []}
+    args.report, args.partial = report, []  # written after every measurement: a later failure keeps the earlier
     for shape in args.shapes.split(","):
         if not args.small and shape not in SHAPES:
             ap.error(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
         full = SHAPES[shape]["num_hidden_layers"] if shape in SHAPES else 2
-        report["results"].append(measure_shape(shape, layers.get(shape, full), args))
-        text = json.dumps(report, indent=1)
-        if args.out:
-            Path(args.out).write_text(text + "\n")
+        report["results"].extend(measure_shape(shape, layers.get(shape, full), args))
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
     print(text)
 
 
