@@ -53,6 +53,7 @@ class _Handover:
     layouts: list[ipc.BucketLayout]
     digest: Future
     lora: pb.LoraAdapter | None
+    unissued: list[list[pb.IpcBucket]] = field(default_factory=list)  # exported at open, one per replica
     shares: dict[str, list[pb.IpcBucket]] = field(default_factory=dict)  # share id -> what it was given
     released: set[str] = field(default_factory=set)
     verified: dict[str, bool] = field(default_factory=dict)
@@ -103,12 +104,20 @@ class WeightHandoverHost:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # packed before anyone maps or hashes them
         self.trainer.check_weights_unchanged(snapshot)
+        # Every replica's share is exported now, before the hashing starts reading the buffers: exporting a CUDA
+        # share rewraps its storage's data pointer, which no other thread should be reading meanwhile.
+        shares = []
+        for _ in range(request.replicas):
+            buckets = [ipc.layout_proto(layout) for layout in layouts]
+            for buffer, bucket in zip(buffers, buckets):
+                ipc.export(buffer, bucket)
+            shares.append(buckets)
         handover = _Handover(
             run_id=request.run_id, policy_version=snapshot.policy_version, handover_id=secrets.token_hex(16),
             backend=ipc.backend_for(device), device_uuid=ipc.device_uuid(device.index or 0) if device.type == "cuda"
             else "", replicas=request.replicas, buffers=buffers, layouts=layouts,
             digest=self._digest_pool.submit(self._hasher.digest, list(buffers), layouts),
-            lora=snapshot.lora.to_proto() if snapshot.lora is not None else None)
+            lora=snapshot.lora.to_proto() if snapshot.lora is not None else None, unissued=shares)
         with self._lock:
             self._open[handover.handover_id] = handover
             while len(self._open) > OPEN_HANDOVERS_KEPT:
@@ -137,12 +146,10 @@ class WeightHandoverHost:
             if handover.backend == "cuda" and handover.device_uuid not in request.device_uuids:
                 raise HandoverRefused(f"device_uuids: the buckets lie on {handover.device_uuid}, which the caller "
                                       f"does not see")
-            if len(handover.shares) >= handover.replicas:
+            if not handover.unissued:
                 raise HandoverRefused(f"handover_id: all {handover.replicas} shares of the handover were handed out")
             share_id = secrets.token_hex(8)
-            buckets = [ipc.layout_proto(layout) for layout in handover.layouts]
-            for buffer, bucket in zip(handover.buffers, buckets):
-                ipc.export(buffer, bucket)
+            buckets = handover.unissued.pop()
             handover.shares[share_id] = buckets
             return pb.WeightHandles(
                 run_id=handover.run_id, policy_version=handover.policy_version, handover_id=handover.handover_id,
@@ -193,9 +200,10 @@ class WeightHandoverHost:
     def _free(self, handover: _Handover) -> int:
         """Drop the buckets (and the counters of shares never released). The number of such shares."""
         unreleased = [s for s in handover.shares if s not in handover.released]
-        for share in unreleased:
-            for bucket in handover.shares[share]:
+        for buckets in [*(handover.shares[s] for s in unreleased), *handover.unissued]:
+            for bucket in buckets:
                 ipc.drop_share(bucket)
+        handover.unissued.clear()
         device_buckets = bool(handover.buffers) and handover.buffers[0].is_cuda
         handover.digest.cancel()
         handover.buffers.clear()
