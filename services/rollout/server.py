@@ -231,6 +231,8 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                     await self._in_worker(old.close)
             self.engine_name, self.run_id = name, request.run_id
         await self._prefetch.release()  # a directory of the run before is not wanted any more
+        with contextlib.suppress(ValueError):  # an engine whose model is in another process maps nothing here
+            await asyncio.to_thread(self._ipc.warm, engine.broadcast_device())
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(engine.policy_version)
         log_event(log, "model loaded", engine=name, model_path=model_path, reloaded=reloaded,
                   run_id=request.run_id, policy_version=engine.policy_version)

@@ -63,12 +63,25 @@ class BucketHasher:
         self._ring: list[torch.Tensor] = []
         self._ring_device: torch.device | None = None
 
-    def warm(self) -> None:
-        """Compile the device kernel now (at service start) rather than at the first handover."""
-        if self.on == "device" and torch.cuda.is_available():
+    def warm(self, device: torch.device | str | None) -> None:
+        """Before the first handover (at service start, or when a model is loaded on a GPU): allocate the pinned
+        ring for buckets on `device` and, hashing on the device, compile its kernel, so that a run's first sync
+        pays for neither. Nothing for a device that is not a GPU."""
+        device = torch.device(device) if device is not None else None
+        if device is None or device.type != "cuda":
+            return
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._ring_for(device)
+        if self.on == "device":
             from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks
-            digests_of(launch_sha256_blocks(torch.zeros(DIGEST_BLOCK_BYTES, dtype=torch.uint8, device="cuda"), [0],
+            digests_of(launch_sha256_blocks(torch.zeros(DIGEST_BLOCK_BYTES, dtype=torch.uint8, device=device), [0],
                                             DIGEST_BLOCK_BYTES))
+
+    def _ring_for(self, device: torch.device) -> None:
+        if self._ring_device != device:
+            self._ring = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(RING_PIECES)]
+            self._ring_device = device
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -112,9 +125,7 @@ class BucketHasher:
     def _device_blocks(self, buffer: torch.Tensor, blocks: list[tuple[int, int]]) -> list[Future]:
         if not blocks:
             return []
-        if self._ring_device != buffer.device:
-            self._ring = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(RING_PIECES)]
-            self._ring_device = buffer.device
+        self._ring_for(buffer.device)
         copier = torch.cuda.Stream(buffer.device)
         copier.wait_stream(torch.cuda.current_stream(buffer.device))  # what was written there before is in
         futures: list[Future] = []

@@ -52,7 +52,10 @@ class IpcReceiver:
     def __init__(self, hash_threads: int | None = None, digest_on: str = "host") -> None:
         self.node = ipc.node_id()
         self.hasher = BucketHasher(hash_threads, on=digest_on)
-        self.hasher.warm()
+
+    def warm(self, device: torch.device) -> None:
+        """A model was loaded on `device`: prepare hashing there before the first handover."""
+        self.hasher.warm(device)
 
     def close(self) -> None:
         self.hasher.close()

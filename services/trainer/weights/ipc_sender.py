@@ -74,7 +74,7 @@ class WeightHandoverHost:
         self._lock = threading.Lock()  # guards _open: Get/Verify/Release run beside steps, off the servicer's lock
         self._open: dict[str, _Handover] = {}
         self._hasher = BucketHasher(hash_threads, on=digest_on)
-        self._hasher.warm()
+        self._hasher.warm(getattr(trainer, "device", None))  # the trainer's weights device, before any handover
         self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ipc-digest")
 
     def close(self) -> None:

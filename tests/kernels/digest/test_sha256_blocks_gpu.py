@@ -40,7 +40,7 @@ def test_device_and_host_hashing_of_buckets_give_the_streams_digest():
     for on in ("host", "device"):
         hasher = BucketHasher(4, on=on)
         try:
-            hasher.warm()
+            hasher.warm("cuda")
             assert hasher.digest(buffers, layouts) == expected, on
         finally:
             hasher.close()
