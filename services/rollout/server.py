@@ -22,9 +22,14 @@ Status codes the coordinator can rely on:
   service's weight_sources.
 - PERMISSION_DENIED: ReceiveWeights names a rendezvous that is not one of
   the service's broadcast_sources.
+- PERMISSION_DENIED: MapWeights names a trainer outside weight_sources, or
+  the handles it got are not this replica's to map (another run, node,
+  device or handover id, a stale version, fields not of torch's form).
+- FAILED_PRECONDITION: MapWeights' trainer refused the handover (its reason).
 - ABORTED: SyncWeights could not read the trainer's stream (trainer
-  unreachable, or its weights changed mid-stream), or ReceiveWeights' group
-  did not form or lost a bucket; nothing was applied.
+  unreachable, or its weights changed mid-stream), ReceiveWeights' group
+  did not form or lost a bucket, or MapWeights could not reach the trainer;
+  nothing was applied.
 - UNAVAILABLE: the engine cannot serve right now (EngineUnavailable); retry.
 - INTERNAL: an engine bug (e.g. non-finite log-probs); logged with a traceback.
 The mapping is applied, and the process (health, metrics, graceful stop) run,
@@ -83,7 +88,7 @@ from services.rollout.weights.broadcast_receiver import (
     receive_broadcast,
     staging_device,
 )
-from services.rollout.weights.ipc_receiver import HandoverFailed, IpcReceiver
+from services.rollout.weights.ipc_receiver import HandoverDenied, HandoverFailed, IpcReceiver
 from services.rollout.weights.prefetch import PREFETCH_READ_THREADS, Allocate, DirectoryKey, WeightPrefetch
 from services.rollout.weights.staging_arena import StagingArena
 from services.rollout.wire import (
@@ -109,6 +114,7 @@ ERRORS = RpcErrors(SERVICE, StatusMap(
     (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
     (HandleRefused, grpc.StatusCode.PERMISSION_DENIED),
     (HandoverFailed, grpc.StatusCode.ABORTED),
+    (HandoverDenied, grpc.StatusCode.FAILED_PRECONDITION),
     (DeviceUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     ((ValueError, FileNotFoundError), grpc.StatusCode.INVALID_ARGUMENT),
     (ImportError, grpc.StatusCode.FAILED_PRECONDITION),

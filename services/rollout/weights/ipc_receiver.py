@@ -31,7 +31,21 @@ log = logging.getLogger("lockstep.rollout.ipc")
 
 
 class HandoverFailed(RuntimeError):
-    """The trainer could not be reached or refused the handover (ABORTED); nothing was applied."""
+    """The trainer could not be reached (ABORTED: the coordinator treats it as a lost trainer); nothing was
+    applied."""
+
+
+class HandoverDenied(RuntimeError):
+    """The trainer refused to hand the handover to this replica (FAILED_PRECONDITION, its reason); nothing was
+    applied."""
+
+
+TRAINER_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+def _trainer_error(request: pb.MapWeightsRequest, method: str, exc: grpc.aio.AioRpcError) -> RuntimeError:
+    kind = HandoverFailed if exc.code() in TRAINER_LOST else HandoverDenied
+    return kind(f"trainer {request.trainer_address}: {method} failed with {exc.code().name}: {exc.details()}")
 
 
 @dataclass
@@ -67,8 +81,7 @@ class IpcReceiver:
                 run_id=request.run_id, policy_version=request.policy_version, handover_id=request.handover_id,
                 node_id=self.node, device_uuids=ipc.visible_device_uuids()))
         except grpc.aio.AioRpcError as exc:
-            raise HandoverFailed(f"trainer {request.trainer_address}: GetWeightHandles failed with "
-                                 f"{exc.code().name}: {exc.details()}") from None
+            raise _trainer_error(request, "GetWeightHandles", exc) from None
         mapped: list[torch.Tensor] = []
         views: dict[str, torch.Tensor] = {}  # cleared on every path: a view left alive keeps its bucket mapped
         try:
@@ -84,8 +97,7 @@ class IpcReceiver:
                     run_id=request.run_id, handover_id=request.handover_id, share_id=handles.share_id,
                     total_sha256=digest))
             except grpc.aio.AioRpcError as exc:
-                raise HandoverFailed(f"trainer {request.trainer_address}: VerifyWeightHandover failed with "
-                                     f"{exc.code().name}: {exc.details()}") from None
+                raise _trainer_error(request, "VerifyWeightHandover", exc) from None
             if sent.total_sha256 != digest:
                 raise ValueError(f"weights: the mapped buckets hash to {digest}, the trainer's to "
                                  f"{sent.total_sha256}; nothing applied")

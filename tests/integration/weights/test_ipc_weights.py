@@ -70,9 +70,10 @@ def test_ipc_source_matches_the_grpc_source_bitwise(tmp_path, two_replica_stack)
 
         elsewhere = refused(trainer_address="10.0.0.1:50051")
         assert elsewhere.code() == grpc.StatusCode.PERMISSION_DENIED and "weight_sources" in elsewhere.details()
-        # No handover of that id is open: the trainer refuses to hand anything out.
+        # No handover of that id is open: the trainer refuses to hand anything out, and the replica says why.
         foreign = refused()
-        assert foreign.code() == grpc.StatusCode.ABORTED and "handover_id" in foreign.details()
+        assert foreign.code() == grpc.StatusCode.FAILED_PRECONDITION and "GetWeightHandles" in foreign.details()
+        assert "handover_id: no open weight handover" in foreign.details()
         other_run = refused(run_id="another-run")
         assert other_run.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert rollout.Info(pb.InfoRequest(), timeout=10).policy_version == 3
