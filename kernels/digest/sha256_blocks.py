@@ -133,6 +133,14 @@ def _word(p, live):
 
 
 @triton.jit
+def _chunk(p, m):
+    """The 16 big-endian words of the 64-byte chunk at `p` (zeros where `m` is false)."""
+    return (_word(p + 0, m), _word(p + 1, m), _word(p + 2, m), _word(p + 3, m), _word(p + 4, m), _word(p + 5, m),
+            _word(p + 6, m), _word(p + 7, m), _word(p + 8, m), _word(p + 9, m), _word(p + 10, m), _word(p + 11, m),
+            _word(p + 12, m), _word(p + 13, m), _word(p + 14, m), _word(p + 15, m))
+
+
+@triton.jit
 def _state(k_ptr, i: tl.constexpr, LANES_: tl.constexpr):
     return tl.zeros([LANES_], dtype=tl.uint32) + tl.load(k_ptr + 64 + i).to(tl.uint32, bitcast=True)
 
@@ -153,21 +161,22 @@ def sha256_blocks_kernel(words_ptr, starts_ptr, k_ptr, out_ptr, n_lanes,
     h6 = _state(k_ptr, 6, LANES_)
     h7 = _state(k_ptr, 7, LANES_)
     # A message of whole 64-byte chunks ends with one padding chunk (the 1 bit, zeros, the length in bits): the
-    # loop's last turn loads nothing and compresses that chunk, so the compression is compiled once.
+    # loop's last turn compresses that chunk, so the compression is compiled once.
     one_bit = tl.full([LANES_], 0x80000000, dtype=tl.uint32)
     high = tl.full([LANES_], LENGTH_BITS >> 32, dtype=tl.uint32)
     low = tl.full([LANES_], LENGTH_BITS & 0xFFFFFFFF, dtype=tl.uint32)
+    # Each turn loads the next chunk's words while it compresses the ones the turn before loaded: the load's
+    # latency hides behind a compression rather than adding to the chain.
+    w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _chunk(words_ptr + start, live)
     for chunk in range(CHUNKS + 1):
         real = chunk < CHUNKS
-        m = live & real
-        p = words_ptr + start + chunk * 16
+        n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15 = _chunk(
+            words_ptr + start + (chunk + 1) * 16, live & (chunk + 1 < CHUNKS))
         h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
-            h0, h1, h2, h3, h4, h5, h6, h7, k_ptr,
-            tl.where(real, _word(p + 0, m), one_bit), _word(p + 1, m), _word(p + 2, m), _word(p + 3, m),
-            _word(p + 4, m), _word(p + 5, m), _word(p + 6, m), _word(p + 7, m),
-            _word(p + 8, m), _word(p + 9, m), _word(p + 10, m), _word(p + 11, m),
-            _word(p + 12, m), _word(p + 13, m), tl.where(real, _word(p + 14, m), high),
-            tl.where(real, _word(p + 15, m), low))
+            h0, h1, h2, h3, h4, h5, h6, h7, k_ptr, tl.where(real, w0, one_bit), w1, w2, w3, w4, w5, w6, w7, w8, w9,
+            w10, w11, w12, w13, tl.where(real, w14, high), tl.where(real, w15, low))
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = \
+            n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15
     out = out_ptr + lane * 8
     tl.store(out + 0, h0.to(tl.int32, bitcast=True), mask=live)
     tl.store(out + 1, h1.to(tl.int32, bitcast=True), mask=live)
