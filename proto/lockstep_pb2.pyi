@@ -484,16 +484,16 @@ class VerifyWeightHandoverResponse(_message.Message):
     def __init__(self, total_sha256: _Optional[str] = ...) -> None: ...
 
 class ReleaseWeightHandlesRequest(_message.Message):
-    __slots__ = ("run_id", "handover_id", "share_id", "mapped")
+    __slots__ = ("run_id", "handover_id", "share_id", "mapped_buckets")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
     SHARE_ID_FIELD_NUMBER: _ClassVar[int]
-    MAPPED_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     handover_id: str
     share_id: str
-    mapped: bool
-    def __init__(self, run_id: _Optional[str] = ..., handover_id: _Optional[str] = ..., share_id: _Optional[str] = ..., mapped: _Optional[bool] = ...) -> None: ...
+    mapped_buckets: int
+    def __init__(self, run_id: _Optional[str] = ..., handover_id: _Optional[str] = ..., share_id: _Optional[str] = ..., mapped_buckets: _Optional[int] = ...) -> None: ...
 
 class ReleaseWeightHandlesResponse(_message.Message):
     __slots__ = ("outstanding",)

@@ -9,7 +9,7 @@ the trainer compare that with its own digest of the buckets (VerifyWeightHandove
 only when they are equal hands views of the buckets to the engine's ordinary update path, which checks them
 against the model and copies them in, all or nothing, between batches. Then it drops every mapping and tells
 the trainer (ReleaseWeightHandles), which frees the buckets once every replica did: on every path, refusal
-and failure included (mapped false when nothing was mapped, so the trainer drops that share's counters).
+and failure included (naming how many buckets it had mapped, so the trainer drops the counters of the rest).
 """
 from __future__ import annotations
 
@@ -89,8 +89,12 @@ class IpcReceiver:
                                         handover_id=request.handover_id, current_version=current_version,
                                         node=self.node)
             index = ipc.local_index(handles.device_uuid) if handles.backend == "cuda" else -1
-            mapped = await asyncio.to_thread(lambda: [ipc.open_bucket(handles.backend, b, index)
-                                                      for b in handles.buckets])
+
+            def map_all() -> None:  # one by one into `mapped`: after a failure it holds those that were mapped
+                for bucket in handles.buckets:
+                    mapped.append(ipc.open_bucket(handles.backend, bucket, index))
+
+            await asyncio.to_thread(map_all)
             digest = await asyncio.to_thread(self.hasher.digest, mapped, layouts)
             try:
                 sent = await trainer.VerifyWeightHandover(pb.VerifyWeightHandoverRequest(
@@ -107,7 +111,7 @@ class IpcReceiver:
             await apply(dict(views), handles.policy_version, lora)
         finally:
             views.clear()
-            was_mapped = bool(mapped)
+            was_mapped = len(mapped)
             await asyncio.to_thread(_unmap, mapped)
             await _release(trainer, request, handles.share_id, was_mapped)
         return MappedHandover(handles.policy_version, int(handles.tensors), int(handles.bytes), digest, lora)
@@ -122,10 +126,10 @@ def _unmap(mapped: list[torch.Tensor]) -> None:
     mapped.clear()
 
 
-async def _release(trainer: pb_grpc.TrainerStub, request: pb.MapWeightsRequest, share_id: str, mapped: bool) -> None:
+async def _release(trainer: pb_grpc.TrainerStub, request: pb.MapWeightsRequest, share_id: str, mapped: int) -> None:
     try:
         await trainer.ReleaseWeightHandles(pb.ReleaseWeightHandlesRequest(
-            run_id=request.run_id, handover_id=request.handover_id, share_id=share_id, mapped=mapped))
+            run_id=request.run_id, handover_id=request.handover_id, share_id=share_id, mapped_buckets=mapped))
     except grpc.aio.AioRpcError as exc:  # the coordinator's CloseWeightHandover frees the buckets regardless
         log.warning("ReleaseWeightHandles to %s failed with %s: %s", request.trainer_address, exc.code().name,
                     exc.details())

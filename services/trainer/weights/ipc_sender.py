@@ -170,11 +170,12 @@ class WeightHandoverHost:
         with self._lock:
             handover = self._find(request.run_id, request.handover_id)
             buckets = self._share(handover, request.share_id)
+            if not 0 <= request.mapped_buckets <= len(buckets):
+                raise InvalidRequest(f"mapped_buckets: {request.mapped_buckets} of a share of {len(buckets)} buckets")
             if request.share_id not in handover.released:
                 handover.released.add(request.share_id)
-                if not request.mapped:  # nobody will drop these counters but us
-                    for bucket in buckets:
-                        ipc.drop_share(bucket)
+                for bucket in buckets[request.mapped_buckets:]:  # never mapped: nobody will drop these counters but us
+                    ipc.drop_share(bucket)
             outstanding = handover.replicas - len(handover.released)
             if outstanding == 0:
                 self._free(self._open.pop(handover.handover_id))

@@ -128,7 +128,7 @@ def test_a_second_process_maps_the_handover_and_the_trainer_frees_it_once_releas
                                                           share_id=handles.share_id, total_sha256=digest))
     assert verified.total_sha256 == digest
     assert host.release(pb.ReleaseWeightHandlesRequest(run_id="r", handover_id=opened.handover_id,
-                                                       share_id=handles.share_id, mapped=True)).outstanding == 0
+                                                       share_id=handles.share_id, mapped_buckets=len(handles.buckets))).outstanding == 0
     # Every replica released its share: the buckets are gone, and the handover with them.
     assert not any(os.path.exists(b"/dev/shm" + n) for n in names)
     with pytest.raises(Exception, match="handover_id"):
@@ -145,9 +145,15 @@ def test_the_trainer_hands_handles_only_to_its_node_run_version_and_share_count(
                                  ("policy_version", 2, "policy_version")]:
         with pytest.raises(HandoverRefused, match=reason):
             host.handles(pb.GetWeightHandlesRequest(**{**ask, field: value}))
-    host.handles(pb.GetWeightHandlesRequest(**ask))
+    share = host.handles(pb.GetWeightHandlesRequest(**ask)).share_id
     with pytest.raises(HandoverRefused, match="shares"):
         host.handles(pb.GetWeightHandlesRequest(**ask))
+    from services.trainer.data.wire import InvalidRequest
+    for field, value, error in [("share_id", "0" * 16, HandoverRefused), ("mapped_buckets", 3, InvalidRequest),
+                                ("mapped_buckets", -1, InvalidRequest)]:
+        release = dict(run_id="r", handover_id=opened.handover_id, share_id=share, mapped_buckets=0)
+        with pytest.raises(error, match=field):
+            host.release(pb.ReleaseWeightHandlesRequest(**{**release, field: value}))
     closed = host.close_handover(pb.CloseWeightHandoverRequest(run_id="r", handover_id=opened.handover_id))
     assert closed.unreleased == 1  # the share handed out but never released is dropped by the close
 
