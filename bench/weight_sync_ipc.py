@@ -2,13 +2,15 @@
 
 Prints one JSON object (and writes it to --out).
 
-Run on one GPU (the lead's commands; one per shape keeps each under 10 minutes, the 4B one mostly writing
-and loading its 8 GB model; the first start of the services compiles the device digest kernel, cached after):
+Run on one GPU (the lead's commands; split so each stays under 10 minutes, the 4B ones mostly writing and
+loading their 8 GB model; the first start of the services compiles the device digest kernel, cached after):
 
     .venv/bin/python bench/weight_sync_ipc.py --device cuda --shapes qwen3-0.6b \
         --out bench/results/weight_sync_ipc_0.6b_h200.json
-    .venv/bin/python bench/weight_sync_ipc.py --device cuda --shapes qwen3-4b --reps 2 \
-        --out bench/results/weight_sync_ipc_4b_h200.json
+    .venv/bin/python bench/weight_sync_ipc.py --device cuda --shapes qwen3-4b --reps 2 --digest device \
+        --out bench/results/weight_sync_ipc_4b_device_h200.json
+    .venv/bin/python bench/weight_sync_ipc.py --device cuda --shapes qwen3-4b --reps 2 --digest host \
+        --out bench/results/weight_sync_ipc_4b_host_h200.json
 
 CPU smoke test (a tiny model, shared-memory transport, the same code path): `python bench/weight_sync_ipc.py --small`.
 

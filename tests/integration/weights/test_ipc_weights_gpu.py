@@ -1,6 +1,7 @@
 """The IPC weight source through the real stack on one GPU (gpu marker): trainer and replica are two processes
 on the same device, each version goes over CUDA IPC (HIP on ROCm), and a run's metrics and every version's
-digest are bitwise those of the gRPC source, with the choice recorded as ipc on that GPU.
+digest are bitwise those of the gRPC source, with the choice recorded as ipc on that GPU, whether both services
+hash the buckets on the host or on the device (weight_ipc_digest).
 
 Run on a GPU machine: `python -m pytest -q -m gpu tests/integration/weights/test_ipc_weights_gpu.py`.
 """
@@ -19,9 +20,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
 
-def test_ipc_over_cuda_matches_the_grpc_source_bitwise(tmp_path):
+@pytest.mark.parametrize("digest_on", ["host", "device"])
+def test_ipc_over_cuda_matches_the_grpc_source_bitwise(tmp_path, digest_on):
     model = build_model_dir(tmp_path / "model", seed=2)
-    with LocalStack(tmp_path / "stack", path_roots=[tmp_path], extra_env={"LOCKSTEP_TRAINER_DEVICE": "cuda"}) as stack:
+    env = {"LOCKSTEP_TRAINER_DEVICE": "cuda", "LOCKSTEP_TRAINER_WEIGHT_IPC_DIGEST": digest_on,
+           "LOCKSTEP_ROLLOUT_WEIGHT_IPC_DIGEST": digest_on}
+    with LocalStack(tmp_path / "stack", path_roots=[tmp_path], extra_env=env) as stack:
         client = stack.client(timeout_s=60)
         outcomes = {}
         for source in ("grpc", "ipc"):
