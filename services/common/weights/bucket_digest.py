@@ -15,6 +15,7 @@ host memory are hashed on the host whatever `on` says.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -91,20 +92,23 @@ class BucketHasher:
         """The weights digest of the layouts' tensors in order, read from `buffers` (flat uint8, one per layout)."""
         pending: list[Future | tuple[int, int]] = []  # per block in digest order: a host future, or (launch, row)
         launched: list[tuple[torch.Tensor, torch.cuda.Stream]] = []  # per device launch: its states, its stream
-        for buffer, layout in zip(buffers, layouts):
+        on_device = [buffer.is_cuda and self.on == "device" for buffer in buffers]
+        for buffer, layout, here in zip(buffers, layouts, on_device):  # every launch queued before any host work
+            if here:
+                whole = [a for a, b in block_ranges(layout) if b - a == DIGEST_BLOCK_BYTES]
+                launched.append(self._launch(buffer, whole))
+        launch = iter(range(len(launched)))
+        for buffer, layout, here in zip(buffers, layouts, on_device):
             blocks = block_ranges(layout)
             if not buffer.is_cuda:
                 host = memoryview(buffer.numpy())
                 pending.extend(self.pool.submit(_sha, host[a:b]) for a, b in blocks)
-            elif self.on == "host":
+            elif not here:
                 pending.extend(self._device_blocks(buffer, blocks))
             else:
-                whole = [(a, b) for a, b in blocks if b - a == DIGEST_BLOCK_BYTES]
-                launched.append(self._launch(buffer, [a for a, _ in whole]))  # queued before the host work below
-                rows = iter(range(len(whole)))
+                which, rows = next(launch), itertools.count()  # the launch's rows: its whole blocks in order
                 tails = iter(self._device_blocks(buffer, [(a, b) for a, b in blocks if b - a != DIGEST_BLOCK_BYTES]))
-                pending.extend((len(launched) - 1, next(rows)) if b - a == DIGEST_BLOCK_BYTES else next(tails)
-                               for a, b in blocks)
+                pending.extend((which, next(rows)) if b - a == DIGEST_BLOCK_BYTES else next(tails) for a, b in blocks)
         device: list[list[bytes]] = []
         if launched:
             from kernels.digest.sha256_blocks import digests_of

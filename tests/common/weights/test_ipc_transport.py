@@ -127,8 +127,9 @@ def test_a_second_process_maps_the_handover_and_the_trainer_frees_it_once_releas
     verified = host.verify(pb.VerifyWeightHandoverRequest(run_id="r", handover_id=opened.handover_id,
                                                           share_id=handles.share_id, total_sha256=digest))
     assert verified.total_sha256 == digest
-    assert host.release(pb.ReleaseWeightHandlesRequest(run_id="r", handover_id=opened.handover_id,
-                                                       share_id=handles.share_id, mapped_buckets=len(handles.buckets))).outstanding == 0
+    assert host.release(pb.ReleaseWeightHandlesRequest(
+        run_id="r", handover_id=opened.handover_id, share_id=handles.share_id,
+        mapped_buckets=len(handles.buckets))).outstanding == 0
     # Every replica released its share: the buckets are gone, and the handover with them.
     assert not any(os.path.exists(b"/dev/shm" + n) for n in names)
     with pytest.raises(Exception, match="handover_id"):

@@ -92,8 +92,9 @@ def test_two_processes_on_one_gpu_hand_weights_over_in_place():
                                                           share_id=handles.share_id,
                                                           total_sha256=digest)).total_sha256 == digest
         before = torch.cuda.memory_allocated()
-        released = host.release(pb.ReleaseWeightHandlesRequest(run_id="r", handover_id=opened.handover_id,
-                                                               share_id=handles.share_id, mapped_buckets=len(handles.buckets)))
+        released = host.release(pb.ReleaseWeightHandlesRequest(
+            run_id="r", handover_id=opened.handover_id, share_id=handles.share_id,
+            mapped_buckets=len(handles.buckets)))
         assert released.outstanding == 0
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() <= before - 3 * (2 << 20) // 2  # the buckets went back
