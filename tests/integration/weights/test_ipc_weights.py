@@ -81,3 +81,26 @@ def test_ipc_source_matches_the_grpc_source_bitwise(tmp_path, two_replica_stack)
         assert details["node_id"] and details["hostname"]
     finally:
         channel.close()
+
+
+def test_a_fixed_lag_run_over_ipc_syncs_in_the_steps_path_and_trains_as_over_grpc(tmp_path, two_replica_stack):
+    """The handover packs the live weights under the trainer's lock, so an async run syncs its replicas to s-1
+    before step s trains rather than beside it; the versions each step trains on, and so its metrics, are the
+    gRPC run's."""
+    model = build_model_dir(tmp_path / "model", seed=3)
+    client = two_replica_stack.client(timeout_s=60)
+    metrics = {}
+    for source in ("grpc", "ipc"):
+        spec = sync_spec(model, f"lag-{source}", source)
+        spec["async"] = {"max_staleness": 1, "mode": "fixed_lag"}
+        spec["trainer"] = {"mismatch_correction": {"mode": "truncate", "upper": 2.0}}
+        run = client.submit(spec)
+        done = client.wait(run["id"], timeout_s=600)
+        assert done["status"] == "completed", done
+        metrics[source] = [s["metrics"] for s in client.metrics(run["id"])["steps"]]
+    assert [m["weight_sync_beside_training"] for m in metrics["ipc"]] == [0, 0, 0]
+    assert [m["weight_sync_beside_training"] for m in metrics["grpc"]][1:] == [1, 1]
+
+    def without(ms):
+        return [{k: v for k, v in m.items() if k != "weight_sync_beside_training"} for m in ms]
+    assert len(metrics["ipc"]) == 3 and without(metrics["ipc"]) == without(metrics["grpc"])
