@@ -108,6 +108,7 @@ def host():
     made.close()
 
 
+@pytest.mark.slow  # a spawned interpreter importing torch
 def test_a_second_process_maps_the_handover_and_the_trainer_frees_it_once_released(host):
     opened = host.open(pb.OpenWeightHandoverRequest(run_id="r", replicas=1))
     assert (opened.backend, opened.policy_version, opened.tensors, opened.buckets) == ("cpu_shm", 3, 3, 2)

@@ -9,6 +9,8 @@ import torch
 
 from kernels.digest.sha256_blocks import LANES, digests_of, launch_sha256_blocks, reference_sha256_blocks
 
+pytestmark = pytest.mark.slow  # Triton's interpreter runs each compression round by round in numpy
+
 
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
