@@ -121,6 +121,11 @@ def parity_report(verdict: ParityVerdict) -> pb.ParityReport:
     )
 
 
+def weights_device(trainer: Trainer | GroupTrainer) -> str | None:
+    """Where the weights an IPC handover packs live: the trainer's device (a group's: its rank 0's)."""
+    return getattr(trainer, "device", None) or getattr(getattr(trainer, "trainer", None), "device", None)
+
+
 def confined(value: str, roots: Sequence[str], field: str) -> str:
     """`value` resolved inside `roots`; InvalidRequest naming `field` otherwise (checked before any file access)."""
     try:
@@ -165,7 +170,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
     def _service_info(self) -> pb.ServiceInfo:
         info = self.trainer.info()
         service_info = pb.ServiceInfo(service=SERVICE, version=package_version(), **info)
-        service_info.details.update(node_details(getattr(self.trainer, "device", None)))
+        service_info.details.update(node_details(weights_device(self.trainer)))
         return service_info
 
     # ------------------------------------------------------------ RPCs --
@@ -346,7 +351,8 @@ class TrainerServer:
                                         broadcaster=broadcaster,
                                         handovers=WeightHandoverHost(self.trainer, logger=log,
                                                                      bucket_bytes=config.weight_ipc_bucket_bytes,
-                                                                     digest_on=config.weight_ipc_digest))
+                                                                     digest_on=config.weight_ipc_digest,
+                                                                     device=weights_device(self.trainer)))
         self.host = GrpcServiceHost(
             SERVICE, lambda server: add_trainer_service(self.servicer, server), token,
             host=config.host, grpc_port=config.grpc_port, metrics_port=config.metrics_port, registry=registry,

@@ -68,13 +68,13 @@ class _Handover:
 
 class WeightHandoverHost:
     def __init__(self, trainer, *, bucket_bytes: int, logger, hash_threads: int | None = None,
-                 digest_on: str = "host") -> None:
+                 digest_on: str = "host", device: str | None = None) -> None:
         self.trainer, self.bucket_bytes, self.log = trainer, bucket_bytes, logger
         self.node = ipc.node_id()
         self._lock = threading.Lock()  # guards _open: Get/Verify/Release run beside steps, off the servicer's lock
         self._open: dict[str, _Handover] = {}
         self._hasher = BucketHasher(hash_threads, on=digest_on)
-        self._hasher.warm(getattr(trainer, "device", None))  # the trainer's weights device, before any handover
+        self._hasher.warm(device)  # the trainer's weights device, before any handover
         self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ipc-digest")
 
     def close(self) -> None:
