@@ -159,7 +159,9 @@ def _digest_specs():
 
     sig = {"words_ptr": "*i32", "starts_ptr": "*i64", "k_ptr": "*i32", "out_ptr": "*i32", "n_lanes": "i32"}
     const = dict(CHUNKS=65536, LENGTH_BITS=4 * 1024 * 1024 * 8, LANES_=LANES)
-    return [(sha256_blocks_kernel, sig, const, {"num_warps": 1}, "sha256_blocks 4 MiB", (), None)]
+    # As the JIT specializes a launch: every pointer 16-byte aligned (fresh or bucket allocations), n_lanes not.
+    pointers = ("words_ptr", "starts_ptr", "k_ptr", "out_ptr")
+    return [(sha256_blocks_kernel, sig, const, {"num_warps": 1}, "sha256_blocks 4 MiB", pointers, None)]
 
 
 def _all_triton_specs() -> list[tuple]:

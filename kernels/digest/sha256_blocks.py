@@ -145,7 +145,8 @@ def _state(k_ptr, i: tl.constexpr, LANES_: tl.constexpr):
     return tl.zeros([LANES_], dtype=tl.uint32) + tl.load(k_ptr + 64 + i).to(tl.uint32, bitcast=True)
 
 
-@triton.jit
+# The lane count differs from bucket to bucket: left unspecialized, one compile (at service start) serves all.
+@triton.jit(do_not_specialize=["n_lanes"])
 def sha256_blocks_kernel(words_ptr, starts_ptr, k_ptr, out_ptr, n_lanes,
                          CHUNKS: tl.constexpr, LENGTH_BITS: tl.constexpr, LANES_: tl.constexpr):
     """Lane i hashes the CHUNKS x 64 bytes at word offset starts[i] of words_ptr (int32) into out[i, 0:8]."""
