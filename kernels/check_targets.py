@@ -3,8 +3,8 @@
     python -m kernels.check_targets [--skip-native] [--skip-triton] [--jobs N]
 
 Prints one JSON object and exits non-zero if anything failed:
-  * every Triton kernel (kernels/logprob, kernels/batch_invariant), in the specializations the launchers use, compiled
-    ahead of time for GPUTarget("hip", "gfx942", 64) (hsaco) and
+  * every Triton kernel (kernels/logprob, kernels/batch_invariant, kernels/digest), in the specializations
+    the launchers use, compiled ahead of time for GPUTarget("hip", "gfx942", 64) (hsaco) and
     GPUTarget("cuda", 90, 32) (cubin) by the installed triton wheel, no GPU needed;
   * the native source compiled with hipcc (HIP_PLATFORM=amd, gfx90a and gfx940:
     Debian's hipcc 5.2 clang predates gfx942) and with nvcc for sm_90 when nvcc
@@ -202,6 +202,17 @@ def _moe_specs():
     return specs
 
 
+def _digest_specs():
+    """The IPC handover's block SHA-256 at the weights digest's 4 MiB blocks (kernels/digest)."""
+    from kernels.digest.sha256_blocks import LANES, sha256_blocks_kernel
+
+    sig = {"words_ptr": "*i32", "starts_ptr": "*i64", "k_ptr": "*i32", "out_ptr": "*i32", "n_lanes": "i32"}
+    const = dict(CHUNKS=65536, LENGTH_BITS=4 * 1024 * 1024 * 8, LANES_=LANES)
+    # As the JIT specializes a launch: every pointer 16-byte aligned (fresh or bucket allocations), n_lanes not.
+    pointers = ("words_ptr", "starts_ptr", "k_ptr", "out_ptr")
+    return [(sha256_blocks_kernel, sig, const, {"num_warps": 1}, "sha256_blocks 4 MiB", pointers, None)]
+
+
 def _all_triton_specs() -> list[tuple]:
     """(kernel, signature, constexprs, options, label, 16-divisible args, platform) of every Triton kernel."""
     specs = []
@@ -212,7 +223,7 @@ def _all_triton_specs() -> list[tuple]:
         div16 = tuple(n for n, t in sig.items()
                       if n in ("x_ptr", "g_ptr") or (t == "i32" and n not in fn.do_not_specialize))
         specs.append((fn, sig, const, {"num_warps": num_warps}, label, div16, None))
-    return specs + _batch_invariant_specs()
+    return specs + _batch_invariant_specs() + _digest_specs()
 
 
 def _triton_work() -> list[tuple[int, tuple]]:

@@ -345,6 +345,178 @@ class ReceiveWeightsRequest(_message.Message):
     rank: int
     def __init__(self, plan: _Optional[_Union[BroadcastPlan, _Mapping]] = ..., rank: _Optional[int] = ...) -> None: ...
 
+class IpcTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class IpcBucket(_message.Message):
+    __slots__ = ("nbytes", "tensors", "handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "shm_manager", "shm_name")
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    SHM_MANAGER_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAME_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    tensors: _containers.RepeatedCompositeFieldContainer[IpcTensor]
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    shm_manager: bytes
+    shm_name: bytes
+    def __init__(self, nbytes: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[IpcTensor, _Mapping]]] = ..., handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., shm_manager: _Optional[bytes] = ..., shm_name: _Optional[bytes] = ...) -> None: ...
+
+class OpenWeightHandoverRequest(_message.Message):
+    __slots__ = ("run_id", "replicas", "bucket_bytes")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    replicas: int
+    bucket_bytes: int
+    def __init__(self, run_id: _Optional[str] = ..., replicas: _Optional[int] = ..., bucket_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightHandover(_message.Message):
+    __slots__ = ("run_id", "policy_version", "handover_id", "backend", "device_uuid", "tensors", "bytes", "buckets", "node_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    handover_id: str
+    backend: str
+    device_uuid: str
+    tensors: int
+    bytes: int
+    buckets: int
+    node_id: str
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., handover_id: _Optional[str] = ..., backend: _Optional[str] = ..., device_uuid: _Optional[str] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., buckets: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
+
+class MapWeightsRequest(_message.Message):
+    __slots__ = ("run_id", "policy_version", "handover_id", "trainer_address")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    handover_id: str
+    trainer_address: str
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., handover_id: _Optional[str] = ..., trainer_address: _Optional[str] = ...) -> None: ...
+
+class GetWeightHandlesRequest(_message.Message):
+    __slots__ = ("run_id", "policy_version", "handover_id", "node_id", "device_uuids")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUIDS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    handover_id: str
+    node_id: str
+    device_uuids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., handover_id: _Optional[str] = ..., node_id: _Optional[str] = ..., device_uuids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WeightHandles(_message.Message):
+    __slots__ = ("run_id", "policy_version", "handover_id", "share_id", "backend", "device_uuid", "node_id", "buckets", "tensors", "bytes", "lora")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARE_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    policy_version: int
+    handover_id: str
+    share_id: str
+    backend: str
+    device_uuid: str
+    node_id: str
+    buckets: _containers.RepeatedCompositeFieldContainer[IpcBucket]
+    tensors: int
+    bytes: int
+    lora: LoraAdapter
+    def __init__(self, run_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., handover_id: _Optional[str] = ..., share_id: _Optional[str] = ..., backend: _Optional[str] = ..., device_uuid: _Optional[str] = ..., node_id: _Optional[str] = ..., buckets: _Optional[_Iterable[_Union[IpcBucket, _Mapping]]] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class VerifyWeightHandoverRequest(_message.Message):
+    __slots__ = ("run_id", "handover_id", "share_id", "total_sha256")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    handover_id: str
+    share_id: str
+    total_sha256: str
+    def __init__(self, run_id: _Optional[str] = ..., handover_id: _Optional[str] = ..., share_id: _Optional[str] = ..., total_sha256: _Optional[str] = ...) -> None: ...
+
+class VerifyWeightHandoverResponse(_message.Message):
+    __slots__ = ("total_sha256",)
+    TOTAL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    total_sha256: str
+    def __init__(self, total_sha256: _Optional[str] = ...) -> None: ...
+
+class ReleaseWeightHandlesRequest(_message.Message):
+    __slots__ = ("run_id", "handover_id", "share_id", "mapped_buckets")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    SHARE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAPPED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    handover_id: str
+    share_id: str
+    mapped_buckets: int
+    def __init__(self, run_id: _Optional[str] = ..., handover_id: _Optional[str] = ..., share_id: _Optional[str] = ..., mapped_buckets: _Optional[int] = ...) -> None: ...
+
+class ReleaseWeightHandlesResponse(_message.Message):
+    __slots__ = ("outstanding",)
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    outstanding: int
+    def __init__(self, outstanding: _Optional[int] = ...) -> None: ...
+
+class CloseWeightHandoverRequest(_message.Message):
+    __slots__ = ("run_id", "handover_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    HANDOVER_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    handover_id: str
+    def __init__(self, run_id: _Optional[str] = ..., handover_id: _Optional[str] = ...) -> None: ...
+
+class CloseWeightHandoverResponse(_message.Message):
+    __slots__ = ("unreleased",)
+    UNRELEASED_FIELD_NUMBER: _ClassVar[int]
+    unreleased: int
+    def __init__(self, unreleased: _Optional[int] = ...) -> None: ...
+
 class ConfigureRunRequest(_message.Message):
     __slots__ = ("run_id", "model_path", "seed", "trainer_config_json", "resume_checkpoint")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

@@ -69,6 +69,11 @@ class RolloutStub:
                 request_serializer=proto_dot_lockstep__pb2.ReceiveWeightsRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.MapWeights = channel.unary_unary(
+                '/lockstep.v1.Rollout/MapWeights',
+                request_serializer=proto_dot_lockstep__pb2.MapWeightsRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Rollout/Health',
                 request_serializer=proto_dot_lockstep__pb2.HealthRequest.SerializeToString,
@@ -134,6 +139,15 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MapWeights(self, request, context):
+        """IPC source: fetches the handover's handles from the trainer at trainer_address (one of weight_sources), checks
+        them (version, handover id, node, device), maps them, verifies the digest with the trainer, applies them as
+        UpdateWeights does and releases them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -182,6 +196,11 @@ def add_RolloutServicer_to_server(servicer, server):
             'ReceiveWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.ReceiveWeights,
                     request_deserializer=proto_dot_lockstep__pb2.ReceiveWeightsRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'MapWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.MapWeights,
+                    request_deserializer=proto_dot_lockstep__pb2.MapWeightsRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
@@ -395,6 +414,33 @@ class Rollout:
             _registered_method=True)
 
     @staticmethod
+    def MapWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Rollout/MapWeights',
+            proto_dot_lockstep__pb2.MapWeightsRequest.SerializeToString,
+            proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Health(request,
             target,
             options=(),
@@ -508,6 +554,31 @@ class TrainerStub:
                 request_serializer=proto_dot_lockstep__pb2.AbortWeightBroadcastRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.AbortWeightBroadcastResponse.FromString,
                 _registered_method=True)
+        self.OpenWeightHandover = channel.unary_unary(
+                '/lockstep.v1.Trainer/OpenWeightHandover',
+                request_serializer=proto_dot_lockstep__pb2.OpenWeightHandoverRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.WeightHandover.FromString,
+                _registered_method=True)
+        self.GetWeightHandles = channel.unary_unary(
+                '/lockstep.v1.Trainer/GetWeightHandles',
+                request_serializer=proto_dot_lockstep__pb2.GetWeightHandlesRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.WeightHandles.FromString,
+                _registered_method=True)
+        self.VerifyWeightHandover = channel.unary_unary(
+                '/lockstep.v1.Trainer/VerifyWeightHandover',
+                request_serializer=proto_dot_lockstep__pb2.VerifyWeightHandoverRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.VerifyWeightHandoverResponse.FromString,
+                _registered_method=True)
+        self.ReleaseWeightHandles = channel.unary_unary(
+                '/lockstep.v1.Trainer/ReleaseWeightHandles',
+                request_serializer=proto_dot_lockstep__pb2.ReleaseWeightHandlesRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.ReleaseWeightHandlesResponse.FromString,
+                _registered_method=True)
+        self.CloseWeightHandover = channel.unary_unary(
+                '/lockstep.v1.Trainer/CloseWeightHandover',
+                request_serializer=proto_dot_lockstep__pb2.CloseWeightHandoverRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.CloseWeightHandoverResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Trainer/Health',
                 request_serializer=proto_dot_lockstep__pb2.HealthRequest.SerializeToString,
@@ -589,6 +660,39 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenWeightHandover(self, request, context):
+        """IPC source: pack the current weights into shared buckets (OpenWeightHandover), hand their handles to a replica
+        on this node (GetWeightHandles), compare its digest (VerifyWeightHandover), take its release
+        (ReleaseWeightHandles) and free the buckets (CloseWeightHandover, or once every replica released them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWeightHandles(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def VerifyWeightHandover(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseWeightHandles(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseWeightHandover(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -653,6 +757,31 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.AbortWeightBroadcast,
                     request_deserializer=proto_dot_lockstep__pb2.AbortWeightBroadcastRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.AbortWeightBroadcastResponse.SerializeToString,
+            ),
+            'OpenWeightHandover': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenWeightHandover,
+                    request_deserializer=proto_dot_lockstep__pb2.OpenWeightHandoverRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.WeightHandover.SerializeToString,
+            ),
+            'GetWeightHandles': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWeightHandles,
+                    request_deserializer=proto_dot_lockstep__pb2.GetWeightHandlesRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.WeightHandles.SerializeToString,
+            ),
+            'VerifyWeightHandover': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyWeightHandover,
+                    request_deserializer=proto_dot_lockstep__pb2.VerifyWeightHandoverRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.VerifyWeightHandoverResponse.SerializeToString,
+            ),
+            'ReleaseWeightHandles': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseWeightHandles,
+                    request_deserializer=proto_dot_lockstep__pb2.ReleaseWeightHandlesRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.ReleaseWeightHandlesResponse.SerializeToString,
+            ),
+            'CloseWeightHandover': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseWeightHandover,
+                    request_deserializer=proto_dot_lockstep__pb2.CloseWeightHandoverRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.CloseWeightHandoverResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -935,6 +1064,141 @@ class Trainer:
             '/lockstep.v1.Trainer/AbortWeightBroadcast',
             proto_dot_lockstep__pb2.AbortWeightBroadcastRequest.SerializeToString,
             proto_dot_lockstep__pb2.AbortWeightBroadcastResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenWeightHandover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/OpenWeightHandover',
+            proto_dot_lockstep__pb2.OpenWeightHandoverRequest.SerializeToString,
+            proto_dot_lockstep__pb2.WeightHandover.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWeightHandles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/GetWeightHandles',
+            proto_dot_lockstep__pb2.GetWeightHandlesRequest.SerializeToString,
+            proto_dot_lockstep__pb2.WeightHandles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyWeightHandover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/VerifyWeightHandover',
+            proto_dot_lockstep__pb2.VerifyWeightHandoverRequest.SerializeToString,
+            proto_dot_lockstep__pb2.VerifyWeightHandoverResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseWeightHandles(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/ReleaseWeightHandles',
+            proto_dot_lockstep__pb2.ReleaseWeightHandlesRequest.SerializeToString,
+            proto_dot_lockstep__pb2.ReleaseWeightHandlesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseWeightHandover(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Trainer/CloseWeightHandover',
+            proto_dot_lockstep__pb2.CloseWeightHandoverRequest.SerializeToString,
+            proto_dot_lockstep__pb2.CloseWeightHandoverResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,13 @@ class RolloutClient:
         """The replica joins the plan's weight-update group as `rank` and applies what the trainer broadcasts."""
         return await self._stub.ReceiveWeights(pb.ReceiveWeightsRequest(plan=plan, rank=rank), timeout=self._timeout)
 
+    async def map_weights(self, run_id: str, policy_version: int, handover_id: str,
+                          trainer_address: str) -> pb.UpdateWeightsResponse:
+        """The replica fetches the handover's handles from the trainer itself, maps, verifies and applies them."""
+        return await self._stub.MapWeights(pb.MapWeightsRequest(
+            run_id=run_id, policy_version=policy_version, handover_id=handover_id, trainer_address=trainer_address),
+            timeout=self._timeout)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -179,6 +186,16 @@ class TrainerClient:
         """The group stops waiting for ranks that will not come; its RunWeightBroadcast fails naming `reason`."""
         return await self._stub.AbortWeightBroadcast(pb.AbortWeightBroadcastRequest(
             run_id=run_id, group_name=group_name, reason=reason), timeout=self._timeout)
+
+    @_trainer_rpc
+    async def open_weight_handover(self, run_id: str, replicas: int, bucket_bytes: int = 0) -> pb.WeightHandover:
+        return await self._stub.OpenWeightHandover(pb.OpenWeightHandoverRequest(
+            run_id=run_id, replicas=replicas, bucket_bytes=bucket_bytes), timeout=self._timeout)
+
+    @_trainer_rpc
+    async def close_weight_handover(self, run_id: str, handover_id: str) -> pb.CloseWeightHandoverResponse:
+        return await self._stub.CloseWeightHandover(pb.CloseWeightHandoverRequest(
+            run_id=run_id, handover_id=handover_id), timeout=self._timeout)
 
     async def close(self) -> None:
         await self._channel.close()

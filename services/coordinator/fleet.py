@@ -24,6 +24,7 @@ from services.coordinator.run.prompts import SamplingPlan, group_id
 from services.coordinator.run_spec import RunSpec
 from services.coordinator.state.event_log import EventLog
 from services.coordinator.tasks import Problem
+from services.coordinator.ipc_weights import IpcWeights
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights, judge_round, rpc_details
 
 Encode = Callable[[Problem], list[int]]
@@ -49,12 +50,13 @@ class RolloutFleet:
                  events: EventLog, *, generate_retries: int, recovery_timeout_s: float,
                  check_cancelled: Callable[[], Awaitable[None]],
                  shared_weights: SharedPathWeights | None = None,
-                 broadcast_weights: BroadcastWeights | None = None) -> None:
+                 broadcast_weights: BroadcastWeights | None = None, ipc_weights: IpcWeights | None = None) -> None:
         self.run_id, self.spec = run_id, spec
         self.pool = ReplicaPool(clients)
         self.weights_address = weights_address  # where replicas pull the trainer's weights from
         self.shared_weights = shared_weights  # rollout.weight_sync shared_path: the directories the trainer writes
         self.broadcast_weights = broadcast_weights  # rollout.weight_sync broadcast: one group per sync
+        self.ipc_weights = ipc_weights  # rollout.weight_sync ipc/auto: one handover per sync, once chosen
         self.events = events
         self.generate_retries = generate_retries
         self.recovery_timeout_s = recovery_timeout_s
@@ -94,10 +96,23 @@ class RolloutFleet:
         if rinfo.policy_version != version:
             await self.pull_weights(client, version)
 
+    @property
+    def ipc_active(self) -> bool:
+        return self.ipc_weights is not None and self.ipc_weights.active
+
+    @property
+    def weight_source(self) -> str:
+        """The source the run's syncs use now ('auto' resolved once the services are configured)."""
+        return "ipc" if self.ipc_active else self.spec.rollout.non_ipc_source
+
     async def pull_weights(self, client: RolloutClient, version: int) -> pb.UpdateWeightsResponse:
         """The replica streams `version` from the trainer itself (SyncWeights), or reads the directory the
         trainer wrote (shared_path): the weights' bytes never pass through the coordinator."""
-        if self.broadcast_weights is not None:
+        if self.ipc_active:
+            got = (await self.ipc_weights.sync([client], version, self.weights_address))[0]
+            if isinstance(got, BaseException):
+                raise got
+        elif self.broadcast_weights is not None:
             # A replica found behind on its own (restarted, readmitted, run start) gets a group of its own.
             got = await self._broadcast_alone(client, version)
         elif self.shared_weights is not None:
@@ -185,16 +200,23 @@ class RolloutFleet:
         its stream against the digest the trainer computed while sending it; replicas that report
         different digests for one version did not get the same weights, and the run fails. A trainer
         that aborts the stream (it lost the run's state) is TrainerUnavailable."""
-        if self.broadcast_weights is not None:
+        if self.broadcast_weights is not None and not self.ipc_active:
             synced = await self._broadcast_to(clients, version)
         else:
-            results = await asyncio.gather(*(self.pull_weights(c, version) for c in clients), return_exceptions=True)
+            if self.ipc_active:  # one handover for every stale replica
+                results = await self.ipc_weights.sync(clients, version, self.weights_address)
+            else:
+                results = await asyncio.gather(*(self.pull_weights(c, version) for c in clients),
+                                               return_exceptions=True)
             synced = {}
             for c, r in zip(clients, results):
                 if isinstance(r, BaseException):
                     if not is_unavailable(r):
                         raise r
                     await self.evict(c, step=version, reason=f"weight sync failed ({r.code()})")
+                elif r.policy_version != version:
+                    raise RunFailed(f"replica {c.address} reports version {r.policy_version} after sync, "
+                                    f"expected {version}")
                 else:
                     synced[c.address] = r
         digests = {address: r.total_sha256 or f"engine:{r.engine_checksum}" for address, r in synced.items()}
@@ -203,6 +225,7 @@ class RolloutFleet:
         if synced:
             first = next(iter(synced.values()))
             await self.events.record("weights_synced", "weights synced", policy_version=version,
+                                     source=self.weight_source,
                                      digest=digests[next(iter(synced))], bytes=first.bytes, replicas=sorted(synced),
                                      prefetched=sorted(a for a, r in synced.items() if r.prefetched))
 

@@ -74,14 +74,24 @@ class RolloutSpec(_Strict):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec, description="Sampling parameters.")
     dynamic_sampling: DynamicSamplingSpec = Field(
         default_factory=DynamicSamplingSpec, description="Drop zero-variance groups and sample more (DAPO).")
-    weight_sync: Literal["grpc", "shared_path", "broadcast"] = Field(
+    weight_sync: Literal["grpc", "shared_path", "broadcast", "ipc", "auto"] = Field(
         "grpc", description="How replicas get each new policy version: 'grpc' streams it from the trainer "
         "(SyncWeights; any host); 'shared_path' has the trainer write it once as safetensors under the run's "
         "directory and every replica read that directory (the run directory must lie inside the trainer's "
         "checkpoint_roots and the rollout services' model_roots); 'broadcast' has the trainer broadcast it in "
         "buckets over a torch.distributed group of itself and the replicas being synced (NCCL/RCCL on GPUs, "
         "gloo on CPU; the trainer's weight_broadcast_address, listed in every replica's broadcast_sources). "
-        "Each verifies the trainer's digest.")
+        "Each verifies the trainer's digest. 'ipc' hands the trainer's buffers over in place (CUDA/HIP IPC, or shared "
+        "memory for a trainer on CPU) to torch-engine replicas on the trainer's node that see its GPU; the run fails "
+        "naming any replica it cannot reach. 'auto' uses 'ipc' when every replica can be reached so, else "
+        "weight_sync_fallback; the choice and its reason are the event weight_source_chosen.")
+    weight_sync_fallback: Literal["grpc", "shared_path", "broadcast"] = Field(
+        "grpc", description="The source weight_sync 'auto' uses when 'ipc' cannot reach every replica.")
+
+    @property
+    def non_ipc_source(self) -> str:
+        """The source a run uses when not IPC: weight_sync itself, or the fallback of 'ipc' and 'auto'."""
+        return self.weight_sync_fallback if self.weight_sync in ("ipc", "auto") else self.weight_sync
 
     @field_validator("engine_options")
     @classmethod
@@ -434,14 +444,21 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _weight_sync_carries_the_policy(self) -> "RunSpec":
+        # The checks of the source in use when not IPC apply to weight_sync_fallback under 'auto'.
+        where = "rollout.weight_sync_fallback" if self.rollout.weight_sync == "auto" else "rollout.weight_sync"
+        if self.rollout.weight_sync == "ipc" and self.rollout.engine != "torch":
+            raise field_error("rollout.weight_sync", f"'ipc' maps the trainer's buffers into the replica's own "
+                              f"process; engine {self.rollout.engine!r} holds its model in another (use 'auto' or "
+                              "another source)")
+        source = self.rollout.non_ipc_source if self.rollout.weight_sync != "ipc" else "ipc"
         # WriteWeights writes whole models; a LoRA run's adapters carry their rank and alpha on the stream.
-        if self.rollout.weight_sync == "shared_path" and self.trainer.lora is not None:
-            raise field_error("rollout.weight_sync", "'shared_path' writes whole models; a run with trainer.lora "
+        if source == "shared_path" and self.trainer.lora is not None:
+            raise field_error(where, "'shared_path' writes whole models; a run with trainer.lora "
                               "syncs its adapters with 'grpc'")
-        if self.rollout.weight_sync == "broadcast" and self.rollout.engine == "sglang" and self.trainer.lora is not None:
+        if source == "broadcast" and self.rollout.engine == "sglang" and self.trainer.lora is not None:
             # SGLang's /update_weights_from_distributed loads model weights; its adapters load from files or
             # serialized tensors (/load_lora_adapter, /load_lora_adapter_from_tensors), never from a group.
-            raise field_error("rollout.weight_sync", "'broadcast' to engine sglang carries whole models (SGLang "
+            raise field_error(where, "'broadcast' to engine sglang carries whole models (SGLang "
                               "loads LoRA adapters from files or tensors, not from a process group); a run with "
                               "trainer.lora and engine sglang syncs its adapters with 'grpc'")
         return self

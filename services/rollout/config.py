@@ -77,6 +77,10 @@ class RolloutServiceConfig(AuthSetting):
         "ReceiveWeights may join a weight-update group at; a plan naming any other address is refused, so no "
         "caller can make the replica connect where it chooses. Empty: ReceiveWeights is refused.",
     )
+    weight_ipc_digest: Literal["host", "device"] = Field(
+        "host", description="Where MapWeights hashes the buckets it mapped from the trainer's GPU: 'host' copies "
+        "them through pinned buffers and hashes on every core; 'device' hashes their whole 4 MiB blocks on the GPU "
+        "(kernels/digest) and only each tensor's last, shorter block on the host. The same digest either way.")
     weight_broadcast_timeout_s: float = Field(
         300.0, gt=0, description="ReceiveWeights fails (nothing applied) when the group does not form or a "
         "bucket does not arrive within this long.")

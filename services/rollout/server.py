@@ -22,9 +22,14 @@ Status codes the coordinator can rely on:
   service's weight_sources.
 - PERMISSION_DENIED: ReceiveWeights names a rendezvous that is not one of
   the service's broadcast_sources.
+- PERMISSION_DENIED: MapWeights names a trainer outside weight_sources, or
+  the handles it got are not this replica's to map (another run, node,
+  device or handover id, a stale version, fields not of torch's form).
+- FAILED_PRECONDITION: MapWeights' trainer refused the handover (its reason).
 - ABORTED: SyncWeights could not read the trainer's stream (trainer
-  unreachable, or its weights changed mid-stream), or ReceiveWeights' group
-  did not form or lost a bucket; nothing was applied.
+  unreachable, or its weights changed mid-stream), ReceiveWeights' group
+  did not form or lost a bucket, or MapWeights could not reach the trainer;
+  nothing was applied.
 - UNAVAILABLE: the engine cannot serve right now (EngineUnavailable); retry.
 - INTERNAL: an engine bug (e.g. non-finite log-probs); logged with a traceback.
 The mapping is applied, and the process (health, metrics, graceful stop) run,
@@ -71,6 +76,7 @@ from services.common.process.structured_logging import log_event
 from services.common.rendezvous.store import RendezvousClient
 from services.common.weights.broadcast_protocol import bucket_specs
 from services.common.weights.files import WeightFiles, read_weight_dir
+from services.common.weights.ipc_transport import HandleRefused, node_details
 from services.common.weights.stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import DeviceUnavailable, Engine, EngineUnavailable
@@ -82,6 +88,7 @@ from services.rollout.weights.broadcast_receiver import (
     receive_broadcast,
     staging_device,
 )
+from services.rollout.weights.ipc_receiver import HandoverDenied, HandoverFailed, IpcReceiver
 from services.rollout.weights.prefetch import PREFETCH_READ_THREADS, Allocate, DirectoryKey, WeightPrefetch
 from services.rollout.weights.staging_arena import StagingArena
 from services.rollout.wire import (
@@ -105,6 +112,9 @@ MODEL_LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, SafetensorError, p
 
 ERRORS = RpcErrors(SERVICE, StatusMap(
     (EngineUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (HandleRefused, grpc.StatusCode.PERMISSION_DENIED),
+    (HandoverFailed, grpc.StatusCode.ABORTED),
+    (HandoverDenied, grpc.StatusCode.FAILED_PRECONDITION),
     (DeviceUnavailable, grpc.StatusCode.FAILED_PRECONDITION),
     ((ValueError, FileNotFoundError), grpc.StatusCode.INVALID_ARGUMENT),
     (ImportError, grpc.StatusCode.FAILED_PRECONDITION),
@@ -130,6 +140,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-engine")
         self._staging: StagingArena | None = None
         self._prefetch = WeightPrefetch(self._staging_arena)  # LoadWeights' prefetched directory
+        self._ipc = IpcReceiver(digest_on=config.weight_ipc_digest)  # MapWeights' hashing, kept between handovers
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -226,6 +237,8 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                     await self._in_worker(old.close)
             self.engine_name, self.run_id = name, request.run_id
         await self._prefetch.release()  # a directory of the run before is not wanted any more
+        with contextlib.suppress(ValueError):  # an engine whose model is in another process maps nothing here
+            await asyncio.to_thread(self._ipc.warm, engine.broadcast_device())
         self.metrics["lockstep_rollout_policy_version"].labels(SERVICE).set(engine.policy_version)
         log_event(log, "model loaded", engine=name, model_path=model_path, reloaded=reloaded,
                   run_id=request.run_id, policy_version=engine.policy_version)
@@ -348,6 +361,40 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         return self._applied("ReceiveWeights", plan.policy_version, len(got.tensors), got.nbytes, got.total_sha256,
                              lora=got.lora is not None)
 
+    @rpc_handler(ERRORS, "MapWeights", counter="lockstep_rollout_weight_updates_total")
+    async def MapWeights(self, request: pb.MapWeightsRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.UpdateWeightsResponse:
+        # The handles come from the trainer the replica itself calls (one of weight_sources), never from the caller.
+        if request.trainer_address not in self.config.weight_sources:
+            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
+                             f"trainer_address: {request.trainer_address!r} is not one of this service's "
+                             f"weight_sources {self.config.weight_sources}")
+        self._check_run(request.run_id, "MapWeights")
+        engine = self._loaded()
+        try:
+            engine.broadcast_device()
+        except ValueError:
+            raise ValueError(f"rollout.weight_sync: the {self.engine_name} engine holds its model in another "
+                             "process and cannot map IPC weights") from None
+
+        async def apply(tensors: dict[str, torch.Tensor], version: int, lora) -> None:
+            async with self._lock:  # between batches, as every other source
+                engine = self._loaded()
+                self._check_run(request.run_id, "MapWeights")
+                if lora is not None:
+                    await self._in_worker(engine.update_lora_adapter, lora, tensors, version)
+                else:
+                    await self._in_worker(engine.update_weights, tensors, version)
+
+        channel = insecure_channel(request.trainer_address, self._token)
+        try:
+            got = await self._ipc.receive(pb_grpc.TrainerStub(channel), request,
+                                          current_version=engine.policy_version, apply=apply)
+        finally:
+            await channel.close()
+        return self._applied("MapWeights", got.policy_version, got.tensors, got.nbytes, got.total_sha256,
+                             lora=got.lora is not None)
+
     @contextlib.contextmanager
     def _rendezvous(self, plan: pb.BroadcastPlan) -> Iterator[RendezvousClient]:
         """The plan's rendezvous (one of broadcast_sources), reached with the deployment's token."""
@@ -408,6 +455,10 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         details = {"engine": self.config.engine, "engine_loaded": "false"}
         if engine is not None:
             details = {**engine.info(), "engine": self.engine_name, "engine_loaded": "true"}
+        device = None
+        with contextlib.suppress(ValueError):  # an engine whose model is in another process has no device here
+            device = engine.broadcast_device() if engine is not None else None
+        details.update(node_details(device))  # where an IPC handover can reach this replica
         return pb.ServiceInfo(
             service=SERVICE,
             version=package_version(),
@@ -420,6 +471,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     def close(self) -> None:
         # Let a batch still running in the worker finish before its engine goes away.
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._ipc.close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None

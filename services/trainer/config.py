@@ -101,6 +101,17 @@ class TrainerServiceConfig(AuthSetting):
         description="Bytes of keys and values the rendezvous holds at most, whoever writes them: the most a "
         "sync's ranks can make it hold. Callers without the token cannot store anything.",
     )
+    weight_ipc_bucket_bytes: int = Field(
+        1024 * 1024 * 1024, ge=1024,
+        description="Bucket size of an IPC weight handover (rollout.weight_sync ipc): the policy is packed into "
+        "shared buffers of this many bytes (a larger tensor alone), one IPC handle each; an OpenWeightHandover "
+        "may ask for another. Few large buckets keep the handle count (and each mapping's cost) low.",
+    )
+    weight_ipc_digest: Literal["host", "device"] = Field(
+        "host", description="Where an IPC handover's device buckets are hashed: 'host' copies them through pinned "
+        "buffers and hashes on every core; 'device' hashes their whole 4 MiB blocks on the GPU (kernels/digest) "
+        "and only each tensor's last, shorter block on the host. The same digest either way.",
+    )
     weight_broadcast_bucket_bytes: int = Field(
         256 * 1024 * 1024, ge=1024,
         description="Bucket size of a weight broadcast: consecutive tensors of one dtype up to this many bytes "

@@ -57,6 +57,8 @@ from services.common.grpc.service import (
 from services.common.metric_defs import TRAINER_METRICS, build_collectors
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.common.process.structured_logging import log_event
+from services.common.weights import ipc_transport
+from services.common.weights.ipc_transport import node_details
 from services.common.weights.files import WeightFilesError, write_weight_dir
 from services.trainer.checkpoint import ForeignDirectory
 from services.trainer.config import TrainerServiceConfig
@@ -73,6 +75,7 @@ from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
 from services.trainer.trainer import StepFailed, StepOutcome, Trainer
 from services.trainer.weights.broadcast_sender import BroadcastFailed, WeightBroadcaster
+from services.trainer.weights.ipc_sender import WeightHandoverHost
 from services.trainer.weights.serving import VersionNotKept, WeightChunksAsKept, WeightServing
 
 log = logging.getLogger("lockstep.trainer")
@@ -118,6 +121,11 @@ def parity_report(verdict: ParityVerdict) -> pb.ParityReport:
     )
 
 
+def weights_device(trainer: Trainer | GroupTrainer) -> str | None:
+    """Where the weights an IPC handover packs live: the trainer's device (a group's: its rank 0's)."""
+    return getattr(trainer, "device", None) or getattr(getattr(trainer, "trainer", None), "device", None)
+
+
 def confined(value: str, roots: Sequence[str], field: str) -> str:
     """`value` resolved inside `roots`; InvalidRequest naming `field` otherwise (checked before any file access)."""
     try:
@@ -128,9 +136,12 @@ def confined(value: str, roots: Sequence[str], field: str) -> str:
 
 class TrainerServicer(pb_grpc.TrainerServicer):
     def __init__(self, trainer: Trainer, collectors: dict[str, object], *, weight_chunk_bytes: int,
-                 model_roots: Sequence[str], checkpoint_roots: Sequence[str], broadcaster: WeightBroadcaster) -> None:
+                 model_roots: Sequence[str], checkpoint_roots: Sequence[str], broadcaster: WeightBroadcaster,
+                 handovers: WeightHandoverHost | None = None) -> None:
         self.trainer = trainer
         self.broadcaster = broadcaster
+        self.handovers = handovers if handovers is not None else WeightHandoverHost(
+            trainer, bucket_bytes=ipc_transport.DEFAULT_BUCKET_BYTES, logger=log)
         self.metrics = collectors
         self.model_roots, self.checkpoint_roots = tuple(model_roots), tuple(checkpoint_roots)
         self.lock = threading.Lock()
@@ -138,6 +149,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
     def close(self) -> None:
         self.weights.close()
+        self.handovers.close()
 
     async def _locked(self, fn: Callable[..., T], *args: object) -> T:
         def run() -> T:
@@ -157,7 +169,9 @@ class TrainerServicer(pb_grpc.TrainerServicer):
 
     def _service_info(self) -> pb.ServiceInfo:
         info = self.trainer.info()
-        return pb.ServiceInfo(service=SERVICE, version=package_version(), **info)
+        service_info = pb.ServiceInfo(service=SERVICE, version=package_version(), **info)
+        service_info.details.update(node_details(weights_device(self.trainer)))
+        return service_info
 
     # ------------------------------------------------------------ RPCs --
 
@@ -275,6 +289,31 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         # Never under the lock: the broadcast it stops holds it. The broadcaster guards its own plans.
         return self.broadcaster.abort(request)
 
+    # IPC source (services/trainer/weights/ipc_sender.py): only the packing holds the lock; a replica's calls run
+    # beside a step, the handover host guards its own state.
+    @rpc_handler(ERRORS, "OpenWeightHandover")
+    async def OpenWeightHandover(self, request: pb.OpenWeightHandoverRequest, context) -> pb.WeightHandover:
+        return await self._locked(self.handovers.open, request)
+
+    @rpc_handler(ERRORS, "GetWeightHandles")
+    async def GetWeightHandles(self, request: pb.GetWeightHandlesRequest, context) -> pb.WeightHandles:
+        return await asyncio.to_thread(self.handovers.handles, request)
+
+    @rpc_handler(ERRORS, "VerifyWeightHandover")
+    async def VerifyWeightHandover(self, request: pb.VerifyWeightHandoverRequest, context
+                                   ) -> pb.VerifyWeightHandoverResponse:
+        return await asyncio.to_thread(self.handovers.verify, request)
+
+    @rpc_handler(ERRORS, "ReleaseWeightHandles")
+    async def ReleaseWeightHandles(self, request: pb.ReleaseWeightHandlesRequest, context
+                                   ) -> pb.ReleaseWeightHandlesResponse:
+        return await asyncio.to_thread(self.handovers.release, request)
+
+    @rpc_handler(ERRORS, "CloseWeightHandover")
+    async def CloseWeightHandover(self, request: pb.CloseWeightHandoverRequest, context
+                                  ) -> pb.CloseWeightHandoverResponse:
+        return await asyncio.to_thread(self.handovers.close_handover, request)
+
     async def Health(self, request: pb.HealthRequest, context) -> pb.HealthResponse:
         if self.lock.locked():
             status = "busy"
@@ -309,7 +348,11 @@ class TrainerServer:
         broadcaster.start()  # before any RPC: a rendezvous address this host cannot serve stops the trainer
         self.servicer = TrainerServicer(self.trainer, collectors, weight_chunk_bytes=config.weight_chunk_bytes,
                                         model_roots=config.model_roots, checkpoint_roots=config.checkpoint_roots,
-                                        broadcaster=broadcaster)
+                                        broadcaster=broadcaster,
+                                        handovers=WeightHandoverHost(self.trainer, logger=log,
+                                                                     bucket_bytes=config.weight_ipc_bucket_bytes,
+                                                                     digest_on=config.weight_ipc_digest,
+                                                                     device=weights_device(self.trainer)))
         self.host = GrpcServiceHost(
             SERVICE, lambda server: add_trainer_service(self.servicer, server), token,
             host=config.host, grpc_port=config.grpc_port, metrics_port=config.metrics_port, registry=registry,

@@ -61,6 +61,7 @@ from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.kept_rollouts import KeptRollouts
 from services.coordinator.state.store import RunStore
 from services.coordinator.tasks import build_task
+from services.coordinator.ipc_weights import IpcWeights
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
 __all__ = ["RunCancelled", "RunDriver", "RunFailed", "RunPaused", "SpaceRetry", "next_step"]
@@ -141,14 +142,19 @@ class RunDriver:
         self.run_id, self.spec, self.store = run_id, spec, store
         self._check_cancelled = CancelCheck(store, run_id)
         events = EventLog(run_id, store, exporter, log)
+        # 'ipc' and 'auto' decide at each configure (IpcWeights.choose); the others' objects serve 'auto''s fallback.
+        source = spec.rollout.non_ipc_source
         shared = (SharedPathWeights(trainer, run_id, run_dir / "weights")
-                  if spec.rollout.weight_sync == "shared_path" else None)
+                  if source == "shared_path" else None)
         # The torch engine receives in its own process and checks the trainer's digest before applying.
         broadcast = (BroadcastWeights(trainer, run_id, digest_trailer=spec.rollout.engine == "torch")
-                     if spec.rollout.weight_sync == "broadcast" else None)
+                     if source == "broadcast" else None)
+        ipc = (IpcWeights(trainer, run_id, configured=spec.rollout.weight_sync, fallback=source,
+                          engine=spec.rollout.engine) if spec.rollout.weight_sync in ("ipc", "auto") else None)
         fleet = RolloutFleet(run_id, spec, rollouts, trainer.weights_address, events,
                              generate_retries=generate_retries, recovery_timeout_s=replica_recovery_timeout_s,
-                             check_cancelled=self._check_cancelled, shared_weights=shared, broadcast_weights=broadcast)
+                             check_cancelled=self._check_cancelled, shared_weights=shared, broadcast_weights=broadcast,
+                             ipc_weights=ipc)
         session = TrainerSession(run_id, spec, trainer, store, events, run_dir,
                                  recovery_timeout_s=trainer_recovery_timeout_s,
                                  check_cancelled=self._check_cancelled, space_retry=space_retry)
@@ -222,6 +228,8 @@ class RunDriver:
         version = await ctx.trainer.configure()
         if ctx.fleet.shared_weights is not None:
             ctx.fleet.shared_weights.trainer_configured()
+        if ctx.fleet.ipc_weights is not None:  # before any replica syncs: the trainer may have come back elsewhere
+            await ctx.fleet.ipc_weights.choose(ctx.fleet.pool.all(), ctx.events)
         start = await self.steps.replicas_start(version)
         try:
             live = await ctx.fleet.start_at(start)

@@ -123,8 +123,8 @@ class StepContext:
     def sync_beside_training(self) -> bool:
         """K > 0: the replicas sync to s-1 while step s trains, from the copy of s-1 the trainer keeps (in
         streaming when step s's rollout is complete as the step begins). Not with broadcast, which sends
-        from the live weights under the trainer's lock."""
-        return self.max_staleness > 0 and self.spec.rollout.weight_sync != "broadcast"
+        from the live weights under the trainer's lock, nor with ipc, which packs them there."""
+        return self.max_staleness > 0 and self.fleet.weight_source not in ("broadcast", "ipc")
 
     def header(self, step: int) -> pb.TrainStepHeader:
         """The TrainStep header of `step`: the oldest version its tokens may come from and the run's bound,
