@@ -32,6 +32,7 @@ from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
 from services.coordinator.tasks.episodic import EpisodicTask
+from services.coordinator.tracking.spec import SamplesSpec, TrackingSpec
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
@@ -248,6 +249,11 @@ class RunSpec(_Strict):
                            "task's held-out split and extra held-out sets.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
     debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
+    # Samples kept per step and experiment trackers (services/coordinator/tracking/, docs/tracking.md).
+    samples: SamplesSpec = Field(default_factory=SamplesSpec, description="Each step's samples, kept for the "
+                                 "samples API and `lockstep samples`.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="Experiment trackers (W&B, "
+                                   "TensorBoard, MLflow) the run is logged to.")
     async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async",
                               description="Asynchronous RL: how far rollouts may run ahead of training (docs/async.md).")
     numerics: Numerics = Field(

@@ -61,6 +61,9 @@ from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.kept_rollouts import KeptRollouts
 from services.coordinator.state.store import RunStore
 from services.coordinator.tasks import build_task
+from services.coordinator.tracking.run_tracking import RunTracking
+from services.coordinator.tracking.step_samples import StepSamples, read_samples
+from services.coordinator.tracking.trackers import RunIdentity, TrackingTargets
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
 __all__ = ["RunCancelled", "RunDriver", "RunFailed", "RunPaused", "SpaceRetry", "next_step"]
@@ -137,6 +140,8 @@ class RunDriver:
         trainer_recovery_timeout_s: float = 0.0,
         replica_recovery_timeout_s: float = 0.0,
         space_retry: SpaceRetry = SpaceRetry(),
+        tracking_targets: TrackingTargets = TrackingTargets(),
+        tracking_call_timeout_s: float = 30.0,
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
         self._check_cancelled = CancelCheck(store, run_id)
@@ -161,7 +166,25 @@ class RunDriver:
                               tokens.stop_ids())
         self.context = StepContext(run_id, spec, store, run_dir, task, fleet, session, events, kept, tokens,
                                    evaluator)
+        self.context.samples, self.context.tracking = self._observers(run_dir, exporter, tokens, tracking_targets,
+                                                                      tracking_call_timeout_s)
         self.steps = step_kind(self.context)
+
+    def _observers(self, run_dir: Path, exporter: CoordinatorExporter, tokens: PromptTokens,
+                   targets: TrackingTargets, call_timeout_s: float) -> tuple[StepSamples | None, RunTracking | None]:
+        """What watches the run without steering it: its kept samples and its experiment trackers."""
+        spec, run_id = self.spec, self.run_id
+
+        def decode(ids) -> str:
+            return tokens.tokenizer.decode(list(ids), skip_special_tokens=False)
+        samples = StepSamples(run_dir, spec.samples.keep_steps, decode) if spec.samples.keep_steps else None
+        tracking = None
+        if spec.tracking.backends:
+            tracking = RunTracking(RunIdentity(run_id, spec.name, spec.tracking.project, run_dir), spec.tracking,
+                                   targets, last_step=spec.steps, read_samples=lambda s: read_samples(run_dir, s),
+                                   on_failure=lambda tracker, _why: exporter.tracking_failure(run_id, tracker),
+                                   call_timeout_s=call_timeout_s)
+        return samples, tracking
 
     # ------------------------------------------------------------------ loop --
     async def run(self) -> None:
@@ -172,6 +195,8 @@ class RunDriver:
                 await self.context.fleet.shared_weights.cancel_early()
             await self.steps.stop()
             await asyncio.to_thread(self.context.task.close)
+            if self.context.tracking is not None:
+                await asyncio.to_thread(self.context.tracking.close)
 
     async def _run(self) -> None:
         run = await self.store.get_run(self.run_id)
@@ -241,6 +266,9 @@ class RunDriver:
         fingerprint = run_fingerprint(self.spec.model_dump(mode="json", by_alias=True), self.context.trainer.details,
                                       replicas)
         await self.store.set_aux(self.run_id, "fingerprint", fingerprint)
+        if self.context.tracking is not None:
+            self.context.tracking.config({"run_spec": self.spec.model_dump(mode="json", by_alias=True),
+                                          "platform_fingerprint": fingerprint})
 
     async def _initial_eval(self, policy_version: int) -> None:
         if await self.store.get_aux(self.run_id, "eval_initial") is None:
@@ -248,3 +276,5 @@ class RunDriver:
             await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": report.greedy_accuracy, "step": 0,
                                                                    "metrics": report.metrics()})
             self.context.events.exporter.on_eval(self.run_id, report)
+            if self.context.tracking is not None:
+                self.context.tracking.eval_initial(report.metrics())

@@ -37,6 +37,8 @@ from services.coordinator.state.kept_rollouts import KeptRollouts
 from services.coordinator.state.store import RunStore
 from services.coordinator.tasks import Problem, Task
 from services.coordinator.tasks.episodic import EpisodicTask, episode_metrics
+from services.coordinator.tracking.run_tracking import RunTracking
+from services.coordinator.tracking.step_samples import StepSamples
 
 log = logging.getLogger("lockstep.coordinator.run")
 
@@ -112,6 +114,10 @@ class StepContext:
     evaluator: Evaluator
     replicas_at: int = 0
     """fixed_lag and streaming: the version every live replica holds."""
+    samples: StepSamples | None = None
+    """Each step's samples as trained, kept for the samples API (the last spec.samples.keep_steps steps)."""
+    tracking: RunTracking | None = None
+    """The run's experiment trackers, fed off the step path (tracking/run_tracking.py)."""
 
     @property
     def max_staleness(self) -> int:
@@ -258,6 +264,8 @@ class StepContext:
         header.num_trajectories = len(trajectories)
         if self.spec.debug.record_trajectories:
             await asyncio.to_thread(self._record_step_input, header, trajectories)
+        if self.samples is not None:
+            await asyncio.to_thread(self._keep_samples, header.step, trajectories)
         began = time.monotonic()
         with timer.phase("train"):
             result = await self.trainer.train(header, trajectories, counts)
@@ -270,6 +278,13 @@ class StepContext:
                               trainer_config_json=spec.trainer.model_dump_json())
         chunks = [pb.TrainStepChunk(header=header), *(pb.TrainStepChunk(trajectory=t) for t in trajectories)]
         write_step_record(self.run_dir / "trajectories" / f"step_{header.step:06d}.pb", meta, chunks)
+
+    def _keep_samples(self, step: int, trajectories: list[pb.Trajectory]) -> None:
+        # A view for people, not run state: a disk that refuses it costs the view (logged), never the step.
+        try:
+            self.samples.put(step, trajectories)
+        except OSError as exc:
+            log.warning("step %d: samples not kept: %s", step, exc)
 
     async def train_beside(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory], counts: dict,
                            timer: PhaseTimer, ahead: asyncio.Future) -> tuple[pb.StepMetrics, tuple]:
@@ -332,6 +347,8 @@ class StepContext:
         compared with its record instead."""
         if not await self.events.record_step(step, metrics, timings, counts, report):
             await self._note_recomputed(step, metrics)
+        elif self.tracking is not None:  # queued for the trackers' threads: nothing here waits on them
+            self.tracking.step(step, metrics)
 
     async def _note_recomputed(self, step: int, metrics: dict) -> None:
         """A step recorded before the trainer was lost, computed again: say whether the bits matched."""
