@@ -31,6 +31,7 @@ from services.common.float32_fields import Float32
 from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
+from services.coordinator.tasks.chat_template import ChatTemplate
 from services.coordinator.tasks.episodic import EpisodicTask
 from services.coordinator.tracking.spec import SamplesSpec, TrackingSpec
 
@@ -313,6 +314,30 @@ class RunSpec(_Strict):
         if isinstance(longest, int) and budget > longest:
             raise field_error("task.options.episode.max_episode_tokens", f"{budget} exceeds the model's "
                               f"max_position_embeddings {longest}")
+        return self
+
+    @model_validator(mode="after")
+    def _chat_prompts_render(self) -> "RunSpec":
+        # Chat prompts are rendered by the model's chat template during the run: a model without one, or a
+        # chat its template cannot render, is refused now, naming the problem (file:row) and the field.
+        task = build_task(self.task.name, self.task.options)
+        try:
+            if not getattr(task, "chat_prompts", False):
+                return self
+            checks = [("task.options.dataset.messages_field", [*task.split("train"), *task.split("heldout")])]
+            checks += [(f"eval.sets.{i}.path", read_eval_set(self.task.name, self.task.options, s.path, "path"))
+                       for i, s in enumerate(self.eval.sets)]
+        finally:
+            task.close()
+        try:
+            template = ChatTemplate.from_model_dir(self.model_path)
+        except ValueError as exc:
+            raise field_error("task.options.dataset.messages_field", str(exc)) from None
+        for field, problems in checks:
+            try:
+                template.check(problems, field)
+            except ValueError as exc:
+                raise field_error(field, str(exc).removeprefix(f"{field}: ")) from None
         return self
 
     @model_validator(mode="after")

@@ -61,6 +61,7 @@ from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.kept_rollouts import KeptRollouts
 from services.coordinator.state.store import RunStore
 from services.coordinator.tasks import build_task
+from services.coordinator.tasks.chat_template import ChatTemplate
 from services.coordinator.tracking.run_tracking import RunTracking
 from services.coordinator.tracking.step_samples import StepSamples, read_samples
 from services.coordinator.tracking.trackers import RunIdentity, TrackingTargets
@@ -160,7 +161,8 @@ class RunDriver:
         task = build_task(spec.task.name, spec.task.options)
         for split in ("train", "heldout"):  # built now, in the constructing thread, not at step 1 on the event loop
             task.split(split)
-        tokens = PromptTokens(tokenizer_loader(spec.model_path))
+        chat = ChatTemplate.from_model_dir(spec.model_path) if getattr(task, "chat_prompts", False) else None
+        tokens = PromptTokens(tokenizer_loader(spec.model_path), chat)
         kept = KeptRollouts(run_id, run_dir / "rollouts", model_path=spec.model_path, seed=spec.seed)
         evaluator = Evaluator(spec, task, build_eval_sets(spec, task), eval_rollout(fleet, tokens), tokens.decode,
                               tokens.stop_ids())
@@ -265,6 +267,8 @@ class RunDriver:
         replicas = [dict(a.details) for a in answers if not isinstance(a, BaseException)]
         fingerprint = run_fingerprint(self.spec.model_dump(mode="json", by_alias=True), self.context.trainer.details,
                                       replicas)
+        if self.context.tokens.chat is not None:  # chat prompts: which template rendered them
+            fingerprint["chat_template_sha256"] = self.context.tokens.chat.sha256
         await self.store.set_aux(self.run_id, "fingerprint", fingerprint)
         if self.context.tracking is not None:
             self.context.tracking.config({"run_spec": self.spec.model_dump(mode="json", by_alias=True),

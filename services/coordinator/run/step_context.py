@@ -36,6 +36,7 @@ from services.coordinator.state.event_log import EventLog, PhaseTimer
 from services.coordinator.state.kept_rollouts import KeptRollouts
 from services.coordinator.state.store import RunStore
 from services.coordinator.tasks import Problem, Task
+from services.coordinator.tasks.chat_template import ChatTemplate
 from services.coordinator.tasks.episodic import EpisodicTask, episode_metrics
 from services.coordinator.tracking.run_tracking import RunTracking
 from services.coordinator.tracking.step_samples import StepSamples
@@ -60,17 +61,24 @@ class StepKind(Protocol):
 class PromptTokens:
     """The run's tokenizer as the steps use it: each prompt encoded once, responses decoded for the task."""
 
-    def __init__(self, tokenizer: object) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: object, chat: ChatTemplate | None = None) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
         self._prompt_ids: dict[str, list[int]] = {}
 
     def encode(self, problem: Problem) -> list[int]:
         ids = self._prompt_ids.get(problem.problem_id)
         if ids is None:
-            # The task owns the whole prompt text: no special tokens are added to it.
-            ids = list(self.tokenizer.encode(problem.prompt, add_special_tokens=False))
+            # The task (or the chat template, for a chat) owns the whole prompt text: no special tokens are
+            # added to it, as apply_chat_template encodes what it rendered.
+            text = problem.prompt if problem.messages is None else self._chat().render(problem.messages)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
             self._prompt_ids[problem.problem_id] = ids
         return ids
+
+    def _chat(self) -> ChatTemplate:
+        if self.chat is None:
+            raise RunFailed("a chat prompt reached a run without its model's chat template")
+        return self.chat
 
     def decode(self, sample: pb.Sample) -> str:
         ids = from_proto(sample.response_token_ids, field="response_token_ids").tolist()
