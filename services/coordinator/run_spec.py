@@ -317,6 +317,14 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _samples_tables_have_samples(self) -> "RunSpec":
+        # The trackers' samples tables are read from the kept samples: without them there would be none.
+        if self.tracking.backends and self.tracking.samples_every and not self.samples.keep_steps:
+            raise field_error("tracking.samples_every", f"{self.tracking.samples_every} needs samples.keep_steps > 0 "
+                              "(the tables are read from the kept samples); set it to 0 for no tables")
+        return self
+
+    @model_validator(mode="after")
     def _chat_prompts_render(self) -> "RunSpec":
         # Chat prompts are rendered by the model's chat template during the run: a model without one, or a
         # chat its template cannot render, is refused now, naming the problem (file:row) and the field.

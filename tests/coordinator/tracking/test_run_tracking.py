@@ -3,6 +3,7 @@ checked on the real stack in tests/integration/tracking/): calls arrive in order
 hanging tracker costs the caller nothing and every lost call is counted, and names follow Prometheus."""
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -130,3 +131,18 @@ def test_a_spec_names_each_tracker_once_and_only_installed_ones(monkeypatch):
                                                           spec.TRACKER_PACKAGES["mlflow"][1]))
     with pytest.raises(ValueError, match=r"pip install 'mlflow-skinny==3.18.0' 'SQLAlchemy==2.1.9'"):
         TrackingSpec.model_validate({"backends": ["mlflow"]})
+
+
+def test_samples_tables_need_kept_samples(tmp_path):
+    from recipes.char_tokenizer import save_char_tokenizer
+    from services.coordinator.run_spec import RunSpecError, parse_run_spec
+
+    save_char_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    body = {"name": "t", "model_path": str(tmp_path), "steps": 1, "task": {"name": "arithmetic"},
+            "samples": {"keep_steps": 0}, "tracking": {"backends": ["tensorboard"], "samples_every": 5}}
+    with pytest.raises(RunSpecError) as err:
+        parse_run_spec(json.dumps(body).encode())
+    assert [f["field"] for f in err.value.fields] == ["tracking.samples_every"]
+    body["tracking"]["samples_every"] = 0
+    assert parse_run_spec(json.dumps(body).encode()).samples.keep_steps == 0
