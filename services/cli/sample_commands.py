@@ -32,7 +32,7 @@ def _clip(text: str, width: int) -> str:
 
 def samples_table(page: dict, width: int) -> Table:
     iw = page.get("iw") or {}
-    iw_text = (f", step IW {iw['iw_min']:.4g} .. {iw['iw_max']:.4g} (mean {iw['iw_mean']:.6g})"
+    iw_text = (f", step IW {iw['iw_min']:.6g} .. {iw['iw_max']:.6g} (mean {iw['iw_mean']:.6g})"
                if {"iw_min", "iw_max", "iw_mean"} <= set(iw) else "")
     shown = f"{page['offset'] + 1}-{page['offset'] + len(page['samples'])}" if page["samples"] else "none"
     table = Table("#", "sample", "reward", "adv", "len", "finish", "ver", "prompt", "response", show_lines=True,

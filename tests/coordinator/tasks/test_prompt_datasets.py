@@ -142,3 +142,18 @@ def test_a_chat_the_template_cannot_render_or_a_model_without_one_is_refused(mod
     (strict / "tokenizer_config.json").write_text(json.dumps(config))
     (field,) = submit(strict, options(files / "chat.jsonl", dataset={"messages_field": "messages"}))
     assert field["field"] == "task.options.dataset.messages_field" and "has no chat template" in field["reason"]
+
+
+def test_eval_sets_and_heldout_files_are_read_in_the_datasets_format(model_dir, files):
+    from services.coordinator.tasks import read_eval_set
+
+    parquet = VARIANTS["parquet"](files)
+    plain = [(p.prompt, p.answer) for p in read_eval_set("math", VARIANTS["plain"](files), str(files / "plain.jsonl"),
+                                                          "eval.sets.0.path")]
+    assert [(p.prompt, p.answer) for p in read_eval_set("math", parquet, str(files / "verl.parquet"),
+                                                        "eval.sets.0.path")] == plain
+    task = build_task("math", {**parquet, "heldout_path": str(files / "verl.parquet")})
+    try:
+        assert [(p.prompt, p.answer) for p in task.split("heldout")] == plain
+    finally:
+        task.close()
