@@ -164,8 +164,12 @@ class RunDriver:
         chat = ChatTemplate.from_model_dir(spec.model_path) if getattr(task, "chat_prompts", False) else None
         tokens = PromptTokens(tokenizer_loader(spec.model_path), chat)
         kept = KeptRollouts(run_id, run_dir / "rollouts", model_path=spec.model_path, seed=spec.seed)
-        evaluator = Evaluator(spec, task, build_eval_sets(spec, task), eval_rollout(fleet, tokens), tokens.decode,
-                              tokens.stop_ids())
+        eval_sets = build_eval_sets(spec, task)
+        if chat is not None:  # rendered here, in the constructing thread: the event loop only finds them cached
+            for problems in (task.split("train"), *(s.problems for s in eval_sets)):
+                for problem in problems:
+                    tokens.encode(problem)
+        evaluator = Evaluator(spec, task, eval_sets, eval_rollout(fleet, tokens), tokens.decode, tokens.stop_ids())
         self.context = StepContext(run_id, spec, store, run_dir, task, fleet, session, events, kept, tokens,
                                    evaluator)
         self.context.samples, self.context.tracking = self._observers(run_dir, exporter, tokens, tracking_targets,
