@@ -35,15 +35,16 @@ def samples_table(page: dict, width: int) -> Table:
     iw_text = (f", step IW {iw['iw_min']:.6g} .. {iw['iw_max']:.6g} (mean {iw['iw_mean']:.6g})"
                if {"iw_min", "iw_max", "iw_mean"} <= set(iw) else "")
     shown = f"{page['offset'] + 1}-{page['offset'] + len(page['samples'])}" if page["samples"] else "none"
-    table = Table("#", "sample", "reward", "adv", "len", "finish", "ver", "prompt", "response", show_lines=True,
+    table = Table("#", "sample", "reward", "adv", "len", "finish", "ver", "IW", "prompt", "response", show_lines=True,
                   title=f"run {page['run_id']} step {page['step']}: samples {shown} of {page['total']} "
                         f"({page['order']}){iw_text}")
     for s in page["samples"]:
         version = str(s["policy_version"]) if s["policy_version"] == s["policy_version_last"] \
             else f"{s['policy_version']}-{s['policy_version_last']}"
+        iw = "?" if s.get("iw_min") is None else f"{s['iw_min']:.6g}..{s['iw_max']:.6g}"
         # escape: model output is text, never rich markup
         table.add_row(str(s["index"]), escape(s["sample_id"]), f"{s['reward']:.4g}", f"{s['advantage']:+.4f}",
-                      str(s["length"]), escape(s["finish_reason"]), version,
+                      str(s["length"]), escape(s["finish_reason"]), version, iw,
                       escape(_clip(s["prompt"], width)), escape(_clip(s["response"], width)))
     return table
 

@@ -272,12 +272,14 @@ class StepContext:
         header.num_trajectories = len(trajectories)
         if self.spec.debug.record_trajectories:
             await asyncio.to_thread(self._record_step_input, header, trajectories)
-        if self.samples is not None:
-            await asyncio.to_thread(self._keep_samples, header.step, trajectories)
         began = time.monotonic()
         with timer.phase("train"):
             result = await self.trainer.train(header, trajectories, counts)
-        return result, (began, time.monotonic())
+        span = (began, time.monotonic())
+        if self.samples is not None:  # with the IW range the trainer measured on each
+            weights = {w.sample_id: (w.iw_min, w.iw_max) for w in result.sample_weights}
+            await asyncio.to_thread(self._keep_samples, header.step, trajectories, weights)
+        return result, span
 
     def _record_step_input(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory]) -> None:
         spec = self.spec
@@ -287,10 +289,11 @@ class StepContext:
         chunks = [pb.TrainStepChunk(header=header), *(pb.TrainStepChunk(trajectory=t) for t in trajectories)]
         write_step_record(self.run_dir / "trajectories" / f"step_{header.step:06d}.pb", meta, chunks)
 
-    def _keep_samples(self, step: int, trajectories: list[pb.Trajectory]) -> None:
+    def _keep_samples(self, step: int, trajectories: list[pb.Trajectory],
+                      weights: dict[str, tuple[float, float]]) -> None:
         # A view for people, not run state: a disk that refuses it costs the view (logged), never the step.
         try:
-            self.samples.put(step, trajectories)
+            self.samples.put(step, trajectories, weights)
         except OSError as exc:
             log.warning("step %d: samples not kept: %s", step, exc)
 

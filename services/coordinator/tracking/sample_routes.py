@@ -32,6 +32,10 @@ class SampleBody(BaseModel):
     policy_version: int = Field(..., description="Policy version that sampled the first token.")
     policy_version_last: int = Field(..., description="Policy version that sampled the last token (differs "
                                      "only when async.mode streaming continued it under newer weights).")
+    iw_min: float | None = Field(..., description="Smallest importance weight exp(logp - rollout_logp) over its "
+                                 "response tokens, as the trainer measured it before the update; null when not "
+                                 "reported (a step replayed after a coordinator restart).")
+    iw_max: float | None = Field(..., description="Largest importance weight over its response tokens.")
 
 
 class StepSamplesBody(BaseModel):
@@ -43,7 +47,7 @@ class StepSamplesBody(BaseModel):
     order: str
     iw: dict[str, float] = Field(..., description="The step's importance-weight range over every response token "
                                  "(iw_min, iw_mean, iw_max, as in its metrics); empty while the step is not "
-                                 "recorded. The trainer reports it per step, not per sample.")
+                                 "recorded.")
     samples: list[SampleBody]
 
 

@@ -26,9 +26,11 @@ def samples_path(run_dir: Path, step: int) -> Path:
     return run_dir / "samples" / f"step_{step:06d}.json"
 
 
-def sample_view(index: int, t: pb.Trajectory, decode: Callable[[Sequence[int]], str]) -> dict:
+def sample_view(index: int, t: pb.Trajectory, decode: Callable[[Sequence[int]], str],
+                iw: tuple[float, float] | None = None) -> dict:
     """One trajectory as the samples API shows it. Floats are the trajectory's own float32 values, widened
-    to float64 exactly, so they equal the step record's bit for bit."""
+    to float64 exactly, so they equal the step record's bit for bit. `iw`: the (smallest, largest)
+    importance weight the trainer measured over its tokens (None: not reported, as for a replayed step)."""
     prompt = array_from_proto(t.prompt_token_ids, field="prompt_token_ids").tolist() if t.prompt_token_ids.shape \
         else []
     response = array_from_proto(t.response_token_ids, field="response_token_ids").tolist() \
@@ -41,6 +43,7 @@ def sample_view(index: int, t: pb.Trajectory, decode: Callable[[Sequence[int]], 
         "reward": float(t.reward), "advantage": float(t.advantage),
         "length": len(response), "finish_reason": t.finish_reason,
         "policy_version": int(min(versions)), "policy_version_last": int(max(versions)),
+        "iw_min": iw[0] if iw else None, "iw_max": iw[1] if iw else None,
     }
 
 
@@ -50,14 +53,17 @@ class StepSamples:
     def __init__(self, run_dir: Path, keep_steps: int, decode: Callable[[Sequence[int]], str]) -> None:
         self.run_dir, self.keep_steps, self.decode = run_dir, keep_steps, decode
 
-    def put(self, step: int, trajectories: Iterable[pb.Trajectory]) -> Path | None:
-        """Write step `step`'s samples (whole or not at all: temp file and rename), then forget the steps
-        that fell out of the window. Blocking: call it off the event loop. None when keep_steps is 0."""
+    def put(self, step: int, trajectories: Iterable[pb.Trajectory],
+            weights: dict[str, tuple[float, float]] | None = None) -> Path | None:
+        """Write step `step`'s samples (whole or not at all: temp file and rename), each with its IW range
+        from `weights` (sample id -> (min, max)), then forget the steps that fell out of the window.
+        Blocking: call it off the event loop. None when keep_steps is 0."""
         if self.keep_steps == 0:
             return None
         path = samples_path(self.run_dir, step)
         path.parent.mkdir(parents=True, exist_ok=True)
-        views = [sample_view(i, t, self.decode) for i, t in enumerate(trajectories)]
+        weights = weights or {}
+        views = [sample_view(i, t, self.decode, weights.get(t.sample_id)) for i, t in enumerate(trajectories)]
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({"step": step, "samples": views}))
         os.replace(tmp, path)

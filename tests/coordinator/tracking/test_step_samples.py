@@ -22,8 +22,10 @@ def decode(ids) -> str:
 def test_samples_are_the_trajectories_with_text_and_exact_floats(tmp_path):
     store = StepSamples(tmp_path, keep_steps=3, decode=decode)
     third = float(np.float32(1 / 3))
-    store.put(1, [trajectory(0, 0, third, [3, 4]), trajectory(0, 1, 1.0, [5], versions=[3, 4])])
+    store.put(1, [trajectory(0, 0, third, [3, 4]), trajectory(0, 1, 1.0, [5], versions=[3, 4])],
+              {"g0/1": (0.5, 2.0)})
     a, b = read_samples(tmp_path, 1)
+    assert (a["iw_min"], a["iw_max"], b["iw_min"], b["iw_max"]) == (None, None, 0.5, 2.0)
     assert a["reward"] == third and a["advantage"] == float(np.float32(third - 0.5))
     assert (a["prompt"], a["response"], a["response_token_ids"], a["length"]) == ("bc", "de", [3, 4], 2)
     assert (a["policy_version"], a["policy_version_last"]) == (3, 3)

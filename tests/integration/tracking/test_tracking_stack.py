@@ -89,6 +89,11 @@ def test_each_steps_samples_are_its_step_records_trajectories(tracked_run, one_r
                 assert sample["length"] == len(sample["response_token_ids"])
                 assert sample["finish_reason"] == t.finish_reason and sample["policy_version"] == step - 1
                 assert sample["response"] and sample["prompt"]
+            # Each sample's IW range, as the trainer measured it: its extremes are the step's, bit for bit.
+            metrics = client.metrics(run_id)["steps"][step - 1]["metrics"]
+            assert min(s["iw_min"] for s in page["samples"]) == metrics["iw_min"] == page["iw"]["iw_min"]
+            assert max(s["iw_max"] for s in page["samples"]) == metrics["iw_max"] == page["iw"]["iw_max"]
+            assert all(s["iw_min"] <= s["iw_max"] for s in page["samples"])
             worst = client.samples(run_id, step, order="worst", limit=1000)["samples"]
             assert [s["reward"] for s in worst] == sorted(s["reward"] for s in page["samples"])
             best = client.samples(run_id, step, order="best", limit=5, offset=2)
