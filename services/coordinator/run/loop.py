@@ -183,7 +183,8 @@ class RunDriver:
 
         def decode(ids) -> str:
             return tokens.tokenizer.decode(list(ids), skip_special_tokens=False)
-        samples = StepSamples(run_dir, spec.samples.keep_steps, decode) if spec.samples.keep_steps else None
+        samples = (StepSamples(run_dir, spec.samples.keep_steps, decode, keep_bytes=spec.samples.keep_mib << 20)
+                   if spec.samples.keep_steps else None)
         tracking = None
         if spec.tracking.backends:
             tracking = RunTracking(RunIdentity(run_id, spec.name, spec.tracking.project, run_dir), spec.tracking,

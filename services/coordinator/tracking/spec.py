@@ -33,9 +33,11 @@ def tracker_installed(tracker: str) -> bool:
 class SamplesSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    keep_steps: int = Field(100, ge=0, le=1_000_000, description="Keep every sample of the last N steps (prompt, "
-                            "response, token ids, reward, advantage, ...) under <run dir>/samples/, for "
+    keep_steps: int = Field(1000, ge=0, le=1_000_000, description="Keep every sample of the last N steps (prompt, "
+                            "response, token ids, reward, advantage, IW range, ...) under <run dir>/samples/, for "
                             "GET /v1/runs/{id}/steps/{s}/samples and `lockstep samples`; 0 keeps none.")
+    keep_mib: int = Field(1024, ge=1, le=65536, description="And at most this many MiB of them: the oldest kept "
+                          "steps go first (the newest step is always kept).")
 
 
 class TrackingSpec(BaseModel):

@@ -4,7 +4,8 @@ The trainer input of a step is otherwise kept only when the run asks for it (deb
 for replay) or while a fixed-lag rollout waits for its step (state/kept_rollouts.py), so "what did the
 policy write at step s" had no answer. Each step's trajectories are written here as they are sent to the
 trainer, with the prompt and response decoded by the run's tokenizer, and only the last `keep_steps`
-steps are kept (a run of a million steps must not fill the disk with samples).
+steps, and at most `keep_bytes` of them, are kept (a run of a million steps must not fill the disk with
+samples); the newest step always is.
 
 Pure file I/O and dicts: the run loop writes (off the event loop), the REST API reads and pages.
 """
@@ -48,10 +49,11 @@ def sample_view(index: int, t: pb.Trajectory, decode: Callable[[Sequence[int]], 
 
 
 class StepSamples:
-    """The last `keep_steps` steps' samples of one run, under `run_dir/samples/`."""
+    """The last `keep_steps` steps' samples of one run, at most `keep_bytes` of them, under `run_dir/samples/`."""
 
-    def __init__(self, run_dir: Path, keep_steps: int, decode: Callable[[Sequence[int]], str]) -> None:
-        self.run_dir, self.keep_steps, self.decode = run_dir, keep_steps, decode
+    def __init__(self, run_dir: Path, keep_steps: int, decode: Callable[[Sequence[int]], str], *,
+                 keep_bytes: int = 1 << 30) -> None:
+        self.run_dir, self.keep_steps, self.decode, self.keep_bytes = run_dir, keep_steps, decode, keep_bytes
 
     def put(self, step: int, trajectories: Iterable[pb.Trajectory],
             weights: dict[str, tuple[float, float]] | None = None) -> Path | None:
@@ -67,13 +69,24 @@ class StepSamples:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps({"step": step, "samples": views}))
         os.replace(tmp, path)
-        self._forget_before(step - self.keep_steps + 1)
+        self._forget_old(step)
         return path
 
-    def _forget_before(self, first_kept: int) -> None:
-        for old in path_steps(self.run_dir):
-            if old < first_kept:
-                samples_path(self.run_dir, old).unlink(missing_ok=True)
+    def _forget_old(self, step: int) -> None:
+        """Forget the steps before the window of keep_steps ending at `step`, then the oldest until the rest
+        fit keep_bytes (the newest one always stays)."""
+        kept, total = 0, 0
+        for old in reversed(path_steps(self.run_dir)):
+            path = samples_path(self.run_dir, old)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                continue
+            total += size
+            if kept and (old <= step - self.keep_steps or total > self.keep_bytes):
+                path.unlink(missing_ok=True)
+            else:
+                kept += 1
 
 
 def path_steps(run_dir: Path) -> list[int]:

@@ -42,6 +42,19 @@ def test_only_the_last_keep_steps_steps_are_kept(tmp_path):
     assert path_steps(tmp_path / "none") == []
 
 
+def test_the_oldest_steps_go_first_past_keep_bytes_but_never_the_newest(tmp_path):
+    one = StepSamples(tmp_path / "probe", keep_steps=1, decode=decode)
+    size = one.put(1, [trajectory(0, 0, 0.0, [1, 2, 3])]).stat().st_size
+    store = StepSamples(tmp_path, keep_steps=100, decode=decode, keep_bytes=3 * size)
+    for step in range(1, 6):
+        store.put(step, [trajectory(0, 0, 0.0, [1, 2, 3])])
+    assert path_steps(tmp_path) == [3, 4, 5]
+    tiny = StepSamples(tmp_path / "tiny", keep_steps=100, decode=decode, keep_bytes=1)
+    for step in (1, 2):
+        tiny.put(step, [trajectory(0, 0, 0.0, [1, 2, 3])])
+    assert path_steps(tmp_path / "tiny") == [2]
+
+
 def test_pages_order_by_reward_with_ties_in_record_order_and_filter_groups(tmp_path):
     rewards = [0.5, 0.0, 1.0, 0.0, 0.5, 1.0]
     StepSamples(tmp_path, 1, decode).put(1, [trajectory(i // 3, i % 3, r, [1]) for i, r in enumerate(rewards)])
