@@ -328,6 +328,9 @@ class RunSpec(_Strict):
     def _chat_prompts_render(self) -> "RunSpec":
         # Chat prompts are rendered by the model's chat template during the run: a model without one, or a
         # chat its template cannot render, is refused now, naming the problem (file:row) and the field.
+        dataset = self.task.options.get("dataset")
+        if not (isinstance(dataset, dict) and dataset.get("messages_field")):
+            return self  # no chats: the task's files are not read a further time
         task = build_task(self.task.name, self.task.options)
         try:
             if not getattr(task, "chat_prompts", False):
