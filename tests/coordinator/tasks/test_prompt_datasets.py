@@ -157,3 +157,25 @@ def test_eval_sets_and_heldout_files_are_read_in_the_datasets_format(model_dir, 
         assert [(p.prompt, p.answer) for p in task.split("heldout")] == plain
     finally:
         task.close()
+
+
+def test_the_coordinator_answers_422_naming_file_row_and_field_and_stores_nothing(lone_coordinator, model_dir,
+                                                                                  tmp_path):
+    import httpx
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"question": r["q"], "answer": r["a"]} for r in ROWS]
+    rows[4]["question"] = None  # a null cell
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    body = {"name": "t", "model_path": str(model_dir), "steps": 1,
+            "task": {"name": "math", "options": options(tmp_path / "bad.parquet")}}
+    with httpx.Client(base_url=lone_coordinator.url, headers=lone_coordinator.headers, timeout=60) as http:
+        before = len(http.get("/v1/runs").json()["runs"])
+        r = http.post("/v1/runs", json=body)
+        assert r.status_code == 422, r.text
+        (field,) = r.json()["fields"]
+        assert field["field"] == "task.options"
+        assert f"question_field: row 5 of {tmp_path / 'bad.parquet'} has no string field 'question'" in \
+            field["reason"]
+        assert len(http.get("/v1/runs").json()["runs"]) == before
