@@ -203,7 +203,16 @@ class RunDriver:
             await self.steps.stop()
             await asyncio.to_thread(self.context.task.close)
             if self.context.tracking is not None:
-                await asyncio.to_thread(self.context.tracking.close)
+                await self._close_tracking()
+
+    async def _close_tracking(self) -> None:
+        """The trackers flushed (or given up), then a `trackers_closed` event: from then on what they wrote
+        is whole, for anyone reading it."""
+        ended = await asyncio.to_thread(self.context.tracking.close)
+        try:
+            await self.context.events.record("trackers_closed", "trackers closed", trackers=ended)
+        except Exception as exc:  # noqa: BLE001 - the run's own ending (or its error) is what matters here
+            log.warning("run %s: trackers_closed not recorded: %r", self.run_id, exc)
 
     async def _run(self) -> None:
         run = await self.store.get_run(self.run_id)

@@ -114,22 +114,25 @@ class TrackerWorker:
         finally:
             self._busy_since = None
 
-    def close(self, deadline: float) -> None:
-        """Let the tracker finish what is queued and end its run, waiting until `deadline` (monotonic)."""
+    def close(self, deadline: float) -> bool:
+        """Let the tracker finish what is queued and end its run, waiting until `deadline` (monotonic); whether
+        it did (False: it was or is now given up)."""
         if self._hung():  # given up: its thread ends whenever its call returns; nothing waits for it
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(_STOP)
-            return
+            return False
         try:
             self._queue.put(_STOP, timeout=max(0.0, deadline - time.monotonic()))
         except queue.Full:
             self._given_up = True
             self._fail("close dropped: queue full")
-            return
+            return False
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._thread.is_alive():
             self._given_up = True
             self._fail("did not finish before the run's end; tracker given up")
+            return False
+        return not self._given_up
 
 
 class RunTracking:
@@ -176,9 +179,9 @@ class RunTracking:
                     t.samples(step, SAMPLE_COLUMNS, sample_rows(step, samples, rows_wanted))
             self._each(table, f"step {step} samples")
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close(self, timeout_s: float | None = None) -> dict[str, bool]:
         """Blocking (call it off the event loop): every tracker flushed and ended, or given up after
-        `timeout_s` (default: call_timeout_s) in all."""
+        `timeout_s` (default: call_timeout_s) in all. Tracker name -> whether it finished (False: given up;
+        a call that raised is counted as it happened, not here)."""
         deadline = time.monotonic() + (self.call_timeout_s if timeout_s is None else timeout_s)
-        for w in self.workers:
-            w.close(deadline)
+        return {w.name: w.close(deadline) for w in self.workers}

@@ -58,6 +58,17 @@ def failures(api_url: str, run_id: str) -> dict[str, float]:
     return out
 
 
+def trackers_closed(client, run_id: str) -> dict[str, bool]:
+    """The run's trackers_closed event (recorded once its trackers flushed, after the run reads completed)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        closed = [e for e in client.run(run_id)["events"] if e["event"] == "trackers_closed"]
+        if closed:
+            return closed[0]["trackers"]
+        time.sleep(0.2)
+    raise AssertionError(f"run {run_id}: no trackers_closed event")
+
+
 @pytest.fixture(scope="module")
 def tracked_run(warm_model, one_replica_stack):
     missing = [name for name in TRACKER_PACKAGES if not tracker_installed(name)]
@@ -66,6 +77,7 @@ def tracked_run(warm_model, one_replica_stack):
     try:
         run = client.submit(spec(str(warm_model.path), "tracked", ["wandb", "tensorboard", "mlflow"]))
         assert client.wait(run["id"], timeout_s=600)["status"] == "completed"
+        assert trackers_closed(client, run["id"]) == {"wandb": True, "tensorboard": True, "mlflow": True}
         return run["id"], client.metrics(run["id"])
     finally:
         client.close()
@@ -180,17 +192,17 @@ def test_raising_and_hanging_trackers_leave_the_steps_and_are_counted(tracked_ru
             run = client.submit(spec(str(warm_model.path), "tracked", ["tensorboard", "mlflow"]))
             assert client.wait(run["id"], timeout_s=600)["status"] == "completed"
             metrics = client.metrics(run["id"])
+            closed = trackers_closed(client, run["id"])
         finally:
             client.close()
         assert metrics["eval_initial"] == reference["eval_initial"]
         assert [s["metrics"] for s in metrics["steps"]] == [s["metrics"] for s in reference["steps"]]
         # tensorboard raised from config, step 0, every step's metrics and close; mlflow hung in its first call
         # and is given up on (each later call dropped and counted) at the latest when the run's end has waited
-        # --tracking-call-timeout-s for it, which may come just after the run reads completed.
-        deadline = time.monotonic() + 60
-        while "mlflow" not in (counted := failures(stack.api_url, run["id"])) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        # --tracking-call-timeout-s for it, before trackers_closed.
+        counted = failures(stack.api_url, run["id"])
         assert counted["tensorboard"] >= 1 + 1 + STEPS + 1 and counted["mlflow"] >= 1, counted
+        assert closed == {"tensorboard": True, "mlflow": False}
     finally:
         stack.coordinator.stop()
         stack.coordinator.args = args
