@@ -11,6 +11,8 @@ import string
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from contract.prompt_dataset import PromptDataset
+
 MAX_DATASET_BYTES = 256 * 1024 * 1024
 """Largest JSONL file a run may name: every reference answer is parsed when the run is submitted."""
 MAX_DATASET_LINES = 100_000
@@ -43,7 +45,8 @@ class MathConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     path: str = Field("", max_length=MAX_TEXT_FIELD,
-                      description="JSONL file of problems (one object per line), visible to the coordinator.")
+                      description="File of problems (JSONL unless `dataset.format` says otherwise), visible to the "
+                      "coordinator.")
     question_field: str = Field("question", min_length=1, max_length=MAX_TEXT_FIELD,
                                 description="Field holding the question text.")
     answer_field: str = Field("answer", min_length=1, max_length=MAX_TEXT_FIELD, description="Field holding the "
@@ -62,6 +65,8 @@ class MathConfig(BaseModel):
     timeout_s: int = Field(5, ge=1, le=600, description="math-verify's parse and verify timeouts for one response, "
                            "in seconds.")
     reward_workers: int = Field(2, ge=1, le=256, description="Worker processes that score responses.")
+    dataset: PromptDataset = Field(default_factory=PromptDataset, description="Format of path, heldout_path and "
+                                   "eval sets (JSONL, Parquet, a saved Hugging Face dataset) and chat prompts.")
 
     @field_validator("prompt_template")
     @classmethod

@@ -612,7 +612,7 @@ class TrainStepChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[TrainStepHeader, _Mapping]] = ..., trajectory: _Optional[_Union[Trajectory, _Mapping]] = ...) -> None: ...
 
 class StepMetrics(_message.Message):
-    __slots__ = ("run_id", "step", "policy_version", "metrics", "replayed")
+    __slots__ = ("run_id", "step", "policy_version", "metrics", "replayed", "sample_weights")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -625,12 +625,24 @@ class StepMetrics(_message.Message):
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     policy_version: int
     metrics: _containers.ScalarMap[str, float]
     replayed: bool
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    sample_weights: _containers.RepeatedCompositeFieldContainer[SampleWeights]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ..., sample_weights: _Optional[_Iterable[_Union[SampleWeights, _Mapping]]] = ...) -> None: ...
+
+class SampleWeights(_message.Message):
+    __slots__ = ("sample_id", "iw_min", "iw_max")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    IW_MIN_FIELD_NUMBER: _ClassVar[int]
+    IW_MAX_FIELD_NUMBER: _ClassVar[int]
+    sample_id: str
+    iw_min: float
+    iw_max: float
+    def __init__(self, sample_id: _Optional[str] = ..., iw_min: _Optional[float] = ..., iw_max: _Optional[float] = ...) -> None: ...
 
 class ParityToken(_message.Message):
     __slots__ = ("sample_id", "position", "logp", "rollout_logp")

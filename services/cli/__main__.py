@@ -14,6 +14,7 @@ from rich.table import Table
 from services.cli.client import ApiError, CoordinatorClient, load_recipe, parse_set_pairs
 from services.cli.exchange_commands import add_exchange_parsers, run_exchange
 from services.cli.recipe_commands import RecipeRequest, add_recipe_parser, run_recipe
+from services.cli.sample_commands import add_samples_parser, run_samples
 from services.common.auth import TOKEN_ENV, TOKEN_FILE_ENV, AuthConfigError, load_token
 from services.cli.progress import RunProgress
 
@@ -44,6 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("episodes", help="Print a recorded step's episodes (turns, rewards, end reasons) as JSON.")
     e.add_argument("run_id")
     e.add_argument("step", type=int)
+    add_samples_parser(sub)
     add_recipe_parser(sub)
     add_exchange_parsers(sub)
     return p
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "metrics":
             print(json.dumps(client.metrics(args.run_id), indent=2))
             return 0
+        if args.cmd == "samples":
+            return run_samples(args, client, console)
         if args.cmd == "episodes":
             print(json.dumps(client.episodes(args.run_id, args.step), indent=2))
             return 0

@@ -63,6 +63,11 @@ class CoordinatorClient:
     def episodes(self, run_id: str, step: int) -> dict:
         return self._json(self._http.get(f"/v1/runs/{run_id}/steps/{step}/episodes"))
 
+    def samples(self, run_id: str, step: int, *, order: str = "record", group: str | None = None,
+                offset: int = 0, limit: int = 100) -> dict:
+        params = {"order": order, "offset": offset, "limit": limit, **({"group": group} if group else {})}
+        return self._json(self._http.get(f"/v1/runs/{run_id}/steps/{step}/samples", params=params))
+
     def bundle(self, run_id: str) -> dict:
         """Every document of the run's portable bundle, and the steps whose inputs were recorded."""
         return self._json(self._http.get(f"/v1/runs/{run_id}/bundle"))

@@ -163,6 +163,8 @@ def task_fields(spec: dict) -> tuple[tuple[str, ...], str]:
         config = MathConfig.model_validate(options)
     except ValidationError as exc:
         raise ValueError(f"task.options: {_errors(exc)}") from None
+    if config.dataset.messages_field:  # a chat instead of a question: the coordinator checks its messages
+        return (config.answer_field,), config.answer_marker
     return (config.question_field, config.answer_field), config.answer_marker
 
 

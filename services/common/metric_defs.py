@@ -138,6 +138,9 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
               "Steps recomputed after a trainer recovery, by whether they reproduced their record bit for bit "
               "(outcome matched or differed).", ("run_id", "outcome")),
     MetricDef("lockstep_weight_sync_seconds", "gauge", "Duration of the last weight sync to all rollout replicas.", ("run_id",)),
+    MetricDef("lockstep_tracking_failures_total", "counter",
+              "Calls to an experiment tracker (the run spec's tracking.backends) that failed, timed out or were "
+              "dropped; the run goes on without them.", ("run_id", "tracker")),
     MetricDef("lockstep_eval_avg_at_k", "gauge",
               "avg@k of the last evaluation on an eval set: the mean reward of k samples per problem (eval.k at "
               "eval.temperature), averaged over the set's problems. set 'heldout' is the task's held-out split.",

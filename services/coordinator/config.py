@@ -1,6 +1,8 @@
 """Coordinator service configuration (flags and LOCKSTEP_COORDINATOR_* environment)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import ConfigDict, Field, field_validator
 
 from services.common.path_roots import DEFAULT_ROOTS, RootList
@@ -84,6 +86,20 @@ class CoordinatorConfig(AuthSetting):
     checkpoint_retry_interval_max_s: float = Field(
         60.0, gt=0, le=3600, description="Longest wait between two attempts of such a checkpoint.",
     )
+    # Experiment trackers (docs/tracking.md): where they write is the operator's choice, never a run spec's.
+    tracking_wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="W&B mode of runs naming tracking.backends wandb: 'offline' writes run files under "
+        "<run dir>/tracking/wandb (`wandb sync` uploads them); 'online' logs to the server W&B's own environment "
+        "names (WANDB_API_KEY, WANDB_BASE_URL in the coordinator's environment).")
+    tracking_mlflow_uri: str = Field(
+        "", description="MLflow tracking URI (a team's server, http(s)://...). Empty: a sqlite store at "
+        "<run dir>/tracking/mlflow.db, artifacts beside it.")
+    tracking_tensorboard_dir: str = Field(
+        "", description="Directory TensorBoard event files go to, one folder per run id (a shared log dir). "
+        "Empty: <run dir>/tracking/tensorboard.")
+    tracking_call_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="A tracker call running longer is given up on (the run goes on, the "
+        "failure counted); also how long a run's end waits for its trackers to flush.")
     log_level: str = Field("info", description="Log level.")
 
     @field_validator("rollout_addresses", mode="before")

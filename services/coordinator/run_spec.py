@@ -31,7 +31,9 @@ from services.common.float32_fields import Float32
 from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
+from services.coordinator.tasks.chat_template import ChatTemplate
 from services.coordinator.tasks.episodic import EpisodicTask
+from services.coordinator.tracking.spec import SamplesSpec, TrackingSpec
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
@@ -258,6 +260,11 @@ class RunSpec(_Strict):
                            "task's held-out split and extra held-out sets.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
     debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
+    # Samples kept per step and experiment trackers (services/coordinator/tracking/, docs/tracking.md).
+    samples: SamplesSpec = Field(default_factory=SamplesSpec, description="Each step's samples, kept for the "
+                                 "samples API and `lockstep samples`.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="Experiment trackers (W&B, "
+                                   "TensorBoard, MLflow) the run is logged to.")
     async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async",
                               description="Asynchronous RL: how far rollouts may run ahead of training (docs/async.md).")
     numerics: Numerics = Field(
@@ -339,6 +346,41 @@ class RunSpec(_Strict):
         if self.trainer.moe.routing_replay and self.rollout.engine != "torch":
             raise field_error("trainer.moe.routing_replay", f"needs the experts of every token from the rollout; "
                               f"engine {self.rollout.engine!r} does not return them here (the torch engine does)")
+        return self
+
+    @model_validator(mode="after")
+    def _samples_tables_have_samples(self) -> "RunSpec":
+        # The trackers' samples tables are read from the kept samples: without them there would be none.
+        if self.tracking.backends and self.tracking.samples_every and not self.samples.keep_steps:
+            raise field_error("tracking.samples_every", f"{self.tracking.samples_every} needs samples.keep_steps > 0 "
+                              "(the tables are read from the kept samples); set it to 0 for no tables")
+        return self
+
+    @model_validator(mode="after")
+    def _chat_prompts_render(self) -> "RunSpec":
+        # Chat prompts are rendered by the model's chat template during the run: a model without one, or a
+        # chat its template cannot render, is refused now, naming the problem (file:row) and the field.
+        dataset = self.task.options.get("dataset")
+        if not (isinstance(dataset, dict) and dataset.get("messages_field")):
+            return self  # no chats: the task's files are not read a further time
+        task = build_task(self.task.name, self.task.options)
+        try:
+            if not getattr(task, "chat_prompts", False):
+                return self
+            checks = [("task.options.dataset.messages_field", [*task.split("train"), *task.split("heldout")])]
+            checks += [(f"eval.sets.{i}.path", read_eval_set(self.task.name, self.task.options, s.path, "path"))
+                       for i, s in enumerate(self.eval.sets)]
+        finally:
+            task.close()
+        try:
+            template = ChatTemplate.from_model_dir(self.model_path)
+        except ValueError as exc:
+            raise field_error("task.options.dataset.messages_field", str(exc)) from None
+        for field, problems in checks:
+            try:
+                template.check(problems, field)
+            except ValueError as exc:
+                raise field_error(field, str(exc).removeprefix(f"{field}: ")) from None
         return self
 
     @model_validator(mode="after")

@@ -212,7 +212,7 @@ class TrainerServicer(pb_grpc.TrainerServicer):
         log_event(log, "train step", run_id=req.run_id, step=req.step, replayed=outcome.replayed,
                   seconds=round(seconds, 4), iw_mean=outcome.metrics["iw_mean"], loss=outcome.metrics["loss"])
         return step_metrics_message(req.run_id, outcome.step, outcome.policy_version, outcome.metrics,
-                                    replayed=outcome.replayed)
+                                    replayed=outcome.replayed, sample_weights=outcome.sample_weights)
 
     @rpc_handler(ERRORS, "CheckParity")
     async def CheckParity(self, request_iterator: AsyncIterator[pb.TrainStepChunk], context) -> pb.ParityReport:

@@ -31,7 +31,13 @@ from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepR
 from services.trainer.distributed import sharding
 from services.trainer.distributed.data_parallel import DataParallel
 from services.trainer.loss.lr_schedule import lr_at, mean_token_staleness, staleness_factor
-from services.trainer.loss.microbatch_result import MicrobatchResult, TokenDeltas, results_step_metrics, step_loss
+from services.trainer.loss.microbatch_result import (
+    MicrobatchResult,
+    TokenDeltas,
+    results_sample_weights,
+    results_step_metrics,
+    step_loss,
+)
 from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
 from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_update
 from services.trainer.model import lora
@@ -79,6 +85,8 @@ class StepOutcome:
     policy_version: int
     metrics: dict[str, float]
     replayed: bool
+    sample_weights: tuple[tuple[str, float, float], ...] = ()
+    """(sample id, smallest IW, largest IW) of each sample of a trained step; empty for a replay."""
 
 
 class Trainer:
@@ -216,13 +224,13 @@ class Trainer:
         self._check_token_ids(request.samples, run.vocab_size)
         check_routing(run, request.samples)
         digest = trajectories_digest(request.samples)
-        metrics = self._apply_update(run, request.samples, step=s)
+        metrics, sample_weights = self._apply_update(run, request.samples, step=s)
         run.policy_version = s
         # Only the step at the current policy version can be replayed: keep its metrics alone,
         # so a long run's trainer (and its checkpoints) do not grow with the step count.
         run.step_metrics = {s: metrics}
         run.step_digests = {s: digest}
-        return StepOutcome(s, s, dict(metrics), replayed=False)
+        return StepOutcome(s, s, dict(metrics), replayed=False, sample_weights=sample_weights)
 
     @staticmethod
     def _check_token_ids(samples: list[TrainSample], vocab_size: int) -> None:
@@ -338,9 +346,10 @@ class Trainer:
             delta[o.keys.cpu()] = o.delta.cpu()
         return m2po_keep_mask(delta, cfg.policy_loss.m2po_threshold)
 
-    def _apply_update(self, run: RunState, samples: list[TrainSample], *, step: int) -> dict[str, float]:
+    def _apply_update(self, run: RunState, samples: list[TrainSample], *,
+                      step: int) -> tuple[dict[str, float], tuple[tuple[str, float, float], ...]]:
         """One step: forward and backward over the microbatches, the step-1 parity gate, the optimizer
-        step, and the step's metrics."""
+        step, and the step's metrics and each sample's IW range."""
         cfg = run.config
         microbatches = self._microbatches(run, samples)
         ordered = canonical_order(samples)
@@ -369,8 +378,8 @@ class Trainer:
                                                  staleness=mean_token_staleness(samples))
         finally:
             run.optimizer.zero_grad(set_to_none=True)
-        return results_step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm,
-                                    lr=lr)
+        return (results_step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm,
+                                     lr=lr), results_sample_weights(outputs, ordered))
 
     def _forward_backward(self, run: RunState, microbatches: list[Microbatch], shape: StepShape,
                           keep: torch.Tensor | None,

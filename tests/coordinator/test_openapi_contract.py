@@ -67,7 +67,8 @@ def submittable_schema(lone_coordinator, tiny_model_dir):
 OPERATIONS = ["POST /v1/runs", "GET /v1/runs", "GET /v1/runs/{run_id}", "GET /v1/runs/{run_id}/metrics",
               "POST /v1/runs/{run_id}/cancel", "POST /v1/runs/{run_id}/resume", "GET /healthz", "GET /readyz",
               "GET /metrics", "GET /v1/runs/{run_id}/bundle", "GET /v1/runs/{run_id}/step_records/{step}",
-              "POST /v1/runs/import", "GET /v1/compare", "GET /v1/runs/{run_id}/steps/{step}/episodes"]
+              "POST /v1/runs/import", "GET /v1/compare", "GET /v1/runs/{run_id}/steps/{step}/episodes",
+              "GET /v1/runs/{run_id}/steps/{step}/samples"]
 
 
 def test_the_document_has_exactly_the_operations_tested(api_schema):

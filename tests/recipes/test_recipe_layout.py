@@ -134,3 +134,12 @@ def test_unknown_recipes_are_refused_listing_the_known_ones(name, capsys, tmp_pa
     # tmp_path, so compare with whitespace runs collapsed.
     out = " ".join(capsys.readouterr().out.split())
     assert rc == 2 and "recipes with a layout: ['qwen3_4b_lora_grpo', 'qwen3_8b_m2po']" in out
+
+
+def test_a_chat_dataset_is_checked_for_its_answer_not_a_question_field():
+    from services.cli.recipe_layout import task_fields
+
+    options = {"question_field": "q", "answer_field": "a", "answer_marker": "####"}
+    assert task_fields({"task": {"name": "math", "options": options}}) == (("q", "a"), "####")
+    chat = {**options, "dataset": {"messages_field": "messages"}}
+    assert task_fields({"task": {"name": "math", "options": chat}}) == (("a",), "####")

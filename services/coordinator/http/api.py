@@ -49,6 +49,8 @@ from services.coordinator.run_spec import (
 from services.coordinator.state.embedded_redis import EmbeddedRedis
 from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.store import OUTAGE_ERRORS, RUN_ID_PATTERN, STATUSES, RunStore, is_run_id
+from services.coordinator.tracking.sample_routes import samples_router
+from services.coordinator.tracking.trackers import TrackingTargets
 
 STORE_RETRY_AFTER_S = 5
 
@@ -145,6 +147,8 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
     data_dir = Path(config.data_dir).resolve()
     SubmittedRunSpec = confined_run_spec(config.model_roots, config.data_roots)
     password = redis_password(config)  # read before anything starts: a bad file fails the start
+    tracking_targets = TrackingTargets(config.tracking_wandb_mode, config.tracking_mlflow_uri,
+                                       config.tracking_tensorboard_dir)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -170,7 +174,8 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
                              replica_recovery_timeout_s=config.replica_recovery_timeout_s,
                              space_retry=SpaceRetry(config.checkpoint_retry_window_s,
                                                     config.checkpoint_retry_interval_s,
-                                                    config.checkpoint_retry_interval_max_s))
+                                                    config.checkpoint_retry_interval_max_s),
+                             tracking_targets=tracking_targets, tracking_call_timeout_s=config.tracking_call_timeout_s)
 
         scheduler = RunScheduler(store, make_driver, data_dir, _coordinator_id(data_dir), exporter)
         app.state.store, app.state.exporter, app.state.scheduler = store, exporter, scheduler
@@ -290,6 +295,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
 
     v1.include_router(exchange_router(data_dir, NOT_FOUND, INVALID, _refused, _read_body))
     v1.include_router(episodes_router(data_dir, NOT_FOUND[404]["description"], ErrorDetail))
+    v1.include_router(samples_router(data_dir, NOT_FOUND[404]["description"], ErrorDetail))
     app.include_router(v1)
 
     @app.get("/healthz", operation_id="healthz")

@@ -62,6 +62,10 @@ from services.coordinator.state.kept_rollouts import KeptRollouts
 from services.coordinator.state.store import RunStore
 from services.coordinator.tasks import build_task
 from services.coordinator.ipc_weights import IpcWeights
+from services.coordinator.tasks.chat_template import ChatTemplate
+from services.coordinator.tracking.run_tracking import RunTracking
+from services.coordinator.tracking.step_samples import StepSamples, read_samples
+from services.coordinator.tracking.trackers import RunIdentity, TrackingTargets
 from services.coordinator.weight_sources import BroadcastWeights, SharedPathWeights
 
 __all__ = ["RunCancelled", "RunDriver", "RunFailed", "RunPaused", "SpaceRetry", "next_step"]
@@ -138,6 +142,8 @@ class RunDriver:
         trainer_recovery_timeout_s: float = 0.0,
         replica_recovery_timeout_s: float = 0.0,
         space_retry: SpaceRetry = SpaceRetry(),
+        tracking_targets: TrackingTargets = TrackingTargets(),
+        tracking_call_timeout_s: float = 30.0,
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
         self._check_cancelled = CancelCheck(store, run_id)
@@ -161,13 +167,37 @@ class RunDriver:
         task = build_task(spec.task.name, spec.task.options)
         for split in ("train", "heldout"):  # built now, in the constructing thread, not at step 1 on the event loop
             task.split(split)
-        tokens = PromptTokens(tokenizer_loader(spec.model_path))
+        chat = ChatTemplate.from_model_dir(spec.model_path) if getattr(task, "chat_prompts", False) else None
+        tokens = PromptTokens(tokenizer_loader(spec.model_path), chat)
         kept = KeptRollouts(run_id, run_dir / "rollouts", model_path=spec.model_path, seed=spec.seed)
-        evaluator = Evaluator(spec, task, build_eval_sets(spec, task), eval_rollout(fleet, tokens), tokens.decode,
-                              tokens.stop_ids())
+        eval_sets = build_eval_sets(spec, task)
+        if chat is not None:  # rendered here, in the constructing thread: the event loop only finds them cached
+            for problems in (task.split("train"), *(s.problems for s in eval_sets)):
+                for problem in problems:
+                    tokens.encode(problem)
+        evaluator = Evaluator(spec, task, eval_sets, eval_rollout(fleet, tokens), tokens.decode, tokens.stop_ids())
         self.context = StepContext(run_id, spec, store, run_dir, task, fleet, session, events, kept, tokens,
                                    evaluator)
+        self.context.samples, self.context.tracking = self._observers(run_dir, exporter, tokens, tracking_targets,
+                                                                      tracking_call_timeout_s)
         self.steps = step_kind(self.context)
+
+    def _observers(self, run_dir: Path, exporter: CoordinatorExporter, tokens: PromptTokens,
+                   targets: TrackingTargets, call_timeout_s: float) -> tuple[StepSamples | None, RunTracking | None]:
+        """What watches the run without steering it: its kept samples and its experiment trackers."""
+        spec, run_id = self.spec, self.run_id
+
+        def decode(ids) -> str:
+            return tokens.tokenizer.decode(list(ids), skip_special_tokens=False)
+        samples = (StepSamples(run_dir, spec.samples.keep_steps, decode, keep_bytes=spec.samples.keep_mib << 20)
+                   if spec.samples.keep_steps else None)
+        tracking = None
+        if spec.tracking.backends:
+            tracking = RunTracking(RunIdentity(run_id, spec.name, spec.tracking.project, run_dir), spec.tracking,
+                                   targets, last_step=spec.steps, read_samples=lambda s: read_samples(run_dir, s),
+                                   on_failure=lambda tracker, _why: exporter.tracking_failure(run_id, tracker),
+                                   call_timeout_s=call_timeout_s)
+        return samples, tracking
 
     # ------------------------------------------------------------------ loop --
     async def run(self) -> None:
@@ -178,6 +208,17 @@ class RunDriver:
                 await self.context.fleet.shared_weights.cancel_early()
             await self.steps.stop()
             await asyncio.to_thread(self.context.task.close)
+            if self.context.tracking is not None:
+                await self._close_tracking()
+
+    async def _close_tracking(self) -> None:
+        """The trackers flushed (or given up), then a `trackers_closed` event: from then on what they wrote
+        is whole, for anyone reading it."""
+        ended = await asyncio.to_thread(self.context.tracking.close)
+        try:
+            await self.context.events.record("trackers_closed", "trackers closed", trackers=ended)
+        except Exception as exc:  # noqa: BLE001 - the run's own ending (or its error) is what matters here
+            log.warning("run %s: trackers_closed not recorded: %r", self.run_id, exc)
 
     async def _run(self) -> None:
         run = await self.store.get_run(self.run_id)
@@ -248,7 +289,12 @@ class RunDriver:
         replicas = [dict(a.details) for a in answers if not isinstance(a, BaseException)]
         fingerprint = run_fingerprint(self.spec.model_dump(mode="json", by_alias=True), self.context.trainer.details,
                                       replicas)
+        if self.context.tokens.chat is not None:  # chat prompts: which template rendered them
+            fingerprint["chat_template_sha256"] = self.context.tokens.chat.sha256
         await self.store.set_aux(self.run_id, "fingerprint", fingerprint)
+        if self.context.tracking is not None:
+            self.context.tracking.config({"run_spec": self.spec.model_dump(mode="json", by_alias=True),
+                                          "platform_fingerprint": fingerprint})
 
     async def _initial_eval(self, policy_version: int) -> None:
         if await self.store.get_aux(self.run_id, "eval_initial") is None:
@@ -256,3 +302,5 @@ class RunDriver:
             await self.store.set_aux(self.run_id, "eval_initial", {"accuracy": report.greedy_accuracy, "step": 0,
                                                                    "metrics": report.metrics()})
             self.context.events.exporter.on_eval(self.run_id, report)
+            if self.context.tracking is not None:
+                self.context.tracking.eval_initial(report.metrics())

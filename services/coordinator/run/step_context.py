@@ -36,7 +36,10 @@ from services.coordinator.state.event_log import EventLog, PhaseTimer
 from services.coordinator.state.kept_rollouts import KeptRollouts
 from services.coordinator.state.store import RunStore
 from services.coordinator.tasks import Problem, Task
+from services.coordinator.tasks.chat_template import ChatTemplate
 from services.coordinator.tasks.episodic import EpisodicTask, episode_metrics
+from services.coordinator.tracking.run_tracking import RunTracking
+from services.coordinator.tracking.step_samples import StepSamples
 
 log = logging.getLogger("lockstep.coordinator.run")
 
@@ -58,17 +61,24 @@ class StepKind(Protocol):
 class PromptTokens:
     """The run's tokenizer as the steps use it: each prompt encoded once, responses decoded for the task."""
 
-    def __init__(self, tokenizer: object) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: object, chat: ChatTemplate | None = None) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
         self._prompt_ids: dict[str, list[int]] = {}
 
     def encode(self, problem: Problem) -> list[int]:
         ids = self._prompt_ids.get(problem.problem_id)
         if ids is None:
-            # The task owns the whole prompt text: no special tokens are added to it.
-            ids = list(self.tokenizer.encode(problem.prompt, add_special_tokens=False))
+            # The task (or the chat template, for a chat) owns the whole prompt text: no special tokens are
+            # added to it, as apply_chat_template encodes what it rendered.
+            text = problem.prompt if problem.messages is None else self._chat().render(problem.messages)
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
             self._prompt_ids[problem.problem_id] = ids
         return ids
+
+    def _chat(self) -> ChatTemplate:
+        if self.chat is None:
+            raise RunFailed("a chat prompt reached a run without its model's chat template")
+        return self.chat
 
     def decode(self, sample: pb.Sample) -> str:
         ids = from_proto(sample.response_token_ids, field="response_token_ids").tolist()
@@ -114,6 +124,10 @@ class StepContext:
     """fixed_lag and streaming: the version every live replica holds."""
     _task_counts: dict[int, dict[str, float | list[str]]] = field(default_factory=dict, init=False, repr=False)
     """Per step: the task's own counts of the responses scored for it so far (Task.score_with_metrics)."""
+    samples: StepSamples | None = None
+    """Each step's samples as trained, kept for the samples API (the last spec.samples.keep_steps steps)."""
+    tracking: RunTracking | None = None
+    """The run's experiment trackers, fed off the step path (tracking/run_tracking.py)."""
 
     @property
     def max_staleness(self) -> int:
@@ -279,7 +293,11 @@ class StepContext:
         began = time.monotonic()
         with timer.phase("train"):
             result = await self.trainer.train(header, trajectories, counts)
-        return result, (began, time.monotonic())
+        span = (began, time.monotonic())
+        if self.samples is not None:  # with the IW range the trainer measured on each
+            weights = {w.sample_id: (w.iw_min, w.iw_max) for w in result.sample_weights}
+            await asyncio.to_thread(self._keep_samples, header.step, trajectories, weights)
+        return result, span
 
     def _record_step_input(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory]) -> None:
         spec = self.spec
@@ -288,6 +306,14 @@ class StepContext:
                               trainer_config_json=spec.trainer.model_dump_json())
         chunks = [pb.TrainStepChunk(header=header), *(pb.TrainStepChunk(trajectory=t) for t in trajectories)]
         write_step_record(self.run_dir / "trajectories" / f"step_{header.step:06d}.pb", meta, chunks)
+
+    def _keep_samples(self, step: int, trajectories: list[pb.Trajectory],
+                      weights: dict[str, tuple[float, float]]) -> None:
+        # A view for people, not run state: a disk that refuses it costs the view (logged), never the step.
+        try:
+            self.samples.put(step, trajectories, weights)
+        except OSError as exc:
+            log.warning("step %d: samples not kept: %s", step, exc)
 
     async def train_beside(self, header: pb.TrainStepHeader, trajectories: list[pb.Trajectory], counts: dict,
                            timer: PhaseTimer, ahead: asyncio.Future) -> tuple[pb.StepMetrics, tuple]:
@@ -350,6 +376,8 @@ class StepContext:
         compared with its record instead."""
         if not await self.events.record_step(step, metrics, timings, counts, report):
             await self._note_recomputed(step, metrics)
+        elif self.tracking is not None:  # queued for the trackers' threads: nothing here waits on them
+            self.tracking.step(step, metrics)
 
     async def _note_recomputed(self, step: int, metrics: dict) -> None:
         """A step recorded before the trainer was lost, computed again: say whether the bits matched."""

@@ -76,6 +76,9 @@ class CoordinatorExporter:
     def step_recomputed(self, run_id: str, matched: bool) -> None:
         self._m["lockstep_steps_recomputed_total"].labels(run_id, "matched" if matched else "differed").inc()
 
+    def tracking_failure(self, run_id: str, tracker: str) -> None:
+        self._m["lockstep_tracking_failures_total"].labels(run_id, tracker).inc()
+
     def queue_depth(self, run_id: str, prompts: int) -> None:
         self._m["lockstep_rollout_queue_depth"].labels(run_id).set(prompts)
 

@@ -11,6 +11,9 @@ class Problem:
     problem_id: str   # stable id, unique within the task
     prompt: str       # text given to the policy (the tokenizer adds nothing)
     answer: str       # reference answer the reward checks against
+    messages: tuple[tuple[str, str], ...] | None = None
+    """A chat prompt's (role, content) messages, rendered through the model's chat template (the run's
+    PromptTokens does it); then `prompt` is only its last message's content, for reading."""
 
 
 class Task(abc.ABC):

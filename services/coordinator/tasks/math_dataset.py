@@ -1,6 +1,8 @@
-"""Math word problems from a local JSONL file, rewarded by math-verify.
+"""Math word problems from a local data file, rewarded by math-verify.
 
-One JSON object per line, with the question and the reference answer in
+JSONL by default (or Parquet, or a saved Hugging Face dataset: options.dataset, prompt_rows.py; a chat
+in `dataset.messages_field` instead of a question, rendered by the model's chat template). One JSON object
+per line, with the question and the reference answer in
 configurable fields (GSM8K's "question"/"answer", with its "#### 42" final
 answer marker, MATH's "problem"/"solution" with a \\boxed{} answer, ...). The
 prompt is `prompt_template` with the question filled in; the reward is 1.0
@@ -27,7 +29,6 @@ contract/math_options.py, which `lockstep recipe prepare` checks files with.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import multiprocessing
 import random
@@ -37,8 +38,9 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-from contract.math_options import MAX_DATASET_BYTES, MAX_DATASET_LINES, MathConfig, reference_answer
+from contract.math_options import MathConfig, reference_answer
 from services.coordinator.tasks.base import Problem, Task
+from services.coordinator.tasks.prompt_rows import data_format, read_rows, row_word
 
 MATH_VERIFY_HINT = "math-verify is not installed: pip install 'math-verify==0.9.0' (pinned in requirements.lock)"
 log = logging.getLogger("lockstep.coordinator.tasks.math")
@@ -93,53 +95,51 @@ def math_reward(answer: str, response: str, timeout_s: int) -> tuple[float, bool
     return (1.0 if ok else 0.0), False
 
 
-def _parse_problems(lines: Iterable[str], path: str, field_prefix: str, cfg: MathConfig) -> list[Problem]:
+def _chat(row: dict, n: int, where: str, path: str, field: str) -> tuple[tuple[str, str], ...]:
+    """A row's chat messages as (role, content) pairs; refused naming the file, row and field."""
+    messages = row.get(field)
+    if not isinstance(messages, list) or not messages:
+        raise ValueError(f"dataset.messages_field: {where} {n} of {path} has no non-empty list field {field!r}")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"dataset.messages_field: {where} {n} of {path}: {field}[{i}] is not a "
+                             "{role, content} message of strings")
+        out.append((m["role"], m["content"]))
+    return tuple(out)
+
+
+def _parse_problems(rows: Iterable[tuple[int, object]], path: str, field_prefix: str, cfg: MathConfig,
+                    where: str) -> list[Problem]:
     name = Path(path).name
+    messages_field = cfg.dataset.messages_field
     problems: list[Problem] = []
-    for n, line in enumerate(lines, start=1):
-        if n > MAX_DATASET_LINES:
-            raise ValueError(f"{field_prefix}: {path} has more than {MAX_DATASET_LINES} lines")
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{field_prefix}: line {n} is not JSON ({exc.msg})") from None
-        except RecursionError:
-            raise ValueError(f"{field_prefix}: line {n} is nested too deeply") from None
+    for n, row in rows:
         if not isinstance(row, dict):
-            raise ValueError(f"{field_prefix}: line {n} is not a JSON object")
-        for field in (cfg.question_field, cfg.answer_field):
+            raise ValueError(f"{field_prefix}: {where} {n} is not a JSON object")
+        wanted = (cfg.answer_field,) if messages_field else (cfg.question_field, cfg.answer_field)
+        for field in wanted:
             if not isinstance(row.get(field), str):
                 which = "question_field" if field == cfg.question_field else "answer_field"
-                raise ValueError(f"{which}: line {n} of {path} has no string field {field!r}")
+                raise ValueError(f"{which}: {where} {n} of {path} has no string field {field!r}")
         try:
             answer = reference_answer(row[cfg.answer_field], cfg.answer_marker)
         except ValueError as exc:
-            raise ValueError(f"answer_field: line {n} of {path}: {cfg.answer_field!r} {exc}") from None
+            raise ValueError(f"answer_field: {where} {n} of {path}: {cfg.answer_field!r} {exc}") from None
         if not _parse_reference(answer):
-            raise ValueError(f"answer_field: line {n} of {path}: math-verify cannot read the answer {answer!r}")
-        problems.append(Problem(f"{name}:{n}", cfg.prompt_template.format(question=row[cfg.question_field]), answer))
+            raise ValueError(f"answer_field: {where} {n} of {path}: math-verify cannot read the answer {answer!r}")
+        if messages_field:
+            chat = _chat(row, n, where, path, messages_field)
+            problems.append(Problem(f"{name}:{n}", chat[-1][1], answer, messages=chat))
+        else:
+            problems.append(Problem(f"{name}:{n}", cfg.prompt_template.format(question=row[cfg.question_field]),
+                                    answer))
     return problems
 
 
 def _read_problems(path: str, field_prefix: str, cfg: MathConfig) -> list[Problem]:
-    p = Path(path)
-    try:
-        if not p.is_file():
-            raise ValueError(f"{field_prefix}: no such file {path!r}")
-        size = p.stat().st_size
-    except OSError as exc:
-        raise ValueError(f"{field_prefix}: cannot read {path!r} ({exc.strerror})") from None
-    if size > MAX_DATASET_BYTES:
-        raise ValueError(f"{field_prefix}: {path} has {size} bytes, more than the {MAX_DATASET_BYTES} allowed")
-    try:
-        with p.open(encoding="utf-8", errors="strict") as f:
-            problems = _parse_problems(f, path, field_prefix, cfg)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{field_prefix}: {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except OSError as exc:
-        raise ValueError(f"{field_prefix}: cannot read {path!r} ({exc.strerror})") from None
+    where = row_word(data_format(Path(path), cfg.dataset))
+    problems = _parse_problems(read_rows(path, field_prefix, cfg.dataset), path, field_prefix, cfg, where)
     if not problems:
         raise ValueError(f"{field_prefix}: {path} holds no problems")
     return problems
@@ -159,6 +159,11 @@ class MathTask(Task):
         self._pool: ProcessPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self.reward_timeouts = 0
+
+    @property
+    def chat_prompts(self) -> bool:
+        """Whether the problems are chats, for the run's PromptTokens to render with the chat template."""
+        return bool(self.config.dataset.messages_field)
 
     def _validate(self) -> None:
         cfg = self.config

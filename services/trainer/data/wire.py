@@ -7,7 +7,7 @@ so the server can answer INVALID_ARGUMENT and keep serving.
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -183,7 +183,9 @@ async def read_train_step(stream: AsyncIterator[pb.TrainStepChunk]) -> StepReque
                        keep_previous_weights=header.keep_previous_weights)
 
 
-def step_metrics_message(run_id: str, step: int, policy_version: int, metrics: dict[str, float], *, replayed: bool) -> pb.StepMetrics:
+def step_metrics_message(run_id: str, step: int, policy_version: int, metrics: dict[str, float], *, replayed: bool,
+                         sample_weights: Sequence[tuple[str, float, float]] = ()) -> pb.StepMetrics:
     return pb.StepMetrics(
-        run_id=run_id, step=step, policy_version=policy_version, metrics=metrics, replayed=replayed
+        run_id=run_id, step=step, policy_version=policy_version, metrics=metrics, replayed=replayed,
+        sample_weights=[pb.SampleWeights(sample_id=i, iw_min=lo, iw_max=hi) for i, lo, hi in sample_weights],
     )

@@ -15,7 +15,7 @@ import torch
 
 from services.common.metric_defs import STEP_METRIC_HELP
 from services.trainer.data.batching import TrainSample
-from services.trainer.loss.surrogate import step_metrics
+from services.trainer.loss.surrogate import sample_iw_range, step_metrics
 
 # The keys TrainStep returns: the shared step-metric definitions minus what the
 # coordinator measures itself (eval accuracy).
@@ -110,3 +110,12 @@ def results_step_metrics(results: Sequence[MicrobatchResult], samples: list[Trai
 
         out.update(moe_step_metrics([r.moe_stats for r in results]))
     return out
+
+
+def results_sample_weights(results: Sequence[MicrobatchResult],
+                           ordered: list[TrainSample]) -> tuple[tuple[str, float, float], ...]:
+    """(sample id, smallest IW, largest IW) of every sample of the step, in canonical order, from the same
+    pre-update tensors as the step's iw_min / iw_max."""
+    low, high = sample_iw_range(torch.cat([r.logp for r in results]), torch.cat([r.rollout_logp for r in results]),
+                                torch.cat([r.sample_index for r in results]), len(ordered))
+    return tuple((s.sample_id, lo, hi) for s, lo, hi in zip(ordered, low.tolist(), high.tolist(), strict=True))

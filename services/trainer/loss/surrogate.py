@@ -118,6 +118,20 @@ def mismatch_stats(logp: torch.Tensor, rollout_logp: torch.Tensor) -> MismatchSt
     )
 
 
+def sample_iw_range(logp: torch.Tensor, rollout_logp: torch.Tensor, sample_index: torch.Tensor,
+                    num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's smallest and largest importance weight exp(logp - rollout_logp) over its response tokens
+    (float64 [num_samples] each, as mismatch_stats computes them, so the step's iw_min/iw_max are their
+    min/max exactly); NaN for a sample without a token."""
+    iw = torch.exp(logp.detach().double() - rollout_logp.detach().double())
+    index = sample_index.to(iw.device).long()
+    low = torch.full((num_samples,), float("nan"), dtype=torch.float64, device=iw.device)
+    high = low.clone()
+    low = low.scatter_reduce(0, index, iw, reduce="amin", include_self=False)
+    high = high.scatter_reduce(0, index, iw, reduce="amax", include_self=False)
+    return low, high
+
+
 def reward_stats(rewards: Sequence[float]) -> tuple[float, float]:
     """(mean, population std) of the step's rewards, float64."""
     if not rewards:
