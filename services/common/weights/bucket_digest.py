@@ -49,6 +49,30 @@ def pieces(blocks: Sequence[tuple[int, int]], piece_bytes: int) -> list[list[tup
     return out
 
 
+class PinnedRing:
+    """Host buffers handed out round-robin, one per piece copied from a device. A slot is handed out again only
+    once every hash of the piece it last held has finished: across the buckets of a digest and across digests,
+    since the ring belongs to the hasher. (Per bucket is not enough: the next bucket's first piece would be
+    copied into slot 0 while hashes of the previous bucket's pieces still wait in the pool to read it.)"""
+
+    def __init__(self, buffers: list) -> None:
+        self.buffers = buffers
+        self._readers: list[list[Future]] = [[] for _ in buffers]
+        self._next = 0
+
+    def claim(self) -> int:
+        """The next slot, once its last piece's hashes are done (blocks until then)."""
+        slot = self._next
+        self._next = (self._next + 1) % len(self.buffers)
+        for f in self._readers[slot]:
+            f.result()
+        return slot
+
+    def read_by(self, slot: int, readers: list[Future]) -> None:
+        """`readers` hash what was just copied into `slot`: it is not handed out again before they finish."""
+        self._readers[slot] = readers
+
+
 def _sha(view: memoryview) -> bytes:
     return hashlib.sha256(view).digest()
 
@@ -61,7 +85,7 @@ class BucketHasher:
             raise ValueError(f"weight_ipc_digest: {on!r} is not one of {list(DIGEST_ON)}")
         self.on = on
         self.pool = ThreadPoolExecutor(max_workers=threads or block_pool_threads(), thread_name_prefix="ipc-sha256")
-        self._ring: list[torch.Tensor] = []
+        self._ring = PinnedRing([])
         self._ring_device: torch.device | None = None
 
     def warm(self, device: torch.device | str | None) -> None:
@@ -81,12 +105,14 @@ class BucketHasher:
 
     def _ring_for(self, device: torch.device) -> None:
         if self._ring_device != device:
-            self._ring = [torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(RING_PIECES)]
+            self._ring = PinnedRing([torch.empty(PIECE_BYTES, dtype=torch.uint8, pin_memory=True)
+                                     for _ in range(RING_PIECES)])
             self._ring_device = device
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
-        self._ring = []
+        self._ring = PinnedRing([])
+        self._ring_device = None
 
     def digest(self, buffers: Sequence[torch.Tensor], layouts: Sequence[BucketLayout]) -> str:
         """The weights digest of the layouts' tensors in order, read from `buffers` (flat uint8, one per layout)."""
@@ -133,13 +159,10 @@ class BucketHasher:
         copier = torch.cuda.Stream(buffer.device)
         copier.wait_stream(torch.cuda.current_stream(buffer.device))  # what was written there before is in
         futures: list[Future] = []
-        in_flight: list[list[Future]] = [[] for _ in self._ring]
-        for n, group in enumerate(pieces(blocks, PIECE_BYTES)):
-            slot = n % len(self._ring)
-            for f in in_flight[slot]:  # the ring buffer is free again once its last piece is hashed
-                f.result()
+        for group in pieces(blocks, PIECE_BYTES):
+            slot = self._ring.claim()
             start, end = group[0][0], group[-1][1]
-            host = self._ring[slot]
+            host = self._ring.buffers[slot]
             with torch.cuda.stream(copier):
                 host[:end - start].copy_(buffer[start:end], non_blocking=True)
                 done = torch.cuda.Event()
@@ -147,7 +170,7 @@ class BucketHasher:
             view = memoryview(host.numpy())
             first = self.pool.submit(done.synchronize)
             piece = [self.pool.submit(_after, first, view, a - start, b - start) for a, b in group]
-            in_flight[slot] = piece
+            self._ring.read_by(slot, piece)
             futures.extend(piece)
         return futures
 
