@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, ValidationError, field_validator, model_validator
 
-from contract.moe_settings import MoeSettings
+from contract.models.moe_settings import MoeSettings
 from contract.trainer_settings import (
     BATCH_INVARIANT_ATTENTION,
     AttentionPolicy,
@@ -160,7 +160,7 @@ class TrainerRunConfig(BaseModel):
         "within these bounds or the step is refused and the run fails with a diagnostic.",
     )
 
-    # ---- mixture-of-experts (issue 40; contract/moe_settings.py) ----
+    # ---- mixture-of-experts (issue 40; contract/models/moe_settings.py) ----
     moe: MoeSettings = Field(default_factory=MoeSettings,
                              description="Mixture-of-experts options: auxiliary router losses and routing replay.")
 

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from contract.math_options import MAX_DATASET_LINES, MathConfig, reference_answer
+from contract.data.math_options import MAX_DATASET_LINES, MathConfig, reference_answer
 from services.cli.client import apply_overrides, load_recipe
 
 RECIPE_FILE = "recipe.yaml"

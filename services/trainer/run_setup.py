@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from contract.model_families import MOE_FAMILIES
+from contract.models.model_families import MOE_FAMILIES
 from contract.trainer_run import TrainerRunConfig, format_validation_error
 from contract.trainer_settings import BATCH_INVARIANT_ATTENTION, AttentionPolicy
 from services.common.models.loading import load_causal_lm, resolve_dtype

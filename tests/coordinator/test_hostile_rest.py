@@ -207,7 +207,7 @@ def test_large_dataset_submit_keeps_healthz_answering(lone_coordinator, tiny_mod
 
 
 def test_dataset_over_the_line_limit_is_422(lone_coordinator, tiny_model_dir, math_file, monkeypatch):
-    from contract.math_options import MAX_DATASET_LINES
+    from contract.data.math_options import MAX_DATASET_LINES
 
     url = lone_coordinator.url
     path = math_file(0)

@@ -24,7 +24,7 @@ Splits: `heldout_path` names a separate held-out file; without it the first
 Both are pure functions of the file(s) and (seed, heldout_size).
 
 The options and the file format (fields, answer marker, limits) are
-contract/math_options.py, which `lockstep recipe prepare` checks files with.
+contract/data/math_options.py, which `lockstep recipe prepare` checks files with.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from concurrent.futures import ProcessPoolExecutor
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-from contract.math_options import MathConfig, reference_answer
+from contract.data.math_options import MathConfig, reference_answer
 from services.coordinator.tasks.base import Problem, Task
 from services.coordinator.tasks.prompt_rows import data_format, read_rows, row_word
 

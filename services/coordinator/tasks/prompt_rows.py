@@ -2,7 +2,7 @@
 
 Each reader yields (row number from 1, the row as a dict) and names the file and row in every refusal.
 pyarrow and datasets are imported only for a file of their format, with the install hint when missing.
-Limits as for JSONL (contract/math_options.py): the file's bytes (a directory's total) and its rows.
+Limits as for JSONL (contract/data/math_options.py): the file's bytes (a directory's total) and its rows.
 """
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from contract.math_options import MAX_DATASET_BYTES, MAX_DATASET_LINES
-from contract.prompt_dataset import PromptDataset
+from contract.data.math_options import MAX_DATASET_BYTES, MAX_DATASET_LINES
+from contract.data.prompt_dataset import PromptDataset
 
 HINTS = {"pyarrow": "pip install 'pyarrow==26.0.1' (pinned in requirements.lock)",
          "datasets": "pip install 'datasets==5.2.0' (pinned in requirements.lock)"}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from contract.moe_settings import MoeSettings
+from contract.models.moe_settings import MoeSettings
 from kernels.moe.hf_blocks import RouterState, router_states
 
 STAT_COLUMNS = 4

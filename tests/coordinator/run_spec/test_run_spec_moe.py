@@ -8,7 +8,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from contract.model_families import BATCH_INVARIANT_FAMILIES, MOE_FAMILIES
+from contract.models.model_families import BATCH_INVARIANT_FAMILIES, MOE_FAMILIES
 from services.coordinator.run_spec import RunSpec
 
 

@@ -11,7 +11,7 @@ import string
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from contract.prompt_dataset import PromptDataset
+from contract.data.prompt_dataset import PromptDataset
 
 MAX_DATASET_BYTES = 256 * 1024 * 1024
 """Largest JSONL file a run may name: every reference answer is parsed when the run is submitted."""

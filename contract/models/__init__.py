@@ -1,0 +1,1 @@
+"""Contracts of the model families a run may name: which are covered in which numerics mode, MoE settings."""
