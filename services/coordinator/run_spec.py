@@ -30,8 +30,13 @@ from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_boun
 from services.common.float32_fields import Float32
 from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
-from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
-from services.coordinator.tasks.chat_template import ChatTemplate
+from services.coordinator.tasks import (
+    build_task,
+    chat_prompt_problem,
+    known_tasks,
+    read_eval_set,
+    task_path_options,
+)
 from services.coordinator.tasks.episodic import EpisodicTask
 from services.coordinator.tracking.spec import SamplesSpec, TrackingSpec
 
@@ -330,7 +335,7 @@ class RunSpec(_Strict):
     def _architecture_is_covered(self) -> "RunSpec":
         # MoE families outside kernels/moe, and true_on_policy on a family without batch-invariant kernels,
         # would fail at the trainer's or rollout's load: refuse them here, naming the model (docs/moe.md).
-        from contract.model_families import unsupported_reason
+        from contract.models.model_families import unsupported_reason
 
         try:
             config = json.loads((Path(self.model_path) / "config.json").read_text())
@@ -358,29 +363,11 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _chat_prompts_render(self) -> "RunSpec":
-        # Chat prompts are rendered by the model's chat template during the run: a model without one, or a
-        # chat its template cannot render, is refused now, naming the problem (file:row) and the field.
-        dataset = self.task.options.get("dataset")
-        if not (isinstance(dataset, dict) and dataset.get("messages_field")):
-            return self  # no chats: the task's files are not read a further time
-        task = build_task(self.task.name, self.task.options)
-        try:
-            if not getattr(task, "chat_prompts", False):
-                return self
-            checks = [("task.options.dataset.messages_field", [*task.split("train"), *task.split("heldout")])]
-            checks += [(f"eval.sets.{i}.path", read_eval_set(self.task.name, self.task.options, s.path, "path"))
-                       for i, s in enumerate(self.eval.sets)]
-        finally:
-            task.close()
-        try:
-            template = ChatTemplate.from_model_dir(self.model_path)
-        except ValueError as exc:
-            raise field_error("task.options.dataset.messages_field", str(exc)) from None
-        for field, problems in checks:
-            try:
-                template.check(problems, field)
-            except ValueError as exc:
-                raise field_error(field, str(exc).removeprefix(f"{field}: ")) from None
+        # Chat prompts are rendered by the model's chat template during the run: refused now if they cannot be.
+        problem = chat_prompt_problem(self.task.name, self.task.options, [s.path for s in self.eval.sets],
+                                      self.model_path)
+        if problem is not None:
+            raise field_error(*problem)
         return self
 
     @model_validator(mode="after")

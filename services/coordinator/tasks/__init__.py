@@ -125,3 +125,32 @@ def build_task(name: str, options: dict) -> Task:
 
 
 __all__ = ["Problem", "Task", "build_task", "known_tasks", "preload_tasks", "read_eval_set", "task_path_options"]
+
+
+def chat_prompt_problem(name: str, options: dict, eval_paths: list[str], model_path: str) -> tuple[str, str] | None:
+    """(field, reason) when the task takes chat prompts the model's chat template cannot render (a model without
+    one, or a chat it fails on, naming file:row), else None. A task without chat prompts reads no file again."""
+    from services.coordinator.tasks.chat_template import ChatTemplate
+
+    dataset = options.get("dataset")
+    if not (isinstance(dataset, dict) and dataset.get("messages_field")):
+        return None
+    task = build_task(name, options)
+    try:
+        if not getattr(task, "chat_prompts", False):
+            return None
+        checks = [("task.options.dataset.messages_field", [*task.split("train"), *task.split("heldout")])]
+        checks += [(f"eval.sets.{i}.path", read_eval_set(name, options, path, "path"))
+                   for i, path in enumerate(eval_paths)]
+    finally:
+        task.close()
+    try:
+        template = ChatTemplate.from_model_dir(model_path)
+    except ValueError as exc:
+        return "task.options.dataset.messages_field", str(exc)
+    for field, problems in checks:
+        try:
+            template.check(problems, field)
+        except ValueError as exc:
+            return field, str(exc).removeprefix(f"{field}: ")
+    return None
