@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.batch_invariant.fused_kernels import _k_loop
 from kernels.batch_invariant.triton_launch import (
     INTERPRETED,
     _device_scope,
@@ -26,18 +27,6 @@ from kernels.batch_invariant.triton_launch import (
     matmul_config,
     triton_cdiv,
 )
-
-
-@triton.jit
-def _grouped_step(acc, x_ptrs, w_ptrs, kb, K, m_ok, n_ok, offs_k, BLOCK_K: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    k_ok = offs_k < K - kb * BLOCK_K
-    a = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-    b = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-    if INTERPRETED:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -53,24 +42,11 @@ def bi_grouped_matmul_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_start_
     end = tl.load(tile_end_ptr + pid_t)
     offs_m = start + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < end
     n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    n_k = (K + BLOCK_K - 1) // BLOCK_K
-    if INTERPRETED:
-        kb = 0
-        while kb < n_k:
-            acc = _grouped_step(acc, x_ptrs + kb * BLOCK_K * stride_xk, w_ptrs + kb * BLOCK_K * stride_wk, kb, K,
-                                m_ok, n_ok, offs_k, BLOCK_K, DOT_PRECISION, INTERPRETED)
-            kb += 1
-    else:
-        for kb in range(0, n_k):
-            acc = _grouped_step(acc, x_ptrs, w_ptrs, kb, K, m_ok, n_ok, offs_k, BLOCK_K, DOT_PRECISION, INTERPRETED)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
+    # bi_linear's own K loop over the expert's weight: the rows get bi_linear's bits for that weight.
+    acc = _k_loop(x_ptr, w_ptr + expert * stride_we, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
+                  stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, INTERPRETED)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
