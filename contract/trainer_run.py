@@ -21,6 +21,7 @@ from contract.trainer_settings import (
     Numerics,
     ParityThresholds,
     PolicyLoss,
+    TeacherSettings,
     check_bound_outside_clip,
 )
 
@@ -157,6 +158,11 @@ class TrainerRunConfig(BaseModel):
         default_factory=ParityThresholds,
         description="Step-1 parity gate: before the run's first update, trainer and rollout log-probs must agree "
         "within these bounds or the step is refused and the run fails with a diagnostic.",
+    )
+
+    teacher: TeacherSettings | None = Field(
+        None, description="On-policy distillation: the teacher that scores every sampled token (set it with the run "
+        "spec's top-level `teacher`, which the coordinator copies here). null = no teacher.",
     )
 
     @model_validator(mode="after")
