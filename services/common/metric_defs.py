@@ -80,6 +80,16 @@ EPISODE_STEP_METRIC_HELP: dict[str, str] = {
     "episode_tool_calls_mean": "Mean tool calls per episode of the step (turns the environment counted as one).",
     "episode_tool_errors": "Tool calls of the step's episodes that failed (a refused calculator expression).",
 }
+# Per-step numbers of an on-policy distillation run (the run spec's `teacher`; docs/distillation.md); a run
+# without a teacher has none.
+DISTILL_STEP_METRIC_HELP: dict[str, str] = {
+    "distill_reverse_kl": "Mean over the step's response tokens of student logp - teacher logp (the student's "
+    "log-prob being the rollout's): a one-sample estimate of the reverse KL(student || teacher) per token.",
+    "distill_argmax_agreement": "Fraction of the step's response positions where the teacher's and the "
+    "student's (pre-update) most likely tokens are the same.",
+    "teacher_scoring_seconds": "Wall time the teacher spent scoring the step's sampled tokens in the trainer "
+    "(rank 0's microbatches).",
+}
 STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 
 
@@ -91,6 +101,7 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in STEP_METRIC_HELP.items()),
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in ASYNC_STEP_METRIC_HELP.items()),
     *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in EPISODE_STEP_METRIC_HELP.items()),
+    *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in DISTILL_STEP_METRIC_HELP.items()),
     MetricDef("lockstep_step_episodes_ended", "gauge", "Episodes of the last step that ended as `outcome` "
               "(done, max_turns, max_episode_tokens, or an environment failure: env_error, env_timeout, "
               "env_crashed, observation_too_large, observation_not_utf8, bad_result).", ("run_id", "outcome")),

@@ -30,6 +30,7 @@ from services.trainer.data.step_digest import check_replay, trajectories_digest
 from services.trainer.data.wire import FailedPrecondition, InvalidRequest, StepRequest
 from services.trainer.distributed import sharding
 from services.trainer.distributed.data_parallel import DataParallel
+from services.trainer.loss.distillation import distillation_advantages, distillation_stats
 from services.trainer.loss.lr_schedule import lr_at, mean_token_staleness, staleness_factor
 from services.trainer.loss.microbatch_result import MicrobatchResult, TokenDeltas, results_step_metrics, step_loss
 from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
@@ -38,6 +39,7 @@ from services.trainer.model import lora
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.run_state import RunState, WeightSnapshot
+from services.trainer.teacher import TeacherScores, load_teacher, score_microbatch
 
 log = logging.getLogger("lockstep.trainer")
 # What crosses ranks in microbatch order (Trainer._in_order).
@@ -161,6 +163,8 @@ class Trainer:
                 raise InvalidRequest(f"resume_checkpoint: {exc}") from None
         # The reference is the run's initial policy, also when resuming.
         ref_model = run_setup.load_reference(model_path, config, self.device) if config.kl_coef > 0 else None
+        vocab_size = int(policy.lm.get_input_embeddings().num_embeddings)
+        teacher = load_teacher(config, self.device, student_vocab_size=vocab_size) if config.teacher else None
         run = RunState(
             run_id=run_id,
             model_path=model_path,
@@ -170,13 +174,15 @@ class Trainer:
             ref_model=ref_model,
             optimizer=optimizer,
             policy_version=state.policy_version if state else 0,
-            vocab_size=int(policy.lm.get_input_embeddings().num_embeddings),
+            vocab_size=vocab_size,
             step_metrics=dict(state.step_metrics) if state else {},
             step_digests=dict(state.step_digests) if state else {},
+            teacher=teacher,
         )
         log.info("run configured", extra={"fields": {
             "run_id": run_id, "model_path": model_path, "policy_version": run.policy_version,
-            "resumed_from": resume_checkpoint or None, "reference_model": ref_model is not None}})
+            "resumed_from": resume_checkpoint or None, "reference_model": ref_model is not None,
+            "teacher": config.teacher.model_path if config.teacher else None}})
         return run
 
     @staticmethod
@@ -348,9 +354,11 @@ class Trainer:
         # The optimizer holds the sharded float32 masters; the module registers its unsharded
         # compute-dtype parameters while they are gathered, so never take parameters from it.
         params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        # On-policy distillation: the teacher scores every microbatch of this rank before the student's passes.
+        teacher = self._teacher_pass(run, microbatches) if run.teacher is not None else None
         run.optimizer.zero_grad(set_to_none=True)
         try:
-            outputs = self._forward_backward(run, microbatches, shape, keep)
+            outputs = self._forward_backward(run, microbatches, shape, keep, teacher)
             loss_value = step_loss(outputs)
             if step == 1:
                 # Step-1 parity gate: same weights on both sides, so any
@@ -365,11 +373,46 @@ class Trainer:
                                                  staleness=mean_token_staleness(samples))
         finally:
             run.optimizer.zero_grad(set_to_none=True)
-        return results_step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm,
-                                    lr=lr)
+        metrics = results_step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm,
+                                       lr=lr)
+        if teacher is not None:
+            metrics.update(self._distillation_metrics(outputs, teacher))
+        return metrics
+
+    # ------------------------------------------------------------ distillation --
+
+    def _teacher_pass(self, run: RunState, microbatches: list[Microbatch]) -> dict[int, tuple[TeacherScores,
+                                                                                             torch.Tensor]]:
+        """Per microbatch of this rank: the teacher's scores of its response tokens and their distillation
+        advantages (the student's log-probs are the rollout's: services/trainer/loss/distillation.py)."""
+        cfg = run.config
+        out = {}
+        for k in self._my_passes(len(microbatches)):
+            if k is None:
+                continue  # the teacher is whole on every rank: its forward is no collective
+            mb = microbatches[k]
+            scores = score_microbatch(run.teacher, mb, temperature=cfg.temperature)
+            advantages = distillation_advantages(cfg.teacher, scores.logp, mb.response_rollout_logprobs,
+                                                 mb.response_advantages, mb.response_sample_index, mb.response_ranks)
+            out[k] = (scores, advantages.to(scores.logp.device))
+        return out
+
+    @staticmethod
+    def _distillation_metrics(outputs: list[MicrobatchResult],
+                              teacher: dict[int, tuple[TeacherScores, torch.Tensor]]) -> dict[str, float]:
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(o, name).cpu() for o in outputs])
+
+        stats = distillation_stats(cat("teacher_logp"), cat("rollout_logp"), cat("teacher_argmax"),
+                                   cat("student_argmax"))
+        return {"distill_reverse_kl": stats.reverse_kl, "distill_argmax_agreement": stats.argmax_agreement,
+                # This rank's scoring passes (rank 0's, as the step reports them).
+                "teacher_scoring_seconds": sum(scores.seconds for scores, _ in teacher.values())}
 
     def _forward_backward(self, run: RunState, microbatches: list[Microbatch], shape: StepShape,
-                          keep: torch.Tensor | None) -> list[MicrobatchResult]:
+                          keep: torch.Tensor | None,
+                          teacher: dict[int, tuple[TeacherScores, torch.Tensor]] | None = None,
+                          ) -> list[MicrobatchResult]:
         """Forward, policy loss and backward of this rank's microbatches (gradients accumulate); per
         microbatch of every rank, in microbatch order: its loss, the pre-update tensors the metrics need,
         and which tokens are not finite (update_guard)."""
@@ -381,7 +424,13 @@ class Trainer:
                 (logp.sum() * 0.0).backward()
                 continue
             mb = microbatches[k]
-            logp, _lse, ent = policy(mb, temperature=cfg.temperature)
+            student_argmax = None
+            if teacher is None:
+                logp, _lse, ent = policy(mb, temperature=cfg.temperature)
+                advantages = mb.response_advantages
+            else:
+                logp, _lse, ent, student_argmax = policy(mb, temperature=cfg.temperature, with_argmax=True)
+                advantages = teacher[k][1]
             ref_logp = None
             if run.ref_model is not None:
                 with torch.no_grad():
@@ -389,7 +438,7 @@ class Trainer:
             mb_keep = None
             if keep is not None:
                 mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_ranks)].to(logp.device)
-            part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, mb.response_advantages,
+            part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, advantages,
                                    mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
             logp.retain_grad()  # d loss / d logp per token, for naming the tokens of a non-finite update
             part.loss.backward()
@@ -399,7 +448,9 @@ class Trainer:
                 loss=float(part.loss.detach()), logp=logp.detach(), rollout_logp=mb.response_rollout_logprobs,
                 clipped=part.clipped, clamped=part.clamped, sample_index=mb.response_sample_index,
                 positions=mb.response_positions, nonfinite=nonfinite_tokens(part.token_loss, logp, logp.grad),
-                is_weight=part.is_weight, is_affected=part.is_affected, entropy=ent.detach(), kl=part.kl))
+                is_weight=part.is_weight, is_affected=part.is_affected, entropy=ent.detach(), kl=part.kl,
+                teacher_logp=None if teacher is None else teacher[k][0].logp,
+                teacher_argmax=None if teacher is None else teacher[k][0].argmax, student_argmax=student_argmax))
         return self._in_order(local, len(microbatches))
 
     def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int, loss_value: float,
@@ -532,6 +583,7 @@ class Trainer:
                 batching=run.config.batching,
                 numerics=run.config.numerics,
                 reference_model=str(run.ref_model is not None).lower(),
+                teacher=run.config.teacher.model_path if run.config.teacher else "none",
                 lora=(f"rank={run.config.lora.rank},alpha={run.config.lora.alpha}" if run.config.lora else "none"),
             )
         return {

@@ -58,6 +58,12 @@ class MicrobatchResult:
     """float32: the entropy of the temperature-scaled distribution each token was sampled from."""
     kl: torch.Tensor | None = None
     """float32: the k3 KL to the reference of each token; None when the run has no reference model."""
+    teacher_logp: torch.Tensor | None = None
+    """float32: the teacher's log-prob of each token (on-policy distillation); None without a teacher."""
+    teacher_argmax: torch.Tensor | None = None
+    """int64: the teacher's most likely token at each response position; None without a teacher."""
+    student_argmax: torch.Tensor | None = None
+    """int64: the trainer's (pre-update) most likely token at each response position; None without a teacher."""
 
     def to(self, device: torch.device | str) -> MicrobatchResult:
         return _moved(self, device)
