@@ -302,9 +302,10 @@ class TeacherSettings(BaseModel):
                             "sum over later tokens k of gamma^(k-t) (teacher - student)_k; 0 = each token's own "
                             "log-ratio (the usual on-policy distillation).")
 
-    @model_validator(mode="after")
-    def _some_signal(self) -> TeacherSettings:
-        if self.kl_weight == 0 and self.reward_weight == 0:
-            raise ValueError("kl_weight: kl_weight and reward_weight are both 0, so every advantage would be 0; "
-                             "set kl_weight > 0 (distillation) or drop the teacher")
-        return self
+    @field_validator("reward_weight")
+    @classmethod
+    def _some_signal(cls, v: float, info) -> float:
+        if v == 0 and info.data.get("kl_weight") == 0:
+            raise ValueError("kl_weight and reward_weight are both 0, so every advantage would be 0; set kl_weight "
+                             "> 0 (distillation) or drop the teacher")
+        return v

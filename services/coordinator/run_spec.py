@@ -25,13 +25,14 @@ from contract.engine_options import (
     service_owned_reason,
 )
 from contract.trainer_run import TrainerRunConfig
-from contract.trainer_settings import Numerics
+from contract.trainer_settings import Numerics, TeacherSettings
 from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_bounded
 from services.common.float32_fields import Float32
 from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
 from services.coordinator.tasks.episodic import EpisodicTask
+from services.coordinator.vocabulary import vocabulary_difference
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
@@ -246,6 +247,11 @@ class RunSpec(_Strict):
     trainer: TrainerRunConfig = Field(default_factory=TrainerRunConfig, description="Trainer hyperparameters.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Periodic evaluation (avg@k, pass@k) on the "
                            "task's held-out split and extra held-out sets.")
+    teacher: TeacherSettings | None = Field(
+        None, description="On-policy distillation (docs/distillation.md): a teacher model that scores every token "
+        "the student samples; each token's advantage is teacher.kl_weight times the (discounted) teacher - student "
+        "log-prob plus teacher.reward_weight times the task's advantage. Its tokenizer must be the student's. "
+        "null = plain RL on the task's reward.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
     debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
     async_: AsyncSpec = Field(default_factory=AsyncSpec, alias="async",
@@ -267,6 +273,30 @@ class RunSpec(_Strict):
             raise ValueError(str(exc).removeprefix("model_path: ")) from None
         except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path cannot be a model directory
             raise ValueError(f"cannot read {v!r}: {exc.strerror}") from None
+
+    @field_validator("teacher")
+    @classmethod
+    def _teacher_shares_the_vocabulary(cls, v: TeacherSettings | None, info: ValidationInfo) -> TeacherSettings | None:
+        if v is None:
+            return v
+        try:
+            check_model_dir(v.model_path)
+        except FileNotFoundError as exc:
+            raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
+        except OSError as exc:
+            raise field_error("teacher.model_path", f"cannot read {v.model_path!r}: {exc.strerror}") from None
+        student = info.data.get("model_path")
+        if student is None:  # a bad model_path is reported on its own field
+            return v
+        try:
+            difference = vocabulary_difference(student, v.model_path)
+        except FileNotFoundError as exc:
+            raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
+        except ValueError as exc:
+            raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
+        if difference is not None:
+            raise field_error("teacher.model_path", difference)
+        return v
 
     @field_validator("eval")
     @classmethod
@@ -363,6 +393,20 @@ class RunSpec(_Strict):
             raise ValueError(f"trainer{'.' + where if where else ''}: {err['msg'].removeprefix('Value error, ')}") \
                 from None
         self.rollout.engine_options = {**options, "numerics": mode}
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_reaches_the_trainer(self) -> "RunSpec":
+        # The trainer scores with the teacher, so its settings travel in the trainer's configuration; the run's
+        # top-level `teacher` decides, and trainer.teacher may only repeat it (as a stored spec does).
+        own = self.trainer.teacher
+        if self.teacher is None:
+            if own is not None:
+                raise field_error("trainer.teacher", "set the run's top-level `teacher` instead")
+            return self
+        if own is not None and own != self.teacher:
+            raise field_error("trainer.teacher", "differs from the run's `teacher`; set `teacher` once")
+        self.trainer = TrainerRunConfig.model_validate({**self.trainer.model_dump(), "teacher": self.teacher.model_dump()})
         return self
 
     @model_validator(mode="after")
@@ -476,6 +520,16 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
         @classmethod
         def _model_inside_roots(cls, v: object) -> object:
             return _inside(v, model_roots, "model_path")
+
+        @field_validator("teacher", mode="before")
+        @classmethod
+        def _teacher_inside_roots(cls, v: object) -> object:
+            if not isinstance(v, dict) or not isinstance(v.get("model_path"), str):
+                return v  # the teacher's own checks report it
+            try:
+                return {**v, "model_path": str(resolve_inside(v["model_path"], model_roots, "model_path"))}
+            except OutsideRoots as exc:
+                raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
 
     for confined, name in ((ConfinedTaskSpec, "TaskSpec"), (ConfinedEvalSetSpec, "EvalSetSpec"),
                            (ConfinedEvalSpec, "EvalSpec"), (ConfinedRunSpec, "RunSpec")):
