@@ -34,6 +34,7 @@ from services.trainer.loss.distillation import distillation_advantages, distilla
 from services.trainer.loss.lr_schedule import lr_at, mean_token_staleness, staleness_factor
 from services.trainer.loss.microbatch_result import MicrobatchResult, TokenDeltas, results_step_metrics, step_loss
 from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
+from services.trainer.loss.supervised import sft_microbatch_loss
 from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_update
 from services.trainer.model import lora
 from services.trainer.parity_gate import ParityVerdict, check_parity
@@ -350,7 +351,8 @@ class Trainer:
         # Every divisor of the loss is a step-wide constant (policy_loss.aggregate_loss), so summing
         # the microbatch gradients gives the same update however the step was split.
         shape = step_shape(ordered)
-        keep = self._m2po_keep(run, microbatches, shape) if cfg.policy_loss.kind == "m2po" else None
+        sft = cfg.objective == "sft"
+        keep = self._m2po_keep(run, microbatches, shape) if cfg.policy_loss.kind == "m2po" and not sft else None
         # The optimizer holds the sharded float32 masters; the module registers its unsharded
         # compute-dtype parameters while they are gathered, so never take parameters from it.
         params = [p for group in run.optimizer.param_groups for p in group["params"]]
@@ -360,7 +362,7 @@ class Trainer:
         try:
             outputs = self._forward_backward(run, microbatches, shape, keep, teacher)
             loss_value = step_loss(outputs)
-            if step == 1:
+            if step == 1 and not sft:  # a supervised step's tokens were not sampled: no rollout to agree with
                 # Step-1 parity gate: same weights on both sides, so any
                 # disagreement is a bug; refuse before the update.
                 verdict = self._parity_verdict(run, microbatches, [o.logp for o in outputs], samples)
@@ -438,8 +440,11 @@ class Trainer:
             mb_keep = None
             if keep is not None:
                 mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_ranks)].to(logp.device)
-            part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, advantages,
-                                   mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
+            if cfg.objective == "sft":
+                part = sft_microbatch_loss(cfg, logp, mb.response_sample_index, shape)
+            else:
+                part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, advantages,
+                                       mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
             logp.retain_grad()  # d loss / d logp per token, for naming the tokens of a non-finite update
             part.loss.backward()
             # Every forward here runs before the optimizer step, so these are
