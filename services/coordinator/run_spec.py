@@ -30,9 +30,10 @@ from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_boun
 from services.common.float32_fields import Float32
 from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
+from services.coordinator.sft.dataset import SftSpec, read_sft_dataset
 from services.coordinator.tasks import build_task, known_tasks, read_eval_set, task_path_options
 from services.coordinator.tasks.episodic import EpisodicTask
-from services.coordinator.vocabulary import vocabulary_difference
+from services.coordinator.spec_sections import StartFromSpec, kind_refusal, teacher_refusal
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
@@ -247,6 +248,13 @@ class RunSpec(_Strict):
     trainer: TrainerRunConfig = Field(default_factory=TrainerRunConfig, description="Trainer hyperparameters.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Periodic evaluation (avg@k, pass@k) on the "
                            "task's held-out split and extra held-out sets.")
+    kind: Literal["rl", "sft"] = Field("rl", description="'rl': sampled prompts trained on their rewards (or a "
+                                       "teacher's). 'sft': the `sft` dataset's completions; the task only evaluates.")
+    sft: SftSpec | None = Field(None, description="The dataset of a kind 'sft' run: prompt/completion pairs or chat "
+                                "messages, JSON Lines or Parquet, read and tokenized at submit.")
+    start_from: StartFromSpec | None = Field(
+        None, description="Start from another run's checkpoint (its last, or `step`'s): resolved at submit into "
+        "model_path, which the spec must then leave out (services/coordinator/start_from.py).")
     teacher: TeacherSettings | None = Field(
         None, description="On-policy distillation (docs/distillation.md): a teacher model that scores every token "
         "the student samples; each token's advantage is teacher.kl_weight times the (discounted) teacher - student "
@@ -277,25 +285,20 @@ class RunSpec(_Strict):
     @field_validator("teacher")
     @classmethod
     def _teacher_shares_the_vocabulary(cls, v: TeacherSettings | None, info: ValidationInfo) -> TeacherSettings | None:
-        if v is None:
+        if v is not None and (refusal := teacher_refusal(v.model_path, info.data.get("model_path"))):
+            raise field_error("teacher.model_path", refusal)
+        return v
+
+    @field_validator("sft")
+    @classmethod
+    def _sft_dataset_reads(cls, v: SftSpec | None, info: ValidationInfo) -> SftSpec | None:
+        model_path = info.data.get("model_path")
+        if v is None or model_path is None:  # a bad model_path is reported on its own field
             return v
         try:
-            check_model_dir(v.model_path)
-        except FileNotFoundError as exc:
-            raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
-        except OSError as exc:
-            raise field_error("teacher.model_path", f"cannot read {v.model_path!r}: {exc.strerror}") from None
-        student = info.data.get("model_path")
-        if student is None:  # a bad model_path is reported on its own field
-            return v
-        try:
-            difference = vocabulary_difference(student, v.model_path)
-        except FileNotFoundError as exc:
-            raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
-        except ValueError as exc:
-            raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
-        if difference is not None:
-            raise field_error("teacher.model_path", difference)
+            read_sft_dataset(v, model_path)
+        except (ValueError, OSError) as exc:
+            raise field_error("sft.path", str(exc)) from None
         return v
 
     @field_validator("eval")
@@ -393,6 +396,15 @@ class RunSpec(_Strict):
             raise ValueError(f"trainer{'.' + where if where else ''}: {err['msg'].removeprefix('Value error, ')}") \
                 from None
         self.rollout.engine_options = {**options, "numerics": mode}
+        return self
+
+    @model_validator(mode="after")
+    def _kind_is_consistent(self) -> "RunSpec":
+        # kind decides the trainer's objective; trainer.objective may only repeat it (as a stored spec does).
+        if refusal := kind_refusal(self):
+            raise field_error(*refusal)
+        if self.kind == "sft":
+            self.trainer = TrainerRunConfig.model_validate({**self.trainer.model_dump(), "objective": "sft"})
         return self
 
     @model_validator(mode="after")
@@ -511,8 +523,15 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
         sets: list[ConfinedEvalSetSpec] = Field(default_factory=list, max_length=MAX_EVAL_SETS,
                                                 description=EvalSpec.model_fields["sets"].description)
 
+    class ConfinedSftSpec(SftSpec):
+        @field_validator("path", mode="before")
+        @classmethod
+        def _dataset_inside_roots(cls, v: object) -> object:
+            return _inside(v, data_roots, "path")
+
     class ConfinedRunSpec(RunSpec):
         task: ConfinedTaskSpec = Field(..., description=RunSpec.model_fields["task"].description)
+        sft: ConfinedSftSpec | None = Field(None, description=RunSpec.model_fields["sft"].description)
         eval: ConfinedEvalSpec = Field(default_factory=ConfinedEvalSpec,
                                        description=RunSpec.model_fields["eval"].description)
 
@@ -531,7 +550,7 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
             except OutsideRoots as exc:
                 raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
 
-    for confined, name in ((ConfinedTaskSpec, "TaskSpec"), (ConfinedEvalSetSpec, "EvalSetSpec"),
+    for confined, name in ((ConfinedTaskSpec, "TaskSpec"), (ConfinedEvalSetSpec, "EvalSetSpec"), (ConfinedSftSpec, "SftSpec"),
                            (ConfinedEvalSpec, "EvalSpec"), (ConfinedRunSpec, "RunSpec")):
         confined.__name__ = confined.__qualname__ = name
         confined.model_rebuild(force=True)
