@@ -4,6 +4,10 @@ Prints one JSON object (and writes it to --out). GPU run (the lead's; H200 or H1
 
     .venv/bin/python bench/distill.py --shape qwen3-4b --sequences 256 --seq-len 2048 --out bench/distill.json
 
+An SFT step's MFU at the 4B shape beside the RL step's is bench/train.py's `+sft` flag, in one process:
+
+    .venv/bin/python bench/train.py --runs qwen3-4b@16384+ac,qwen3-4b@16384+ac+sft --out bench/sft_vs_rl.json
+
 CPU smoke (checks the script end to end on a tiny shape; its numbers mean nothing):
 
     .venv/bin/python bench/distill.py --small
