@@ -43,8 +43,9 @@ def dirs(tmp_path_factory):
     return build_model_dir(root / "student", STUDENT, seed=3), build_model_dir(root / "teacher", TEACHER, seed=4)
 
 
-def configure(student, teacher, *, dtype="float32", budget=64, run_id="d", **teacher_settings) -> Trainer:
-    t = Trainer(num_threads=1)
+def configure(student, teacher, *, dtype="float32", budget=64, run_id="d", device="cpu",
+              **teacher_settings) -> Trainer:
+    t = Trainer(device=device, num_threads=1)
     t.configure(run_id=run_id, model_path=str(student), seed=7, config_json=json.dumps({
         "numerics": "true_on_policy", "dtype": dtype, "microbatch_tokens": budget, "lr": 1e-2,
         "teacher": {"model_path": str(teacher), **teacher_settings}}))
@@ -69,16 +70,16 @@ def teacher_scores_by_sample(trainer: Trainer, batch: list[TrainSample], budget:
     ids = [s.sample_id for s in canonical_order(batch)]
     out: dict[str, list] = {}
     for mb in build_microbatches(batch, config):
+        mb = mb.to(trainer.device)
         scores = score_microbatch(run.teacher, mb, temperature=config.temperature)
         for index in mb.response_sample_index.unique().tolist():
             rows = mb.response_sample_index == index
-            out[ids[index]] = (scores.logp[rows], scores.argmax[rows])
+            out[ids[index]] = (scores.logp[rows].cpu(), scores.argmax[rows].cpu())
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_teacher_log_probs_of_a_sequence_are_the_same_bits_alone_and_batched(dirs, dtype):
-    trainer = configure(*dirs, dtype=dtype)
+def check_alone_equals_batched(student, teacher, dtype: str, device: str = "cpu") -> None:
+    trainer = configure(student, teacher, dtype=dtype, device=device)
     batch = samples()
     packed = {budget: teacher_scores_by_sample(trainer, batch, budget) for budget in (24, 64, 4096)}
     for s in batch:
@@ -88,6 +89,11 @@ def test_teacher_log_probs_of_a_sequence_are_the_same_bits_alone_and_batched(dir
             logp, argmax = scored[s.sample_id]
             assert torch.equal(logp.view(torch.int32), alone_logp.view(torch.int32)), (s.sample_id, budget)
             assert torch.equal(argmax, alone_argmax), (s.sample_id, budget)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_teacher_log_probs_of_a_sequence_are_the_same_bits_alone_and_batched(dirs, dtype):
+    check_alone_equals_batched(*dirs, dtype)
 
 
 def on_policy(trainer: Trainer, batch: list[TrainSample]) -> list[TrainSample]:
