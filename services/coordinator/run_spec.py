@@ -409,8 +409,7 @@ class RunSpec(_Strict):
 
     @model_validator(mode="after")
     def _teacher_reaches_the_trainer(self) -> "RunSpec":
-        # The trainer scores with the teacher, so its settings travel in the trainer's configuration; the run's
-        # top-level `teacher` decides, and trainer.teacher may only repeat it (as a stored spec does).
+        # The trainer scores with it: the top-level `teacher` decides, trainer.teacher may only repeat it.
         own = self.trainer.teacher
         if self.teacher is None:
             if own is not None:
@@ -418,7 +417,8 @@ class RunSpec(_Strict):
             return self
         if own is not None and own != self.teacher:
             raise field_error("trainer.teacher", "differs from the run's `teacher`; set `teacher` once")
-        self.trainer = TrainerRunConfig.model_validate({**self.trainer.model_dump(), "teacher": self.teacher.model_dump()})
+        teacher = self.teacher.model_dump()
+        self.trainer = TrainerRunConfig.model_validate({**self.trainer.model_dump(), "teacher": teacher})
         return self
 
     @model_validator(mode="after")
@@ -550,7 +550,8 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
             except OutsideRoots as exc:
                 raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
 
-    for confined, name in ((ConfinedTaskSpec, "TaskSpec"), (ConfinedEvalSetSpec, "EvalSetSpec"), (ConfinedSftSpec, "SftSpec"),
+    for confined, name in ((ConfinedTaskSpec, "TaskSpec"), (ConfinedEvalSetSpec, "EvalSetSpec"),
+                           (ConfinedSftSpec, "SftSpec"),
                            (ConfinedEvalSpec, "EvalSpec"), (ConfinedRunSpec, "RunSpec")):
         confined.__name__ = confined.__qualname__ = name
         confined.model_rebuild(force=True)

@@ -3,18 +3,18 @@ loss mask on completion tokens only (docs/sft.md).
 
 Parquet is read through Hugging Face `datasets` (`Dataset.from_parquet`, in memory, its cache in a temporary
 directory); JSON Lines line by line with Python's json, so that each line keeps its own values and a bad one
-is named (datasets' JSON loader types each column across the whole file). Everything is checked at submit, where a bad file is refused naming the file, the
-line (JSONL) or row (Parquet) and the field: a line that is not UTF-8 or not JSON, a missing or non-string
-field, a chat message with an unknown role, a conversation without an assistant turn, a sequence longer
-than the limit.
+is named (datasets' JSON loader types each column across the whole file). Everything is checked at submit,
+where a bad file is refused naming the file, the line (JSONL) or row (Parquet) and the field: a line that is
+not UTF-8 or not JSON, a missing or non-string field, a chat message with an unknown role, a conversation
+without an assistant turn, a sequence longer than the limit.
 
 Masks: a prompt/completion pair is prompt tokens then completion tokens (+ the end-of-sequence token), the
-loss on the completion's. A conversation is rendered with the model's own chat template (tokenizer_config.json's
-`chat_template`, Jinja in a sandbox, as transformers renders it); each assistant turn's text is what
-rendering the conversation through that turn adds to rendering it up to the turn with the generation prompt,
-and the tokens whose characters lie in those spans are the loss tokens: the prompt is everything before the
-first one, and later user turns are in the response with a False mask (context, no loss), as a multi-turn
-episode's observations are.
+loss on the completion's. A conversation is rendered with the model's own chat template
+(tokenizer_config.json's `chat_template`, Jinja in a sandbox, as transformers renders it); each assistant
+turn's text is what rendering the conversation through that turn adds to rendering it up to the turn with
+the generation prompt, and the tokens whose characters lie in those spans are the loss tokens: the prompt is
+everything before the first one, and later user turns are in the response with a False mask (context, no
+loss), as a multi-turn episode's observations are.
 """
 from __future__ import annotations
 

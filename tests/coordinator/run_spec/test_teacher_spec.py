@@ -81,7 +81,8 @@ def test_hostile_teacher_settings_are_422_naming_the_field(lone_coordinator, tin
 
 
 def test_trainer_teacher_alone_is_refused(lone_coordinator, tiny_model_dir, teacher_dir):
-    fields = submit_refused(lone_coordinator.url, spec(tiny_model_dir, None, {"teacher": {"model_path": str(teacher_dir)}}))
+    body = spec(tiny_model_dir, None, {"teacher": {"model_path": str(teacher_dir)}})
+    fields = submit_refused(lone_coordinator.url, body)
     assert [f["field"] for f in fields] == ["trainer.teacher"], fields
 
 
