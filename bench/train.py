@@ -162,6 +162,7 @@ def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: floa
             "lr": 1e-6, "dtype": "bfloat16", "microbatch_tokens": budget, "grad_clip": 1.0,
             "activation_checkpointing": "ac" in flags, "compile_layers": "compile" in flags,
             **({"lora": LORA, "lr": LORA_LR} if "lora" in flags else {}),
+            **({"objective": "sft"} if "sft" in flags else {}),
             "parity_gate": {"iw_mean_tolerance": 1e9, "iw_max": 1e30, "logprob_abs_diff_mean": 1e9},
         }
         t0 = time.monotonic()
@@ -193,6 +194,7 @@ def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: floa
         "longest_sample": max(p + r for p, r in lengths), "microbatch_tokens": budget,
         "activation_checkpointing": "ac" in flags, "compile_layers": "compile" in flags,
         "lora": LORA if "lora" in flags else None, "trainable_params": state_bytes // 16,
+        "objective": "sft" if "sft" in flags else "policy_gradient",
         "configure_seconds": round(configure_s, 1),
         "step_seconds": [round(t, 4) for t in step_times], "steady_step_seconds": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 1),
@@ -214,7 +216,9 @@ def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: floa
 
 
 RUN_FLAGS = {"ac": "activation checkpointing", "compile": "torch.compile each decoder layer",
-             "lora": "LoRA rank 64, alpha 32 on every linear layer, lr 2e-5 (recipes/qwen3_4b_lora_grpo)"}
+             "lora": "LoRA rank 64, alpha 32 on every linear layer, lr 2e-5 (recipes/qwen3_4b_lora_grpo)",
+             "sft": "objective sft: the supervised NLL of the response tokens in place of the policy loss "
+                    "(an SFT step; its model FLOPs are the RL step's)"}
 LORA = {"rank": 64, "alpha": 32.0, "dropout": 0.0, "target_modules": "all-linear"}
 LORA_LR = 2e-5
 

@@ -22,6 +22,7 @@ from contract.trainer_settings import (
     Numerics,
     ParityThresholds,
     PolicyLoss,
+    TeacherSettings,
     check_bound_outside_clip,
 )
 
@@ -160,6 +161,17 @@ class TrainerRunConfig(BaseModel):
         "within these bounds or the step is refused and the run fails with a diagnostic.",
     )
 
+    objective: Literal["policy_gradient", "sft"] = Field(
+        "policy_gradient", description="'policy_gradient': the policy loss above on the trajectories' advantages "
+        "(RL and distillation runs). 'sft': the negative log-likelihood of the loss tokens (a supervised run's "
+        "completion tokens), aggregated as loss_agg says; no parity gate (nothing was sampled). Set by the run "
+        "spec's `kind`.",
+    )
+    teacher: TeacherSettings | None = Field(
+        None, description="On-policy distillation: the teacher that scores every sampled token (set it with the run "
+        "spec's top-level `teacher`, which the coordinator copies here). null = no teacher.",
+    )
+
     # ---- mixture-of-experts (issue 40; contract/models/moe_settings.py) ----
     moe: MoeSettings = Field(default_factory=MoeSettings,
                              description="Mixture-of-experts options: auxiliary router losses and routing replay.")
@@ -203,6 +215,14 @@ class TrainerRunConfig(BaseModel):
                 "loss_agg_tokens: required by loss_agg 'seq_mean_token_sum_norm' (the constant each sequence's "
                 f"token sum is divided by), and used by nothing else; loss_agg is {self.loss_agg!r} and "
                 f"loss_agg_tokens is {self.loss_agg_tokens}")
+        return self
+
+    @model_validator(mode="after")
+    def _consistent_objective(self) -> TrainerRunConfig:
+        if self.objective == "sft" and self.teacher is not None:
+            raise ValueError("teacher: a supervised (objective 'sft') run has no samples for a teacher to score")
+        if self.objective == "sft" and self.kl_coef > 0:
+            raise ValueError("kl_coef: the KL penalty is a policy-gradient term; objective 'sft' has none")
         return self
 
     @model_validator(mode="after")

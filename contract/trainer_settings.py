@@ -268,3 +268,44 @@ class AttentionPolicy(BaseModel):
         "non-deterministic attention by accident.",
     )
 
+
+
+# ------------------------------------------------------------ on-policy distillation --
+
+MAX_TEACHER_PATH_LENGTH = 4096
+"""Longest teacher model path a spec may name (Linux's PATH_MAX, as the run's own model_path)."""
+
+
+class TeacherSettings(BaseModel):
+    """On-policy distillation (the run spec's top-level `teacher`; docs/distillation.md).
+
+    The student samples; the teacher scores exactly the sampled tokens, and each token's advantage is
+    kl_weight * (the discounted sum of teacher logp - student logp from that token on) + reward_weight *
+    the task's GRPO advantage of its sequence. The student's log-prob is the rollout's (the behaviour
+    policy's), so no extra student pass is needed."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+
+    model_path: str = Field(..., min_length=1, max_length=MAX_TEACHER_PATH_LENGTH,
+                            description="Hugging Face causal-LM directory of the teacher, inside the operator's "
+                            "model roots (the coordinator's and the trainer's). Its tokenizer must be the "
+                            "student's, token for token.")
+    placement: Literal["trainer"] = Field(
+        "trainer", description="Where the teacher runs: 'trainer' loads it beside the student in the trainer "
+        "service (whole, frozen, in the run's compute dtype and numerics) and scores each step's packed "
+        "microbatches with it before the update.")
+    kl_weight: float = Field(1.0, ge=0, le=1e3, description="Weight of the per-token reverse-KL advantage "
+                             "(teacher logp - student logp).")
+    reward_weight: float = Field(0.0, ge=0, le=1e3, description="Weight of the task's GRPO advantage (the "
+                                 "sequence's, on each of its tokens); 0 = pure distillation.")
+    discount: float = Field(0.0, ge=0, le=1, description="gamma of the reverse-KL return: a token's advantage is "
+                            "sum over later tokens k of gamma^(k-t) (teacher - student)_k; 0 = each token's own "
+                            "log-ratio (the usual on-policy distillation).")
+
+    @field_validator("reward_weight")
+    @classmethod
+    def _some_signal(cls, v: float, info) -> float:
+        if v == 0 and info.data.get("kl_weight") == 0:
+            raise ValueError("kl_weight and reward_weight are both 0, so every advantage would be 0; set kl_weight "
+                             "> 0 (distillation) or drop the teacher")
+        return v

@@ -150,7 +150,9 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> dict:
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: a recipe must be a YAML mapping (a run spec)")
     apply_overrides(spec, overrides or {})
-    model = spec.get("model_path")
-    if isinstance(model, str) and not Path(model).is_absolute() and (path.parent / model).exists():
-        spec["model_path"] = str((path.parent / model).resolve())
+    # The model, and a distillation run's teacher and an SFT run's dataset, as the model path resolves.
+    for section, key in ((spec, "model_path"), (spec.get("teacher"), "model_path"), (spec.get("sft"), "path")):
+        value = section.get(key) if isinstance(section, dict) else None
+        if isinstance(value, str) and not Path(value).is_absolute() and (path.parent / value).exists():
+            section[key] = str((path.parent / value).resolve())
     return spec

@@ -91,6 +91,16 @@ MOE_STEP_METRIC_HELP: dict[str, str] = {
     "moe_routing_agreement_min": "Lowest over layers of the fraction of tokens whose top-k experts in the rollout "
     "equal the trainer's (1.0 in true_on_policy and under routing replay); only when trajectories carry experts.",
 }
+# Per-step numbers of an on-policy distillation run (the run spec's `teacher`; docs/distillation.md); a run
+# without a teacher has none.
+DISTILL_STEP_METRIC_HELP: dict[str, str] = {
+    "distill_reverse_kl": "Mean over the step's response tokens of student logp - teacher logp (the student's "
+    "log-prob being the rollout's): a one-sample estimate of the reverse KL(student || teacher) per token.",
+    "distill_argmax_agreement": "Fraction of the step's response positions where the teacher's and the "
+    "student's (pre-update) most likely tokens are the same.",
+    "teacher_scoring_seconds": "Wall time the teacher spent scoring the step's sampled tokens in the trainer "
+    "(rank 0's microbatches).",
+}
 STEP_PHASES = ("rollout", "reward", "dynamic_sampling", "train", "weight_sync", "eval", "checkpoint")
 
 
@@ -106,6 +116,7 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef("lockstep_step_moe_routing_agreement", "gauge", "Fraction of the step's tokens whose top-k experts "
               "in the rollout equal the trainer's, per MoE layer (only when trajectories carry experts).",
               ("run_id", "layer")),
+    *(MetricDef(step_metric_name(k), "gauge", h, ("run_id",)) for k, h in DISTILL_STEP_METRIC_HELP.items()),
     MetricDef("lockstep_step_episodes_ended", "gauge", "Episodes of the last step that ended as `outcome` "
               "(done, max_turns, max_episode_tokens, or an environment failure: env_error, env_timeout, "
               "env_crashed, observation_too_large, observation_not_utf8, bad_result).", ("run_id", "outcome")),

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from contract.command_line import check_arg_value
 from contract.engine_options import (
@@ -25,11 +24,29 @@ from contract.engine_options import (
     service_owned_reason,
 )
 from contract.trainer_run import TrainerRunConfig
-from contract.trainer_settings import Numerics
+from contract.trainer_settings import Numerics, TeacherSettings
 from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_bounded
 from services.common.float32_fields import Float32
 from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
+from services.coordinator.sft.dataset import SftSpec, read_sft_dataset
+from services.coordinator.spec_sections import (
+    MAX_EVAL_PROBLEMS,
+    MAX_EVAL_SAMPLES,
+    MAX_EVAL_SETS,
+    MAX_PATH_LENGTH,
+    AsyncSpec,
+    CheckpointSpec,
+    DebugSpec,
+    EvalSetSpec,
+    EvalSpec,
+    StartFromSpec,
+    StrictModel,
+    field_error,
+    fields_error,
+    kind_refusal,
+    teacher_refusal,
+)
 from services.coordinator.tasks import (
     build_task,
     chat_prompt_problem,
@@ -42,17 +59,11 @@ from services.coordinator.tracking.spec import SamplesSpec, TrackingSpec
 
 MAX_SPEC_BYTES = 1024 * 1024
 """Largest run spec body accepted (the shipped recipes are under 4 KiB)."""
-MAX_PATH_LENGTH = 4096
-"""Longest path a spec may name (Linux's PATH_MAX)."""
 MAX_FREE_FORM_DEPTH = 8
 """Deepest nesting inside engine_options and task.options (the engines' schemas need 2)."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SamplingSpec(_Strict):
+class SamplingSpec(StrictModel):
     temperature: Float32 = Field(1.0, ge=0.01, le=10, description="Sampling temperature; log-probs are scored at "
                                  "it. Sent as float32, so it must be one that float32 carries.")
     top_p: Float32 = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (float32 on the wire).")
@@ -60,14 +71,14 @@ class SamplingSpec(_Strict):
     max_new_tokens: int = Field(16, ge=1, le=32768, description="Response length cap in tokens.")
 
 
-class DynamicSamplingSpec(_Strict):
+class DynamicSamplingSpec(StrictModel):
     enabled: bool = Field(
         False, description="Train only on groups whose rewards differ (DAPO): zero-variance groups are dropped and "
         "further prompts sampled until the step holds prompts_per_step informative groups.")
     max_rounds: int = Field(4, ge=1, le=64, description="Extra sampling rounds (prompts_per_step prompts each) at most.")
 
 
-class RolloutSpec(_Strict):
+class RolloutSpec(StrictModel):
     engine: Literal["torch", "sglang"] = Field("torch", description="Rollout engine every replica loads.")
     engine_options: dict = Field(
         default_factory=dict,
@@ -123,7 +134,7 @@ def _bounded_free_form(value: dict) -> dict:
     return value
 
 
-class TaskSpec(_Strict):
+class TaskSpec(StrictModel):
     name: str = Field(..., max_length=64, description="Registered task name (e.g. 'arithmetic').",
                       json_schema_extra={"enum": list(known_tasks())})
     options: dict = Field(default_factory=dict, description="Options of the task (its own strict model: "
@@ -146,111 +157,7 @@ class TaskSpec(_Strict):
         return v
 
 
-MAX_EVAL_K = 64
-"""Most samples per problem an evaluation may draw."""
-MAX_EVAL_SETS = 16
-"""Most extra eval sets a run may name."""
-MAX_EVAL_PROBLEMS = 100_000
-"""Most problems one evaluation covers, over the held-out split and every extra set."""
-MAX_EVAL_SAMPLES = 1_000_000
-"""Most samples one evaluation draws (problems times k)."""
-HELDOUT_SET = "heldout"
-"""The eval set that is the task's own held-out split (its first heldout_size problems)."""
-EVAL_SET_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,63}$"
-"""What a set name must match: it becomes part of metric keys and a Prometheus label value."""
-
-
-class EvalSetSpec(_Strict):
-    name: str = Field(..., pattern=EVAL_SET_NAME_PATTERN, description="Set name, as it appears in the metrics "
-                      "(eval/<name>/avg@k) and the `set` label; unique within the run; 'heldout' is the task's "
-                      "own held-out split and cannot be used here.")
-    path: str = Field(..., min_length=1, max_length=MAX_PATH_LENGTH, description="Local JSONL file, read at "
-                      "submit time with the run's task's reader (math: the format of task.options.path; "
-                      "arithmetic: one {\"a\": int, \"b\": int} per line) and scored with the task's reward. "
-                      "Must lie inside the coordinator's data roots.")
-
-    @field_validator("name")
-    @classmethod
-    def _not_reserved(cls, v: str) -> str:
-        if v == HELDOUT_SET:
-            raise ValueError(f"{HELDOUT_SET!r} is the task's own held-out split; name this set otherwise")
-        return v
-
-
-class EvalSpec(_Strict):
-    every: int = Field(5, ge=0, description="Evaluate every N steps (always before step 1 and after the last); 0 = only those two.")
-    heldout_size: int = Field(200, ge=1, le=MAX_EVAL_PROBLEMS, description="Problems of the task's held-out split "
-                              "evaluated each time (set 'heldout').")
-    k: int = Field(1, ge=1, le=MAX_EVAL_K, description="Samples per problem: avg@k is the mean reward over them, "
-                   "pass@k the fraction of problems with at least one correct sample.")
-    temperature: Float32 = Field(0.0, ge=0, le=10, description="Sampling temperature of eval samples (top_p 1, "
-                                 "top_k off); 0 = greedy. Greedy with k = 1 is the plain held-out accuracy.")
-    max_new_tokens: int | None = Field(None, ge=1, le=32768, description="Eval response length cap in tokens; "
-                                       "null = rollout.sampling.max_new_tokens.")
-    sets: list[EvalSetSpec] = Field(default_factory=list, max_length=MAX_EVAL_SETS, description="Extra held-out "
-                                    "sets evaluated beside the task's own ('heldout'), each in full.")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "EvalSpec":
-        if 0 < self.temperature < 0.01:
-            raise field_error("eval.temperature", f"{self.temperature} is neither 0 (greedy) nor at least 0.01")
-        if self.k > 1 and self.temperature == 0:
-            raise field_error("eval.k", f"{self.k} greedy samples of one problem are all the same; "
-                              "set eval.temperature > 0 or k = 1")
-        seen: set[str] = set()
-        for i, eval_set in enumerate(self.sets):
-            if eval_set.name in seen:
-                raise field_error(f"eval.sets.{i}.name", f"{eval_set.name!r} names an earlier set too")
-            seen.add(eval_set.name)
-        return self
-
-
-def field_error(field: str, reason: str) -> PydanticCustomError:
-    """An error of `field` (dotted, from the spec's root) raised by a validator above it: validation_fields
-    reports it under that field rather than the validator's own location."""
-    return PydanticCustomError("refused_field", "{field}: {reason}", {"field": field, "reason": reason})
-
-
-def fields_error(fields: list[tuple[str, str]]) -> PydanticCustomError:
-    """field_error for several fields at once: validation_fields reports each under its own name."""
-    message = "; ".join(f"{field}: {reason}" for field, reason in fields)
-    return PydanticCustomError("refused_fields", "{message}", {"message": message, "fields": fields})
-
-
-class CheckpointSpec(_Strict):
-    every: int = Field(0, ge=0, description="Save a checkpoint every N steps (and after the last step, unless "
-                       "`final` is false); 0 = only after the last step.")
-    final: bool = Field(True, description="Save a checkpoint after the last step. False for a run whose weights "
-                        "are not kept (a benchmark, a smoke test): on a large policy the last checkpoint (weights "
-                        "and optimizer state) can take longer to write than the run took to train.")
-
-
-class DebugSpec(_Strict):
-    record_trajectories: bool = Field(
-        False,
-        description="Write each step's TrainStep input (header + trajectories, as sent) to "
-        "<run dir>/trajectories/step_NNNNNN.pb, before the trainer applies it; "
-        "`python -m services.trainer.tools.replay` replays one into a fresh trainer.",
-    )
-
-
-class AsyncSpec(_Strict):
-    max_staleness: int = Field(
-        0, ge=0, le=64, description="K: how many policy versions a step's rollout may lag the policy it trains. "
-        "0 is the synchronous loop (step s samples with version s-1). With K > 0 the trainer's loss must correct "
-        "for off-policy data (trainer.mismatch_correction.mode 'truncate' or 'mask', or trainer.policy_loss.kind "
-        "'m2po').")
-    mode: Literal["fixed_lag", "streaming"] = Field(
-        "fixed_lag", description="'fixed_lag': the rollout of step s uses exactly policy version max(0, s-1-K), "
-        "so which version produced each trajectory is arithmetic, not timing; the rollouts of later steps run "
-        "while a step trains. 'streaming': the replicas generate continuously, a weight update pauses the "
-        "sequences in flight at a token boundary and continues them under the new weights, and a trajectory "
-        "trains step s only if every token's version is >= s-1-K (others are dropped and counted). Streaming "
-        "runs with either engine and refuses dynamic sampling; it is not bitwise reproducible (which "
-        "version makes a token depends on timing).")
-
-
-class RunSpec(_Strict):
+class RunSpec(StrictModel):
     model_config = ConfigDict(extra="forbid", serialize_by_alias=True)  # `async` is a keyword: stored by its alias
 
     name: str = Field(..., min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="Human-readable run name.")
@@ -263,6 +170,18 @@ class RunSpec(_Strict):
     trainer: TrainerRunConfig = Field(default_factory=TrainerRunConfig, description="Trainer hyperparameters.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Periodic evaluation (avg@k, pass@k) on the "
                            "task's held-out split and extra held-out sets.")
+    kind: Literal["rl", "sft"] = Field("rl", description="'rl': sampled prompts trained on their rewards (or a "
+                                       "teacher's). 'sft': the `sft` dataset's completions; the task only evaluates.")
+    sft: SftSpec | None = Field(None, description="The dataset of a kind 'sft' run: prompt/completion pairs or chat "
+                                "messages, JSON Lines or Parquet, read and tokenized at submit.")
+    start_from: StartFromSpec | None = Field(
+        None, description="Start from another run's checkpoint (its last, or `step`'s): resolved at submit into "
+        "model_path, which the spec must then leave out (services/coordinator/start_from.py).")
+    teacher: TeacherSettings | None = Field(
+        None, description="On-policy distillation (docs/distillation.md): a teacher model that scores every token "
+        "the student samples; each token's advantage is teacher.kl_weight times the (discounted) teacher - student "
+        "log-prob plus teacher.reward_weight times the task's advantage. Its tokenizer must be the student's. "
+        "null = plain RL on the task's reward.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
     debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
     # Samples kept per step and experiment trackers (services/coordinator/tracking/, docs/tracking.md).
@@ -289,6 +208,25 @@ class RunSpec(_Strict):
             raise ValueError(str(exc).removeprefix("model_path: ")) from None
         except OSError as exc:  # ENAMETOOLONG, EACCES, ELOOP: the path cannot be a model directory
             raise ValueError(f"cannot read {v!r}: {exc.strerror}") from None
+
+    @field_validator("teacher")
+    @classmethod
+    def _teacher_shares_the_vocabulary(cls, v: TeacherSettings | None, info: ValidationInfo) -> TeacherSettings | None:
+        if v is not None and (refusal := teacher_refusal(v.model_path, info.data.get("model_path"))):
+            raise field_error("teacher.model_path", refusal)
+        return v
+
+    @field_validator("sft")
+    @classmethod
+    def _sft_dataset_reads(cls, v: SftSpec | None, info: ValidationInfo) -> SftSpec | None:
+        model_path = info.data.get("model_path")
+        if v is None or model_path is None:  # a bad model_path is reported on its own field
+            return v
+        try:
+            read_sft_dataset(v, model_path)
+        except (ValueError, OSError) as exc:
+            raise field_error("sft.path", str(exc)) from None
+        return v
 
     @field_validator("eval")
     @classmethod
@@ -427,6 +365,29 @@ class RunSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _kind_is_consistent(self) -> "RunSpec":
+        # kind decides the trainer's objective; trainer.objective may only repeat it (as a stored spec does).
+        if refusal := kind_refusal(self):
+            raise field_error(*refusal)
+        if self.kind == "sft":
+            self.trainer = TrainerRunConfig.model_validate({**self.trainer.model_dump(), "objective": "sft"})
+        return self
+
+    @model_validator(mode="after")
+    def _teacher_reaches_the_trainer(self) -> "RunSpec":
+        # The trainer scores with it: the top-level `teacher` decides, trainer.teacher may only repeat it.
+        own = self.trainer.teacher
+        if self.teacher is None:
+            if own is not None:
+                raise field_error("trainer.teacher", "set the run's top-level `teacher` instead")
+            return self
+        if own is not None and own != self.teacher:
+            raise field_error("trainer.teacher", "differs from the run's `teacher`; set `teacher` once")
+        teacher = self.teacher.model_dump()
+        self.trainer = TrainerRunConfig.model_validate({**self.trainer.model_dump(), "teacher": teacher})
+        return self
+
+    @model_validator(mode="after")
     def _temperatures_agree(self) -> "RunSpec":
         # The trainer must score tokens at the temperature they were sampled at,
         # or step-1 importance weights are off by construction.
@@ -535,8 +496,15 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
         sets: list[ConfinedEvalSetSpec] = Field(default_factory=list, max_length=MAX_EVAL_SETS,
                                                 description=EvalSpec.model_fields["sets"].description)
 
+    class ConfinedSftSpec(SftSpec):
+        @field_validator("path", mode="before")
+        @classmethod
+        def _dataset_inside_roots(cls, v: object) -> object:
+            return _inside(v, data_roots, "path")
+
     class ConfinedRunSpec(RunSpec):
         task: ConfinedTaskSpec = Field(..., description=RunSpec.model_fields["task"].description)
+        sft: ConfinedSftSpec | None = Field(None, description=RunSpec.model_fields["sft"].description)
         eval: ConfinedEvalSpec = Field(default_factory=ConfinedEvalSpec,
                                        description=RunSpec.model_fields["eval"].description)
 
@@ -545,7 +513,18 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
         def _model_inside_roots(cls, v: object) -> object:
             return _inside(v, model_roots, "model_path")
 
+        @field_validator("teacher", mode="before")
+        @classmethod
+        def _teacher_inside_roots(cls, v: object) -> object:
+            if not isinstance(v, dict) or not isinstance(v.get("model_path"), str):
+                return v  # the teacher's own checks report it
+            try:
+                return {**v, "model_path": str(resolve_inside(v["model_path"], model_roots, "model_path"))}
+            except OutsideRoots as exc:
+                raise field_error("teacher.model_path", str(exc).removeprefix("model_path: ")) from None
+
     for confined, name in ((ConfinedTaskSpec, "TaskSpec"), (ConfinedEvalSetSpec, "EvalSetSpec"),
+                           (ConfinedSftSpec, "SftSpec"),
                            (ConfinedEvalSpec, "EvalSpec"), (ConfinedRunSpec, "RunSpec")):
         confined.__name__ = confined.__qualname__ = name
         confined.model_rebuild(force=True)

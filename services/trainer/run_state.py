@@ -32,6 +32,7 @@ class RunState:
     step_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     step_digests: dict[int, str] = field(default_factory=dict)  # step -> trajectories_digest, beside its metrics
     weights_epoch: int = 0   # bumped by every change of the weights (step, checkpoint load)
+    teacher: PolicyModule | None = None  # on-policy distillation's frozen teacher, whole on every rank (teacher.py)
 
     @property
     def model(self) -> PolicyModule:

@@ -73,6 +73,7 @@ from services.trainer.disk_space import OutOfSpace, writing
 from services.trainer.distributed.worker_group import GroupSpec, GroupTrainer
 from services.trainer.parity_gate import ParityVerdict
 from services.trainer.plugins import import_attention_plugins
+from services.trainer.run_setup import parse_run_config
 from services.trainer.trainer import StepFailed, StepOutcome, Trainer
 from services.trainer.weights.broadcast_sender import BroadcastFailed, WeightBroadcaster
 from services.trainer.weights.ipc_sender import WeightHandoverHost
@@ -181,6 +182,10 @@ class TrainerServicer(pb_grpc.TrainerServicer):
             model_path = confined(request.model_path, self.model_roots, "model_path")
             resume = request.resume_checkpoint and confined(request.resume_checkpoint, self.checkpoint_roots,
                                                             "resume_checkpoint")
+            # A teacher (on-policy distillation) is a model the trainer loads: inside the same roots.
+            teacher = parse_run_config(request.trainer_config_json).teacher
+            if teacher is not None:
+                confined(teacher.model_path, self.model_roots, "trainer_config_json.teacher.model_path")
             run = await self._locked_changing_weights(lambda: self.trainer.configure(
                 run_id=request.run_id, model_path=model_path, seed=request.seed,
                 config_json=request.trainer_config_json, resume_checkpoint=resume,

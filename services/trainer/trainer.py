@@ -39,12 +39,14 @@ from services.trainer.loss.microbatch_result import (
     step_loss,
 )
 from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
+from services.trainer.loss.supervised import sft_microbatch_loss
 from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_update
 from services.trainer.model import lora
 from services.trainer.model.moe import MoeRouting, check_routing, microbatch_routing
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.run_state import RunState, WeightSnapshot
+from services.trainer.teacher import TeacherScores, distillation_metrics, load_teacher, teacher_pass
 
 log = logging.getLogger("lockstep.trainer")
 # What crosses ranks in microbatch order (Trainer._in_order).
@@ -170,6 +172,8 @@ class Trainer:
                 raise InvalidRequest(f"resume_checkpoint: {exc}") from None
         # The reference is the run's initial policy, also when resuming.
         ref_model = run_setup.load_reference(model_path, config, self.device) if config.kl_coef > 0 else None
+        vocab_size = int(policy.lm.get_input_embeddings().num_embeddings)
+        teacher = load_teacher(config, self.device, student_vocab_size=vocab_size) if config.teacher else None
         run = RunState(
             run_id=run_id,
             model_path=model_path,
@@ -179,13 +183,15 @@ class Trainer:
             ref_model=ref_model,
             optimizer=optimizer,
             policy_version=state.policy_version if state else 0,
-            vocab_size=int(policy.lm.get_input_embeddings().num_embeddings),
+            vocab_size=vocab_size,
             step_metrics=dict(state.step_metrics) if state else {},
             step_digests=dict(state.step_digests) if state else {},
+            teacher=teacher,
         )
         log.info("run configured", extra={"fields": {
             "run_id": run_id, "model_path": model_path, "policy_version": run.policy_version,
-            "resumed_from": resume_checkpoint or None, "reference_model": ref_model is not None}})
+            "resumed_from": resume_checkpoint or None, "reference_model": ref_model is not None,
+            "teacher": config.teacher.model_path if config.teacher else None}})
         return run
 
     @staticmethod
@@ -356,16 +362,20 @@ class Trainer:
         # Every divisor of the loss is a step-wide constant (policy_loss.aggregate_loss), so summing
         # the microbatch gradients gives the same update however the step was split.
         shape = step_shape(ordered)
-        keep = self._m2po_keep(run, microbatches, shape) if cfg.policy_loss.kind == "m2po" else None
+        sft = cfg.objective == "sft"
+        keep = self._m2po_keep(run, microbatches, shape) if cfg.policy_loss.kind == "m2po" and not sft else None
         # The optimizer holds the sharded float32 masters; the module registers its unsharded
         # compute-dtype parameters while they are gathered, so never take parameters from it.
         params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        # On-policy distillation: the teacher scores every microbatch of this rank before the student's passes.
+        teacher = (teacher_pass(run, microbatches, self._my_passes(len(microbatches)))
+                   if run.teacher is not None else None)
         run.optimizer.zero_grad(set_to_none=True)
         try:
             routing = [microbatch_routing(mb, ordered) for mb in microbatches]
-            outputs = self._forward_backward(run, microbatches, shape, keep, routing)
+            outputs = self._forward_backward(run, microbatches, shape, keep, routing, teacher)
             loss_value = step_loss(outputs)
-            if step == 1:
+            if step == 1 and not sft:  # a supervised step's tokens were not sampled: no rollout to agree with
                 # Step-1 parity gate: same weights on both sides, so any
                 # disagreement is a bug; refuse before the update.
                 verdict = self._parity_verdict(run, microbatches, [o.logp for o in outputs], samples)
@@ -378,12 +388,16 @@ class Trainer:
                                                  staleness=mean_token_staleness(samples))
         finally:
             run.optimizer.zero_grad(set_to_none=True)
-        return (results_step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm,
-                                     lr=lr), results_sample_weights(outputs, ordered))
+        metrics = results_step_metrics(outputs, samples, ordered, keep, loss_value=loss_value, grad_norm=grad_norm,
+                                       lr=lr)
+        if teacher is not None:
+            metrics.update(distillation_metrics(outputs, teacher))
+        return metrics, results_sample_weights(outputs, ordered)
 
     def _forward_backward(self, run: RunState, microbatches: list[Microbatch], shape: StepShape,
-                          keep: torch.Tensor | None,
-                          routing: list[torch.Tensor | None] | None = None) -> list[MicrobatchResult]:
+                          keep: torch.Tensor | None, routing: list[torch.Tensor | None] | None = None,
+                          teacher: dict[int, tuple[TeacherScores, torch.Tensor]] | None = None,
+                          ) -> list[MicrobatchResult]:
         """Forward, policy loss and backward of this rank's microbatches (gradients accumulate); per
         microbatch of every rank, in microbatch order: its loss, the pre-update tensors the metrics need,
         and which tokens are not finite (update_guard)."""
@@ -400,7 +414,13 @@ class Trainer:
             rollout_experts = routing[k].to(self.device) if routing and routing[k] is not None else None
             if moe is not None and cfg.moe.routing_replay:
                 moe.force(rollout_experts)  # kept through backward: activation checkpointing routes again
-            logp, _lse, ent = policy(mb, temperature=cfg.temperature)
+            student_argmax = None
+            if teacher is None:
+                logp, _lse, ent = policy(mb, temperature=cfg.temperature)
+                advantages = mb.response_advantages
+            else:
+                logp, _lse, ent, student_argmax = policy(mb, temperature=cfg.temperature, with_argmax=True)
+                advantages = teacher[k][1]
             moe_stats = aux = None
             if moe is not None:
                 moe_stats = moe.microbatch_stats(rollout_experts)
@@ -412,8 +432,11 @@ class Trainer:
             mb_keep = None
             if keep is not None:
                 mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_ranks)].to(logp.device)
-            part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, mb.response_advantages,
-                                   mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
+            if cfg.objective == "sft":
+                part = sft_microbatch_loss(cfg, logp, mb.response_sample_index, shape)
+            else:
+                part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, advantages,
+                                       mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
             logp.retain_grad()  # d loss / d logp per token, for naming the tokens of a non-finite update
             (part.loss if aux is None else part.loss + aux).backward()
             if moe is not None:
@@ -425,7 +448,8 @@ class Trainer:
                 clipped=part.clipped, clamped=part.clamped, sample_index=mb.response_sample_index,
                 positions=mb.response_positions, nonfinite=nonfinite_tokens(part.token_loss, logp, logp.grad),
                 is_weight=part.is_weight, is_affected=part.is_affected, entropy=ent.detach(), kl=part.kl,
-                moe_stats=moe_stats))
+                moe_stats=moe_stats, teacher_logp=None if teacher is None else teacher[k][0].logp,
+                teacher_argmax=None if teacher is None else teacher[k][0].argmax, student_argmax=student_argmax))
         return self._in_order(local, len(microbatches))
 
     def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int, loss_value: float,
@@ -558,6 +582,7 @@ class Trainer:
                 batching=run.config.batching,
                 numerics=run.config.numerics,
                 reference_model=str(run.ref_model is not None).lower(),
+                teacher=run.config.teacher.model_path if run.config.teacher else "none",
                 lora=(f"rank={run.config.lora.rank},alpha={run.config.lora.alpha}" if run.config.lora else "none"),
             )
         return {

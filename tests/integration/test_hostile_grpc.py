@@ -280,6 +280,9 @@ def test_trainer_configure_of_hostile_weight_files_is_invalid_argument_naming_th
     (json.dumps({"lr": True}), "trainer_config_json.lr"),
     (json.dumps({"lr": 1e308}), "trainer_config_json.lr"),
     (json.dumps({"microbatch_tokens": 5.5}), "trainer_config_json.microbatch_tokens"),
+    # A teacher (on-policy distillation) is a model the trainer loads: inside its model_roots only.
+    (json.dumps({"teacher": {"model_path": "/etc"}}), "trainer_config_json.teacher.model_path"),
+    (json.dumps({"teacher": {"model_path": "/"}}), "trainer_config_json.teacher.model_path"),
 ])
 def test_trainer_configure_with_a_hostile_config_is_invalid_argument(trainer, model_dir, config_json, fragment):
     got, details = _configure(trainer, model_path=str(model_dir), trainer_config_json=config_json)

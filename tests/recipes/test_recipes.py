@@ -89,3 +89,29 @@ def test_launcher_recipes_are_valid_specs_once_prepare_passes(name, tmp_path):
         server = parsed.rollout.engine_options["server"]
         assert (server["mem_fraction_static"], server["chunked_prefill_size"]) == (0.4, 4096)
         assert server["max_lora_rank"] == lora.rank  # SGLang serves the adapter the trainer syncs
+
+
+def test_relative_teacher_and_sft_paths_resolve_against_the_recipe(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "t").mkdir()
+    (tmp_path / "x.jsonl").write_text("{}\n")
+    (tmp_path / "r.yaml").write_text("name: a\nmodel_path: m\nteacher: {model_path: t}\nsft: {path: x.jsonl}\n")
+    spec = load_recipe(tmp_path / "r.yaml")
+    assert spec["model_path"] == str(tmp_path / "m") and spec["teacher"]["model_path"] == str(tmp_path / "t")
+    assert spec["sft"]["path"] == str(tmp_path / "x.jsonl")
+    (tmp_path / "r2.yaml").write_text("name: a\nmodel_path: m\nteacher: {model_path: absent}\n")
+    assert load_recipe(tmp_path / "r2.yaml")["teacher"]["model_path"] == "absent"  # left for the server to refuse
+
+
+def test_the_distillation_and_sft_recipes_are_valid_specs_once_their_paths_are_set(tmp_path):
+    from recipes.tiny_arith_sft.prepare import prepare
+    from recipes.tiny_model import TinyQwen3Config, build_model_dir
+
+    inputs = prepare(tmp_path / "sft", seed=0)
+    sft = parse_run_spec(json.dumps(load_recipe(REPO_ROOT / "recipes" / "tiny_arith_sft" / "recipe.yaml", {
+        "model_path": inputs["model_dir"], "sft.path": inputs["dataset"]})).encode())
+    assert sft.kind == "sft" and sft.trainer.objective == "sft" and sft.trainer.lr_schedule.warmup_steps == 20
+    teacher = build_model_dir(tmp_path / "teacher", TinyQwen3Config(hidden_size=64, num_hidden_layers=1), seed=1)
+    distill = parse_run_spec(json.dumps(load_recipe(REPO_ROOT / "recipes" / "tiny_distill" / "recipe.yaml", {
+        "model_path": inputs["model_dir"], "teacher.model_path": str(teacher)})).encode())
+    assert distill.trainer.teacher == distill.teacher and distill.teacher.reward_weight == 0.0

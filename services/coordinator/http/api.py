@@ -46,6 +46,7 @@ from services.coordinator.run_spec import (
     parse_run_spec,
     validation_fields,
 )
+from services.coordinator.start_from import resolve_start_from
 from services.coordinator.state.embedded_redis import EmbeddedRedis
 from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.store import OUTAGE_ERRORS, RUN_ID_PATTERN, STATUSES, RunStore, is_run_id
@@ -239,6 +240,8 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
         if body is None:
             return _refused([{"field": "(body)", "reason": f"larger than {MAX_SPEC_BYTES} bytes"}], status=413)
         try:
+            # start_from names another run's checkpoint: it becomes model_path, checked as any other.
+            body = await resolve_start_from(body, _store(request), data_dir)
             # Validation reads datasets and builds the task's splits: a worker thread, not the event loop.
             spec = await asyncio.to_thread(parse_run_spec, body, SubmittedRunSpec)
         except RunSpecError as exc:

@@ -31,7 +31,8 @@ from dataclasses import dataclass, replace
 
 from proto import lockstep_pb2 as pb
 from services.coordinator.run.prompts import SamplingPlan
-from services.coordinator.run_spec import HELDOUT_SET, RunSpec
+from services.coordinator.run_spec import RunSpec
+from services.coordinator.spec_sections import HELDOUT_SET
 from services.coordinator.tasks import Problem, Task, read_eval_set
 from services.coordinator.tasks.episodic import EpisodicTask
 

@@ -56,6 +56,8 @@ from services.coordinator.run.step_context import PromptTokens, StepContext, Ste
 from services.coordinator.run.streaming_step import StreamingStep
 from services.coordinator.run.trainer_session import SpaceRetry, TrainerSession
 from services.coordinator.run_spec import RunSpec
+from services.coordinator.sft.dataset import read_sft_dataset
+from services.coordinator.sft.step import SftStep
 from services.coordinator.state.event_log import EventLog, PhaseTimer
 from services.coordinator.state.exporter import CoordinatorExporter
 from services.coordinator.state.kept_rollouts import KeptRollouts
@@ -118,7 +120,10 @@ class SynchronousStep:
 
 
 def step_kind(ctx: StepContext) -> StepKind:
-    """The run's kind of step, from its spec: streaming and fixed_lag need async.max_staleness > 0."""
+    """The run's kind of step, from its spec: streaming and fixed_lag need async.max_staleness > 0; a
+    supervised run's (kind sft) trains its dataset's examples (services/coordinator/sft/step.py)."""
+    if ctx.spec.kind == "sft":
+        return SftStep(ctx, read_sft_dataset(ctx.spec.sft, ctx.spec.model_path))
     if ctx.spec.async_.mode == "streaming" and ctx.max_staleness > 0:
         return StreamingStep(ctx)
     if ctx.max_staleness > 0:

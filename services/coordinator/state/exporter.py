@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry
 from services.common.metric_defs import (
     ASYNC_STEP_METRIC_HELP,
     COORDINATOR_METRICS,
+    DISTILL_STEP_METRIC_HELP,
     EPISODE_STEP_METRIC_HELP,
     MOE_STEP_METRIC_HELP,
     STEP_METRIC_HELP,
@@ -26,7 +27,8 @@ class CoordinatorExporter:
         self._m = build_collectors(COORDINATOR_METRICS, self.registry)
 
     def on_step(self, run_id: str, step: int, metrics: dict, timings: dict) -> None:
-        for key in (*STEP_METRIC_HELP, *ASYNC_STEP_METRIC_HELP, *EPISODE_STEP_METRIC_HELP, *MOE_STEP_METRIC_HELP):
+        for key in (*STEP_METRIC_HELP, *ASYNC_STEP_METRIC_HELP, *EPISODE_STEP_METRIC_HELP, *MOE_STEP_METRIC_HELP,
+                    *DISTILL_STEP_METRIC_HELP):
             if key in metrics:
                 self._m[step_metric_name(key)].labels(run_id).set(float(metrics[key]))
         for key, value in metrics.items():

@@ -61,6 +61,12 @@ class MicrobatchResult:
     moe_stats: torch.Tensor | None = None
     """float64 [layers, E + 4]: the microbatch's routing statistics (services/trainer/model/moe.py); None
     for a dense model."""
+    teacher_logp: torch.Tensor | None = None
+    """float32: the teacher's log-prob of each token (on-policy distillation); None without a teacher."""
+    teacher_argmax: torch.Tensor | None = None
+    """int64: the teacher's most likely token at each response position; None without a teacher."""
+    student_argmax: torch.Tensor | None = None
+    """int64: the trainer's (pre-update) most likely token at each response position; None without a teacher."""
 
     def to(self, device: torch.device | str) -> MicrobatchResult:
         return _moved(self, device)

@@ -93,12 +93,39 @@ class PolicyModule(torch.nn.Module):
     def config(self):
         return self.lm.config
 
-    def forward(self, microbatch: Microbatch | None = None, *, temperature: float = 1.0, **hf_kwargs):
+    def forward(self, microbatch: Microbatch | None = None, *, temperature: float = 1.0, with_argmax: bool = False,
+                **hf_kwargs):
+        """(logp, lse, entropy) of the microbatch's response tokens; with `with_argmax` also each response
+        row's most likely token (int64, no gradient), for on-policy distillation's teacher-student agreement.
+        Inside forward, so that a sharded model's weights are gathered for it too."""
         if microbatch is None:
             return self.lm(**hf_kwargs)
         hidden = microbatch.hidden_states(self.lm)
         weight = self.lm.get_output_embeddings().weight
         if self.numerics == "true_on_policy":
-            return score_hidden_batch_invariant(hidden, weight, microbatch.loss_mask, microbatch.response_targets,
-                                                temperature=temperature)
-        return score_hidden(hidden, weight, microbatch.loss_mask, microbatch.response_targets, temperature=temperature)
+            scored = score_hidden_batch_invariant(hidden, weight, microbatch.loss_mask, microbatch.response_targets,
+                                                  temperature=temperature)
+        else:
+            scored = score_hidden(hidden, weight, microbatch.loss_mask, microbatch.response_targets,
+                                  temperature=temperature)
+        if not with_argmax:
+            return scored
+        return (*scored, row_argmax(hidden[microbatch.loss_mask].detach(), weight.detach(),
+                                    batch_invariant=self.numerics == "true_on_policy"))
+
+
+ARGMAX_CHUNK_ROWS = 1024
+"""Rows per logits GEMM of row_argmax: bounds the [rows, vocab] logits alive at once."""
+
+
+def row_argmax(rows: torch.Tensor, weight: torch.Tensor, *, batch_invariant: bool) -> torch.Tensor:
+    """int64 [N]: argmax over the vocabulary of rows @ weight.T, chunk by chunk, no gradient. In true_on_policy
+    the logits come from bi_linear, as the log-probs' do, so the argmax too is a function of the row alone."""
+    with torch.no_grad():
+        if batch_invariant:
+            from kernels.batch_invariant import bi_linear as linear
+        else:
+            linear = torch.nn.functional.linear
+        parts = [linear(rows[start:start + ARGMAX_CHUNK_ROWS], weight).argmax(dim=-1)
+                 for start in range(0, rows.shape[0], ARGMAX_CHUNK_ROWS)]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=rows.device)

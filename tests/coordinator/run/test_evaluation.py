@@ -19,7 +19,8 @@ from services.coordinator.run.evaluation import (
     sampled_plan,
 )
 from services.coordinator.run.prompts import derived_seed
-from services.coordinator.run_spec import EvalSpec, RolloutSpec, RunSpec
+from services.coordinator.run_spec import RolloutSpec, RunSpec
+from services.coordinator.spec_sections import EvalSpec
 from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask, parse_eval_lines
 
 # Three problems, four samples each.

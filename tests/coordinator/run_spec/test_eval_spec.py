@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.coordinator.run_spec import MAX_EVAL_K, MAX_EVAL_SAMPLES
+from services.coordinator.spec_sections import MAX_EVAL_K, MAX_EVAL_SAMPLES
 
 http = httpx.Client()
 

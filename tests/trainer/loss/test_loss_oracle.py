@@ -39,6 +39,7 @@ import pytest
 import torch
 
 from contract.trainer_run import TrainerRunConfig
+from services.trainer.loss.distillation import distillation_advantages
 from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss
 
 U = 2.0 ** -24  # float32 unit roundoff
@@ -63,6 +64,11 @@ class Step:
     adv: np.ndarray      # float64 [N], one value per sequence
     seq: np.ndarray      # int64 [N], canonical order (sequence by sequence)
     lengths: np.ndarray  # int64 [G]
+    # On-policy distillation (draw_distillation_step): `adv` is then the exact float64 mixed advantage, and
+    # the implementation computes its own from these.
+    teacher: np.ndarray | None = None   # float64 [N]: the teacher's float32 log-probs
+    task_adv: np.ndarray | None = None  # float64 [N]: the task's float32 GRPO advantage, one per sequence
+    adv_err: np.ndarray | None = None   # float64 [N]: bound on |float32 advantage - adv| (one rounding + float64 sums)
 
 
 @dataclass
@@ -148,7 +154,8 @@ def oracle(step: Step, cfg: dict, *, keep: np.ndarray | None = None, affected: n
         pol_loss = -np.where(clipped, np.clip(s, 1 - GSPO_LOW, 1 + GSPO_HIGH), s) * adv
         pol_grad = np.where(clipped | clamped, 0.0, -adv * s)
         pol_grad_alt = pol_grad
-        pol_mag = np.maximum(s, np.clip(s, 1 - GSPO_LOW, 1 + GSPO_HIGH)) * np.abs(adv)
+        r_mag = np.maximum(s, np.clip(s, 1 - GSPO_LOW, 1 + GSPO_HIGH))
+        pol_mag = r_mag * np.abs(adv)
         cond = np.zeros(n)  # the ratio is formed in float64 and rounded to float32 once
         # float64 band: the implementation sums in another order, an error of at most L ulp of the largest
         # |delta| on the mean, and its exp may differ from numpy's by an ulp.
@@ -172,13 +179,15 @@ def oracle(step: Step, cfg: dict, *, keep: np.ndarray | None = None, affected: n
             pol_grad = np.where(clipped | clamped, 0.0, -adv * r)
             r_band = r * (cond + K) * U
             kink = (np.abs(r - (1 + CLIP_HIGH)) <= r_band) | (np.abs(r - (1 - CLIP_LOW)) <= r_band)
-            pol_mag = np.maximum(r, np.clip(r, 1 - CLIP_LOW, 1 + CLIP_HIGH)) * np.abs(adv)
+            r_mag = np.maximum(r, np.clip(r, 1 - CLIP_LOW, 1 + CLIP_HIGH))
+            pol_mag = r_mag * np.abs(adv)
         else:
             # M2PO: -r A on the kept tokens, the mask from logp - rollout (whatever the PPO old policy is).
             keep_own, keep_band = m2po_mask(delta, M2PO_TAU)
             kept = keep_own if keep is None else keep
             pol_loss = np.where(kept, -r * adv, 0.0)
             pol_grad = np.where(kept & ~clamped, -adv * r, 0.0)
+            r_mag = r
             pol_mag = r * np.abs(adv)
         # At a kink or a clamp edge either side's gradient is right: 0, or the unclipped -A r.
         kink = kink | clamp_band
@@ -235,6 +244,8 @@ def oracle(step: Step, cfg: dict, *, keep: np.ndarray | None = None, affected: n
     tok_grad = w * pol_grad + kl_grad
     tok_grad_alt = w * pol_grad_alt + kl_grad_alt
     tol_tok = U * (cond + K) * w * pol_mag
+    if step.adv_err is not None:  # a computed (distillation) advantage: its own error, times the ratio
+        tol_tok = tol_tok + w * r_mag * step.adv_err
     if agg == "token_mean":
         a = np.full(n, 1.0 / n)
     elif agg == "seq_mean_token_mean":
@@ -352,6 +363,12 @@ def implementation(step: Step, cfg: dict, rng: np.random.Generator) -> Result:
     logp = torch.tensor(step.logp, dtype=torch.float32, requires_grad=True)
     rollout = torch.tensor(step.rollout, dtype=torch.float32)
     adv = torch.tensor(step.adv, dtype=torch.float32)
+    if step.teacher is not None:
+        teacher = torch.tensor(step.teacher, dtype=torch.float32)
+        task_adv = torch.tensor(step.task_adv, dtype=torch.float32)
+        starts = np.concatenate([[0], np.cumsum(step.lengths)[:-1]])
+        ranks = torch.tensor(np.arange(n) - starts[step.seq])
+        settings = config.teacher
     ref = None if step.ref is None else torch.tensor(step.ref, dtype=torch.float32)
     seq = torch.tensor(step.seq)
     keep = None
@@ -364,7 +381,11 @@ def implementation(step: Step, cfg: dict, rng: np.random.Generator) -> Result:
     for part in np.split(order, cuts):
         idx = np.concatenate([np.flatnonzero(step.seq == i) for i in part])
         idx = torch.tensor(rng.permutation(idx))
-        out = microbatch_loss(config, logp[idx], rollout[idx], adv[idx], seq[idx], shape,
+        mb_adv = adv[idx]
+        if step.teacher is not None:  # from the microbatch's own shuffled tokens, as the trainer computes it
+            mb_adv = distillation_advantages(settings, teacher[idx], rollout[idx], task_adv[idx], seq[idx],
+                                             ranks[idx])
+        out = microbatch_loss(config, logp[idx], rollout[idx], mb_adv, seq[idx], shape,
                               m2po_keep=None if keep is None else keep[idx],
                               ref_logp=None if ref is None else ref[idx])
         out.loss.backward()
@@ -444,3 +465,80 @@ def test_float32_losses_match_the_float64_oracle(name, agg):
     assert seen_edge > 0
     if cfg.get("policy_loss", {}).get("kind") != "m2po" and "mismatch_correction" not in cfg:
         assert seen_clip > 0
+
+
+# ------------------------------------------------------------ on-policy distillation --
+
+
+def draw_distillation_step(rng: np.random.Generator, cfg: dict, *, max_delta: float) -> Step:
+    """draw_step's step plus a teacher: its log-probs differ from the rollout's (the student's) by log-uniform
+    magnitudes in [1e-7, 8]; `adv` is the exact float64 mixed advantage of cfg's teacher settings."""
+    step = draw_step(rng, cfg, max_delta=max_delta)
+    teacher_cfg = cfg["teacher"]
+    gamma, kw, rw = teacher_cfg.get("discount", 0.0), teacher_cfg.get("kl_weight", 1.0), \
+        teacher_cfg.get("reward_weight", 0.0)
+    n = len(step.logp)
+    d = rng.choice([-1.0, 1.0], n) * np.exp(rng.uniform(math.log(1e-7), math.log(8.0), n))
+    teacher = f32(np.minimum(step.rollout + d, 0.0))
+    r = teacher - step.rollout  # exact: both float32 values
+    returns, abs_returns = np.zeros(n), np.zeros(n)
+    for i in range(len(step.lengths)):
+        idx = np.flatnonzero(step.seq == i)
+        k = np.arange(len(idx))
+        # gamma^(k - t) for k >= t, 0 before: row t sums sequence i's log-ratios from token t on.
+        powers = np.where(k[None, :] >= k[:, None], float(gamma) ** np.maximum(k[None, :] - k[:, None], 0), 0.0)
+        if gamma == 0:
+            powers = np.eye(len(idx))
+        returns[idx] = [math.fsum(row) for row in powers * r[idx][None, :]]
+        abs_returns[idx] = (powers * np.abs(r[idx])[None, :]).sum(axis=1)
+    exact = kw * returns + rw * step.adv
+    # The implementation sums in float64 (at most L terms per token, then the weighted sum: L + 4 roundings of
+    # 2^-53 of the terms' magnitudes) and rounds to float32 once (u of its value).
+    length = step.lengths[step.seq]
+    err = U * np.abs(exact) * (1 + 2.0 ** -50) + (length + 4) * 2.0 ** -52 * (kw * abs_returns + rw * np.abs(step.adv))
+    return Step(logp=step.logp, rollout=step.rollout, ref=step.ref, adv=exact, seq=step.seq, lengths=step.lengths,
+                teacher=teacher, task_adv=step.adv, adv_err=err)
+
+
+TEACHER = {"model_path": "the-loss-never-reads-it"}
+DISTILL_CONFIGS = {
+    "reverse_kl": {"clip_eps_high": CLIP_HIGH, "teacher": TEACHER},
+    "reverse_kl_discounted": {"clip_eps_high": CLIP_HIGH, "teacher": TEACHER | {"discount": 0.9}},
+    "mixed_with_reward": {"clip_eps_high": CLIP_HIGH,
+                          "teacher": TEACHER | {"kl_weight": 0.7, "reward_weight": 0.5, "discount": 0.5}},
+    "mixed_kl_truncate": {"clip_eps_high": CLIP_HIGH, "kl_coef": KL_COEF,
+                          "mismatch_correction": {"mode": "truncate", "level": "token", "upper": IS_UPPER},
+                          "teacher": TEACHER | {"kl_weight": 1.0, "reward_weight": 1.0}},
+    "gspo_mixed": {"policy_loss": {"kind": "gspo"}, "teacher": TEACHER | {"reward_weight": 0.3, "discount": 1.0}},
+}
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("name", DISTILL_CONFIGS)
+def test_distillation_loss_matches_the_float64_oracle(name, agg):
+    """The per-token reverse-KL advantage, alone or mixed with the task's, computed from each microbatch's
+    shuffled tokens, gives the oracle's loss and gradient within the bound (plus the advantage's own error)."""
+    cfg = DISTILL_CONFIGS[name] | AGGS[agg]
+    seen_clip = 0
+    for seed in range(2):
+        for max_delta in (1e-3, 30.0):
+            rng = np.random.default_rng([sum(map(ord, name)), sum(map(ord, agg)), seed, int(max_delta > 1), 7])
+            step = draw_distillation_step(rng, cfg, max_delta=max_delta)
+            assert np.abs(step.adv - step.task_adv).max() > 1e-3  # the teacher's term is in the advantage
+            want = check(step, cfg, rng)
+            seen_clip += int(want.clipped.sum())
+    if "mismatch_correction" not in cfg:
+        assert seen_clip > 0
+
+
+def test_the_oracle_refuses_a_distillation_advantage_off_by_more_than_its_bound():
+    """The check above can fail: the same step with the teacher's log-probs nudged by 1e-3 on one token."""
+    cfg = DISTILL_CONFIGS["reverse_kl"] | AGGS["token_mean"]
+    rng = np.random.default_rng(11)
+    step = draw_distillation_step(rng, cfg, max_delta=1e-3)
+    nudged = step.teacher.copy()
+    i = int(np.argmax(np.abs(step.adv) < 5))
+    nudged[i] = f32(nudged[i] - 1e-3)
+    bad = Step(**{**step.__dict__, "teacher": nudged})
+    with pytest.raises(AssertionError, match="gradients off|loss"):
+        check(bad, cfg, rng)
