@@ -67,8 +67,12 @@ class StepSamples:
         weights = weights or {}
         views = [sample_view(i, t, self.decode, weights.get(t.sample_id)) for i, t in enumerate(trajectories)]
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "samples": views}))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps({"step": step, "samples": views}))
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+            raise
         self._forget_old(step)
         return path
 

@@ -64,3 +64,27 @@ def test_pages_order_by_reward_with_ties_in_record_order_and_filter_groups(tmp_p
     assert page(samples, order="best", offset=1, limit=2) == (6, page(samples, order="best")[1][1:3])
     total, mine = page(samples, group="g1")
     assert total == 3 and [s["sample_id"] for s in mine] == ["g1/0", "g1/1", "g1/2"]
+
+
+def test_a_refused_write_leaves_no_half_written_file(tmp_path, monkeypatch):
+    """A full disk refuses the write midway: the error reaches the caller (who logs it) and the partial
+    temp file is gone, so nothing under the run directory could pass for kept samples."""
+    import errno
+    from pathlib import Path
+
+    store = StepSamples(tmp_path, keep_steps=3, decode=decode)
+    real_write = Path.write_text
+
+    def half_then_full(self, text, *args, **kwargs):
+        real_write(self, text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", half_then_full)
+    try:
+        store.put(1, [trajectory(0, 0, 1.0, [3])])
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    else:
+        raise AssertionError("the refused write did not raise")
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert read_samples(tmp_path, 1) is None
