@@ -168,10 +168,17 @@ SLOW_TESTS = {
 
 # Tests that must run in `make test`'s one-process part (with the stack tests), never in a parallel worker.
 # Entries as in STACK_TESTS.
+_SANDBOX_SHARES_ONE_UID = (
+    "every sandbox runs as one unprivileged uid, whose process count (RLIMIT_NPROC) all concurrent sandboxes "
+    "share: these run in the stack process, never beside tests/integration/runs/test_tiny_code_learning.py's pool")
 SERIAL_TESTS = {
     "tests/kernels/test_logprob_check_targets.py":
         "tests/kernels/conftest.py starts its compile in the background as soon as it is collected: once, not "
         "once per worker",
+    "tests/common/sandbox/test_hostile_programs.py": _SANDBOX_SHARES_ONE_UID,
+    "tests/common/sandbox/test_sandbox_refuses.py": _SANDBOX_SHARES_ONE_UID,
+    "tests/coordinator/tasks/test_code_task.py": _SANDBOX_SHARES_ONE_UID,
+    "tests/recipes/test_tiny_code.py": _SANDBOX_SHARES_ONE_UID,
 }
 
 # `python -m <module>` of these is a service process.
