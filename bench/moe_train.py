@@ -240,6 +240,11 @@ def train_run(shape: dict, layers: int, numerics: str, args, device: str, gemm_t
             torch.cuda.synchronize()
         step_times.append(time.perf_counter() - t0)
         metrics.append(outcome.metrics)
+    profile = None
+    if args.profile and device == "cuda":
+        from bench.train import profile_step
+
+        profile = profile_step(trainer, make_request(args.steps + 1, lengths, shape["vocab_size"], args.seed))
     steady = step_times[2:] if len(step_times) > 2 else step_times[-1:]
     seconds = statistics.median(steady)
     tokens = sum(p + r for p, r in lengths)
@@ -260,6 +265,8 @@ def train_run(shape: dict, layers: int, numerics: str, args, device: str, gemm_t
         "step1_logprob_abs_diff_max": metrics[0].get("logprob_abs_diff_max"),
         "moe_metrics_last_step": {k: v for k, v in metrics[-1].items() if k.startswith("moe_")},
     }
+    if profile is not None:
+        result["profile"] = profile
     if device == "cuda":
         result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 2)
     del trainer
@@ -279,6 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--probe-tokens", type=int, default=8192, help="tokens of the grouped GEMM probe")
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile one extra step: GPU time by kernel")
     ap.add_argument("--skip-train", action="store_true", help="only the limits and the grouped GEMM probe")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", default=None)

@@ -233,7 +233,9 @@ async def bench_mode(mode: str, services: Services, model_dir: Path, args, promp
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="qwen3-0.6b",
+                    help=f"fixed workload: one of {sorted(SHAPES)}; longtail: rollout_longtail.LONGTAIL_SHAPES "
+                    "(adds qwen3-30b-a3b and tiny-moe)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8, help="samples per prompt (sequences = prompts x samples)")
@@ -274,6 +276,8 @@ def main() -> None:
             Path(args.out).write_text(text + "\n")
         return
 
+    if args.shape not in SHAPES:
+        ap.error(f"--shape {args.shape}: the fixed workload has {sorted(SHAPES)}")
     vocab = SHAPES[args.shape]["vocab_size"]
     g = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=g).tolist()

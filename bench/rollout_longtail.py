@@ -34,17 +34,47 @@ LONGTAIL_SHAPES = {
                      num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 48 layers of 128 experts (top-8, width 768); ~61 GB of bf16 weights.
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
+    "tiny-moe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False,
+                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
+
+
+def is_moe(shape: str) -> bool:
+    return "num_experts" in LONGTAIL_SHAPES[shape]
+
+
+def step_weight_bytes(info: dict, shape: str, rows: int) -> float:
+    """Weight bytes one decode step of `rows` rows reads: every dense weight, and for an MoE the expected
+    share of expert weights its rows touch, E (1 - (1 - k/E)^rows) of E experts per layer, under uniform
+    routing (a random-init router is near uniform; at >= 128 rows of top-8 over 128 experts it is 0.9997)."""
+    if not is_moe(shape):
+        return info["weight_bytes"]
+    s = LONGTAIL_SHAPES[shape]
+    e, k = s["num_experts"], s["num_experts_per_tok"]
+    touched = 1.0 - (1.0 - k / e) ** max(rows, 0)
+    return info["weight_bytes"] - info["expert_weight_bytes"] * (1.0 - touched)
 
 
 def build_model(shape: str, device: str, prompts: list[list[int]], entropy: float, max_len: int):
     """Random-init Qwen3 (bf16) with its lm_head scaled so the prompts' next-token entropy is about `entropy`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3Config(max_position_embeddings=max_len, rope_theta=1e6, rms_norm_eps=1e-6, **LONGTAIL_SHAPES[shape])
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if is_moe(shape) else (Qwen3Config, Qwen3ForCausalLM)
+    cfg = config_cls(max_position_embeddings=max_len, rope_theta=1e6, rms_norm_eps=1e-6, **LONGTAIL_SHAPES[shape])
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval().requires_grad_(False)
+    # Built in bf16 directly: a float32 Qwen3-30B-A3B would not fit beside its bf16 copy.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = model_cls(cfg).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
     ids = torch.tensor(prompts[:8], device=device)
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state[:, -16:].float()
@@ -63,7 +93,8 @@ def build_model(shape: str, device: str, prompts: list[list[int]], entropy: floa
         model.get_output_embeddings().weight.mul_(scale)
         del hidden, head
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return model, {"weight_bytes": weight_bytes, "lm_head_scale": round(scale, 5),
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    return model, {"weight_bytes": weight_bytes, "expert_weight_bytes": expert_bytes, "lm_head_scale": round(scale, 5),
                    "prompt_entropy_nats": round(reached, 3)}
 
 
@@ -72,13 +103,15 @@ def kv_bytes_per_token(shape: str) -> int:
     return s["num_hidden_layers"] * 2 * s["num_key_value_heads"] * s["head_dim"] * 2
 
 
-def roofline(stats, weight_bytes: int, kv_per_token: int, copy_gbps: float, min_rows: int = 0) -> dict:
+def roofline(stats, weight_bytes, kv_per_token: int, copy_gbps: float, min_rows: int = 0) -> dict:
+    """`weight_bytes`: bytes of weights a step reads, or a function of the step's rows giving them."""
+    per_step = weight_bytes if callable(weight_bytes) else (lambda _rows: weight_bytes)
     picked = [i for i, s in enumerate(stats.steps) if s[0] >= min_rows]
     steps = [stats.steps[i] for i in picked]
     if not steps or not copy_gbps == copy_gbps:
         return {"steps": len(steps)}
     secs = sum(s[2] for s in steps)
-    moved = len(steps) * weight_bytes + sum(s[1] for s in steps) * kv_per_token
+    moved = sum(per_step(s[0]) for s in steps) + sum(s[1] for s in steps) * kv_per_token
     out = {"steps": len(steps), "mean_rows": round(statistics.mean(s[0] for s in steps), 1),
            "mean_context_tokens": round(sum(s[1] for s in steps) / sum(s[0] for s in steps), 1),
            "seconds": round(secs, 3), "mean_step_ms": round(1e3 * secs / len(steps), 3),
@@ -96,7 +129,7 @@ def roofline(stats, weight_bytes: int, kv_per_token: int, copy_gbps: float, min_
 
 
 def run_scheduler(model, device: str, scheduler: str, prompts, seeds, sampling: SamplingConfig, *,
-                  max_rows: int, pool_tokens: int | None, chunk: int, shape: str, weight_bytes: int,
+                  max_rows: int, pool_tokens: int | None, chunk: int, shape: str, weight_bytes,
                   copy_gbps: float) -> tuple[dict, list]:
     opts = DecoderOptions(numerics="true_on_policy", max_batch_size=max_rows, cuda_graphs=device == "cuda",
                           kv_pool_tokens=pool_tokens, prefill_chunk_tokens=chunk, scheduler=scheduler,
@@ -176,7 +209,8 @@ def longtail(args, hbm_copy_gb_per_s) -> dict:
             continue
         out, rows = run_scheduler(model, device, scheduler, prompts, seeds, sampling, max_rows=rows_max,
                                   pool_tokens=pool, chunk=args.chunk, shape=args.shape,
-                                  weight_bytes=info["weight_bytes"], copy_gbps=copy)
+                                  weight_bytes=lambda rows: step_weight_bytes(info, args.shape, rows),
+                                  copy_gbps=copy)
         out["lengths"] = lengths_summary(rows, args.cap)
         runs.append(out)
         outputs[scheduler] = [(r.token_ids, r.logprobs) for r in rows]
@@ -192,10 +226,12 @@ def longtail(args, hbm_copy_gb_per_s) -> dict:
         torch.cuda.empty_cache()
     if args.big_shape:
         result["big"] = big_run(args, device, copy)
+    bar = 0.4 if is_moe(args.shape) else 0.5
     result["targets"] = {
         "continuous_at_least_3x_static": result.get("continuous_over_static", 0) >= 3,
-        "roofline_at_least_0.5_at_128_rows": ("continuous" in by and by["continuous"]["roofline_steps_ge_128_rows"]
-                                              .get("roofline_fraction", 0) >= 0.5),
+        # Issue 40 asks 0.4 of the MoE shape (every touched expert's weights plus live KV per step).
+        f"roofline_at_least_{bar}_at_128_rows": ("continuous" in by and by["continuous"]["roofline_steps_ge_128_rows"]
+                                                .get("roofline_fraction", 0) >= bar),
         "big_shape_completes_inside_kv_budget": bool(result.get("big", {}).get("completed")),
     }
     return result
@@ -218,7 +254,8 @@ def big_run(args, device: str, copy: float) -> dict:
     try:
         run, rows = run_scheduler(model, device, "continuous", prompts, seeds, sampling,
                                   max_rows=args.continuous_rows, pool_tokens=pool_tokens, chunk=args.chunk,
-                                  shape=shape, weight_bytes=info["weight_bytes"], copy_gbps=copy)
+                                  shape=shape, weight_bytes=lambda rows: step_weight_bytes(info, shape, rows),
+                                  copy_gbps=copy)
         out.update(run, completed=True, lengths=lengths_summary(rows, args.big_cap))
     except torch.OutOfMemoryError as exc:
         out.update(completed=False, error=str(exc)[:300])
