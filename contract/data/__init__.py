@@ -1,1 +1,1 @@
-"""Contracts of a task's prompt data: the math task's options and file format, prompt dataset blocks."""
+"""Contracts of a run's data: the math task's options and file format, prompt dataset blocks, SFT datasets."""

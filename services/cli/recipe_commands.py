@@ -28,7 +28,9 @@ from services.cli.recipe_layout import (
     check_layout,
     find_recipe,
     lay_out,
+    parse_start_from,
     resolve_spec,
+    sft_spec,
     task_fields,
 )
 from services.common.platform import Platform
@@ -67,6 +69,10 @@ def add_recipe_parser(sub: argparse._SubParsersAction) -> None:
                        help="Platform the launch commands are printed for; default: the recipe's layout.yaml.")
         a.add_argument("--trainer-gpus", default="", help="Host GPU indices of the trainer (compose).")
         a.add_argument("--rollout-gpus", default="", help="Host GPU indices of the rollout (compose).")
+        if action in ("train", "show"):
+            a.add_argument("--start-from", default="", metavar="RUN[:STEP]",
+                           help="Start from that run's checkpoint (its last, or STEP's) instead of the layout's "
+                                "model: SFT, then RL, then distillation. The data files are as prepare found them.")
         if action in ("train", "full-train"):
             a.add_argument("--dry-run", action="store_true", help="Print the spec and launch commands; submit nothing.")
             a.add_argument("--watch", action="store_true", help="Show live progress until the run ends.")
@@ -87,6 +93,7 @@ class RecipeRequest:
     trainer_gpus: str
     rollout_gpus: str
     dry_run: bool
+    start_from: dict | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "RecipeRequest":
@@ -102,29 +109,45 @@ class RecipeRequest:
             trainer_gpus=args.trainer_gpus or launch.trainer_gpus,
             rollout_gpus=args.rollout_gpus or launch.rollout_gpus,
             dry_run=args.action == "show" or getattr(args, "dry_run", False),
+            start_from=parse_start_from(args.start_from) if getattr(args, "start_from", "") else None,
         )
 
     def spec(self) -> dict:
         return resolve_spec(self.recipe, models_dir=self.served_models_dir, data_dir=self.served_data_dir,
-                            overrides=self.overrides)
+                            overrides=self.overrides, start_from=self.start_from)
 
 
 def placement_text(request: RecipeRequest, spec: dict) -> str:
-    """What goes where: the model directory and every JSONL file with the fields its lines need."""
+    """What goes where: the model directories and every JSONL file with the fields its lines need."""
     layout = request.recipe.layout
     fields, marker = task_fields(spec)
     out = [f"reproduces: {layout.reproduces}",
            "nothing is downloaded: place these files (from the sources named), then run prepare again",
            f"model  {request.models_dir / layout.model.dir}/  (from {layout.model.source})",
            "       " + ", ".join(WEIGHT_FILES)]
+    if layout.teacher is not None:
+        out += [f"teacher {request.models_dir / layout.teacher.dir}/  -> teacher.model_path  "
+                f"(from {layout.teacher.source})",
+                "       the same files; its tokenizer must be the model's, token for token (checked at submit)"]
     line = ("one JSON object per line with non-empty string fields " + ", ".join(repr(f) for f in fields)
             + (f" (the answer after the last {marker!r})" if marker else ""))
     for item in layout.data:
         out.append(f"data   {request.data_dir / item.file}  -> {item.spec_field}  (from {item.source})")
-        out.append(f"       {line}")
+        out.append(f"       {sft_line(spec) if item.checked_as == 'sft' else line}")
         if item.note:
             out.append(f"       {item.note}")
     return "\n".join(out) + "\n"
+
+
+def sft_line(spec: dict) -> str:
+    """What each line of the recipe's SFT dataset holds, in the field names its `sft` section gives."""
+    try:
+        config = sft_spec(spec, Path("unused"))
+    except ValueError as exc:
+        return f"(cannot say: {exc})"
+    return (f"one JSON object per line: {config.messages_field!r}, a list of {{'role': system|user|assistant, "
+            f"'content': string}} with an assistant turn (the loss covers those), or string fields "
+            f"{config.prompt_field!r} and {config.completion_field!r} (the loss covers the completion)")
 
 
 def findings_text(created: list[Path], findings: list[Finding]) -> str:

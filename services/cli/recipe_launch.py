@@ -30,6 +30,8 @@ PARENT_PID_SHOWN = "<rollout pid>"
 HOST_SHOWN = "<sglang_host setting>"
 PORT_SHOWN = "<sglang_port setting, 0: a free port>"
 API_KEY_SHOWN = "<generated per engine>"
+START_FROM_SHOWN = "<checkpoint_of_start_from.run>"
+"""The SGLang model path of a run started from another run's checkpoint: the coordinator resolves it at submit."""
 
 
 def device_env(platform: Platform, gpus: str) -> dict[str, str]:
@@ -74,7 +76,7 @@ def sglang_launch(spec: dict, platform: Platform, rollout_gpus: str) -> SGLangLa
     base = device_env(chosen, rollout_gpus)
     plan = sglang_launch_plan(chosen, config.server, base)
     argv = server_command(
-        SGLANG_PYTHON, plan, model_path=str(spec.get("model_path", "")), host=HOST_SHOWN, port=0,
+        SGLANG_PYTHON, plan, model_path=str(spec.get("model_path") or START_FROM_SHOWN), host=HOST_SHOWN, port=0,
         weight_version="0", run_options=engine_run_options(config), parent_pid=0,
     )
     at = argv.index(BOOTSTRAP)

@@ -1,10 +1,12 @@
 """A recipe directory: its run spec, the local files it needs, and the checks `lockstep recipe prepare` makes.
 
 `recipes/<name>/recipe.yaml` is a run spec; `recipes/<name>/layout.yaml` says
-which of its fields are local paths and what must be found there: one model
-directory under the models directory, and JSONL files under the data
-directory. Nothing is downloaded (there is no model hub on the nodes): the
-checks say exactly what is missing and where it goes.
+which of its fields are local paths and what must be found there: the model
+directory (and a distillation teacher's) under the models directory, and
+JSONL files under the data directory: a task's problems, or an SFT dataset
+checked with the SFT reader's own row checks (contract/data/sft_dataset.py).
+Nothing is downloaded (there is no model hub on the nodes): the checks say
+exactly what is missing and where it goes.
 
 Everything here is pure except the file checks, which only read, and
 `lay_out`, which creates the directories the layout names and nothing else.
@@ -15,11 +17,13 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from contract.data.math_options import MAX_DATASET_LINES, MathConfig, reference_answer
+from contract.data.sft_dataset import SftSpec, read_sft_rows
 from services.cli.client import apply_overrides, load_recipe
 
 RECIPE_FILE = "recipe.yaml"
@@ -27,6 +31,10 @@ LAYOUT_FILE = "layout.yaml"
 RECIPE_NAME = re.compile(r"^[a-z0-9][a-z0-9_]*$")
 TASKS_WITH_DATA = ("math",)
 """Tasks whose problems come from files the layout names (arithmetic generates its own)."""
+SFT_PATH_FIELD = "sft.path"
+"""The run-spec field an SFT dataset fills (the `sft` section's other fields say what its lines hold)."""
+TEACHER_PATH_FIELD = "teacher.model_path"
+"""The run-spec field a distillation teacher's directory fills."""
 
 
 def _relative_inside(value: str) -> str:
@@ -38,7 +46,7 @@ def _relative_inside(value: str) -> str:
 
 
 class ModelPlacement(BaseModel):
-    """Where the recipe's model goes under the models directory."""
+    """Where one of the recipe's models (the student, or a distillation teacher) goes under the models directory."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -62,11 +70,22 @@ class DataPlacement(BaseModel):
                             "eval.sets.0.path). It must already exist in recipe.yaml.")
     source: str = Field(..., min_length=1, description="Where to get it (printed; never fetched).")
     note: str = Field("", description="How to turn the source into the fields the task reads, if it differs.")
+    checked_as: Literal["task", "sft"] = Field(
+        "task", description="'task': problems, every line with the fields the run's task reads. 'sft': the "
+        "dataset of a kind 'sft' run (spec_field sft.path), every line checked as the coordinator's SFT reader "
+        "checks it, with the fields the recipe's `sft` section names.")
 
     @field_validator("file")
     @classmethod
     def _inside_data_dir(cls, v: str) -> str:
         return _relative_inside(v)
+
+    @model_validator(mode="after")
+    def _sft_fills_its_path(self) -> "DataPlacement":
+        if (self.checked_as == "sft") != (self.spec_field == SFT_PATH_FIELD):
+            raise ValueError(f"checked_as 'sft' goes with spec_field {SFT_PATH_FIELD!r} and only with it "
+                             f"(got checked_as {self.checked_as!r}, spec_field {self.spec_field!r})")
+        return self
 
 
 class LaunchDefaults(BaseModel):
@@ -86,8 +105,17 @@ class RecipeLayout(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     reproduces: str = Field(..., min_length=1, description="One line: what the recipe reproduces.")
-    model: ModelPlacement
+    model: ModelPlacement = Field(..., description="The trained model's directory (fills model_path).")
+    teacher: ModelPlacement | None = Field(None, description="An on-policy distillation teacher's directory "
+                                           f"(fills {TEACHER_PATH_FIELD}, which recipe.yaml must have); none "
+                                           "without a teacher.")
     data: list[DataPlacement] = Field(default_factory=list, description="Every JSONL file the run reads.")
+
+    @model_validator(mode="after")
+    def _teacher_beside_the_model(self) -> "RecipeLayout":
+        if self.teacher is not None and self.teacher.dir == self.model.dir:
+            raise ValueError(f"teacher.dir: {self.teacher.dir!r} is the model's own directory")
+        return self
     launch: LaunchDefaults = Field(default_factory=LaunchDefaults)
 
 
@@ -143,13 +171,28 @@ def set_existing_field(spec: dict, dotted: str, value: object) -> None:
             raise ValueError(f"{dotted}: {'.'.join(parts[:i]) or '(spec)'} is {type(node).__name__}, not a mapping")
 
 
-def resolve_spec(recipe: Recipe, *, models_dir: str, data_dir: str, overrides: dict) -> dict:
+def parse_start_from(text: str) -> dict:
+    """`RUN` or `RUN:STEP` (a run id, its checkpoint of that step) as the run spec's `start_from`."""
+    run, _, step = text.partition(":")
+    if not run or (step and not step.isdigit()) or int(step or 1) < 1:
+        raise ValueError(f"--start-from: {text!r} is not RUN or RUN:STEP (a run id, a step >= 1)")
+    return {"run": run, "step": int(step)} if step else {"run": run}
+
+
+def resolve_spec(recipe: Recipe, *, models_dir: str, data_dir: str, overrides: dict,
+                 start_from: dict | None = None) -> dict:
     """The run spec to submit: recipe.yaml with the layout's paths under the directories the services see,
-    then the --set overrides (last, so they can change anything)."""
+    then the --set overrides (last, so they can change anything). With `start_from` the run starts from
+    another run's checkpoint instead of the layout's model (the coordinator refuses both at once)."""
     spec = load_recipe(recipe.directory / RECIPE_FILE)
     set_existing_field(spec, "model_path", str(PurePosixPath(models_dir) / recipe.layout.model.dir))
+    if recipe.layout.teacher is not None:
+        set_existing_field(spec, TEACHER_PATH_FIELD, str(PurePosixPath(models_dir) / recipe.layout.teacher.dir))
     for item in recipe.layout.data:
         set_existing_field(spec, item.spec_field, str(PurePosixPath(data_dir) / item.file))
+    if start_from is not None:
+        del spec["model_path"]
+        spec["start_from"] = start_from
     return apply_overrides(spec, overrides)
 
 
@@ -256,10 +299,40 @@ def check_jsonl(path: Path, fields: tuple[str, ...], marker: str) -> Finding:
     return Finding(path, True, f"{count} problems with {', '.join(repr(f) for f in fields)}")
 
 
+def sft_spec(spec: dict, path: Path) -> SftSpec:
+    """The recipe's `sft` section as the run spec validates it, reading `path` (the file as prepare sees it);
+    ValueError naming the field."""
+    section = spec.get("sft")
+    if not isinstance(section, dict):
+        raise ValueError("sft: the recipe has no `sft` section, so the dataset's fields are unknown")
+    try:
+        return SftSpec.model_validate({**section, "path": str(path)})
+    except ValidationError as exc:
+        raise ValueError(f"sft.{_errors(exc)}") from None
+
+
+def check_sft(path: Path, spec: dict) -> Finding:
+    """An SFT dataset, every line read and its fields checked by the coordinator's own row checks
+    (contract.data.sft_dataset.read_sft_rows); tokenizing, the chat template and the length limit are the
+    coordinator's at submit, which needs the model."""
+    if not path.is_file():
+        return Finding(path, False, "missing")
+    try:
+        config = sft_spec(spec, path)
+        rows = read_sft_rows(config)
+    except (ValueError, OSError, RuntimeError) as exc:
+        return Finding(path, False, str(exc).replace(f"{path} ", "", 1))
+    if rows[0].messages is not None:
+        return Finding(path, True, f"{len(rows)} conversations in {config.messages_field!r}")
+    return Finding(path, True, f"{len(rows)} pairs in {config.prompt_field!r} -> {config.completion_field!r}")
+
+
 def lay_out(recipe: Recipe, *, models_dir: Path, data_dir: Path) -> list[Path]:
-    """Create the directories the layout names (the model directory's parent and every JSONL's directory),
+    """Create the directories the layout names (the model directories' parents and every JSONL's directory),
     inside the two given directories; nothing else is written. Returns those it created."""
     wanted = [(models_dir / recipe.layout.model.dir).parent]
+    if recipe.layout.teacher is not None:
+        wanted.append((models_dir / recipe.layout.teacher.dir).parent)
     wanted += [(data_dir / item.file).parent for item in recipe.layout.data]
     created = []
     for d in dict.fromkeys(wanted):
@@ -270,8 +343,12 @@ def lay_out(recipe: Recipe, *, models_dir: Path, data_dir: Path) -> list[Path]:
 
 
 def check_layout(recipe: Recipe, spec: dict, *, models_dir: Path, data_dir: Path) -> list[Finding]:
-    """What prepare checks: the model directory, then every JSONL file with the fields the task reads."""
+    """What prepare checks: the model directory (and the teacher's), then every JSONL file: problems with the
+    fields the task reads, an SFT dataset as the SFT reader reads it."""
     fields, marker = task_fields(spec)
     findings = check_model(models_dir / recipe.layout.model.dir)
-    findings += [check_jsonl(data_dir / item.file, fields, marker) for item in recipe.layout.data]
+    if recipe.layout.teacher is not None:
+        findings += check_model(models_dir / recipe.layout.teacher.dir)
+    findings += [check_sft(data_dir / item.file, spec) if item.checked_as == "sft"
+                 else check_jsonl(data_dir / item.file, fields, marker) for item in recipe.layout.data]
     return findings

@@ -17,6 +17,7 @@ then review `git diff tests/recipes/snapshots` and commit it with the change.
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import shutil
 from pathlib import Path
@@ -30,7 +31,7 @@ from tests.recipes.recipe_inputs import build_tiny_model, place_tiny_inputs
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 UPDATE_ENV = "LOCKSTEP_UPDATE_SNAPSHOTS"
-RECIPES = ("qwen3_8b_m2po", "qwen3_4b_lora_grpo")
+RECIPES = ("qwen3_8b_m2po", "qwen3_4b_lora_grpo", "qwen3_8b_to_1_7b_distill", "qwen3_4b_sft")
 ACTIONS = {"prepare": [], "train": ["--dry-run"], "full-train": ["--dry-run"]}
 
 
@@ -102,3 +103,17 @@ def test_a_changed_sglang_option_shows_in_the_launch_command(tmp_path):
     out = run_cli("train", "qwen3_4b_lora_grpo", tmp_path, "--dry-run",
                   "--set", "rollout.engine_options.server.chunked_prefill_size=8192")
     assert "--chunked-prefill-size=8192" in out and "--chunked-prefill-size=4096" not in out
+
+
+def test_start_from_submits_the_checkpoint_of_a_run_instead_of_the_model(tmp_path):
+    # SFT, then RL: the GRPO recipe started from the SFT run's checkpoint (recipes/qwen3_4b_sft/README.md).
+    out = run_cli("show", "qwen3_4b_lora_grpo", tmp_path, "--start-from", "sft-run:500")
+    spec = json.loads(out.split("## run spec (POST /v1/runs)\n")[1].split("\n## launch")[0])
+    assert "model_path" not in spec and spec["start_from"] == {"run": "sft-run", "step": 500}
+    assert "'--model-path=<checkpoint_of_start_from.run>'" in out
+
+
+def test_the_distillation_recipe_launches_no_sglang_server(tmp_path):
+    out = run_cli("train", "qwen3_8b_to_1_7b_distill", tmp_path, "--dry-run")
+    assert "SGLang server: none (rollout.engine is 'torch')" in out  # true_on_policy: the torch engine
+    assert '"model_path": "<tmp>/models/Qwen3-8B"' in out and '"model_path": "<tmp>/models/Qwen3-1.7B"' in out

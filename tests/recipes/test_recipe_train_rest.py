@@ -25,7 +25,7 @@ from tests.coordinator.conftest import LoneCoordinator
 from tests.recipes.recipe_inputs import build_tiny_model, place_tiny_inputs
 
 pytestmark = pytest.mark.slow
-RECIPES = ("qwen3_8b_m2po", "qwen3_4b_lora_grpo")
+RECIPES = ("qwen3_8b_m2po", "qwen3_4b_lora_grpo", "qwen3_8b_to_1_7b_distill", "qwen3_4b_sft")
 
 
 @pytest.fixture(scope="module")

@@ -115,3 +115,37 @@ def test_the_distillation_and_sft_recipes_are_valid_specs_once_their_paths_are_s
     distill = parse_run_spec(json.dumps(load_recipe(REPO_ROOT / "recipes" / "tiny_distill" / "recipe.yaml", {
         "model_path": inputs["model_dir"], "teacher.model_path": str(teacher)})).encode())
     assert distill.trainer.teacher == distill.teacher and distill.teacher.reward_weight == 0.0
+
+
+@pytest.mark.parametrize("name", ["qwen3_8b_to_1_7b_distill", "qwen3_4b_sft"])
+def test_the_distillation_and_sft_gpu_recipes_are_valid_specs_once_prepare_passes(name, tmp_path):
+    """The teacher and SFT recipes resolve to specs POST /v1/runs accepts (the teacher's vocabulary compared,
+    the SFT dataset read and tokenized through the chat template), with their settings intact."""
+    from services.cli.recipe_commands import RECIPES_ROOT
+    from services.cli.recipe_layout import check_layout, find_recipe, resolve_spec
+    from tests.recipes.recipe_inputs import SFT_EXAMPLES, build_tiny_model, place_tiny_inputs
+
+    recipe = find_recipe(name, RECIPES_ROOT)
+    models, data = tmp_path / "models", tmp_path / "data"
+    place_tiny_inputs(recipe, models, data, build_tiny_model(tmp_path / "tiny"))
+    spec = resolve_spec(recipe, models_dir=str(models), data_dir=str(data), overrides={})
+    assert all(f.ok for f in check_layout(recipe, spec, models_dir=models, data_dir=data))
+    parsed = parse_run_spec(json.dumps(spec).encode())
+    assert parsed.trainer.dtype == "bfloat16"
+    if name == "qwen3_8b_to_1_7b_distill":
+        assert parsed.kind == "rl" and parsed.numerics == "true_on_policy" and parsed.rollout.engine == "torch"
+        assert parsed.rollout.engine_options["numerics"] == "true_on_policy"
+        assert parsed.rollout.engine_options["dtype"] == parsed.trainer.dtype
+        assert parsed.teacher.model_path == str(models / "Qwen3-8B") and parsed.trainer.teacher == parsed.teacher
+        assert (parsed.teacher.kl_weight, parsed.teacher.reward_weight, parsed.teacher.discount) == (1.0, 0.0, 0.0)
+        assert (parsed.rollout.prompts_per_step, parsed.rollout.samples_per_prompt) == (64, 4)
+        assert parsed.trainer.kl_coef == 0.0 and [s.name for s in parsed.eval.sets] == ["aime24"]
+    else:
+        assert parsed.kind == "sft" and parsed.trainer.objective == "sft" and parsed.teacher is None
+        assert parsed.sft.path == str(data / "openhermes-2.5" / "openhermes-2.5.jsonl")
+        assert (parsed.sft.messages_field, parsed.sft.batch_size, parsed.sft.max_sequence_tokens) == (
+            "messages", 128, 4096)
+        assert parsed.steps == -(-3 * 100_000 // parsed.sft.batch_size)  # 3 epochs of the README's 100,000
+        from services.coordinator.sft.dataset import read_sft_dataset
+        examples = read_sft_dataset(parsed.sft, parsed.model_path)
+        assert len(examples) == SFT_EXAMPLES and all(e.loss_mask is None and e.response_ids for e in examples)
