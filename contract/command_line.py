@@ -34,6 +34,8 @@ FLAG_PATTERN = re.compile(r"--[a-z0-9][a-z0-9-]*")
 """What a flag name of the code's looks like."""
 SERVER_FLAG_KEY = "server_flag"
 """The json_schema_extra key under which an engine option declares the server flag it becomes."""
+SERVER_SWITCH_KEY = "server_switch"
+"""The json_schema_extra key under which a boolean engine option declares the switch it turns on."""
 
 
 def server_flag(flag: str) -> dict[str, str]:
@@ -41,6 +43,25 @@ def server_flag(flag: str) -> dict[str, str]:
     if not FLAG_PATTERN.fullmatch(flag):
         raise ValueError(f"not a flag name: {flag!r}")
     return {SERVER_FLAG_KEY: flag}
+
+
+def server_switch(flag: str) -> dict[str, str]:
+    """`json_schema_extra` of a boolean engine option that, when true, places the code's constant `flag`
+    (a switch takes no value, so nothing the run wrote reaches the command line but its choice)."""
+    if not FLAG_PATTERN.fullmatch(flag):
+        raise ValueError(f"not a flag name: {flag!r}")
+    return {SERVER_SWITCH_KEY: flag}
+
+
+def chosen_switches(config: BaseModel) -> tuple[str, ...]:
+    """The switches of every boolean field of `config` that declares one and is true, in field order."""
+    out = []
+    for name, info in type(config).model_fields.items():
+        extra = info.json_schema_extra
+        flag = extra.get(SERVER_SWITCH_KEY) if isinstance(extra, dict) else None
+        if isinstance(flag, str) and getattr(config, name) is True:
+            out.append(flag)
+    return tuple(out)
 
 
 def declared_flag(model: type[BaseModel], name: str) -> str:

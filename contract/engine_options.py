@@ -19,7 +19,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from contract.command_line import server_flag
+from contract.command_line import server_flag, server_switch
 from contract.platforms import SGLangPlatformConfig
 
 LOGPROB_BACKEND_NAMES: tuple[str, ...] = ("reference", "triton", "native")
@@ -237,6 +237,13 @@ def service_owned_reason(option: str) -> str:
     return f"set by the rollout service's configuration ({SERVICE_OWNED_OPTIONS[option]}), not by a run: {what}"
 
 
+SGLangMoeRunner = Literal["auto", "triton", "triton_kernel", "deep_gemm", "cutlass", "flashinfer_cutlass",
+                          "flashinfer_trtllm", "aiter"]
+"""SGLang's --moe-runner-backend values a run may pick (its MOE_RUNNER_BACKEND_CHOICES for bf16 models)."""
+SGLangMoeAllToAll = Literal["none", "deepep", "mooncake", "mori"]
+"""SGLang's --moe-a2a-backend values a run may pick."""
+
+
 class SGLangEngineConfig(BaseModel):
     """How a run wants its SGLang server: platform, parallelism, timeouts (see SGLangHostConfig for the rest)."""
 
@@ -252,6 +259,21 @@ class SGLangEngineConfig(BaseModel):
     )
     tp_size: int = Field(1, ge=1, le=1024, json_schema_extra=server_flag("--tp-size"),
                          description="Tensor-parallel degree of the server (--tp-size).")
+    # Mixture-of-experts serving (SGLang's own flags; None leaves the server's default and passes nothing).
+    ep_size: int | None = Field(None, ge=1, le=1024, json_schema_extra=server_flag("--ep-size"),
+                                description="Expert-parallel degree of the MoE layers (--ep-size); divides tp_size.")
+    moe_runner_backend: SGLangMoeRunner | None = Field(
+        None, json_schema_extra=server_flag("--moe-runner-backend"),
+        description="Kernel family of the MoE layers (--moe-runner-backend): 'triton' is the portable one "
+                    "(CUDA and ROCm), 'aiter' ROCm's, 'deep_gemm'/'cutlass'/'flashinfer_*' NVIDIA's.")
+    moe_a2a_backend: SGLangMoeAllToAll | None = Field(
+        None, json_schema_extra=server_flag("--moe-a2a-backend"),
+        description="All-to-all of expert parallelism across GPUs (--moe-a2a-backend); needs ep_size > 1.")
+    return_routed_experts: bool = Field(
+        False, json_schema_extra=server_switch("--enable-return-routed-experts"),
+        description="MoE routing replay: start the server with --enable-return-routed-experts and return every "
+                    "token's experts with its sample (what trainer.moe.routing_replay needs). The server's "
+                    "capture buffer is CUDA/ROCm host memory: its CPU build cannot start with it.")
     keep_versions: int = Field(
         2, ge=1, description="Synced checkpoints kept on disk (the current one always among them)."
     )
@@ -274,6 +296,16 @@ class SGLangEngineConfig(BaseModel):
                 raise PydanticCustomError(SERVICE_OWNED_ERROR, "{option}: {reason}",
                                           {"option": key, "reason": service_owned_reason(key)})
         return data
+
+    @model_validator(mode="after")
+    def _expert_parallel_fits(self) -> "SGLangEngineConfig":
+        if self.ep_size is not None and self.tp_size % self.ep_size:
+            raise ValueError(f"ep_size: {self.ep_size} does not divide tp_size {self.tp_size} (SGLang places the "
+                             "expert-parallel group inside the tensor-parallel one)")
+        if self.moe_a2a_backend not in (None, "none") and (self.ep_size or 1) == 1:
+            raise ValueError(f"moe_a2a_backend: {self.moe_a2a_backend!r} moves tokens between expert-parallel ranks; "
+                             "set ep_size > 1")
+        return self
 
     @field_validator("platform")
     @classmethod

@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from contract.command_line import SpecOption, command_line_fields, render_spec_options, spec_option
+from contract.command_line import (
+    FLAG_PATTERN,
+    SpecOption,
+    chosen_switches,
+    command_line_fields,
+    render_spec_options,
+    spec_option,
+)
 from contract.engine_options import SGLangEngineConfig
 
 # Variables that would change what the server reports, removed from its
@@ -64,8 +71,15 @@ BOOTSTRAP = (
 
 
 def engine_run_options(config: SGLangEngineConfig) -> tuple[SpecOption, ...]:
-    """The run's engine options outside `server` that become server flags: every field that declares one."""
-    return tuple(spec_option(config, name, "engine_config.") for name in command_line_fields(type(config)))
+    """The run's engine options outside `server` that become server flags: every field that declares one,
+    except those left None (the server's own default, nothing passed)."""
+    return tuple(spec_option(config, name, "engine_config.") for name in command_line_fields(type(config))
+                 if getattr(config, name) is not None)
+
+
+def engine_switches(config: SGLangEngineConfig) -> tuple[str, ...]:
+    """The code's constant switches the run turned on (boolean options declaring `server_switch`)."""
+    return chosen_switches(config)
 
 
 def server_command(
@@ -77,6 +91,7 @@ def server_command(
     port: int,
     weight_version: str,
     run_options: Sequence[SpecOption] = (),
+    switches: Sequence[str] = (),
     extra_args: Sequence[str] = (),
     parent_pid: int,
 ) -> list[str]:
@@ -95,6 +110,9 @@ def server_command(
     does no detokenization work.
     """
     chosen = render_spec_options([SpecOption("model_path", "--model-path", model_path), *plan.options, *run_options])
+    for switch in switches:  # the code's flags (engine_switches): checked as flag names, never values
+        if not FLAG_PATTERN.fullmatch(switch):
+            raise ValueError(f"{switch!r} is not a flag name")
     return [
         python, "-c", BOOTSTRAP, str(parent_pid),
         f"--host={host}",
@@ -103,6 +121,7 @@ def server_command(
         "--skip-tokenizer-init",
         *plan.flags,
         *chosen,
+        *switches,
         *extra_args,
     ]
 

@@ -13,7 +13,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from contract.engine_options import SGLangEngineConfig
-from contract.sglang_command import BOOTSTRAP, engine_run_options, server_command, server_env
+from contract.sglang_command import BOOTSTRAP, engine_run_options, engine_switches, server_command, server_env
 from services.common.platform import Platform, sglang_launch_plan
 
 COMPOSE_FILES: dict[Platform, tuple[str, ...]] = {
@@ -77,7 +77,8 @@ def sglang_launch(spec: dict, platform: Platform, rollout_gpus: str) -> SGLangLa
     plan = sglang_launch_plan(chosen, config.server, base)
     argv = server_command(
         SGLANG_PYTHON, plan, model_path=str(spec.get("model_path") or START_FROM_SHOWN), host=HOST_SHOWN, port=0,
-        weight_version="0", run_options=engine_run_options(config), parent_pid=0,
+        weight_version="0", run_options=engine_run_options(config), switches=engine_switches(config),
+        parent_pid=0,
     )
     at = argv.index(BOOTSTRAP)
     argv[at], argv[at + 1] = BOOTSTRAP_SHOWN, PARENT_PID_SHOWN

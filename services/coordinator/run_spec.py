@@ -286,10 +286,13 @@ class RunSpec(StrictModel):
 
     @model_validator(mode="after")
     def _replay_has_recorded_experts(self) -> "RunSpec":
-        if self.trainer.moe.routing_replay and self.rollout.engine != "torch":
-            raise field_error("trainer.moe.routing_replay", f"needs the experts of every token from the rollout; "
-                              f"engine {self.rollout.engine!r} does not return them here (the torch engine does)")
-        return self
+        if not self.trainer.moe.routing_replay or self.rollout.engine == "torch":
+            return self
+        if self.rollout.engine == "sglang" and (self.rollout.engine_options or {}).get("return_routed_experts"):
+            return self
+        raise field_error("trainer.moe.routing_replay", f"needs the experts of every token from the rollout; "
+                          f"engine {self.rollout.engine!r} does not return them as configured (the torch engine "
+                          "does; sglang does with rollout.engine_options.return_routed_experts: true)")
 
     @model_validator(mode="after")
     def _samples_tables_have_samples(self) -> "RunSpec":

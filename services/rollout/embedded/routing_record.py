@@ -10,16 +10,14 @@ read and stays padding. A position recomputed (preemption, resume) is overwritte
 routing; a sequence admitted onto kept K/V (a multi-turn episode's earlier turns) was not read in this
 call there, so it reports no routing rather than a partial one.
 
-On the wire (Sample.routed_experts) a table is uint8 with 255 as padding when the model has fewer than
-255 experts, int32 with -1 otherwise: one small integer per token, layer and rank (docs/moe.md).
+On the wire (Sample.routed_experts) a table is services/rollout/routed_experts.py's form.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.moe.hf_blocks import observe_routing
-
-PAD = -1
+from services.rollout.routed_experts import PAD, to_wire
 
 
 class RoutingRecorder:
@@ -74,6 +72,4 @@ class RoutingRecorder:
         t = self._tables[seq.index][:len(seq.tokens)]
         if bool((t[:-1] < 0).any()):
             return None
-        if self.n_experts < 255:
-            return torch.where(t < 0, 255, t).to(torch.uint8)
-        return t.to(torch.int32)
+        return to_wire(t, self.n_experts)

@@ -19,13 +19,24 @@ distribution, so the supervisor removes it from the server's environment.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import httpx
 
+from services.rollout.routed_experts import from_sglang
 from services.rollout.types import (
     GeneratedSample, GenerationRequest, ResumedSample, SamplingConfig, check_request_fits_model,
 )
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What a routed-experts table of the served model holds per read position."""
+
+    layers: int
+    top_k: int
+    n_experts: int
 
 
 class SGLangConnectionError(RuntimeError):
@@ -93,7 +104,8 @@ def continuation_seed(seed: int, resumed_tokens: int) -> int:
     return seed if resumed_tokens == 0 else (seed * 1_000_003 + resumed_tokens) % 2**63
 
 
-def generate_body(request: GenerationRequest, lora_name: str | None = None) -> dict[str, Any]:
+def generate_body(request: GenerationRequest, lora_name: str | None = None, *,
+                  routed_experts: bool = False) -> dict[str, Any]:
     """One batched /generate body: sample i of prompt p is its own entry, seeded p.seed + i.
 
     A sample listed in `request.resumed` (paused earlier, see `parse_generate_response`) is continued: its
@@ -102,7 +114,10 @@ def generate_body(request: GenerationRequest, lora_name: str | None = None) -> d
     version conditioned on K/V of that version, as the trainer scores it.
 
     `lora_name`: every sample is served through that loaded adapter (GenerateReqInput.lora_path takes
-    the name /load_lora_adapter registered)."""
+    the name /load_lora_adapter registered).
+
+    `routed_experts`: ask for every read position's experts (GenerateReqInput.return_routed_experts; the
+    server must run with --enable-return-routed-experts), the whole input included."""
     resumed = resumed_by_id(request)
     input_ids: list[list[int]] = []
     params: list[dict[str, Any]] = []
@@ -125,6 +140,8 @@ def generate_body(request: GenerationRequest, lora_name: str | None = None) -> d
     }
     if lora_name is not None:
         body["lora_path"] = [lora_name] * len(input_ids)
+    if routed_experts:
+        body["return_routed_experts"] = True
     return body
 
 
@@ -146,7 +163,8 @@ def resumed_by_id(request: GenerationRequest) -> dict[str, ResumedSample]:
 
 
 def parse_generate_response(
-    request: GenerationRequest, outputs: Any, expected_weight_version: str, *, pause_asked: bool = False
+    request: GenerationRequest, outputs: Any, expected_weight_version: str, *, pause_asked: bool = False,
+    routing: MoeShape | None = None,
 ) -> list[GeneratedSample]:
     """Samples in prompt order, then sample index; every one checked against the contract.
 
@@ -159,6 +177,9 @@ def parse_generate_response(
     `pause_asked`: the engine aborted this call's requests to pause them (request_pause). A sample that
     SGLang returns aborted then comes back with finish_reason 'paused' and its tokens so far; without a
     pause, an abort is an error like any other finish reason.
+
+    `routing`: the body asked for routed experts; each sample's table is checked and returned
+    (services/rollout/routed_experts.py), and one that is missing or malformed is an error.
     """
     resumed = resumed_by_id(request)
     version = int(expected_weight_version)
@@ -197,6 +218,15 @@ def parse_generate_response(
                 "/generate", 200, f"sample {prompt.group_id}/{index}: finish_reason {meta.get('finish_reason')!r}"
             )
         earlier = resumed.get(f"{prompt.group_id}/{index}")
+        routed = None
+        if routing is not None:
+            tokens = len(prompt.token_ids) + (len(earlier.token_ids) if earlier else 0) + len(token_ids)
+            try:
+                routed = from_sglang(meta.get("routed_experts"), tokens=tokens, layers=routing.layers,
+                                     top_k=routing.top_k, n_experts=routing.n_experts,
+                                     where=f"sample {prompt.group_id}/{index}")
+            except ValueError as exc:
+                raise SGLangRequestError("/generate", 200, str(exc)) from None
         samples.append(
             GeneratedSample(
                 group_id=prompt.group_id,
@@ -205,6 +235,7 @@ def parse_generate_response(
                 logprobs=(list(earlier.logprobs) if earlier else []) + [float(t[0]) for t in triples],
                 finish_reason=finish,
                 policy_versions=(list(earlier.policy_versions) if earlier else []) + [version] * len(token_ids),
+                routed_experts=routed,
             )
         )
     return samples

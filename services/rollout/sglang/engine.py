@@ -51,7 +51,7 @@ import torch
 
 from contract.command_line import check_arg_value, render_spec_options
 from contract.engine_options import SGLangEngineConfig
-from contract.sglang_command import engine_run_options
+from contract.sglang_command import engine_run_options, engine_switches
 from services.common.models.directory import check_model_dir, layout_digest
 from services.common.platform import Platform, probe_platform, sglang_launch_plan
 from services.common.weights.stream import LoraAdapterMeta
@@ -59,6 +59,7 @@ from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import Engine, EngineUnavailable
 from services.rollout.sglang.broadcast import SGLangBroadcast
 from services.rollout.sglang.client import (
+    MoeShape,
     SGLangClient,
     check_request,
     SGLangConnectionError,
@@ -87,6 +88,21 @@ log = logging.getLogger("lockstep.rollout.sglang")
 # Prometheus target) the new server could never bind, so the previous holder of
 # the port gives it up first.
 _PORT_HOLDERS: "weakref.WeakValueDictionary[tuple[str, int], SGLangEngine]" = weakref.WeakValueDictionary()
+
+
+def moe_shape(hf_config: dict) -> MoeShape:
+    """The routed-experts table shape of a Hugging Face config whose every decoder layer is an MoE layer
+    (SGLang captures one row of experts per layer); ValueError naming engine_config.return_routed_experts
+    otherwise."""
+    field = "engine_config.return_routed_experts"
+    experts, top_k = hf_config.get("num_experts"), hf_config.get("num_experts_per_tok")
+    if not isinstance(experts, int) or not isinstance(top_k, int) or experts < 1:
+        raise ValueError(f"{field}: the model (model_type {hf_config.get('model_type')!r}) has no "
+                         "mixture-of-experts layers")
+    if hf_config.get("mlp_only_layers") or hf_config.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"{field}: the model has dense layers between its MoE layers (mlp_only_layers, "
+                         "decoder_sparse_step); only models whose every layer routes are covered")
+    return MoeShape(int(hf_config["num_hidden_layers"]), top_k, experts)
 
 
 class SGLangEngine(SGLangBroadcast, Engine):
@@ -128,6 +144,7 @@ class SGLangEngine(SGLangBroadcast, Engine):
         self._tied = False
         self._eos: set[int] = set()
         self._vocab = 0
+        self._routing: MoeShape | None = None  # return_routed_experts: what each sample's table holds
         self._max_len: int | None = None
         self._generating = threading.Event()  # a generate() call is in flight (read by request_pause)
         self._pause_asked = threading.Event()  # request_pause aborted that call's requests
@@ -155,6 +172,7 @@ class SGLangEngine(SGLangBroadcast, Engine):
         self._eos = eos_token_ids(path)
         hf = json.loads((path / "config.json").read_text())
         self._vocab = int(hf.get("vocab_size", 0))
+        self._routing = moe_shape(hf) if self.config.return_routed_experts else None
         self._max_len = hf.get("max_position_embeddings")
         version = str(policy_version)
         if self.host.url:
@@ -215,6 +233,7 @@ class SGLangEngine(SGLangBroadcast, Engine):
         return SGLangServer(
             host.python, self.plan, host=host.server_host, port=host.server_port, run_options=self._run_options,
             extra_args=host.extra_args, log_dir=self._dir / "logs", api_key=self._api_key,
+            switches=engine_switches(self.config),
         )
 
     def close(self) -> None:
@@ -287,7 +306,8 @@ class SGLangEngine(SGLangBroadcast, Engine):
         self.validate_request(request)
         client = self._ready_client()
         n = len(request.prompts) * request.samples_per_prompt
-        body = generate_body(request, self._lora[0] if self._lora else None)
+        body = generate_body(request, self._lora[0] if self._lora else None,
+                             routed_experts=self._routing is not None)
         self._pause_asked.clear()
         self._generating.set()
         try:
@@ -302,7 +322,8 @@ class SGLangEngine(SGLangBroadcast, Engine):
             raise
         finally:
             self._generating.clear()
-        return parse_generate_response(request, out, str(self._version), pause_asked=self._pause_asked.is_set())
+        return parse_generate_response(request, out, str(self._version), pause_asked=self._pause_asked.is_set(),
+                                       routing=self._routing)
 
     def request_pause(self) -> bool:
         """Abort the requests of the generate() in flight (it returns them as 'paused' with their tokens so

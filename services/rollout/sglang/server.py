@@ -57,7 +57,8 @@ class SGLangServer:
     """One child server. start() blocks until /health answers; stop() is idempotent."""
 
     def __init__(self, python: str, plan: SGLangLaunchPlan, *, host: str, port: int,
-                 run_options: Sequence[SpecOption], extra_args: Sequence[str], log_dir: Path, api_key: str):
+                 run_options: Sequence[SpecOption], extra_args: Sequence[str], log_dir: Path, api_key: str,
+                 switches: Sequence[str] = ()):
         if not Path(python).is_file():
             raise FileNotFoundError(
                 f"python: SGLang interpreter {python} does not exist; build the virtualenv with "
@@ -67,6 +68,7 @@ class SGLangServer:
             raise ValueError("api_key: an SGLang server is never started without one")
         self.python, self.plan, self.host = python, plan, host
         self.requested_port, self.run_options, self.extra_args = port, tuple(run_options), list(extra_args)
+        self.switches = tuple(switches)
         self.log_dir = log_dir
         self._api_key = api_key
         self.proc: subprocess.Popen[bytes] | None = None
@@ -102,7 +104,8 @@ class SGLangServer:
         self.port = self.requested_port or free_port(self.host)
         cmd = server_command(
             self.python, self.plan, model_path=model_path, host=self.host, port=self.port,
-            weight_version=weight_version, run_options=self.run_options, extra_args=self.extra_args,
+            weight_version=weight_version, run_options=self.run_options, switches=self.switches,
+            extra_args=self.extra_args,
             parent_pid=os.getpid(),
         )
         self.log_dir.mkdir(parents=True, exist_ok=True)

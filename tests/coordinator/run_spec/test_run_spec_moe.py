@@ -67,3 +67,6 @@ def test_routing_replay_is_refused_where_it_cannot_work(tmp_path):
                           ({"rollout": {"engine": "sglang"}}, "trainer.moe.routing_replay")):
         with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
             RunSpec.model_validate({**ok, **change})
+    # SGLang returns them when its server runs with --enable-return-routed-experts.
+    sglang = {**ok, "rollout": {"engine": "sglang", "engine_options": {"return_routed_experts": True}}}
+    assert RunSpec.model_validate(sglang).rollout.engine_options["return_routed_experts"] is True

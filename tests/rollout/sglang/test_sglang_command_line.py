@@ -125,11 +125,14 @@ def test_a_plan_holds_no_element_a_value_could_occupy():
 
 def test_every_engine_option_that_declares_a_flag_reaches_the_builder():
     # SGLangEngineConfig's own options (outside `server`): all of them, through engine_run_options.
-    options = engine_run_options(SGLangEngineConfig(tp_size=2))
+    # Every one set (an option left None passes nothing: the server's default).
+    config = SGLangEngineConfig(tp_size=2, ep_size=2, moe_runner_backend="triton", moe_a2a_backend="deepep")
+    options = engine_run_options(config)
     assert [(o.field, o.flag, o.value) for o in options] == [
-        (f"engine_config.{name}", flag, getattr(SGLangEngineConfig(tp_size=2), name))
+        (f"engine_config.{name}", flag, getattr(config, name))
         for name, flag in command_line_fields(SGLangEngineConfig).items()
     ] and options
+    assert [o.flag for o in engine_run_options(SGLangEngineConfig(tp_size=2))] == ["--tp-size"]
 
 
 EXPLOIT = ("all", "--trust-remote-code", "--model-path", "/elsewhere")
