@@ -47,18 +47,28 @@ SHAPES = {
                        tie_word_embeddings=False),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layers at 6 of its 48 (issue 40's reduced depth: fp32 masters and AdamW fit one GPU).
+    "qwen3-30b-a3b-6l": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=6, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                             num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                             norm_topk_prob=True),
+    "tiny-moe": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False, num_experts=8,
+                     num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
 
 
 def write_model(shape: str, directory: Path, *, device: str, seed: int, prompts: list[list[int]],
                 entropy: float) -> dict:
     """Save the model (bf16) with its lm_head scaled to the target entropy; what was built."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3Config(max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[shape])
+    moe = "num_experts" in SHAPES[shape]
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+    cfg = config_cls(max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, **SHAPES[shape])
     torch.manual_seed(seed)
     with torch.device(device):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = model_cls(cfg).to(torch.bfloat16).eval()
     ids = torch.tensor(prompts[:8], device=device)
     with torch.no_grad():
         hidden = model.model(input_ids=ids).last_hidden_state[:, -16:].float()
@@ -208,7 +218,9 @@ async def bench_mode(mode: str, services: Services, model_dir: Path, args, promp
                           sample_id=s.sample_id, prompt_token_ids=ids_to_proto(prompts[int(s.group_id[1:])]),
                           response_token_ids=s.response_token_ids, rollout_logprobs=s.logprobs,
                           reward=float(s.index % 2), advantage=1.0 if s.index % 2 else -1.0,
-                          finish_reason=s.finish_reason)
+                          finish_reason=s.finish_reason,
+                          # MoE: the experts the rollout read each token through (routing agreement).
+                          **({"routed_experts": s.routed_experts} if s.HasField("routed_experts") else {}))
             for s in response.samples]
         header = pb.TrainStepHeader(run_id=run_id, step=step, policy_version=step - 1,
                                     num_trajectories=len(trajectories))
@@ -227,7 +239,8 @@ async def bench_mode(mode: str, services: Services, model_dir: Path, args, promp
         "train_step_seconds": [round(t, 3) for t in step_s],
         "steady_train_step_seconds": round(statistics.median(step_s[1:] or step_s), 3),
         "step1": {k: first[k] for k in ("iw_mean", "iw_min", "iw_max", "logprob_abs_diff_mean",
-                                        "logprob_abs_diff_max", "entropy", "tokens_response")},
+                                        "logprob_abs_diff_max", "entropy", "tokens_response",
+                                        "moe_routing_agreement_min", "moe_expert_load_max") if k in first},
     }
 
 
