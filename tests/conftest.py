@@ -128,8 +128,6 @@ STACK_TESTS = {
         "runs a TCPStore client in the SGLang virtualenv's Python",
     "tests/rollout/sglang/test_sglang_command_line.py::test_sglangs_argparse_reads_each_command_line_as_the_config_says":
         "runs SGLang's argument parser in its virtualenv's Python",
-    "tests/rollout/sglang/test_sglang_moe.py::test_sglang_reads_the_moe_flags_and_the_routed_experts_request_as_meant":
-        "runs SGLang's argument parser and request type in its virtualenv's Python",
 }
 
 # Tests that start no stack but cost more than a few CPU-seconds each (process groups, compilers, long

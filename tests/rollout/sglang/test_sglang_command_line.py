@@ -26,7 +26,7 @@ from contract.command_line import (
 )
 from contract.engine_options import SGLangEngineConfig
 from contract.platforms import CUDA_ATTENTION_BACKENDS, LORA_TARGET_MODULES
-from contract.sglang_command import engine_run_options, server_command
+from contract.sglang_command import engine_run_options, engine_switches, server_command
 from services.common.platform import Platform, SGLangLaunchPlan, SGLangPlatformConfig, sglang_launch_plan
 from services.rollout.sglang.config import default_python
 from tests.conftest import require
@@ -203,7 +203,9 @@ for argv in json.load(sys.stdin):
     ns = vars(parser.parse_args(argv))
     out.append({k: ns[k] for k in ("model_path", "host", "port", "tp_size", "dtype", "attention_backend",
                                    "lora_backend", "max_lora_rank", "lora_target_modules", "mem_fraction_static",
-                                   "chunked_prefill_size", "max_total_tokens", "enable_lora", "weight_version")})
+                                   "chunked_prefill_size", "max_total_tokens", "enable_lora", "weight_version",
+                                   "ep_size", "moe_runner_backend", "moe_a2a_backend",
+                                   "enable_return_routed_experts")})
 print(json.dumps(out))
 """
 
@@ -222,12 +224,22 @@ def test_sglangs_argparse_reads_each_command_line_as_the_config_says():
                              port=30001, weight_version="7", parent_pid=1,
                              run_options=engine_run_options(SGLangEngineConfig(tp_size=2)))
         argvs.append(cmd[4:])  # after python -c BOOTSTRAP <pid>: what sglang.launch_server parses
+    # An MoE policy's options (tests/rollout/sglang/test_sglang_moe.py): SGLang's own flags, the switch included.
+    moe = SGLangEngineConfig(tp_size=4, ep_size=2, moe_runner_backend="triton", moe_a2a_backend="deepep",
+                             return_routed_experts=True)
+    argvs.append(server_command("/py", sglang_launch_plan(Platform.CUDA, FULL, {}), model_path=model,
+                                host="127.0.0.1", port=30001, weight_version="7", parent_pid=1,
+                                run_options=engine_run_options(moe), switches=engine_switches(moe))[4:])
     proc = subprocess.run([default_python(), "-c", PARSE], input=json.dumps(argvs), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     common = {"model_path": model, "host": "127.0.0.1", "port": 30001, "tp_size": 2, "weight_version": "7",
               "chunked_prefill_size": -1}
+    moe_keys = ("ep_size", "moe_runner_backend", "moe_a2a_backend", "enable_return_routed_experts")
+    assert {k: got[-1][k] for k in moe_keys} == {"ep_size": 2, "moe_runner_backend": "triton",
+                                                 "moe_a2a_backend": "deepep", "enable_return_routed_experts": True}
+    got = [{k: v for k, v in g.items() if k not in moe_keys} for g in got[:-1]]
     cuda, rocm, cpu, cuda_all = got
     assert cuda == {**common, "dtype": "bfloat16", "attention_backend": "flashinfer", "lora_backend": "triton",
                     "max_lora_rank": 16, "lora_target_modules": ["q_proj", "v_proj"], "mem_fraction_static": 0.4,

@@ -1,6 +1,7 @@
 """SGLang serving mixture-of-experts policies: the MoE options on the server's command line, and each token's
-routed experts (routing replay) asked for, read back and checked. No server: the command lines go through
-SGLang's own argument parser and the request body through its own request type, in its virtualenv.
+routed experts (routing replay) asked for, read back and checked. No server. SGLang's own argument parser
+reads these flags in test_sglang_command_line.py, and its request type takes the body asking for routed
+experts in test_sglang_requests.py (one SGLang import each, for all the command lines and bodies).
 
 A server run: SGLang's CPU build serves the tiny Qwen3-MoE (recipes/tiny_moe.py), but its routed-experts
 capture buffer is registered CUDA host memory, so a CPU server cannot start with
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import subprocess
 
 import numpy as np
 import pytest
@@ -20,10 +20,8 @@ from contract.engine_options import SGLangEngineConfig
 from contract.sglang_command import engine_run_options, engine_switches, server_command
 from services.common.platform import Platform, SGLangPlatformConfig, sglang_launch_plan
 from services.rollout.sglang.client import MoeShape, SGLangRequestError, generate_body, parse_generate_response
-from services.rollout.sglang.config import default_python
 from services.rollout.sglang.engine import moe_shape
 from services.rollout.types import GenerationRequest, PromptSpec, ResumedSample, SamplingConfig
-from tests.rollout.sglang.test_sglang_command_line import _sglang_site
 
 MOE = SGLangEngineConfig(tp_size=4, ep_size=2, moe_runner_backend="triton", moe_a2a_backend="deepep",
                          return_routed_experts=True)
@@ -121,31 +119,3 @@ def test_return_routed_experts_needs_a_model_whose_every_layer_routes():
     with pytest.raises(ValueError, match=r"engine_config\.return_routed_experts: .*dense layers"):
         moe_shape({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4,
                    "mlp_only_layers": [1]})
-
-
-PARSE = """
-import argparse, json, sys
-from sglang.srt.managers.io_struct import GenerateReqInput
-from sglang.srt.server_args import ServerArgs
-parser = argparse.ArgumentParser()
-ServerArgs.add_cli_args(parser)
-ns = vars(parser.parse_args(json.loads(sys.stdin.readline())))
-body = json.loads(sys.stdin.readline())
-req = GenerateReqInput(**body)
-print(json.dumps({"args": {k: ns[k] for k in ("tp_size", "ep_size", "moe_runner_backend", "moe_a2a_backend",
-                                                "enable_return_routed_experts")},
-                  "return_routed_experts": req.return_routed_experts}))
-"""
-
-
-def test_sglang_reads_the_moe_flags_and_the_routed_experts_request_as_meant():
-    """SGLang 0.5.23's own parser and request type: the flags land on its MoE settings, and the body's
-    return_routed_experts is a field it knows (an unknown one would be a TypeError)."""
-    _sglang_site()
-    argv = _command(MOE)[4:]  # after python -c BOOTSTRAP <pid>: what sglang.launch_server parses
-    stdin = json.dumps(argv) + "\n" + json.dumps(generate_body(REQ, routed_experts=True)) + "\n"
-    proc = subprocess.run([default_python(), "-c", PARSE], input=stdin, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == {"args": {"tp_size": 4, "ep_size": 2, "moe_runner_backend": "triton", "moe_a2a_backend": "deepep",
-                            "enable_return_routed_experts": True}, "return_routed_experts": True}
