@@ -21,7 +21,6 @@ rank writes its results to a file the test compares with the one-process run.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -168,7 +167,7 @@ def _logits(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
     from kernels.attention.hf import packed_forward_kwargs
 
     model.set_attn_implementation(register_hf_attention())
-    ids = torch.cat(seqs) if seqs else torch.zeros(0, dtype=torch.int64)
+    ids = torch.cat(seqs)
     positions = torch.cat([torch.arange(len(s)) for s in seqs])
     cu = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()], dtype=torch.int32)
     with torch.no_grad(), REGISTRY.forced("batch_invariant"):
@@ -178,11 +177,9 @@ def _logits(model, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)  # see test_logprob_distributed.py: forked children must not open thread teams
-    started = time.perf_counter()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    joined = time.perf_counter()
     try:
-        results = {"join_s": joined - started}
+        results = {}
         owned = expert_slice(E, world, rank)
         for dtype in (torch.float32, torch.bfloat16):
             gate_up, down = _weights(dtype)
@@ -200,12 +197,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                         (out.float() * upstream[take]).sum().backward()
                         entry["grads"] = [t.grad for t in leaves]
                     results[(str(dtype), uneven, deal)] = entry
-        compute_done = time.perf_counter()
         model = _tiny_moe()
-        shard_model_experts(model, impl="reference")
+        results["replaced"] = shard_model_experts(model, impl="reference")
+        sharded = model.model.layers[0].mlp.experts
+        results["owned"] = ((sharded.owned.start, sharded.owned.stop), tuple(sharded.gate_up_proj.shape),
+                            tuple(sharded.down_proj.shape))
         results["model"] = _logits(model, _tiny_moe_sequences(rank))
-        results["compute_s"] = compute_done - joined
-        results["model_s"] = time.perf_counter() - compute_done
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -215,12 +212,11 @@ def _largest(t: torch.Tensor) -> float:
     return float(t.max()) if t.numel() else 0.0
 
 
-def _run_group(world: int, tmp_path) -> float:
+def _run_group(world: int, tmp_path) -> None:
     if dist.is_initialized():
         # A Trainer earlier in this process formed a world-of-one group. Leave it here, before the fork:
         # a child cannot shut down a group whose threads it did not inherit (it waits for them forever).
         dist.destroy_process_group()
-    started = time.perf_counter()
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), str(tmp_path))) for r in range(world)]
     for p in procs:
@@ -232,7 +228,6 @@ def _run_group(world: int, tmp_path) -> float:
         p.kill()
         p.join()
     assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return time.perf_counter() - started
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -281,6 +276,10 @@ def test_expert_parallel_group_matches_one_process(world, tmp_path):
             if uneven:
                 unreached = [e - owned.start for e in range(owned.start, owned.stop) if e not in (0, 1, 5)]
                 assert not d_down[unreached].any() and not d_gate_up[unreached].any(), where
+    local = E // world
+    for rank in range(world):
+        assert got[rank]["replaced"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+        assert got[rank]["owned"] == ((rank * local, (rank + 1) * local), (local, 2 * 32, 64), (local, 64, 32))
     model_logits = [logits for r in range(world) for logits in got[r]["model"]]
     assert len(model_logits) == len(want_model)
     for i, (g, w) in enumerate(zip(model_logits, want_model)):
