@@ -139,6 +139,7 @@ SLOW_TESTS = {
     "tests/kernels/test_logprob_check_targets.py": "compiles every kernel for MI300 and Hopper",
     "tests/kernels/logprob/test_logprob_distributed.py": "a gloo group of forked processes",
     "tests/kernels/logprob/test_logprob_linear_distributed.py": "gloo groups of forked processes",
+    "tests/kernels/moe/test_expert_parallel.py::test_expert_parallel_group_matches_one_process": "gloo groups",
     "tests/kernels/test_logprob_native_source.py": "compiles the native kernel with g++",
     "tests/trainer/distributed/test_data_parallel.py": "trainer ranks as processes",
     "tests/trainer/distributed/test_lora_data_parallel.py": "trainer ranks as processes",

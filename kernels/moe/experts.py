@@ -33,6 +33,24 @@ def sort_by_expert(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor,
     return order, counts
 
 
+def expert_mlp(rows: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, counts: torch.Tensor,
+               act: Callable[[torch.Tensor], torch.Tensor], *, impl: GroupedImpl = "auto") -> torch.Tensor:
+    """Each row (sorted by expert, counts[e] rows of expert e) through its expert's SwiGLU MLP: [M, H]."""
+    gate_up = grouped_linear(rows, gate_up_proj, counts, impl=impl)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return grouped_linear(rowwise(act, gate) * up, down_proj, counts, impl=impl)
+
+
+def combine_in_rank_order(out: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in `dtype`: out [T, k, H] (each token's expert outputs in top-k rank order) weighted by
+    weights [T, k] and summed rank 0 first, in float32, cast once."""
+    w = weights.to(dtype).float()
+    acc = out[:, 0].float() * w[:, :1]
+    for rank in range(1, out.shape[1]):
+        acc = acc + out[:, rank].float() * w[:, rank:rank + 1]
+    return acc.to(dtype)
+
+
 def experts_forward(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
                     down_proj: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], *,
                     impl: GroupedImpl = "auto") -> torch.Tensor:
@@ -41,12 +59,6 @@ def experts_forward(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
     n_experts = gate_up_proj.shape[0]
     order, counts = sort_by_expert(experts, n_experts)
     rows = hidden[order // k]  # [T*k, H], sorted by expert
-    gate_up = grouped_linear(rows, gate_up_proj, counts, impl=impl)
-    gate, up = gate_up.chunk(2, dim=-1)
-    out_sorted = grouped_linear(rowwise(act, gate) * up, down_proj, counts, impl=impl)
+    out_sorted = expert_mlp(rows, gate_up_proj, down_proj, counts, act, impl=impl)
     out = out_sorted[torch.argsort(order)].reshape(tokens, k, -1)  # back to (token, rank) order: a gather
-    w = weights.to(hidden.dtype).float()
-    acc = out[:, 0].float() * w[:, :1]
-    for rank in range(1, k):
-        acc = acc + out[:, rank].float() * w[:, rank:rank + 1]
-    return acc.to(hidden.dtype)
+    return combine_in_rank_order(out, weights, hidden.dtype)
