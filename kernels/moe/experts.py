@@ -60,5 +60,6 @@ def experts_forward(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.
     order, counts = sort_by_expert(experts, n_experts)
     rows = hidden[order // k]  # [T*k, H], sorted by expert
     out_sorted = expert_mlp(rows, gate_up_proj, down_proj, counts, act, impl=impl)
-    out = out_sorted[torch.argsort(order)].reshape(tokens, k, -1)  # back to (token, rank) order: a gather
+    # Back to (token, rank) order: a gather. The width is explicit: with no tokens, -1 is ambiguous.
+    out = out_sorted[torch.argsort(order)].reshape(tokens, k, down_proj.shape[1])
     return combine_in_rank_order(out, weights, hidden.dtype)

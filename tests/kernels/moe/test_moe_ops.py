@@ -155,6 +155,13 @@ def test_experts_output_of_a_token_is_the_same_alone_batched_and_reversed(dtype)
         assert_bitwise(got, full[rows], f"tokens {rows[:4]}")
 
 
+def test_a_call_with_no_tokens_returns_an_empty_output():
+    # A data-parallel rank or a prefill chunk can hold no tokens for a layer's experts.
+    h, e, w, gate_up, down = _experts_inputs(torch.float32)
+    got = experts_forward(h[:0], e[:0], w[:0], gate_up, down, torch.nn.functional.silu)
+    assert got.shape == (0, h.shape[1]) and got.dtype == h.dtype
+
+
 def test_experts_forward_is_hugging_faces_expert_math():
     h, e, w, gate_up, down = _experts_inputs(torch.float32)
     want = torch.zeros_like(h)
