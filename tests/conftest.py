@@ -36,11 +36,21 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# `make test` runs the unit tests in pytest-xdist workers: each draws its ports from its own part of the
-# range (services.common.process.ports), so two workers never hand out the same one.
+# `make test` and `make test-quick` run the unit tests in pytest-xdist workers: each draws its ports from its own
+# part of the range (services.common.process.ports), so two workers never hand out the same one. Worker gwK takes
+# the K-th slice of LOCKSTEP_WORKER_PORT_SLICES where that is set (tests/run_suite.sh: the other processes of
+# `make test` hold the other slices), else slice K of as many as there are workers.
+WORKER_SLICES_ENV = "LOCKSTEP_WORKER_PORT_SLICES"
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST_WORKER.startswith("gw") and "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("LOCKSTEP_PORT_SLICE", f"{int(_XDIST_WORKER[2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
+    _index, _count = int(_XDIST_WORKER[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    if _slices := [s for s in os.environ.get(WORKER_SLICES_ENV, "").split(",") if s]:
+        if len(_slices) != _count:
+            raise RuntimeError(f"{WORKER_SLICES_ENV}={os.environ[WORKER_SLICES_ENV]!r} names {len(_slices)} port "
+                               f"slices for {_count} pytest-xdist workers")
+        os.environ["LOCKSTEP_PORT_SLICE"] = _slices[_index]
+    else:
+        os.environ.setdefault("LOCKSTEP_PORT_SLICE", f"{_index}/{_count}")
 
 
 def require_all() -> bool:
