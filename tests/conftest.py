@@ -184,11 +184,11 @@ SERIAL_TESTS = {
         "once per worker",
 }
 
-# The learning bars and the other long training runs on the demo's warm start: `make test` runs them in a
-# process of their own beside the stack process (tests/run_suite.sh). Each keeps about one core busy
-# for a minute or more (the rollout and the trainer take turns), while the rest of the stack tests mostly wait on
-# processes that start and stop; run one after the other they left the second core idle for most of the
-# suite. The session's `warm_model` is built in that process only: every test that uses it is listed.
+# The learning bars, the other long training runs on the demo's warm start, and the Ray cluster's trainer ranks:
+# `make test` runs them in a process of their own beside the stack process (tests/run_suite.sh). Each keeps
+# about one core busy for a minute or more (the rollout and the trainer take turns), while the rest of the stack
+# tests mostly wait on processes that start and stop; run one after the other they left the second core idle for
+# most of the suite. The session's `warm_model` is built in that process only: every test that uses it is listed.
 # Entries as in STACK_TESTS.
 LEARNING_TESTS = {
     "tests/integration/runs/test_tiny_distill_run.py": "trains a teacher, then distils for 240 steps",
@@ -200,6 +200,7 @@ LEARNING_TESTS = {
     "tests/integration/runs/test_loss_options_run.py": "uses the warm start",
     "tests/integration/tracking/test_prompt_dataset_runs.py": "uses the warm start",
     "tests/integration/tracking/test_tracking_stack.py": "uses the warm start",
+    "tests/integration/runs/test_ray_stack.py": "FSDP ranks trained through a two-node Ray cluster of its own",
 }
 
 # Tests that run programs in the bubblewrap sandbox. Every sandbox runs as one unprivileged uid, whose process
