@@ -36,8 +36,8 @@ demo-code: venv
 # and the `slow` ones (process groups, compilers); tests/conftest.py marks both. They are independent and
 # CPU-bound, so they run in two pytest-xdist workers (each worker takes ports from its own part of the range).
 QUICK_TESTS := -m "not gpu and not docker and not stack and not slow" -n 2
-# The whole suite (CI runs this): the stack and `serial` tests in one pytest process and every other test in a
-# second one beside it, each with its slowest tests (tests/run_suite.sh says why).
+# The whole suite (CI runs this): the stack and `serial` tests, the learning runs and sandbox tests, and every
+# other test in three pytest processes at once, each with its slowest tests (tests/run_suite.sh says why).
 test: venv sglang-venv
 	PY=$(PY) bash tests/run_suite.sh
 

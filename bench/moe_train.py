@@ -258,8 +258,8 @@ def train_run(shape: dict, layers: int, numerics: str, args, device: str, gemm_t
         "step_seconds": [round(t, 4) for t in step_times], "steady_step_seconds": round(seconds, 4),
         "tokens_per_second": round(tokens / seconds, 1),
         "model_tflop_per_second": round(flops / seconds / 1e12, 3),
-        "mfu": round(flops / seconds / 1e12 / gemm_tflops, 4),
-        "mfu_head_on_every_token": round(flops_all / seconds / 1e12 / gemm_tflops, 4),
+        "mfu": float(f"{flops / seconds / 1e12 / gemm_tflops:.4g}"),
+        "mfu_head_on_every_token": float(f"{flops_all / seconds / 1e12 / gemm_tflops:.4g}"),
         "fp32_state_gb": round(state_bytes / 1e9, 2),
         "step1_iw_min_max": [metrics[0].get("iw_min"), metrics[0].get("iw_max")],
         "step1_logprob_abs_diff_max": metrics[0].get("logprob_abs_diff_max"),
@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     out = {"device": torch.cuda.get_device_name() if device == "cuda" else f"cpu ({platform.processor()})",
            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-           "small": args.small, "shape": shape, "dense_gemm_tflops": round(gemm, 3), "copy_gbps": round(hbm, 1),
+           "small": args.small, "shape": shape,
+           # Significant digits, not decimals: a loaded CPU's rate can round to 0.000 TFLOPS.
+           "dense_gemm_tflops": float(f"{gemm:.4g}"), "copy_gbps": float(f"{hbm:.4g}"),
            "grouped_gemm": grouped_gemm_probe(shape, args.probe_tokens, device, dtype, impls, gemm, hbm, args.seed),
            "train": []}
     print(json.dumps({"grouped_gemm": out["grouped_gemm"]}), flush=True)

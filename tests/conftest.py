@@ -9,8 +9,9 @@ Tests that start a stack (a service process, Redis, SGLang, Prometheus or Ray) c
 marker. It is given here, from where a test lives and which fixtures it uses (STACK_DIRS,
 STACK_FIXTURES, STACK_TESTS), and checked while the tests run: a test without it that starts one of
 those processes fails, naming what it started. Unit tests that cost more than a few CPU-seconds are
-marked `slow` here (SLOW_TESTS). `make test-quick` deselects both; `make test` runs everything, the
-`stack` tests and those marked `serial` here (SERIAL_TESTS) in one process after the rest.
+marked `slow` here (SLOW_TESTS). `make test-quick` deselects both. `make test` runs everything in three
+processes at once (tests/run_suite.sh): the `stack` tests and those marked `serial` here (SERIAL_TESTS);
+the learning runs (`learning`, LEARNING_TESTS) and the sandbox tests (`sandbox`, SANDBOX_TESTS); the rest.
 """
 from __future__ import annotations
 
@@ -35,11 +36,21 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# `make test` runs the unit tests in pytest-xdist workers: each draws its ports from its own part of the
-# range (services.common.process.ports), so two workers never hand out the same one.
+# `make test` and `make test-quick` run the unit tests in pytest-xdist workers: each draws its ports from its own
+# part of the range (services.common.process.ports), so two workers never hand out the same one. Worker gwK takes
+# the K-th slice of LOCKSTEP_WORKER_PORT_SLICES where that is set (tests/run_suite.sh: the other processes of
+# `make test` hold the other slices), else slice K of as many as there are workers.
+WORKER_SLICES_ENV = "LOCKSTEP_WORKER_PORT_SLICES"
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST_WORKER.startswith("gw") and "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("LOCKSTEP_PORT_SLICE", f"{int(_XDIST_WORKER[2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}")
+    _index, _count = int(_XDIST_WORKER[2:]), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    if _slices := [s for s in os.environ.get(WORKER_SLICES_ENV, "").split(",") if s]:
+        if len(_slices) != _count:
+            raise RuntimeError(f"{WORKER_SLICES_ENV}={os.environ[WORKER_SLICES_ENV]!r} names {len(_slices)} port "
+                               f"slices for {_count} pytest-xdist workers")
+        os.environ["LOCKSTEP_PORT_SLICE"] = _slices[_index]
+    else:
+        os.environ.setdefault("LOCKSTEP_PORT_SLICE", f"{_index}/{_count}")
 
 
 def require_all() -> bool:
@@ -167,19 +178,42 @@ SLOW_TESTS = {
     "test_the_finite_check_finds_a_bad_value_wherever_chunks_cut_the_tensor": "one stream per cut",
 }
 
-# Tests that must run in `make test`'s one-process part (with the stack tests), never in a parallel worker.
-# Entries as in STACK_TESTS.
-_SANDBOX_SHARES_ONE_UID = (
-    "every sandbox runs as one unprivileged uid, whose process count (RLIMIT_NPROC) all concurrent sandboxes "
-    "share: these run in the stack process, never beside tests/integration/runs/test_tiny_code_learning.py's pool")
+# Tests that must run in `make test`'s stack process, never in a parallel worker. Entries as in STACK_TESTS.
 SERIAL_TESTS = {
     "tests/kernels/test_logprob_check_targets.py":
         "tests/kernels/conftest.py starts its compile in the background as soon as it is collected: once, not "
         "once per worker",
-    "tests/common/sandbox/test_hostile_programs.py": _SANDBOX_SHARES_ONE_UID,
-    "tests/common/sandbox/test_sandbox_refuses.py": _SANDBOX_SHARES_ONE_UID,
-    "tests/coordinator/tasks/test_code_task.py": _SANDBOX_SHARES_ONE_UID,
-    "tests/recipes/test_tiny_code.py": _SANDBOX_SHARES_ONE_UID,
+}
+
+# The learning bars, the other long training runs on the demo's warm start, and the Ray cluster's trainer ranks:
+# `make test` runs them in a process of their own beside the stack process (tests/run_suite.sh). Each keeps
+# about one core busy for a minute or more (the rollout and the trainer take turns), while the rest of the stack
+# tests mostly wait on processes that start and stop; run one after the other they left the second core idle for
+# most of the suite. The session's `warm_model` is built in that process only: every test that uses it is listed.
+# Entries as in STACK_TESTS.
+LEARNING_TESTS = {
+    "tests/integration/runs/test_tiny_distill_run.py": "trains a teacher, then distils for 240 steps",
+    "tests/integration/runs/test_tiny_code_learning.py": "a warm start, then GRPO steps of 128 sandboxed programs",
+    "tests/integration/runs/test_lora_run.py": "100 LoRA GRPO steps on the warm start",
+    "tests/integration/runs/test_sft_recipe_run.py": "the warm start's steps again, as an SFT run",
+    "tests/integration/runs/test_dynamic_sampling_run.py": "uses the warm start",
+    "tests/integration/runs/test_eval_stack.py": "uses the warm start",
+    "tests/integration/runs/test_loss_options_run.py": "uses the warm start",
+    "tests/integration/tracking/test_prompt_dataset_runs.py": "uses the warm start",
+    "tests/integration/tracking/test_tracking_stack.py": "uses the warm start",
+    "tests/integration/runs/test_ray_stack.py": "FSDP ranks trained through a two-node Ray cluster of its own",
+}
+
+# Tests that run programs in the bubblewrap sandbox. Every sandbox runs as one unprivileged uid, whose process
+# count (RLIMIT_NPROC) all concurrent sandboxes share, so `make test` runs them all in one process, the
+# learning process (with tests/integration/runs/test_tiny_code_learning.py's pool), one after the other.
+# Entries as in STACK_TESTS.
+SANDBOX_TESTS = {
+    "tests/common/sandbox/test_hostile_programs.py": "fork and memory bombs in the sandbox",
+    "tests/common/sandbox/test_sandbox_refuses.py": "starts sandboxes",
+    "tests/coordinator/tasks/test_code_task.py": "runs the code task's programs",
+    "tests/recipes/test_tiny_code.py": "runs the code demo's programs",
+    "tests/integration/runs/test_tiny_code_learning.py": "a pool of sandboxes per step",
 }
 
 # `python -m <module>` of these is a service process.
@@ -218,7 +252,8 @@ def _stack_reason(item: pytest.Item) -> str | None:
 
 def _stale_entries() -> list[str]:
     """Entries of the tables above that name no file, test or fixture (renamed or removed since)."""
-    entries = [(k.partition("::")[0], k.partition("::")[2]) for k in (*STACK_TESTS, *SLOW_TESTS)]
+    entries = [(k.partition("::")[0], k.partition("::")[2])
+               for k in (*STACK_TESTS, *SLOW_TESTS, *SERIAL_TESTS, *LEARNING_TESTS, *SANDBOX_TESTS)]
     stale = []
     for path, name in [*entries, *STACK_FIXTURES]:
         source = REPO_ROOT / path
@@ -240,6 +275,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if _listed(item, SERIAL_TESTS) is not None:
             item.add_marker(pytest.mark.serial)
+        if _listed(item, LEARNING_TESTS) is not None:
+            item.add_marker(pytest.mark.learning)
+        if _listed(item, SANDBOX_TESTS) is not None:
+            item.add_marker(pytest.mark.sandbox)
 
 
 def stack_process(argv) -> str | None:

@@ -94,10 +94,12 @@ def test_service_dies_with_a_killed_owner(tmp_path):
 
 @pytest.mark.parametrize("grace_s, expected", [(5.0, -signal.SIGTERM), (0.3, -signal.SIGKILL)])
 def test_stop_terminates_then_kills(tmp_path, grace_s, expected):
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)" \
-        if expected == -signal.SIGKILL else "import time; time.sleep(60)"
+    ignore = "signal.signal(signal.SIGTERM, signal.SIG_IGN); " if expected == -signal.SIGKILL else ""
+    code = f"import signal, time; {ignore}print('ready', flush=True); time.sleep(60)"
     sup = _supervisor(tmp_path, code, max_restarts=3)
     sup.start()
-    time.sleep(0.3)  # let the child install its handler
+    # The child says when its handler is in place (a fixed sleep was too short on a loaded host: SIGTERM came
+    # first and ended it with -15).
+    _wait(lambda: "ready" in (tmp_path / "svc.log").read_text())
     assert sup.stop(grace_s=grace_s) == expected
     assert sup.status().restarts == 0

@@ -142,9 +142,15 @@ class TrainerSession:
             await self.check_cancelled()
 
 
+# The longest wait between two health checks of a lost trainer. A check is one Health RPC; at 5 s a trainer back
+# in service sat idle for up to 10-15 s more (this wait and the channel's own reconnect backoff, clients.py, out
+# of phase), longer than a restarted trainer takes to start.
+RECOVERY_POLL_MAX_S = 1.0
+
+
 class TrainerRecovery:
     """One wait for a lost trainer, within trainer_recovery_timeout_s of its loss: the trainer is asked
-    for its health until it answers, with waits from 0.5 s doubling up to 5 s. The run loop then
+    for its health until it answers, with waits from 0.5 s doubling up to RECOVERY_POLL_MAX_S. The run loop then
     configures the services itself (the trainer from the run's last checkpoint, the fleet at its
     version), and calls retry() when that finds the trainer gone again."""
 
@@ -168,7 +174,7 @@ class TrainerRecovery:
             raise RunFailed(f"step {self.step}: trainer did not come back within {self.timeout_s:.0f} s "
                             f"({exc})") from None
         await asyncio.sleep(self.delay)
-        self.delay = min(2 * self.delay, 5.0)
+        self.delay = min(2 * self.delay, RECOVERY_POLL_MAX_S)
 
     async def recovered(self, version: int) -> None:
         """The services are configured again, the trainer at `version`: the event says where it resumed from."""

@@ -1,7 +1,10 @@
 """The code demo's learning bar through the real stack: from execution alone, held-out accuracy rises by at
 least 0.2 (the demo's measured run: 0.047 -> 0.69 at step 5, 215 s for the whole demo on 2 shared cores,
-recipes/tiny_code/README.md; no time is asserted here). The recipe's first 10 steps (evals at 5 and 10), to
-keep the suite's time: the committed 15 only add steps after the bar.
+recipes/tiny_code/README.md; no time is asserted here). The recipe's first 5 steps (one eval, at step 5), to
+keep the suite's time: the committed 15 only add steps after the bar. At 5 steps the bar holds with margin on
+every seed measured (`python -m recipes.tiny_code.demo --seed S --steps 5`, 2026-12-07): held-out accuracy
+0.047 -> 0.69 (seed 0, the one tested here), 0.0 -> 0.55 (seed 1), 0.0 -> 0.48 (seed 2); sandbox passes in
+the step's 128 samples 17 -> 77, 16 -> 58, 22 -> 69.
 
 Also checks, end to end, that each step's sandbox outcomes reach the step records over REST.
 """
@@ -35,7 +38,7 @@ def test_the_code_demo_learns_from_execution(one_replica_stack, tmp_path_factory
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert prep.returncode == 0, prep.stderr[-3000:]
     info = json.loads(prep.stdout.strip().splitlines()[-1])
-    spec = spec_for(RECIPE, {"steps": 10}, out, info["problems_path"])
+    spec = spec_for(RECIPE, {"steps": 5}, out, info["problems_path"])
     path, summary = run_on(one_replica_stack, spec, prep=info, cached=False, console=Console(quiet=True), t0=t0,
                            load_before=load_before)
     assert summary["status"] == "completed" and summary["steps"] == spec["steps"]
