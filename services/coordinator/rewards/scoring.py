@@ -85,6 +85,7 @@ class RewardScoring:
             clients = [by_address[a] for a in section.replicas] if section.replicas else list(scorers)
             self.groups[source] = ScorerGroup(run_id, source, section, clients, spec.timeout_s)
         self.cache = ScoreCache(spec.cache_entries)
+        self._soon: dict[tuple[int, str], asyncio.Task] = {}  # (step, item id) -> its sources' parts, in flight
 
     async def start(self) -> list[dict[str, str]]:
         """Load every source's model on its replicas; their identities (for the fingerprint and records)."""
@@ -93,12 +94,32 @@ class RewardScoring:
     def identity(self) -> list[dict[str, str]]:
         return [group.identity for group in self.groups.values()]
 
+    def score_soon(self, step: int, items: Sequence[ScoreInput]) -> None:
+        """Start scoring `items` now (a replica's samples arrived while others still generate); score() of the
+        same step then awaits these calls instead of making its own."""
+        if items:
+            task = asyncio.ensure_future(self._score_items(step, items))
+            for item in items:
+                self._soon[(step, item.item_id)] = task
+
+    async def _score_items(self, step: int, items: Sequence[ScoreInput]) -> dict[str, dict[str, dict]]:
+        """{item id: {source: part}} over every model source."""
+        per_source = await asyncio.gather(*(self._score_source(g, items, step) for g in self.groups.values()))
+        return {item.item_id: {source: parts[item.item_id] for source, parts in zip(self.groups, per_source)}
+                for item in items}
+
     async def score(self, step: int, items: Sequence[ScoreInput],
                     rule_rewards: Sequence[float] | None) -> list[SampleReward]:
         """Every item's reward (or its drop), in order. RunFailed if the dropped fraction passes the bound."""
         for group in self.groups.values():
             await group.readmit()
-        per_source = await asyncio.gather(*(self._score_source(g, items, step) for g in self.groups.values()))
+        started = {self._soon.pop((step, item.item_id)) for item in items if (step, item.item_id) in self._soon}
+        done: dict[str, dict[str, dict]] = {}
+        for task in started:
+            done.update(await task)  # a failure of one (RunFailed) is raised here, as score()'s own would be
+        rest = [item for item in items if item.item_id not in done]
+        if rest:
+            done.update(await self._score_items(step, rest))
         weights = self.spec.sources()
         out = []
         for k, item in enumerate(items):
@@ -107,8 +128,7 @@ class RewardScoring:
             if "rule" in weights:
                 sample.parts["rule"] = {"score": float(rule_rewards[k])}
                 total += weights["rule"] * float(rule_rewards[k])
-            for source, parts in zip(self.groups, per_source):
-                part = parts[item.item_id]
+            for source, part in done[item.item_id].items():
                 sample.parts[source] = part
                 if "dropped" in part:
                     sample.dropped = sample.dropped or part["dropped"]

@@ -177,8 +177,11 @@ class StepContext:
     async def rollout(self, problems: list[Problem], *, step: int, policy_version: int,
                       first_index: int = 0) -> tuple[list[tuple[int, pb.Sample]], int]:
         """The step's training samples as (index in `problems`, sample) in problem order, and the dropped count."""
+        # A model reward starts scoring each replica's samples as they arrive, while the others still generate.
+        on_shard = None if self.rewards is None or isinstance(self.task, EpisodicTask) else (
+            lambda samples: self.rewards.score_soon(step, self._score_inputs(problems, samples)))
         return await self.fleet.generate(problems, self.training_plan(step), self.tokens.encode, step=step,
-                                         policy_version=policy_version, first_index=first_index)
+                                         policy_version=policy_version, first_index=first_index, on_shard=on_shard)
 
     async def score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
                     step: int, policy_version: int) -> list[pb.Trajectory]:
@@ -227,13 +230,15 @@ class StepContext:
                              ) -> tuple[list[tuple[int, pb.Sample]], list[float]]:
         """The scorer models' rewards (rewards/scoring.py): the samples they scored and their rewards; the
         others are dropped here, counted in the step's metrics, and their calls written to the reward ledger."""
-        items = [ScoreInput(s.sample_id, problems[i].prompt, self.tokens.response_text(s), problems[i].answer)
-                 for i, s in samples]
-        scored = await self.rewards.score(step, items, rule_rewards)
+        scored = await self.rewards.score(step, self._score_inputs(problems, samples), rule_rewards)
         await asyncio.to_thread(write_ledger, self.run_dir, step, self.rewards.identity(), scored)
         self._add_task_counts(step, reward_counts(scored))
         kept = [k for k, sample in enumerate(scored) if sample.reward is not None]
         return [samples[k] for k in kept], [scored[k].reward for k in kept]
+
+    def _score_inputs(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]]) -> list[ScoreInput]:
+        return [ScoreInput(s.sample_id, problems[i].prompt, self.tokens.response_text(s), problems[i].answer)
+                for i, s in samples]
 
     def _add_task_counts(self, step: int, counts: dict[str, float | list[str]]) -> None:
         """The task's numbers of one scoring call into the step's (dynamic sampling scores several rounds):
