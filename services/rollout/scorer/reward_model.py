@@ -38,10 +38,14 @@ class RewardModelEngine(Engine):
         return cls(RewardModelEngineConfig.from_json(text))
 
     def load(self, model_path: str, policy_version: int) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         device = require_device(self.config.device)
         path = check_model_dir(model_path)
+        labels = AutoConfig.from_pretrained(str(path)).num_labels  # before the weights: a head of another size
+        if labels != 1:  # would otherwise fail in the loader, naming nothing
+            raise ValueError(f"model_path: {model_path!r} has {labels} labels; a reward model has one scalar head "
+                             "(num_labels 1)")
         check_weight_files(path)
         try:
             model = AutoModelForSequenceClassification.from_pretrained(str(path), dtype=resolve_dtype(self.config.dtype))
@@ -50,9 +54,6 @@ class RewardModelEngine(Engine):
             if culprit is None:
                 raise
             raise culprit from exc
-        if model.config.num_labels != 1:
-            raise ValueError(f"model_path: {model_path!r} has {model.config.num_labels} labels; a reward model "
-                             "has one scalar head (num_labels 1)")
         if self.config.max_batch_size > 1 and model.config.pad_token_id is None:
             raise ValueError(f"model_path: {model_path!r} has no pad_token_id in its config, which batched "
                              "scoring needs to find each item's last token (or set engine_config.max_batch_size 1)")
