@@ -54,13 +54,29 @@ def build_models(out: Path, seed: int) -> tuple[Path, Path, dict]:
     return policy, reward_model, facts
 
 
-def run_recipe(stack: LocalStack, spec: dict, timeout_s: float = 3600) -> dict:
-    """Submit `spec`, wait for it, and report accuracy, seconds and reward-model/rule agreement."""
+def run_recipe(stack: LocalStack, spec: dict, timeout_s: float = 3600, stop_at_gain: float | None = None) -> dict:
+    """Submit `spec`, wait for it, and report accuracy, seconds and reward-model/rule agreement. With
+    `stop_at_gain`, the run is cancelled at the first evaluation whose held-out accuracy is that far above the
+    initial one (what a learning test needs to know, sooner)."""
     client = stack.client()
+    stopped: dict = {}
+
+    def watch(run: dict) -> None:
+        if stop_at_gain is None or stopped or run["status"] != "running" or run["step"] == watch.step:
+            return
+        watch.step = run["step"]
+        initial = (client.run(run["id"]).get("eval_initial") or {}).get("accuracy")
+        evals = [(s["step"], s["metrics"]["eval_accuracy"]) for s in client.metrics(run["id"])["steps"]
+                 if "eval_accuracy" in s["metrics"]]
+        reached = [(step, acc) for step, acc in evals if initial is not None and acc - initial >= stop_at_gain]
+        if reached:
+            stopped.update(step=reached[0][0])
+            client.cancel(run["id"])
+    watch.step = -1
     try:
         run = client.submit(spec)
         began = time.monotonic()
-        done = client.wait(run["id"], poll_s=0.5, timeout_s=timeout_s)
+        done = client.wait(run["id"], poll_s=0.5, timeout_s=timeout_s, on_update=watch)
         seconds = time.monotonic() - began
         detail = client.run(run["id"])
         steps = client.metrics(run["id"])["steps"]
@@ -72,7 +88,8 @@ def run_recipe(stack: LocalStack, spec: dict, timeout_s: float = 3600) -> dict:
     evals = [s["metrics"]["eval_accuracy"] for s in steps if "eval_accuracy" in s["metrics"]]
     return {"run_id": run["id"], "status": done["status"], "error": detail.get("error"), "steps": len(steps),
             "initial_accuracy": (detail.get("eval_initial") or {}).get("accuracy"),
-            "final_accuracy": evals[-1] if evals else None, "run_seconds": round(seconds, 1),
+            "final_accuracy": evals[-1] if evals else None, "best_accuracy": max(evals, default=None),
+            "stopped_at_step": stopped.get("step"), "run_seconds": round(seconds, 1),
             "reward_model_rule_agreement_first_step": round(first[0], 4),
             "reward_model_rule_agreement_last_step": round(last[0], 4), "samples_per_step": last[1]}
 
