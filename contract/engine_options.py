@@ -320,9 +320,28 @@ class SGLangEngineConfig(BaseModel):
         return parse_engine_config(cls, text)
 
 
+class RewardModelEngineConfig(BaseModel):
+    """Options of the reward-model engine a scorer replica runs (docs/rewards.md): a Hugging Face
+    AutoModelForSequenceClassification with one scalar head, scoring (prompt, response) through its chat template."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and activations dtype (bfloat16 on GPUs; scores are read in float32).")
+    device: str = Field("cpu", min_length=1, description="torch device the model runs on ('cpu', 'cuda', 'cuda:1').")
+    max_batch_size: int = Field(
+        32, ge=1, le=65536, description="Most (prompt, response) pairs scored in one forward; a Score call with "
+        "more runs several, in order.")
+
+    @classmethod
+    def from_json(cls, text: str) -> "RewardModelEngineConfig":
+        return parse_engine_config(cls, text)
+
+
 ENGINE_OPTIONS: dict[str, type[BaseModel]] = {
     "torch": TorchEngineConfig,
     "sglang": SGLangEngineConfig,
+    "reward_model": RewardModelEngineConfig,
 }
 """Each rollout engine's options model, by engine name (the rollout service's engine registry has the same names)."""
 

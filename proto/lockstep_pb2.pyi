@@ -517,6 +517,54 @@ class CloseWeightHandoverResponse(_message.Message):
     unreleased: int
     def __init__(self, unreleased: _Optional[int] = ...) -> None: ...
 
+class ScoreItem(_message.Message):
+    __slots__ = ("item_id", "prompt", "response", "reference")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    prompt: str
+    response: str
+    reference: str
+    def __init__(self, item_id: _Optional[str] = ..., prompt: _Optional[str] = ..., response: _Optional[str] = ..., reference: _Optional[str] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("run_id", "items", "judge_template", "max_new_tokens", "call_id")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    JUDGE_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    items: _containers.RepeatedCompositeFieldContainer[ScoreItem]
+    judge_template: str
+    max_new_tokens: int
+    call_id: str
+    def __init__(self, run_id: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ScoreItem, _Mapping]]] = ..., judge_template: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
+
+class ScoreResult(_message.Message):
+    __slots__ = ("item_id", "score", "verdict")
+    ITEM_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    item_id: str
+    score: float
+    verdict: str
+    def __init__(self, item_id: _Optional[str] = ..., score: _Optional[float] = ..., verdict: _Optional[str] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("results", "weights_sha256", "engine", "call_id")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ScoreResult]
+    weights_sha256: str
+    engine: str
+    call_id: str
+    def __init__(self, results: _Optional[_Iterable[_Union[ScoreResult, _Mapping]]] = ..., weights_sha256: _Optional[str] = ..., engine: _Optional[str] = ..., call_id: _Optional[str] = ...) -> None: ...
+
 class ConfigureRunRequest(_message.Message):
     __slots__ = ("run_id", "model_path", "seed", "trainer_config_json", "resume_checkpoint")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]

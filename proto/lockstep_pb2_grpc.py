@@ -74,6 +74,11 @@ class RolloutStub:
                 request_serializer=proto_dot_lockstep__pb2.MapWeightsRequest.SerializeToString,
                 response_deserializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/lockstep.v1.Rollout/Score',
+                request_serializer=proto_dot_lockstep__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=proto_dot_lockstep__pb2.ScoreResponse.FromString,
+                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/lockstep.v1.Rollout/Health',
                 request_serializer=proto_dot_lockstep__pb2.HealthRequest.SerializeToString,
@@ -148,6 +153,13 @@ class RolloutServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Role "scorer" only (FAILED_PRECONDITION on a policy replica): score each item with the loaded model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Health(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -202,6 +214,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     servicer.MapWeights,
                     request_deserializer=proto_dot_lockstep__pb2.MapWeightsRequest.FromString,
                     response_serializer=proto_dot_lockstep__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=proto_dot_lockstep__pb2.ScoreRequest.FromString,
+                    response_serializer=proto_dot_lockstep__pb2.ScoreResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -430,6 +447,33 @@ class Rollout:
             '/lockstep.v1.Rollout/MapWeights',
             proto_dot_lockstep__pb2.MapWeightsRequest.SerializeToString,
             proto_dot_lockstep__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lockstep.v1.Rollout/Score',
+            proto_dot_lockstep__pb2.ScoreRequest.SerializeToString,
+            proto_dot_lockstep__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

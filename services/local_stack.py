@@ -103,6 +103,9 @@ class LocalStack:
     """The requirepass of the Redis at redis_url (handed to the coordinator in a 0600 file)."""
     path_roots: Sequence[str | Path] = ()
     """Directories besides run_dir that models and datasets may come from (the services' *_roots)."""
+    scorers: Sequence[Sequence[str]] = ()
+    """Scorer replicas (rollout services of role scorer, docs/rewards.md), each as the `python -m` module and
+    its leading arguments (("services.rollout",) for the real one); the coordinator's scorer_addresses."""
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir).resolve()
@@ -139,14 +142,24 @@ class LocalStack:
             "--weight-sources", f"127.0.0.1:{self.trainer_port}",
             "--broadcast-sources", f"127.0.0.1:{self.broadcast_port}",
         ], env, logs / f"rollout{i}.log") for i, port in enumerate(self.rollout_ports)]
+        self.scorer_ports = [free_port() for _ in self.scorers]
+        self.scorer_replicas = [ServiceProcess(f"scorer{i}", [
+            self.python, "-m", *module, "--grpc-port", str(port), "--metrics-port", "0", "--num-threads", threads,
+            "--model-roots", roots, "--role", "scorer",
+        ], env, logs / f"scorer{i}.log") for i, (module, port) in enumerate(zip(self.scorers, self.scorer_ports))]
+        scorer_args = (["--scorer-addresses", ",".join(self.scorer_addresses)] if self.scorers else [])
         self.coordinator = ServiceProcess("coordinator", [
             self.python, "-m", "services.coordinator", "--port", str(self.api_port),
             "--data-dir", str(self.run_dir / "coordinator"),
             "--trainer-address", f"127.0.0.1:{self.trainer_port}",
             "--rollout-addresses", ",".join(f"127.0.0.1:{p}" for p in self.rollout_ports),
-            *redis_args,
+            *redis_args, *scorer_args,
             "--model-roots", roots, "--data-roots", roots,
         ], env, logs / "coordinator.log")
+
+    @property
+    def scorer_addresses(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.scorer_ports]
 
     @property
     def api_url(self) -> str:
@@ -158,7 +171,7 @@ class LocalStack:
 
     @property
     def processes(self) -> list[ServiceProcess]:
-        return [self.trainer, *self.rollouts, self.coordinator]
+        return [self.trainer, *self.rollouts, *self.scorer_replicas, self.coordinator]
 
     def start(self, timeout_s: float = 120.0) -> "LocalStack":
         try:
@@ -195,7 +208,7 @@ class LocalStack:
         """The coordinator first, so that it sees none of the services it drives go away; then those
         services all at once: each takes seconds to wind down, and none waits for another."""
         self.coordinator.stop()
-        workers = [*reversed(self.rollouts), self.trainer]
+        workers = [*reversed(self.scorer_replicas), *reversed(self.rollouts), self.trainer]
         for p in workers:
             p.terminate()
         for p in workers:

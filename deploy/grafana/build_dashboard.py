@@ -329,6 +329,32 @@ def build_panels() -> list[dict]:
         [(f'{m("lockstep_rollout_replicas_live")}{{{RUN}}}', "{{run_id}} live"),
          (f'{m("lockstep_rollout_replicas_configured")}{{{RUN}}}', "{{run_id}} configured")],
         decimals=0, unstacked_refs=("B",)))
+
+    L.row("Rewards from models (reward model, judge: docs/rewards.md)")
+    L.add(timeseries(
+        "Reward failures by reason",
+        "Score attempts per second that gave no reward, by source and reason (unparsable, non_finite, "
+        "out_of_range, malformed, timeout, scorer_unavailable, scorer_error), and samples dropped unscored after "
+        "reward.max_attempts. LockstepRewardFailureRateHigh fires above a fifth of attempts.",
+        [(f'sum by (run_id, source, reason) (rate({m("lockstep_reward_failures_total")}{{{RUN}}}[{rate}]))',
+          "{{run_id}} {{source}} {{reason}}"),
+         (f'sum by (run_id, reason) (rate({m("lockstep_reward_dropped_total")}{{{RUN}}}[{rate}]))',
+          "{{run_id}} dropped {{reason}}")]))
+    L.add(timeseries(
+        "Scorer latency and batch size",
+        "Median Score call latency per source (seconds) and mean items per call; the queue is the samples "
+        "waiting for a scorer's answer.",
+        [(f'histogram_quantile(0.5, sum by (run_id, source, le) (rate({m("lockstep_reward_scorer_seconds")}_bucket'
+          f'{{{RUN}}}[{rate}])))', "{{run_id}} {{source}} p50 s"),
+         (f'sum by (run_id, source) (rate({m("lockstep_reward_batch_size")}_sum{{{RUN}}}[{rate}])) / sum by '
+          f'(run_id, source) (rate({m("lockstep_reward_batch_size")}_count{{{RUN}}}[{rate}]))',
+          "{{run_id}} {{source}} items/call"),
+         (f'{m("lockstep_reward_queue_depth")}{{{RUN}}}', "{{run_id}} queued")]))
+    L.add(timeseries(
+        "Verdict distribution",
+        "Accepted scores per second by bucket upper bound (the judge's or reward model's verdicts); a "
+        "distribution collapsing onto one bucket leaves GRPO without signal.",
+        [(f'sum by (le) (rate({m("lockstep_reward_scores")}_bucket{{{RUN}}}[{rate}]))', "<= {{le}}")]))
     return L.panels
 
 

@@ -150,8 +150,11 @@ def load_recipe(path: str | Path, overrides: dict | None = None) -> dict:
     if not isinstance(spec, dict):
         raise ValueError(f"{path}: a recipe must be a YAML mapping (a run spec)")
     apply_overrides(spec, overrides or {})
-    # The model, and a distillation run's teacher and an SFT run's dataset, as the model path resolves.
-    for section, key in ((spec, "model_path"), (spec.get("teacher"), "model_path"), (spec.get("sft"), "path")):
+    # The model, a distillation run's teacher, an SFT run's dataset and the reward's scorer models, as the model
+    # path resolves.
+    reward = spec.get("reward") if isinstance(spec.get("reward"), dict) else {}
+    for section, key in ((spec, "model_path"), (spec.get("teacher"), "model_path"), (spec.get("sft"), "path"),
+                         (reward.get("reward_model"), "model_path"), (reward.get("judge"), "model_path")):
         value = section.get(key) if isinstance(section, dict) else None
         if isinstance(value, str) and not Path(value).is_absolute() and (path.parent / value).exists():
             section[key] = str((path.parent / value).resolve())

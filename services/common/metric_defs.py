@@ -152,6 +152,22 @@ COORDINATOR_METRICS: tuple[MetricDef, ...] = (
     MetricDef("lockstep_tracking_failures_total", "counter",
               "Calls to an experiment tracker (the run spec's tracking.backends) that failed, timed out or were "
               "dropped; the run goes on without them.", ("run_id", "tracker")),
+    MetricDef("lockstep_reward_failures_total", "counter",
+              "Score attempts of a sample that gave no reward, by scorer source and reason (unparsable, non_finite, "
+              "out_of_range, malformed, timeout, scorer_unavailable, scorer_error); each is retried up to "
+              "reward.max_attempts.", ("run_id", "source", "reason")),
+    MetricDef("lockstep_reward_dropped_total", "counter",
+              "Samples dropped from their step unscored after reward.max_attempts, by their last failure reason.",
+              ("run_id", "reason")),
+    MetricDef("lockstep_reward_scored_total", "counter", "Samples given a score by a scorer model, by source "
+              "and whether the score came from the cache.", ("run_id", "source", "cached")),
+    MetricDef("lockstep_reward_scorer_seconds", "histogram", "Latency of one Score call to a scorer replica.",
+              ("run_id", "source"), buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)),
+    MetricDef("lockstep_reward_batch_size", "histogram", "Items per Score call.", ("run_id", "source"),
+              buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)),
+    MetricDef("lockstep_reward_queue_depth", "gauge", "Samples waiting for a scorer's answer.", ("run_id",)),
+    MetricDef("lockstep_reward_scores", "histogram", "Accepted scores (the verdict distribution), by source.",
+              ("run_id", "source"), buckets=(-10, -5, -2, -1, -0.5, 0, 0.5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100)),
     MetricDef("lockstep_eval_avg_at_k", "gauge",
               "avg@k of the last evaluation on an eval set: the mean reward of k samples per problem (eval.k at "
               "eval.temperature), averaged over the set's problems. set 'heldout' is the task's held-out split.",
@@ -178,6 +194,8 @@ ROLLOUT_METRICS: tuple[MetricDef, ...] = (
               "kept, by why it was gone (outcome evicted: pool pressure; weights: they changed; released: the pool "
               "was freed; not_a_prefix: the context does not extend it).",
               ("service", "outcome")),
+    MetricDef("lockstep_scorer_items_total", "counter", "Items a scorer replica (role scorer) scored.", ("service",)),
+    MetricDef("lockstep_scorer_seconds", "histogram", "Score call latency on a scorer replica.", ("service",)),
 )
 
 TRAINER_METRICS: tuple[MetricDef, ...] = (

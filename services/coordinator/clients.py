@@ -43,6 +43,10 @@ class RolloutClient:
     async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
         return await self._stub.Generate(request, timeout=self._timeout)
 
+    async def score(self, request: pb.ScoreRequest, timeout_s: float) -> pb.ScoreResponse:
+        """A scorer replica's Score (role scorer), under the run's reward.timeout_s rather than rpc_timeout_s."""
+        return await self._stub.Score(request, timeout=timeout_s)
+
     async def pause_generation(self, run_id: str) -> bool:
         """Ask the replica's in-flight Generate to return at its next token boundary; whether one was in flight."""
         return (await self._stub.PauseGeneration(pb.PauseGenerationRequest(run_id=run_id),

@@ -52,6 +52,11 @@ class CoordinatorConfig(AuthSetting):
         default_factory=lambda: ["127.0.0.1:50051"],
         description="Comma-separated host:port of every rollout replica.",
     )
+    scorer_addresses: list[str] = Field(
+        default_factory=list,
+        description="Comma-separated host:port of the scorer replicas (rollout services started with role "
+        "'scorer': reward models and judges, docs/rewards.md). A run spec's reward section may name only these. "
+        "Empty: runs can only use the task's rule reward.")
     trainer_address: str = Field("127.0.0.1:50052", description="host:port of the trainer service.")
     trainer_weights_address: str = Field(
         "", description="host:port at which rollout replicas reach the trainer to pull weights (SyncWeights; each "
@@ -102,11 +107,19 @@ class CoordinatorConfig(AuthSetting):
         "failure counted); also how long a run's end waits for its trackers to flush.")
     log_level: str = Field("info", description="Log level.")
 
-    @field_validator("rollout_addresses", mode="before")
+    @field_validator("rollout_addresses", "scorer_addresses", mode="before")
     @classmethod
     def _split(cls, v: object) -> object:
         if isinstance(v, str):
             return [a.strip() for a in v.split(",") if a.strip()]
+        return v
+
+    @field_validator("scorer_addresses")
+    @classmethod
+    def _not_a_rollout(cls, v: list[str], info) -> list[str]:
+        shared = sorted(set(v) & set(info.data.get("rollout_addresses") or ()))
+        if shared:
+            raise ValueError(f"{shared} listed as rollout replicas too; a replica has one role")
         return v
 
     @field_validator("rollout_addresses")

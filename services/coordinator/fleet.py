@@ -284,7 +284,8 @@ class RolloutFleet:
     # ----------------------------------------------------------- generate --
     async def generate(self, problems: list[Problem], plan: SamplingPlan, encode: Encode, *, step: int,
                        policy_version: int, first_index: int = 0, indices: Sequence[int] | None = None,
-                       resumed: Sequence[pb.Sample] = (), only: Collection[str] = ()
+                       resumed: Sequence[pb.Sample] = (), only: Collection[str] = (),
+                       on_shard: Callable[[list[tuple[int, pb.Sample]]], None] | None = None
                        ) -> tuple[list[tuple[int, pb.Sample]], int]:
         """Samples as (index in `problems`, sample) in problem order; returns also the dropped count.
 
@@ -292,7 +293,8 @@ class RolloutFleet:
         it), so further rounds of one step never reuse a group id or a seed; `indices` numbers them one
         by one instead. `resumed`: paused samples of these problems, continued from their tokens. `only`:
         non-empty, the sample ids to generate (every resumed one among them), not every sample of each
-        problem; the dropped count then counts the samples asked for."""
+        problem; the dropped count then counts the samples asked for. `on_shard`: called with each shard's
+        samples (as returned) as soon as its replica answers, while the other shards are still generating."""
         await self.await_live(step, policy_version)
         indices = list(range(first_index, first_index + len(problems))) if indices is None else list(indices)
         n = len(self.pool.live())
@@ -309,10 +311,14 @@ class RolloutFleet:
                   for i in range(0, len(problems), size)]
         exporter = self.events.exporter
         exporter.queue_depth(self.run_id, len(problems))
-        results = await asyncio.gather(*(
-            self._generate_shard(shard, k, plan, encode, step=step, policy_version=policy_version)
-            for k, shard in enumerate(shards)
-        ))
+        async def generate_shard(shard: Shard, k: int) -> pb.GenerateResponse | None:
+            res = await self._generate_shard(shard, k, plan, encode, step=step, policy_version=policy_version)
+            if res is not None and on_shard is not None:
+                gids = {group_id(step, i): position for i, position in zip(shard.indices, shard.positions)}
+                on_shard([(gids[s.group_id], s) for s in res.samples])
+            return res
+
+        results = await asyncio.gather(*(generate_shard(shard, k) for k, shard in enumerate(shards)))
         exporter.queue_depth(self.run_id, 0)
         out: list[tuple[int, pb.Sample]] = []
         dropped = 0

@@ -29,6 +29,7 @@ from services.common.bounded_json import MAX_JSON_DEPTH, check_depth, loads_boun
 from services.common.float32_fields import Float32
 from services.common.models.directory import check_model_dir
 from services.common.path_roots import OutsideRoots, resolve_inside
+from services.coordinator.rewards.spec import RewardSpec, confine_reward, reward_refusal
 from services.coordinator.sft.dataset import SftSpec, read_sft_dataset
 from services.coordinator.spec_sections import (
     MAX_EVAL_PROBLEMS,
@@ -182,6 +183,9 @@ class RunSpec(StrictModel):
         "the student samples; each token's advantage is teacher.kl_weight times the (discounted) teacher - student "
         "log-prob plus teacher.reward_weight times the task's advantage. Its tokenizer must be the student's. "
         "null = plain RL on the task's reward.")
+    reward: RewardSpec = Field(default_factory=RewardSpec, description="Where training rewards come from: the "
+                               "task's rule, a reward model, a judge, or a weighted combination (docs/rewards.md); "
+                               "held-out evaluation always uses the task's rule.")
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoint cadence.")
     debug: DebugSpec = Field(default_factory=DebugSpec, description="Debugging aids.")
     # Samples kept per step and experiment trackers (services/coordinator/tracking/, docs/tracking.md).
@@ -377,6 +381,12 @@ class RunSpec(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _reward_can_score(self) -> "RunSpec":
+        if refusal := reward_refusal(self):
+            raise field_error(*refusal)
+        return self
+
+    @model_validator(mode="after")
     def _teacher_reaches_the_trainer(self) -> "RunSpec":
         # The trainer scores with it: the top-level `teacher` decides, trainer.teacher may only repeat it.
         own = self.trainer.teacher
@@ -466,13 +476,14 @@ def _inside(value: object, roots: Sequence[str], field: str) -> object:
         raise ValueError(str(exc).removeprefix(f"{field}: ")) from None
 
 
-def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> type[RunSpec]:
+def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str],
+                      scorer_addresses: Sequence[str] = ()) -> type[RunSpec]:
     """RunSpec as the REST API accepts it: every path resolved inside the coordinator's roots.
 
     The roots are checked before anything opens or even tests the path (the base class's checks run
     after these), so a path outside them answers the same whether or not it exists. Same schema and
     name as RunSpec: only the checks differ."""
-    model_roots, data_roots = tuple(model_roots), tuple(data_roots)
+    model_roots, data_roots, scorers = tuple(model_roots), tuple(data_roots), tuple(scorer_addresses)
 
     class ConfinedTaskSpec(TaskSpec):
         @model_validator(mode="before")
@@ -515,6 +526,11 @@ def confined_run_spec(model_roots: Sequence[str], data_roots: Sequence[str]) -> 
         @classmethod
         def _model_inside_roots(cls, v: object) -> object:
             return _inside(v, model_roots, "model_path")
+
+        @field_validator("reward", mode="before")
+        @classmethod
+        def _scorers_inside_the_fleet(cls, v: object) -> object:
+            return confine_reward(v, model_roots, scorers)
 
         @field_validator("teacher", mode="before")
         @classmethod

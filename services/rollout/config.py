@@ -49,6 +49,12 @@ class RolloutServiceConfig(AuthSetting):
         description="Engine used when a LoadModel request does not name one in engine_config_json "
         "(see services.rollout.registry.ENGINES).",
     )
+    role: Literal["policy", "scorer"] = Field(
+        "policy",
+        description="'policy': generates the run's rollouts (Generate) and follows the trainer's weights. 'scorer': "
+        "serves a reward model (engine reward_model) or a generative judge (engine torch) through Score "
+        "(docs/rewards.md); it refuses Generate and every weight update, and a policy replica refuses Score.",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level of the JSON logs.")
     num_threads: int = Field(
         1,

@@ -21,6 +21,7 @@ from services.rollout.engine import Engine
 ENGINES: dict[str, str] = {
     "torch": "services.rollout.embedded.torch_engine:TorchEngine",
     "sglang": "services.rollout.sglang.engine:SGLangEngine",
+    "reward_model": "services.rollout.scorer.reward_model:RewardModelEngine",
 }
 
 

@@ -82,6 +82,7 @@ from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import DeviceUnavailable, Engine, EngineUnavailable
 from services.rollout.episodes.requests import episode_request_from_proto, episodes_to_proto
 from services.rollout.registry import build_engine
+from services.rollout.scorer.role import ScorerRole
 from services.rollout.weights.broadcast_receiver import (
     BroadcastReceiveFailed,
     checked_plan,
@@ -141,6 +142,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         self._staging: StagingArena | None = None
         self._prefetch = WeightPrefetch(self._staging_arena)  # LoadWeights' prefetched directory
         self._ipc = IpcReceiver(digest_on=config.weight_ipc_digest)  # MapWeights' hashing, kept between handovers
+        self._scorer: ScorerRole | None = None  # role scorer: the loaded model's Score side
 
     async def _in_worker(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -149,6 +151,12 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         if self.engine is None:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "no model loaded (call LoadModel first)")
         return self.engine
+
+    def _require_role(self, role: str, what: str) -> None:
+        """A scorer replica scores and never follows the trainer; a policy replica never scores."""
+        if self.config.role != role:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"role: {what} needs a replica of role {role!r}; this one is {self.config.role!r}")
 
     def _check_run(self, run_id: str, what: str) -> None:
         if run_id != self.run_id:
@@ -162,6 +170,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @rpc_handler(ERRORS, "Generate", counter="lockstep_rollout_requests_total")
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         started = time.perf_counter()
+        self._require_role("policy", "Generate")
         async with self._lock:
             engine = self._loaded()
             self._check_run(request.run_id, "Generate")
@@ -210,6 +219,10 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @rpc_handler(ERRORS, "LoadModel")
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.LoadModelResponse:
         name, options = split_engine_config(request.engine_config_json, self.config.engine)
+        scorer_engine = name in ("reward_model", "torch") if self.config.role == "scorer" else name != "reward_model"
+        if not scorer_engine:
+            raise ValueError(f"engine_config_json.engine: {name!r} cannot be loaded by a replica of role "
+                             f"{self.config.role!r}")
         model_path = str(resolve_inside(request.model_path, self.config.model_roots, "model_path"))
         async with self._lock:
             old = self.engine
@@ -236,6 +249,8 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                 if old is not None:
                     await self._in_worker(old.close)
             self.engine_name, self.run_id = name, request.run_id
+            if self.config.role == "scorer":  # its weights' digest and a judge's tokenizer, read once per load
+                self._scorer = await self._in_worker(ScorerRole, engine, name)
         await self._prefetch.release()  # a directory of the run before is not wanted any more
         with contextlib.suppress(ValueError):  # an engine whose model is in another process maps nothing here
             await asyncio.to_thread(self._ipc.warm, engine.broadcast_device())
@@ -248,6 +263,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     async def UpdateWeights(
         self, request_iterator: AsyncIterator[pb.WeightChunk], context: grpc.aio.ServicerContext
     ) -> pb.UpdateWeightsResponse:
+        self._require_role("policy", "UpdateWeights")  # a scorer's weights are fixed for the run
         # Receive and verify the whole stream before taking the lock, so
         # generation continues during the transfer; WeightStreamError is a
         # ValueError -> INVALID_ARGUMENT and nothing is applied.
@@ -259,6 +275,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @rpc_handler(ERRORS, "SyncWeights", counter="lockstep_rollout_weight_updates_total")
     async def SyncWeights(self, request: pb.SyncWeightsRequest, context: grpc.aio.ServicerContext
                           ) -> pb.UpdateWeightsResponse:
+        self._require_role("policy", "SyncWeights")  # a scorer's weights are fixed for the run
         if request.trainer_address not in self.config.weight_sources:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
                              f"trainer_address: {request.trainer_address!r} is not one of this service's "
@@ -306,6 +323,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @rpc_handler(ERRORS, "LoadWeights", counter="lockstep_rollout_weight_updates_total")
     async def LoadWeights(self, request: pb.LoadWeightsRequest, context: grpc.aio.ServicerContext
                           ) -> pb.UpdateWeightsResponse:
+        self._require_role("policy", "LoadWeights")  # a scorer's weights are fixed for the run
         # Confined like LoadModel's model_path; read and verified off the lock (generation goes on), and a
         # directory whose version or digest disagrees (WeightFilesError, a ValueError) applies nothing.
         directory = resolve_inside(request.directory, self.config.model_roots, "directory")
@@ -337,6 +355,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @rpc_handler(ERRORS, "ReceiveWeights", counter="lockstep_rollout_weight_updates_total")
     async def ReceiveWeights(self, request: pb.ReceiveWeightsRequest, context: grpc.aio.ServicerContext
                              ) -> pb.UpdateWeightsResponse:
+        self._require_role("policy", "ReceiveWeights")  # a scorer's weights are fixed for the run
         plan = request.plan
         if plan.rendezvous not in self.config.broadcast_sources:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
@@ -364,6 +383,7 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @rpc_handler(ERRORS, "MapWeights", counter="lockstep_rollout_weight_updates_total")
     async def MapWeights(self, request: pb.MapWeightsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.UpdateWeightsResponse:
+        self._require_role("policy", "MapWeights")  # a scorer's weights are fixed for the run
         # The handles come from the trainer the replica itself calls (one of weight_sources), never from the caller.
         if request.trainer_address not in self.config.weight_sources:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
@@ -441,6 +461,20 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         log_event(log, "weights updated", via=what, policy_version=version, tensors=tensors, bytes=nbytes, lora=lora)
         return pb.UpdateWeightsResponse(policy_version=version, tensors=tensors, bytes=nbytes, total_sha256=digest)
 
+    @rpc_handler(ERRORS, "Score", counter="lockstep_rollout_requests_total")
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        started = time.perf_counter()
+        self._require_role("scorer", "Score")
+        async with self._lock:
+            self._loaded()
+            self._check_run(request.run_id, "Score")
+            response = await self._in_worker(self._scorer.score, request)
+        log_event(log, "scored", call_id=request.call_id[:128], items=len(response.results),
+                  seconds=round(time.perf_counter() - started, 4))
+        self.metrics["lockstep_scorer_items_total"].labels(SERVICE).inc(len(response.results))
+        self.metrics["lockstep_scorer_seconds"].labels(SERVICE).observe(time.perf_counter() - started)
+        return response
+
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext) -> pb.HealthResponse:
         # ok means "this process answers RPCs"; whether a model is loaded is in status.
         if self.engine is None:
@@ -455,6 +489,9 @@ class RolloutServicer(pb_grpc.RolloutServicer):
         details = {"engine": self.config.engine, "engine_loaded": "false"}
         if engine is not None:
             details = {**engine.info(), "engine": self.engine_name, "engine_loaded": "true"}
+            if self._scorer is not None:
+                details["weights_sha256"] = self._scorer.weights_sha256
+        details["role"] = self.config.role
         device = None
         with contextlib.suppress(ValueError):  # an engine whose model is in another process has no device here
             device = engine.broadcast_device() if engine is not None else None

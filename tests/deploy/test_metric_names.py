@@ -87,8 +87,10 @@ def test_labels_stay_low_cardinality():
     # Run id, service, phase, status and outcome have a handful of values each, and so do an eval's
     # set (at most 17 per run) and k (one per run), an MoE model's layer (fixed by the architecture, 48 for
     # Qwen3-30B-A3B); sample, group or token ids would create a series per sample. tracker is one of the three
-    # experiment trackers a run may name.
-    allowed = {"run_id", "service", "phase", "status", "outcome", "set", "k", "layer", "tracker"}
+    # experiment trackers a run may name. A reward's source is one of two scorer kinds, its reason one of seven
+    # (services/coordinator/rewards/verdicts.py FAILURE_REASONS), cached true or false.
+    allowed = {"run_id", "service", "phase", "status", "outcome", "set", "k", "layer", "tracker", "source", "reason",
+               "cached"}
     wide = {d.name: set(d.labels) - allowed for d in ALL_METRICS if set(d.labels) - allowed}
     assert not wide, f"labels outside the low-cardinality set: {wide}"
 

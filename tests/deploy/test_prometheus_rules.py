@@ -52,7 +52,7 @@ def test_every_alert_the_issue_asks_for_exists_and_is_unit_tested():
         "LockstepApproxKLSpike", "LockstepM2SecondMomentHigh", "LockstepRewardNaN", "LockstepRewardFlat", "LockstepServiceDown",
         "LockstepSGLangDown", "LockstepWeightSyncSlow", "LockstepRunStalled",
         "LockstepRolloutReplicaEvicted", "LockstepRolloutNoLiveReplica", "LockstepRecomputedStepDiffers",
-        "LockstepStalenessAboveBound", "LockstepMoeRoutingAgreementLow",
+        "LockstepStalenessAboveBound", "LockstepMoeRoutingAgreementLow", "LockstepRewardFailureRateHigh",
     }
     assert alerts == wanted
     tested = set()
@@ -88,6 +88,9 @@ MUTATIONS = {
     "recomputed-step alert fires on matched steps too": ('{outcome="differed"}[1h]', "[1h]"),
     "staleness alert only above the bound plus one": ("lockstep_step_staleness_max > lockstep_run_max_staleness",
                                                       "lockstep_step_staleness_max > lockstep_run_max_staleness + 1"),
+    "reward failure rate counts cached scores as attempts": ('rate(lockstep_reward_scored_total{cached="false"}[10m])',
+                                                             "rate(lockstep_reward_scored_total[10m])"),
+    "reward failure rate above a half": ("          > 0.2\n        for: 5m", "          > 0.5\n        for: 5m"),
     "no-live-replica alert fires with a replica left": ("lockstep_rollout_replicas_live == 0",
                                                         "lockstep_rollout_replicas_live <= 1"),
 }

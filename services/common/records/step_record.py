@@ -35,6 +35,8 @@ class StepRecordMeta:
     model_path: str
     seed: int
     trainer_config_json: str
+    reward_scorers_json: str = ""
+    """The scorer models that rewarded the step (model path, weights digest, template hash); "" for the rule."""
 
 
 def write_step_record(path: Path, meta: StepRecordMeta, chunks: Iterable[pb.TrainStepChunk]) -> Path:

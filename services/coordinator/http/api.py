@@ -146,7 +146,7 @@ def bearer_dependency(token: BearerToken):
 
 def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
     data_dir = Path(config.data_dir).resolve()
-    SubmittedRunSpec = confined_run_spec(config.model_roots, config.data_roots)
+    SubmittedRunSpec = confined_run_spec(config.model_roots, config.data_roots, config.scorer_addresses)
     password = redis_password(config)  # read before anything starts: a bad file fails the start
     tracking_targets = TrackingTargets(config.tracking_wandb_mode, config.tracking_mlflow_uri,
                                        config.tracking_tensorboard_dir)
@@ -165,6 +165,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
                          backoff_max_s=config.redis_retry_backoff_max_s, socket_timeout_s=config.redis_socket_timeout_s)
         exporter = CoordinatorExporter()
         rollouts = [RolloutClient(a, config.rpc_timeout_s, token) for a in config.rollout_addresses]
+        scorers = [RolloutClient(a, config.rpc_timeout_s, token) for a in config.scorer_addresses]
         trainer = TrainerClient(config.trainer_address, config.rpc_timeout_s, token,
                                 weights_address=config.trainer_weights_address)
 
@@ -176,7 +177,8 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
                              space_retry=SpaceRetry(config.checkpoint_retry_window_s,
                                                     config.checkpoint_retry_interval_s,
                                                     config.checkpoint_retry_interval_max_s),
-                             tracking_targets=tracking_targets, tracking_call_timeout_s=config.tracking_call_timeout_s)
+                             tracking_targets=tracking_targets, tracking_call_timeout_s=config.tracking_call_timeout_s,
+                             scorers=scorers)
 
         scheduler = RunScheduler(store, make_driver, data_dir, _coordinator_id(data_dir), exporter)
         app.state.store, app.state.exporter, app.state.scheduler = store, exporter, scheduler
@@ -186,7 +188,7 @@ def create_app(config: CoordinatorConfig, token: BearerToken) -> FastAPI:
             yield
         finally:
             await scheduler.stop()
-            for c in [*rollouts, trainer]:
+            for c in [*rollouts, *scorers, trainer]:
                 await c.close()
             await store.close()
             if redis_supervisor is not None:

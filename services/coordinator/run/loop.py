@@ -49,6 +49,7 @@ from services.common.records.fingerprint import run_fingerprint
 from services.coordinator.clients import RolloutClient, TrainerClient, TrainerUnavailable
 from services.coordinator.fleet import RolloutFleet
 from services.coordinator.replicas import NoLiveReplica
+from services.coordinator.rewards.scoring import RewardScoring
 from services.coordinator.run.errors import CancelCheck, RunCancelled, RunFailed, RunPaused
 from services.coordinator.run.evaluation import Evaluator, build_eval_sets
 from services.coordinator.run.fixed_lag_step import FixedLagStep
@@ -149,6 +150,7 @@ class RunDriver:
         space_retry: SpaceRetry = SpaceRetry(),
         tracking_targets: TrackingTargets = TrackingTargets(),
         tracking_call_timeout_s: float = 30.0,
+        scorers: Sequence[RolloutClient] = (),
     ) -> None:
         self.run_id, self.spec, self.store = run_id, spec, store
         self._check_cancelled = CancelCheck(store, run_id)
@@ -183,6 +185,8 @@ class RunDriver:
         evaluator = Evaluator(spec, task, eval_sets, eval_rollout(fleet, tokens), tokens.decode, tokens.stop_ids())
         self.context = StepContext(run_id, spec, store, run_dir, task, fleet, session, events, kept, tokens,
                                    evaluator)
+        if spec.reward.kind != "rule":
+            self.context.rewards = RewardScoring(run_id, spec.reward, scorers, exporter)
         self.context.samples, self.context.tracking = self._observers(run_dir, exporter, tokens, tracking_targets,
                                                                       tracking_call_timeout_s)
         self.steps = step_kind(self.context)
@@ -282,6 +286,8 @@ class RunDriver:
         except NoLiveReplica as exc:
             raise RunFailed(str(exc)) from None
         ctx.replicas_at = start
+        if ctx.rewards is not None:  # the scorer models loaded, and what they are, before any step uses them
+            await ctx.events.record("scorers_loaded", "scorer models loaded", scorers=await ctx.rewards.start())
         await ctx.events.record("services_configured", "services configured", policy_version=version,
                                 rollouts=[c.address for c in live])
         await self._record_fingerprint(live)
@@ -294,6 +300,8 @@ class RunDriver:
         replicas = [dict(a.details) for a in answers if not isinstance(a, BaseException)]
         fingerprint = run_fingerprint(self.spec.model_dump(mode="json", by_alias=True), self.context.trainer.details,
                                       replicas)
+        if self.context.rewards is not None:  # a compared run shows when its reward changed
+            fingerprint["reward_scorers"] = self.context.rewards.identity()
         if self.context.tokens.chat is not None:  # chat prompts: which template rendered them
             fingerprint["chat_template_sha256"] = self.context.tokens.chat.sha256
         await self.store.set_aux(self.run_id, "fingerprint", fingerprint)

@@ -24,6 +24,8 @@ from contract.wire_tensors import ids_to_proto
 from proto import lockstep_pb2 as pb
 from services.common.records.step_record import StepRecordMeta, write_step_record
 from services.coordinator.fleet import RolloutFleet
+from services.coordinator.rewards.scorers import ScoreInput
+from services.coordinator.rewards.scoring import RewardScoring, reward_counts, write_ledger
 from services.coordinator.run.dynamic_sampling import select_informative
 from services.coordinator.run.errors import RunFailed
 from services.coordinator.run.evaluation import EvalReport, EvalRollout, Evaluator
@@ -87,6 +89,14 @@ class PromptTokens:
         # ("1<pad>5" would read as a correct "15").
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
+    def response_text(self, sample: pb.Sample) -> str:
+        """What a scorer model reads as the response: decode()'s text without the stop token that ended it
+        (the scorer's own template marks where a response ends)."""
+        ids = from_proto(sample.response_token_ids, field="response_token_ids").tolist()
+        if sample.finish_reason == "stop" and ids and ids[-1] in self.stop_ids():
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def stop_ids(self) -> list[int]:
         eos = getattr(self.tokenizer, "eos_token_id", None)
         return [eos] if eos is not None else []
@@ -128,6 +138,8 @@ class StepContext:
     """Each step's samples as trained, kept for the samples API (the last spec.samples.keep_steps steps)."""
     tracking: RunTracking | None = None
     """The run's experiment trackers, fed off the step path (tracking/run_tracking.py)."""
+    rewards: RewardScoring | None = None
+    """The run's scorer models (reward.kind other than 'rule'); None: the task's rule alone rewards."""
 
     @property
     def max_staleness(self) -> int:
@@ -165,8 +177,11 @@ class StepContext:
     async def rollout(self, problems: list[Problem], *, step: int, policy_version: int,
                       first_index: int = 0) -> tuple[list[tuple[int, pb.Sample]], int]:
         """The step's training samples as (index in `problems`, sample) in problem order, and the dropped count."""
+        # A model reward starts scoring each replica's samples as they arrive, while the others still generate.
+        on_shard = None if self.rewards is None or isinstance(self.task, EpisodicTask) else (
+            lambda samples: self.rewards.score_soon(step, self._score_inputs(problems, samples)))
         return await self.fleet.generate(problems, self.training_plan(step), self.tokens.encode, step=step,
-                                         policy_version=policy_version, first_index=first_index)
+                                         policy_version=policy_version, first_index=first_index, on_shard=on_shard)
 
     async def score(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
                     step: int, policy_version: int) -> list[pb.Trajectory]:
@@ -177,9 +192,14 @@ class StepContext:
             samples = [(i, s) for i, s in samples if s.response_token_ids.shape and s.response_token_ids.shape[0]]
             rewards = [float(s.episode_reward) for _, s in samples]
         else:
-            rewards, task_counts = await self.task.score_with_metrics(
-                [(problems[i], self.tokens.decode(s)) for i, s in samples])
-            self._add_task_counts(step, task_counts)
+            texts = [self.tokens.decode(s) for _, s in samples]
+            rewards: list[float] | None = None
+            if self.rewards is None or "rule" in self.spec.reward.sources():
+                rewards, task_counts = await self.task.score_with_metrics(
+                    [(problems[i], text) for (i, _), text in zip(samples, texts)])
+                self._add_task_counts(step, task_counts)
+            if self.rewards is not None:
+                samples, rewards = await self._model_rewards(problems, samples, rewards, step)
         advantages = group_advantages(rewards, [s.group_id for _, s in samples],
                                       std_normalization=self.spec.trainer.advantage_std_normalization)
         out = []
@@ -204,6 +224,21 @@ class StepContext:
                 t.prompt_token_ids.CopyFrom(ids_to_proto(self.tokens.encode(problems[i])))
             out.append(t)
         return out
+
+    async def _model_rewards(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]],
+                             rule_rewards: list[float] | None, step: int
+                             ) -> tuple[list[tuple[int, pb.Sample]], list[float]]:
+        """The scorer models' rewards (rewards/scoring.py): the samples they scored and their rewards; the
+        others are dropped here, counted in the step's metrics, and their calls written to the reward ledger."""
+        scored = await self.rewards.score(step, self._score_inputs(problems, samples), rule_rewards)
+        await asyncio.to_thread(write_ledger, self.run_dir, step, self.rewards.identity(), scored)
+        self._add_task_counts(step, reward_counts(scored))
+        kept = [k for k, sample in enumerate(scored) if sample.reward is not None]
+        return [samples[k] for k in kept], [scored[k].reward for k in kept]
+
+    def _score_inputs(self, problems: list[Problem], samples: list[tuple[int, pb.Sample]]) -> list[ScoreInput]:
+        return [ScoreInput(s.sample_id, problems[i].prompt, self.tokens.response_text(s), problems[i].answer)
+                for i, s in samples]
 
     def _add_task_counts(self, step: int, counts: dict[str, float | list[str]]) -> None:
         """The task's numbers of one scoring call into the step's (dynamic sampling scores several rounds):
@@ -303,7 +338,8 @@ class StepContext:
         spec = self.spec
         meta = StepRecordMeta(run_id=self.run_id, step=header.step, policy_version=header.policy_version,
                               model_path=spec.model_path, seed=spec.seed,
-                              trainer_config_json=spec.trainer.model_dump_json())
+                              trainer_config_json=spec.trainer.model_dump_json(),
+                              reward_scorers_json=json.dumps(self.rewards.identity()) if self.rewards else "")
         chunks = [pb.TrainStepChunk(header=header), *(pb.TrainStepChunk(trajectory=t) for t in trajectories)]
         write_step_record(self.run_dir / "trajectories" / f"step_{header.step:06d}.pb", meta, chunks)
 

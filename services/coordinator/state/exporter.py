@@ -87,3 +87,21 @@ class CoordinatorExporter:
     def run_counts(self, counts: dict[str, int]) -> None:
         for status, n in counts.items():
             self._m["lockstep_runs"].labels(status).set(n)
+
+    # ------------------------------------------------------------- rewards (services/coordinator/rewards/) --
+    def reward_failure(self, run_id: str, source: str, reason: str) -> None:
+        self._m["lockstep_reward_failures_total"].labels(run_id, source, reason).inc()
+
+    def reward_dropped(self, run_id: str, reason: str) -> None:
+        self._m["lockstep_reward_dropped_total"].labels(run_id, reason).inc()
+
+    def reward_scored(self, run_id: str, source: str, score: float, *, cached: bool) -> None:
+        self._m["lockstep_reward_scored_total"].labels(run_id, source, "true" if cached else "false").inc()
+        self._m["lockstep_reward_scores"].labels(run_id, source).observe(score)
+
+    def reward_call(self, run_id: str, source: str, seconds: float, items: int) -> None:
+        self._m["lockstep_reward_scorer_seconds"].labels(run_id, source).observe(seconds)
+        self._m["lockstep_reward_batch_size"].labels(run_id, source).observe(items)
+
+    def reward_queue_depth(self, run_id: str, items: int) -> None:
+        self._m["lockstep_reward_queue_depth"].labels(run_id).set(items)
