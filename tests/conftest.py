@@ -202,6 +202,9 @@ LEARNING_TESTS = {
     "tests/integration/tracking/test_prompt_dataset_runs.py": "uses the warm start",
     "tests/integration/tracking/test_tracking_stack.py": "uses the warm start",
     "tests/integration/runs/test_ray_stack.py": "FSDP ranks trained through a two-node Ray cluster of its own",
+    "tests/integration/rewards/test_tiny_judge_learning.py": "a reward model trained on the warm start, then GRPO",
+    "tests/integration/rewards/test_reward_runs.py": "uses the warm start (on the reward stack)",
+    "tests/integration/rewards/test_hostile_scorers.py": "uses the warm start (on the reward stack)",
 }
 
 # Tests that run programs in the bubblewrap sandbox. Every sandbox runs as one unprivileged uid, whose process
