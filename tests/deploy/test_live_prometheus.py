@@ -55,6 +55,13 @@ MAY_BE_ABSENT = {
        for name in ("lockstep_step_moe_dropped_tokens", "lockstep_step_moe_expert_load_max",
                     "lockstep_step_moe_expert_load_mean", "lockstep_step_moe_router_entropy",
                     "lockstep_step_moe_routing_agreement")},
+    **{name: "labelled by run_id, first exported when a run's reward comes from a scorer model; this run's "
+       "reward is the task's rule (tests/integration/rewards/test_hostile_scorers.py reads the failure "
+       "counters from the coordinator's /metrics)"
+       for name in ("lockstep_reward_batch_size_count", "lockstep_reward_batch_size_sum",
+                    "lockstep_reward_dropped_total", "lockstep_reward_failures_total", "lockstep_reward_queue_depth",
+                    "lockstep_reward_scored_total", "lockstep_reward_scorer_seconds_bucket",
+                    "lockstep_reward_scores_bucket")},
 }
 MISMATCH_AND_SERVICE_ALERTS = (
     "LockstepIWMeanOutOfBand|LockstepIWMaxAboveBound|LockstepLogprobDiffAboveGate|LockstepApproxKLSpike"
