@@ -34,7 +34,9 @@ def gsm8k_like(tmp_path) -> Path:
     ("42", "\\boxed{42}<|im_end|><|endoftext|>", 1.0),     # special tokens kept by the decoder
 ])
 def test_reward_is_math_verify_equivalence(answer, response, expected):
-    assert math_reward(answer, response, timeout_s=5) == (expected, False)
+    # A generous timeout: what is checked is the verdict, and a symbolic check on a starved CI core (the
+    # unit tests run at nice 10 beside the stack) once took over 5 s. A verdict returns as soon as it is made.
+    assert math_reward(answer, response, timeout_s=60) == (expected, False)
 
 
 def test_reference_answer_takes_the_text_after_the_last_marker():
