@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from tests.support.forked_ranks import run_forked_ranks  # noqa: E402
 
 from kernels.logprob import LogprobContractError, token_logprobs, token_logprobs_with_entropy  # noqa: E402
 
@@ -84,21 +84,7 @@ def test_gloo_tp_matches_single_process_bitwise(world, tmp_path):
         single = {b: _run_one(logits, targets, mask, b, global_vocab_size=GVS) for b in BACKENDS}
     finally:
         torch.set_num_threads(threads)
-    if dist.is_initialized():
-        # A Trainer earlier in this process formed a world-of-one group. Leave it here, before the fork:
-        # a child cannot shut down a group whose threads it did not inherit (it waits for them forever).
-        dist.destroy_process_group()
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:  # a hung rank must not outlive the test (it would hold CPU for the rest of the session)
-        p.kill()
-        p.join()
-    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_forked_ranks(_worker, world, tmp_path)
     V_local = PADDED // world
     for rank in range(world):
         got = torch.load(tmp_path / f"rank{rank}.pt")

@@ -25,7 +25,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from kernels.moe import experts_forward, route
@@ -34,6 +33,7 @@ from kernels.moe.expert_parallel import (
     shard_model_experts,
 )
 from tests.kernels.batch_invariant.batch_invariant_support import assert_bitwise
+from tests.support.forked_ranks import run_forked_ranks
 from tests.support.rounding_bounds import gamma, unit_roundoff
 
 E, K_TOP, H, INTER = 8, 2, 16, 8
@@ -212,24 +212,6 @@ def _largest(t: torch.Tensor) -> float:
     return float(t.max()) if t.numel() else 0.0
 
 
-def _run_group(world: int, tmp_path) -> None:
-    if dist.is_initialized():
-        # A Trainer earlier in this process formed a world-of-one group. Leave it here, before the fork:
-        # a child cannot shut down a group whose threads it did not inherit (it waits for them forever).
-        dist.destroy_process_group()
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, world, str(tmp_path / "init"), str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:  # a hung rank must not outlive the test (it would hold CPU for the rest of the session)
-        p.kill()
-        p.join()
-    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_expert_parallel_group_matches_one_process(world, tmp_path):
     threads = torch.get_num_threads()
@@ -248,7 +230,7 @@ def test_expert_parallel_group_matches_one_process(world, tmp_path):
                                               _gradient_bounds(uneven, order))
     finally:
         torch.set_num_threads(threads)
-    _run_group(world, tmp_path)
+    run_forked_ranks(_worker, world, tmp_path)
     got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
 
     for (dtype, uneven), full in want.items():
