@@ -30,6 +30,8 @@ absolute numbers.
     python bench/async.py --shape qwen3-0.6b --device cuda --out bench/results/async_h200.json
     python bench/async.py --shape qwen3-0.6b --device cuda --modes fixed_lag --weight-sync grpc,shared_path \
         --out 'bench/results/async_h200_{weight_sync}.json'
+    python bench/async.py --shape qwen3-0.6b --device cuda --ks 0,1 --weight-sync ipc \
+        --out bench/results/async_h200_ipc.json
 """
 from __future__ import annotations
 
@@ -216,7 +218,7 @@ def main() -> None:
                         help="long tail: eos probability per step is this / vocab (mean length ~ vocab / this)")
     parser.add_argument("--microbatch-tokens", type=int, default=16384, help="long tail: the trainer's microbatch")
     parser.add_argument("--weight-sync", default="grpc",
-                        help="comma-separated rollout.weight_sync values (grpc, shared_path, broadcast), each measured "
+                        help="comma-separated rollout.weight_sync values (grpc, shared_path, broadcast, ipc), each measured "
                         "for every mode and K in one stack; with more than one, --out names {weight_sync}")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -240,8 +242,8 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     if 0 not in ks or min(ks) < 0:
         raise SystemExit(f"--ks: {args.ks!r}: non-negative staleness bounds, 0 among them (the baseline)")
-    if not set(syncs) <= {"grpc", "shared_path", "broadcast"}:
-        raise SystemExit(f"--weight-sync: {args.weight_sync!r}: each must be grpc, shared_path or broadcast")
+    if not set(syncs) <= {"grpc", "shared_path", "broadcast", "ipc"}:
+        raise SystemExit(f"--weight-sync: {args.weight_sync!r}: each must be grpc, shared_path, broadcast or ipc")
     if len(syncs) > 1 and args.out and "{weight_sync}" not in args.out:
         raise SystemExit("--out: with several --weight-sync values it must contain {weight_sync}")
     longtail = args.shape != "tiny_arith"
