@@ -197,6 +197,9 @@ def measure(client, model: Path, mode: str, k: int, steps: int, seed: int, args,
         "overlap_fraction": round(fraction("overlap"), 3), "weight_sync_fraction": round(fraction("weight_sync"), 3),
         "step_seconds": {key: round(statistics.mean(t.get(key, 0.0) for t in timed), 3)
                          for key in ("rollout", "train", "overlap", "weight_sync")},
+        # Every step's sync, step 1 included: the first sync of a run must cost no more than a later one.
+        "weight_sync_seconds_every_step": [round(s["timings"].get("weight_sync", 0.0), 3) for s in recorded],
+        "step1_iw_min_max": [steps_metrics[0].get("iw_min"), steps_metrics[0].get("iw_max")],
         "response_length_mean": round(statistics.mean(lengths), 1) if lengths else None,
         "response_length_mean_min_max": [round(min(lengths), 1), round(max(lengths), 1)] if lengths else None,
         "run_wall_s": round(wall, 2), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
