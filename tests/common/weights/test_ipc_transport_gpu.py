@@ -11,6 +11,7 @@ Run on a GPU machine: `python -m pytest -q -m gpu tests/common/weights/test_ipc_
 """
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing
 
@@ -50,7 +51,11 @@ def _map_on_gpu(raw: bytes, node: str, out) -> None:
         torch.cuda.synchronize()
         mapped.clear()  # unmapped: torch releases the share's counter
         hasher.close()
-        out.put((digest, {name: t.cpu() for name, t in copies.items()}))
+        # Plain bytes through the queue: a tensor would be shared by file descriptor, which the parent
+        # can only fetch while this process lives.
+        buffer = io.BytesIO()
+        torch.save({name: t.cpu() for name, t in copies.items()}, buffer)
+        out.put((digest, buffer.getvalue()))
     except Exception as exc:
         out.put(("error", repr(exc)))
 
@@ -85,6 +90,7 @@ def test_two_processes_on_one_gpu_hand_weights_over_in_place():
         digest, got = out.get(timeout=300)
         child.join(timeout=120)
         assert digest != "error", got
+        got = torch.load(io.BytesIO(got))
         assert digest == tensors_digest(cpu)[0]
         assert set(got) == {n for n, _ in cpu}
         assert all(got[n].dtype == t.dtype and torch.equal(got[n], t) for n, t in cpu)
