@@ -45,8 +45,8 @@ from bench.rollout_longtail import LONGTAIL_SHAPES, kv_bytes_per_token  # noqa: 
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("bi_attention_kernel", "bi_decode_split_kernel", "bi_decode_combine_kernel")),
-    ("matmul", ("bi_matmul_kernel", "grouped_matmul_kernel", "gate_up_kernel", "bi_matmul_combine_kernel",
-                "gate_up_combine_kernel")),
+    ("matmul_combine", ("bi_matmul_combine_kernel", "gate_up_combine_kernel")),  # split-K's second pass
+    ("matmul", ("bi_matmul_kernel", "grouped_matmul_kernel", "gate_up_kernel")),
     ("rms_norm", ("bi_rms_norm_kernel", "add_rms_norm_kernel", "head_rms_norm_kernel")),
     ("rope_kv_write", ("rope_store_kernel",)),
     ("kv_write", ("index_put", "indexing", "scatter")),
@@ -347,7 +347,8 @@ def main() -> None:
                         result["sweep_matmul"] = sweep_matmul((256, 64))
         by_mode[mode] = {path: {"replay_ms": r["replay_ms"],
                                 "forward_roofline_fraction": r["forward_roofline_fraction"],
-                                "matmul_us": r["graph"]["by_kind"].get("matmul", {}).get("us")}
+                                "matmul_us": r["graph"]["by_kind"].get("matmul", {}).get("us"),
+                                "matmul_combine_us": r["graph"]["by_kind"].get("matmul_combine", {}).get("us")}
                          for path, r in profile["paths"].items()}
         del model, decoders
         torch.cuda.empty_cache()

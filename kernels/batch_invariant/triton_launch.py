@@ -4,20 +4,23 @@ The tile sizes, warps and stages are part of the numerics: another config may se
 instructions and another in-tile reduction tree, so a row's bits could change (still within
 rounding). They are chosen once per dtype, valid for sm_90 (wgmma wants BLOCK_M >= 64 with a
 multiple of 4 warps) and gfx942 (wave64, MFMA), and checked by `python -m kernels.check_targets`.
-What is known to keep a matmul's bits is BLOCK_K, the order of its K loop: on an H200 every M/N
-extent, warp count and stage count tried gave bi_linear's bits (bench/decode_step_profile.py
+What is known to keep a matmul's bits is BLOCK_K and SPLIT_K, the order of its K loop: on an H200
+every M/N extent, warp count and stage count tried gave bi_linear's bits (bench/decode_step_profile.py
 --sweep matmul); the decode step's projections use narrower N tiles on that evidence
-(fused.decode_matmul_config), which tests/kernels/batch_invariant/test_fused_decode_gpu.py checks at every shape.
+(fused.decode_matmul_config), which tests/kernels/batch_invariant/test_fused_decode_gpu.py checks at
+every shape.
 
-Matmul, 16-bit: 64 x 64 x 64, 4 warps, 4 stages. K is reduced in splits of SPLIT_K (reference.py), each
-split's partial folded into the total in order; a decode-sized matmul (a few rows) runs one program per
-(tile, split) and a combine pass that folds the same partials in the same order (split-K, chosen by
-split_k_plan from the program count like split-KV below, never changing bits). 64 x 64 tiles: M=256 rows by N=1024
-makes 64 programs where 128 x 128 tiles would make 16 serial ones; large training matmuls pay
-some of cuBLAS's throughput for it. Weights of N >= WIDE_N rows (an lm_head) have programs to
-spare at any M and take 128 x 128 x 64 tiles with 8 warps (3 stages on sm_90; 2 on gfx942, whose
-64 KB of LDS holds no more). The choice is a function of the weight's shape and the platform,
-which trainer and rollout share, never of M. fp32 uses IEEE fp32 dots (torch's default, no TF32).
+Matmul, 16-bit: 64 x 64 x 64, 4 warps, 4 stages. K is reduced in splits of SPLIT_K (reference.py),
+each split's partial folded into the total in order. A decode-sized matmul (a few rows, few tiles)
+runs one program per (tile, split) writing fp32 partials, then a combine pass that folds them in the
+same order (split-K; split_k_plan chooses it from the program count like split-KV below, and it never
+changes bits), so one row's projections still read their weights over every SM. 64 x 64 tiles: M=256
+rows by N=1024 makes 64 programs where 128 x 128 tiles would make 16 serial ones; large training
+matmuls pay some of cuBLAS's throughput for it (and the inline fold's select per K step). Weights of
+N >= WIDE_N rows (an lm_head) have programs to spare at any M and take 128 x 128 x 64 tiles with 8
+warps (3 stages on sm_90; 2 on gfx942, whose 64 KB of LDS holds no more). The choice is a function
+of the weight's shape and the platform, which trainer and rollout share, never of M. fp32 uses IEEE
+fp32 dots (torch's default, no TF32).
 Attention: BLOCK_M = 64 query rows, BLOCK_N = KEY_BLOCK keys, 4 warps, the online softmax restarted
 every SPLIT_BLOCKS key blocks. Decode runs a row's splits in one program (a large batch covers the
 GPU) or one program per split and a combine pass (split-KV: a few rows still spread over every
