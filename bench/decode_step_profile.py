@@ -14,6 +14,13 @@ batch-invariant ops; `fused`: services.rollout.embedded.fused_step) it reports
 - the step's roofline fraction: weights plus the rows' K/V bytes over the replay time at the measured
   device-to-device copy bandwidth (the bench's definition, without sampling and host time).
 
+`--matmul auto,legacy` (a comma list) runs the whole profile once per matmul mode in one process and reports each
+mode's step time, roofline and ratio to the first mode, and whether the logits of the schedules that must agree
+(auto, split, one_program: one K order, split-K or not) are bitwise equal:
+- auto: the launcher's choice of schedule (split-K for decode-sized matmuls, triton_launch.use_split_k);
+- split / one_program: split-K wherever K has two splits / never (same bits as auto, other times);
+- legacy: the order before split-K (one accumulator over all of K, one program per tile), today's baseline.
+
 `--sweep attention,matmul` also times, on the decode shapes, each batch-invariant matmul tile config and each attention
 warps/stages choice, and says whether its bits equal the shipped config's (bits decide what may ship).
 """
@@ -38,6 +45,7 @@ from bench.rollout_longtail import LONGTAIL_SHAPES, kv_bytes_per_token  # noqa: 
 
 KINDS = (  # (kind, substrings of kernel names), first match wins
     ("attention", ("bi_attention_kernel", "bi_decode_split_kernel", "bi_decode_combine_kernel")),
+    ("matmul_combine", ("bi_matmul_combine_kernel", "gate_up_combine_kernel")),  # split-K's second pass
     ("matmul", ("bi_matmul_kernel", "grouped_matmul_kernel", "gate_up_kernel")),
     ("rms_norm", ("bi_rms_norm_kernel", "add_rms_norm_kernel", "head_rms_norm_kernel")),
     ("rope_kv_write", ("rope_store_kernel",)),
@@ -159,8 +167,10 @@ def profile_paths(decoders, inputs, bucket, info, copy_gbps, reps: int) -> dict:
                          graph.ids, graph.positions, graph.lengths, graph.tables), 3)}
         logits = graph.logits.clone()
         out[path]["logits"] = logits
-    same = torch.equal(out["hf"].pop("logits").view(torch.int16), out["fused"].pop("logits").view(torch.int16))
-    return {"step_bytes": step_bytes, "kv_bytes": kv, "paths": out, "fused_logits_equal_hf_bitwise": same}
+    fused = out["fused"].pop("logits")
+    same = torch.equal(out["hf"].pop("logits").view(torch.int16), fused.view(torch.int16))
+    return {"step_bytes": step_bytes, "kv_bytes": kv, "paths": out, "fused_logits_equal_hf_bitwise": same,
+            "fused_logits": fused}
 
 
 # ---- sweeps ------------------------------------------------------------------------------------------------
@@ -177,6 +187,7 @@ def sweep_matmul(rows_list) -> list[dict]:
     import triton
 
     from kernels.batch_invariant import triton_kernels
+    from kernels.batch_invariant.reference import SPLIT_K
 
     results = []
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -191,8 +202,9 @@ def sweep_matmul(rows_list) -> list[dict]:
                 def launch(x, out, bm=bm, bn=bn, bk=bk, warps=warps, stages=stages):
                     triton_kernels.bi_matmul_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
                         x, w, w, out, m, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0),
-                        out.stride(1), HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_PRECISION="ieee",
-                        INTERPRETED=False, num_warps=warps, num_stages=stages)
+                        out.stride(1), 0, HAS_BIAS=False, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                        SPLIT_STEPS=SPLIT_K // bk, PARTIAL=False, DOT_PRECISION="ieee", INTERPRETED=False,
+                        num_warps=warps, num_stages=stages)
                 try:
                     for x, out in zip(xs, outs):
                         launch(x, out)
@@ -269,6 +281,21 @@ def attention_probe(rows: int, context: int, seed: int) -> None:
     print("probe", rows, "rows", round(float(lengths.float().mean()), 1), "mean context")
 
 
+MATMUL_MODES = ("auto", "split", "one_program", "legacy")
+
+
+def set_matmul_mode(mode: str) -> None:
+    """Point the launchers at one matmul mode (module attributes they look up per call); 'auto' restores them."""
+    from kernels.batch_invariant import triton_launch
+
+    originals = set_matmul_mode.__dict__.setdefault(
+        "originals", (triton_launch.use_split_k, triton_launch.matmul_split_steps))
+    use_split_k, split_steps = originals
+    triton_launch.use_split_k = {"auto": use_split_k, "split": lambda programs, rows, device: True}.get(
+        mode, lambda programs, rows, device: False)
+    triton_launch.matmul_split_steps = (lambda cfg: 0) if mode == "legacy" else split_steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-0.6b", choices=sorted(LONGTAIL_SHAPES))
@@ -282,8 +309,14 @@ def main() -> None:
     ap.add_argument("--split-kv", default="auto", choices=("auto", "always", "never"),
                     help="decode attention's schedule: the launcher's choice, or forced either way (the bits do not "
                     "change; the time does)")
+    ap.add_argument("--matmul", default="auto",
+                    help=f"comma list of matmul modes, each profiled in turn ({', '.join(MATMUL_MODES)}); "
+                    "ratios against the first")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    modes = args.matmul.split(",")
+    if any(m not in MATMUL_MODES for m in modes) or len(set(modes)) != len(modes):
+        ap.error(f"--matmul: distinct modes among {MATMUL_MODES}, got {args.matmul!r}")
     t0 = time.perf_counter()
     if args.split_kv != "auto":
         from kernels.batch_invariant import triton_launch
@@ -294,19 +327,40 @@ def main() -> None:
         attention_probe(args.rows, args.context, args.seed)
         return
     copy = hbm_copy_gb_per_s("cuda")
-    with torch.no_grad():
-        model, decoders, inputs, info, bucket = build(args.shape, args.rows, args.context, args.seed)
-        from services.rollout.embedded.decoder_attention import decoder_attention
+    from services.rollout.embedded.decoder_attention import decoder_attention
 
-        with decoder_attention(model):
-            result = {"benchmark": "decode_step_profile", "gpu": torch.cuda.get_device_name(),
-                      "split_kv": args.split_kv,
-                      "torch": torch.__version__, "hbm_copy_gb_per_s": round(copy, 1), **info,
-                      **profile_paths(decoders, inputs, bucket, info, copy, args.reps)}
-            if "attention" in args.sweep:
-                result["sweep_attention"] = sweep_attention(decoders["hf"], inputs, bucket)
-            if "matmul" in args.sweep:
-                result["sweep_matmul"] = sweep_matmul((256, 64))
+    result, by_mode, logits = None, {}, {}
+    for mode in modes:
+        set_matmul_mode(mode)
+        with torch.no_grad():
+            model, decoders, inputs, info, bucket = build(args.shape, args.rows, args.context, args.seed)
+            with decoder_attention(model):
+                profile = profile_paths(decoders, inputs, bucket, info, copy, args.reps)
+                logits[mode] = profile.pop("fused_logits")
+                if result is None:
+                    result = {"benchmark": "decode_step_profile", "gpu": torch.cuda.get_device_name(),
+                              "split_kv": args.split_kv, "matmul": mode,
+                              "torch": torch.__version__, "hbm_copy_gb_per_s": round(copy, 1), **info, **profile}
+                    if "attention" in args.sweep:
+                        result["sweep_attention"] = sweep_attention(decoders["hf"], inputs, bucket)
+                    if "matmul" in args.sweep:
+                        result["sweep_matmul"] = sweep_matmul((256, 64))
+        by_mode[mode] = {path: {"replay_ms": r["replay_ms"],
+                                "forward_roofline_fraction": r["forward_roofline_fraction"],
+                                "matmul_us": r["graph"]["by_kind"].get("matmul", {}).get("us"),
+                                "matmul_combine_us": r["graph"]["by_kind"].get("matmul_combine", {}).get("us")}
+                         for path, r in profile["paths"].items()}
+        del model, decoders
+        torch.cuda.empty_cache()
+    set_matmul_mode("auto")
+    first = modes[0]
+    for mode, paths in by_mode.items():
+        for path, r in paths.items():
+            r["step_ratio_to_" + first] = round(by_mode[first][path]["replay_ms"] / r["replay_ms"], 3)
+    same_order = [m for m in modes if m != "legacy"]
+    result["matmul_modes"] = by_mode
+    result["logits_equal_across_schedules"] = all(
+        torch.equal(logits[m].view(torch.int16), logits[same_order[0]].view(torch.int16)) for m in same_order)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     text = json.dumps(result, indent=1)
     if args.out:
@@ -319,6 +373,9 @@ def main() -> None:
             for kind, v in t["by_kind"].items():
                 print(f"   {kind:24s} {v['kernels']:7.1f} kernels {v['us']:9.1f} us")
     print("fused logits == hf logits bitwise:", result["fused_logits_equal_hf_bitwise"])
+    for mode, paths in by_mode.items():
+        print("matmul", mode, json.dumps(paths))
+    print("logits equal across matmul schedules:", result["logits_equal_across_schedules"])
     for row in result.get("sweep_attention", []):
         print("attn", row)
     for row in result.get("sweep_matmul", []):

@@ -107,26 +107,40 @@ def _batch_invariant_specs():
     from kernels.batch_invariant import KEY_BLOCK
     from kernels.batch_invariant import triton_kernels as k
     from kernels.batch_invariant.reference import SPLIT_BLOCKS
-    from kernels.batch_invariant.triton_launch import ATTENTION_CONFIGS, matmul_config, rms_norm_warps
+    from kernels.batch_invariant.triton_launch import (
+        ATTENTION_CONFIGS,
+        COMBINE_BLOCK,
+        matmul_config,
+        matmul_split_steps,
+        rms_norm_warps,
+    )
 
     ptr = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
     specs = []
     # The unit strides: the JIT compiles an int argument equal to 1 as the constant 1.
-    mm_sig = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om"]
-    # (dtype, bias, N): the projections' tiles, and the lm_head's wide ones.
-    for dtype, bias, n in ((torch.bfloat16, False, 3072), (torch.bfloat16, True, 1024), (torch.float32, False, 1024),
-                           (torch.bfloat16, False, QWEN3_VOCAB)):
+    mm_sig = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "M", "N", "K", "stride_xm", "stride_wn", "stride_om",
+              "stride_ws_split"]
+    # (dtype, bias, N, partial): the projections' tiles (one program per tile, and the split-K schedule's
+    # first pass writing fp32 partials), and the lm_head's wide ones.
+    for dtype, bias, n, partial in ((torch.bfloat16, False, 3072, False), (torch.bfloat16, True, 1024, False),
+                                    (torch.float32, False, 1024, False), (torch.bfloat16, False, QWEN3_VOCAB, False),
+                                    (torch.bfloat16, False, 3072, True)):
         for platform in ("cuda", "rocm"):
             cfg = matmul_config(dtype, n, platform)
-            types = [ptr[dtype]] * 4 + ["i32"] * 6
+            types = [ptr[dtype]] * 3 + ["*fp32" if partial else ptr[dtype]] + ["i32"] * 7
             const = dict(stride_xk=1, stride_wk=1, stride_on=1, HAS_BIAS=bias, BLOCK_M=cfg.block_m,
-                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=cfg.dot_precision,
-                         INTERPRETED=False)
-            div16 = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+                         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_STEPS=matmul_split_steps(cfg),
+                         PARTIAL=partial, DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
+            div16 = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om",
+                     "stride_ws_split")
             specs.append((k.bi_matmul_kernel, dict(zip(mm_sig, types)), const,
                           {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages},
-                          f"bi_matmul {str(dtype)[6:]} bias={bias} N={n} "
+                          f"bi_matmul {str(dtype)[6:]} bias={bias} N={n} partial={partial} "
                           f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} s{cfg.num_stages}", div16, platform))
+    combine_sig = ["ws_ptr", "b_ptr", "out_ptr", "M", "N", "n_splits", "stride_ws_split", "stride_ws_m", "stride_om"]
+    specs.append((k.bi_matmul_combine_kernel, dict(zip(combine_sig, ["*fp32", "*bf16", "*bf16"] + ["i32"] * 6)),
+                  dict(HAS_BIAS=True, BLOCK_C=COMBINE_BLOCK), {"num_warps": 4}, "bi_matmul_combine bf16 bias",
+                  ("ws_ptr", "b_ptr", "out_ptr", "N", "stride_ws_split", "stride_ws_m", "stride_om"), None))
     rms_sig = ["x_ptr", "w_ptr", "out_ptr", "stride_x", "stride_o", "H", "eps"]
     for dtype, hidden in ((torch.bfloat16, 1024), (torch.float32, 1024), (torch.bfloat16, 5120)):
         block = 1 << (hidden - 1).bit_length()
@@ -181,7 +195,7 @@ def _moe_specs():
     shape: gate_up (N 1536, K 2048) and down (N 2048, K 768), bf16, with bi_linear's tiles per platform."""
     import torch
 
-    from kernels.batch_invariant.triton_launch import matmul_config
+    from kernels.batch_invariant.triton_launch import matmul_config, matmul_split_steps
     from kernels.moe.grouped_triton import bi_grouped_matmul_kernel
 
     sig = ["x_ptr", "w_ptr", "out_ptr", "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr", "M", "N", "K",
@@ -192,7 +206,8 @@ def _moe_specs():
         for platform in ("cuda", "rocm"):
             cfg = matmul_config(torch.bfloat16, n, platform)
             const = dict(stride_xk=1, stride_wk=1, stride_on=1, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                         BLOCK_K=cfg.block_k, DOT_PRECISION=cfg.dot_precision, INTERPRETED=False)
+                         BLOCK_K=cfg.block_k, SPLIT_STEPS=matmul_split_steps(cfg), DOT_PRECISION=cfg.dot_precision,
+                         INTERPRETED=False)
             div16 = ("x_ptr", "w_ptr", "out_ptr", "tile_expert_ptr", "tile_start_ptr", "tile_end_ptr", "N", "K",
                      "stride_xm", "stride_we", "stride_wn", "stride_om")
             specs.append((bi_grouped_matmul_kernel, dict(zip(sig, types)), const,

@@ -196,9 +196,10 @@ def _matmul_config(x: torch.Tensor, weights: Sequence[torch.Tensor]):
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None,
-                   *, impl: Impl = "auto") -> torch.Tensor:
+                   *, impl: Impl = "auto", split_k: bool | None = None) -> torch.Tensor:
     """[bi_linear(x, w_i, b_i) for each i] concatenated on the last dim, in one launch (1 to 3 weights of one K),
-    on the decode tiles (decode_matmul_config)."""
+    on the decode tiles (decode_matmul_config). split_k: the schedule (triton_launch.split_k_plan), forced
+    or (None) chosen from the program count; the bits do not depend on it."""
     weights = list(weights)
     biases = list(biases) if biases is not None else [None] * len(weights)
     if not 1 <= len(weights) <= 3 or len(biases) != len(weights):
@@ -224,23 +225,29 @@ def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Seq
     m, n = rows.shape[0], sum(ns)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m and n and k:
-        tiles = sum(launch.triton_cdiv(n_i, config.block_n) for n_i in ns)
+        grid = (sum(launch.triton_cdiv(n_i, config.block_n) for n_i in ns), launch.triton_cdiv(m, config.block_m))
+        plan = launch.split_k_plan(config, k, m, grid[0] * grid[1], x.device, split_k)
+        dest = plan.workspace(m, n, x.device) if plan.partial else out
         with launch._device_scope(x):
-            _kernels().grouped_matmul_kernel[(tiles, launch.triton_cdiv(m, config.block_m))](
-                rows, *ws, *bs, out, m, *ns, k, rows.stride(0), rows.stride(1), ws[0].stride(0), ws[1].stride(0),
-                ws[2].stride(0), ws[0].stride(1), out.stride(0), out.stride(1), HAS_BIAS=biases[0] is not None,
-                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                DOT_PRECISION=config.dot_precision, INTERPRETED=launch.INTERPRETED, num_warps=config.num_warps,
-                num_stages=config.num_stages)
+            _kernels().grouped_matmul_kernel[grid + ((plan.splits,) if plan.partial else ())](
+                rows, *ws, *bs, dest, m, *ns, k, rows.stride(0), rows.stride(1), ws[0].stride(0), ws[1].stride(0),
+                ws[2].stride(0), ws[0].stride(1), dest.stride(-2), dest.stride(-1),
+                dest.stride(0) if plan.partial else 0, HAS_BIAS=biases[0] is not None,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_STEPS=plan.steps,
+                PARTIAL=plan.partial, DOT_PRECISION=config.dot_precision, INTERPRETED=launch.INTERPRETED,
+                num_warps=config.num_warps, num_stages=config.num_stages)
+        if plan.partial:
+            bias = None if biases[0] is None else torch.cat([launch._last_dim_contiguous(b) for b in biases])
+            launch.combine_split_k(dest, bias, out)
     elif m and n:
         return torch.cat([bi_linear(x, w, bias, impl=chosen) for w, bias in zip(weights, biases)], dim=-1)
     return out.reshape(*x.shape[:-1], n)
 
 
 def gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, silu_mul: bool = True,
-            impl: Impl = "auto") -> torch.Tensor:
+            impl: Impl = "auto", split_k: bool | None = None) -> torch.Tensor:
     """silu(bi_linear(x, gate)) * bi_linear(x, up) (a SwiGLU MLP's input to down_proj), or with silu_mul=False
-    both projections concatenated [.., 2N]; one launch."""
+    both projections concatenated [.., 2N]; one launch (two with split-K; split_k as grouped_linear's)."""
     if gate.shape != up.shape or gate.dim() != 2 or gate.shape[1] != x.shape[-1]:
         raise BatchInvariantInputError(f"gate and up must both be [N, {x.shape[-1]}]; got {tuple(gate.shape)} and "
                                        f"{tuple(up.shape)}")
@@ -260,10 +267,19 @@ def gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, silu_mul: 
     m, n, k = rows.shape[0], gate.shape[0], x.shape[-1]
     out = torch.empty(m, n if silu_mul else 2 * n, dtype=x.dtype, device=x.device)
     if m and n:
+        grid = (launch.triton_cdiv(n, config.block_n), launch.triton_cdiv(m, config.block_m))
+        plan = launch.split_k_plan(config, k, m, grid[0] * grid[1], x.device, split_k)
+        dest = plan.workspace(m, 2 * n, x.device) if plan.partial else out
+        kernels = _kernels()
         with launch._device_scope(x):
-            _kernels().gate_up_kernel[(launch.triton_cdiv(n, config.block_n), launch.triton_cdiv(m, config.block_m))](
-                rows, wg, wu, out, m, n, k, rows.stride(0), rows.stride(1), wg.stride(0), wu.stride(0), wg.stride(1),
-                out.stride(0), out.stride(1), SILU_MUL=silu_mul, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                BLOCK_K=config.block_k, DOT_PRECISION=config.dot_precision, INTERPRETED=launch.INTERPRETED,
+            kernels.gate_up_kernel[grid + ((plan.splits,) if plan.partial else ())](
+                rows, wg, wu, dest, m, n, k, rows.stride(0), rows.stride(1), wg.stride(0), wu.stride(0), wg.stride(1),
+                dest.stride(-2), dest.stride(-1), dest.stride(0) if plan.partial else 0, SILU_MUL=silu_mul,
+                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_STEPS=plan.steps,
+                PARTIAL=plan.partial, DOT_PRECISION=config.dot_precision, INTERPRETED=launch.INTERPRETED,
                 num_warps=config.num_warps, num_stages=config.num_stages)
+            if plan.partial:
+                kernels.gate_up_combine_kernel[(launch.triton_cdiv(n, launch.COMBINE_BLOCK), m)](
+                    dest, out, m, n, plan.splits, dest.stride(0), dest.stride(1), out.stride(0), SILU_MUL=silu_mul,
+                    BLOCK_C=launch.COMBINE_BLOCK, INTERPRETED=launch.INTERPRETED, num_warps=4)
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -15,12 +15,14 @@ mostly launch and tail, not bytes; these kernels cut the chain without touching 
   (contraction off: the compiler narrows each fp32 op on 16-bit operands to a 16-bit op, which is exact,
   and would then fuse a product into the sum, which is not).
 - `grouped_matmul_kernel`: up to three weights that share x (q, k and v) in one launch: a program's
-  N tile belongs to one weight and runs bi_matmul_kernel's K loop unchanged.
+  N tile belongs to one weight and runs bi_matmul_kernel's K loop unchanged (`_split_k_loop`, both
+  schedules: one program per tile, or one per tile and split with bi_matmul_combine_kernel after).
 - `gate_up_kernel`: gate and up projections of the MLP in one launch (two accumulators over the same
   x tiles, each bi_matmul_kernel's K loop), optionally with torch's `silu(gate) * up` in the epilogue:
   silu as torch computes it for a 16-bit tensor (x / (1 + expf(-x)) in fp32, IEEE division, libdevice's
   expf, rounded to the dtype), then the product rounded. The epilogue's bits are checked against torch
-  for every 16-bit input on the GPU (tests/kernels/batch_invariant/test_fused_decode_gpu.py).
+  for every 16-bit input on the GPU (tests/kernels/batch_invariant/test_fused_decode_gpu.py). Its
+  split-K schedule writes both partials and `gate_up_combine_kernel` folds them and runs the epilogue.
 
 fp32 models do not take these kernels on GPUs (see fused.py): fp32 sums of products could be contracted
 into FMAs by the compiler where torch's separate kernels round each product.
@@ -30,7 +32,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.batch_invariant.triton_kernels import _matmul_step
+from kernels.batch_invariant.triton_kernels import (
+    _fold_split,
+    _k_range,
+    _split_k_loop,
+    _store_partial,
+    _sum_partials,
+)
 
 try:  # libdevice's expf: torch's silu calls expf; the interpreter has no extern functions (it uses tl.exp)
     from triton.language.extra import libdevice as _libdevice
@@ -141,39 +149,18 @@ def rope_store_kernel(qk_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_pool_ptr, v_
         tl.store(v_pool_ptr + dst, tl.load(v_ptr + b * stride_v + j * D + offs, mask=ok, other=0.0), mask=ok)
 
 
-@triton.jit
-def _k_loop(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-            INTERPRETED: tl.constexpr):
-    """bi_matmul_kernel's accumulation of one [BLOCK_M, BLOCK_N] tile over K, in BLOCK_K steps from k = 0."""
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    n_k = (K + BLOCK_K - 1) // BLOCK_K
-    if INTERPRETED:
-        kb = 0
-        while kb < n_k:
-            acc = _matmul_step(acc, x_ptrs + kb * BLOCK_K * stride_xk, w_ptrs + kb * BLOCK_K * stride_wk, kb, K,
-                               m_ok, n_ok, offs_k, BLOCK_K, DOT_PRECISION, INTERPRETED)
-            kb += 1
-    else:
-        for kb in range(0, n_k):
-            acc = _matmul_step(acc, x_ptrs, w_ptrs, kb, K, m_ok, n_ok, offs_k, BLOCK_K, DOT_PRECISION, INTERPRETED)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-    return acc
-
-
 @triton.jit(do_not_specialize=["M", "N0", "N1", "N2"])
 def grouped_matmul_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, out_ptr, M, N0, N1, N2, K,
                           stride_xm, stride_xk, stride_w0, stride_w1, stride_w2, stride_wk, stride_om, stride_on,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                          stride_ws_split, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, SPLIT_STEPS: tl.constexpr, PARTIAL: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """out[:, N0 + N1 + N2] = x @ [w0; w1; w2].T (+ [b0; b1; b2]) without concatenating the weights.
 
     Program (pid_n, pid_m): pid_n's N tile lies in one weight (tiles never straddle two), whose columns
-    land at that weight's offset in out. Each tile is bi_matmul_kernel's (same K steps, same dot)."""
+    land at that weight's offset in out. Each tile is bi_matmul_kernel's (`_split_k_loop`, same K steps and
+    splits, same dot). PARTIAL: grid (tiles, M tiles, splits), out_ptr is the fp32 workspace [splits, M,
+    N0 + N1 + N2] (no bias: the combine adds it)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     t0 = (N0 + BLOCK_N - 1) // BLOCK_N
@@ -188,12 +175,15 @@ def grouped_matmul_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr,
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < n
-    acc = _k_loop(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                  BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, INTERPRETED)
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + (col0 + offs_n)[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    acc = _split_k_loop(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_STEPS, PARTIAL, DOT_PRECISION, INTERPRETED)
+    if PARTIAL:
+        _store_partial(out_ptr, acc, offs_m, col0 + offs_n, m_ok, n_ok, stride_ws_split, stride_om)
+    else:
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + (col0 + offs_n)[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -226,11 +216,14 @@ def _matmul_step2(acc_g, acc_u, x_ptrs, wg_ptrs, wu_ptrs, kb, K, m_ok, n_ok, off
 
 @triton.jit(do_not_specialize=["M"])
 def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wgn, stride_wun, stride_wk,
-                   stride_om, stride_on, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                   stride_om, stride_on, stride_ws_split, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_STEPS: tl.constexpr, PARTIAL: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """SILU_MUL: out[M, N] = silu(x @ wg.T) * (x @ wu.T), each product rounded to the dtype first (torch's
     eager MLP). Otherwise out[M, 2N] = [x @ wg.T | x @ wu.T]. Each accumulator is bi_matmul_kernel's: the
-    same K steps and dots, the x tile of a step loaded once for both."""
+    same K steps, splits and dots (`_split_k_loop`'s order), the x tile of a step loaded once for both.
+    PARTIAL: grid (N tiles, M tiles, splits), out_ptr is the fp32 workspace [splits, M, 2N] (gate's partials,
+    then up's) for gate_up_combine_kernel."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -238,33 +231,72 @@ def gate_up_kernel(x_ptr, wg_ptr, wu_ptr, out_ptr, M, N, K, stride_xm, stride_xk
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    wg_ptrs = wg_ptr + offs_n[None, :].to(tl.int64) * stride_wgn + offs_k[:, None] * stride_wk
-    wu_ptrs = wu_ptr + offs_n[None, :].to(tl.int64) * stride_wun + offs_k[:, None] * stride_wk
+    n_k = (K + BLOCK_K - 1) // BLOCK_K
+    lo, hi = _k_range(n_k, SPLIT_STEPS, PARTIAL)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (lo * BLOCK_K + offs_k)[None, :] * stride_xk
+    wg_ptrs = wg_ptr + offs_n[None, :].to(tl.int64) * stride_wgn + (lo * BLOCK_K + offs_k)[:, None] * stride_wk
+    wu_ptrs = wu_ptr + offs_n[None, :].to(tl.int64) * stride_wun + (lo * BLOCK_K + offs_k)[:, None] * stride_wk
+    tot_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    tot_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    n_k = (K + BLOCK_K - 1) // BLOCK_K
     if INTERPRETED:
-        kb = 0
-        while kb < n_k:
-            acc_g, acc_u = _matmul_step2(acc_g, acc_u, x_ptrs + kb * BLOCK_K * stride_xk,
-                                         wg_ptrs + kb * BLOCK_K * stride_wk, wu_ptrs + kb * BLOCK_K * stride_wk,
+        kb = lo
+        while kb < hi:
+            acc_g, acc_u = _matmul_step2(acc_g, acc_u, x_ptrs + (kb - lo) * BLOCK_K * stride_xk,
+                                         wg_ptrs + (kb - lo) * BLOCK_K * stride_wk,
+                                         wu_ptrs + (kb - lo) * BLOCK_K * stride_wk,
                                          kb, K, m_ok, n_ok, offs_k, BLOCK_K, DOT_PRECISION, INTERPRETED)
+            if SPLIT_STEPS > 0 and not PARTIAL:
+                tot_g, acc_g = _fold_split(tot_g, acc_g, kb, n_k, SPLIT_STEPS)
+                tot_u, acc_u = _fold_split(tot_u, acc_u, kb, n_k, SPLIT_STEPS)
             kb += 1
     else:
-        for kb in range(0, n_k):
+        for kb in range(lo, hi):
             acc_g, acc_u = _matmul_step2(acc_g, acc_u, x_ptrs, wg_ptrs, wu_ptrs, kb, K, m_ok, n_ok, offs_k, BLOCK_K,
                                          DOT_PRECISION, INTERPRETED)
+            if SPLIT_STEPS > 0 and not PARTIAL:
+                tot_g, acc_g = _fold_split(tot_g, acc_g, kb, n_k, SPLIT_STEPS)
+                tot_u, acc_u = _fold_split(tot_u, acc_u, kb, n_k, SPLIT_STEPS)
             x_ptrs += BLOCK_K * stride_xk
             wg_ptrs += BLOCK_K * stride_wk
             wu_ptrs += BLOCK_K * stride_wk
+    if PARTIAL:
+        _store_partial(out_ptr, acc_g, offs_m, offs_n, m_ok, n_ok, stride_ws_split, stride_om)
+        _store_partial(out_ptr, acc_u, offs_m, N + offs_n, m_ok, n_ok, stride_ws_split, stride_om)
+    else:
+        if SPLIT_STEPS > 0:
+            acc_g = tot_g
+            acc_u = tot_u
+        _gate_up_epilogue(out_ptr, acc_g, acc_u, offs_m[:, None].to(tl.int64) * stride_om, offs_n, N, stride_on,
+                          m_ok[:, None] & n_ok[None, :], SILU_MUL, INTERPRETED)
+
+
+@triton.jit
+def _gate_up_epilogue(out_ptr, acc_g, acc_u, row_offs, offs_n, N, stride_on, mask, SILU_MUL: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
+    """The fp32 gate and up sums rounded to out's dtype, then silu(g) * u or both stored side by side."""
     out_ty = out_ptr.dtype.element_ty
     g = acc_g.to(out_ty)
     u = acc_u.to(out_ty)
-    rows = out_ptr + offs_m[:, None].to(tl.int64) * stride_om
-    mask = m_ok[:, None] & n_ok[None, :]
+    rows = out_ptr + row_offs
     if SILU_MUL:
         tl.store(rows + offs_n[None, :] * stride_on, _silu_times(g, u, out_ty, INTERPRETED), mask=mask)
     else:
         tl.store(rows + offs_n[None, :] * stride_on, g, mask=mask)
         tl.store(rows + (N + offs_n)[None, :] * stride_on, u, mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "n_splits"])
+def gate_up_combine_kernel(ws_ptr, out_ptr, M, N, n_splits, stride_ws_split, stride_ws_m, stride_om,
+                           SILU_MUL: tl.constexpr, BLOCK_C: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Split-K second pass of gate_up_kernel, grid (cdiv(N, BLOCK_C), M): gate's and up's partials summed from
+    zero in split order (bi_matmul_combine_kernel's adds), then gate_up_kernel's epilogue."""
+    row = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = offs < N
+    base = ws_ptr + row * stride_ws_m
+    g = _sum_partials(base, offs, ok, n_splits, stride_ws_split, BLOCK_C)
+    u = _sum_partials(base + N, offs, ok, n_splits, stride_ws_split, BLOCK_C)
+    _gate_up_epilogue(out_ptr, g[None, :], u[None, :], row * stride_om, offs, N, 1, ok[None, :], SILU_MUL,
+                      INTERPRETED)

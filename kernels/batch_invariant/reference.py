@@ -6,7 +6,12 @@ floating-point reduction runs at a shape that does not depend on the number of r
 * Nothing calls a BLAS GEMM: MKL picks kernels, K-splits and thread partitions from the shape and
   the thread count (a fixed-shape GEMM still changes bits between 1 and 2 threads). Instead an
   output element is an elementwise product reduced over a contiguous inner dim of fixed length
-  (K for linear, head_dim for a score, KEY_BLOCK for a block's P.V, H for RMSNorm's mean square).
+  (a SPLIT_K slice of K for linear, head_dim for a score, KEY_BLOCK for a block's P.V, H for
+  RMSNorm's mean square).
+* a linear's K is reduced split by split: SPLIT_K elements at a time, each split's sum added to the
+  output's running total from zero, in split order (`split_k_sum`). The Triton matmul folds its
+  per-split partials in that order, inline or in a combine pass after one program per split
+  (split-K decode), so the split is where the kernels may parallelise K without moving a bit.
   torch computes such a reduction per output element with one vectorised loop whatever the outer
   shape, and splits threads over outputs, never over the reduced dim (it only does that for a
   single output, which a staging buffer of `ROW_CHUNK` rows rules out for RMSNorm).
@@ -39,6 +44,15 @@ PRODUCT_BUDGET = 1 << 22
 SPLIT_BLOCKS = 4
 """Key blocks per split of the online softmax (256 keys): fixed, never a function of the batch."""
 
+SPLIT_K = 256
+"""K elements per split of a linear's reduction: a constant of the numerics, never a function of the rows.
+
+A multiple of every BLOCK_K the Triton matmul uses (64 for 16-bit, 32 for fp32), so a split is whole K
+steps. 256 rather than 512: at decode sizes the split-K schedule needs programs (K = 1024 gives 4 splits,
+the hidden size of Qwen3-0.6B), while a split still holds 4 (16-bit) or 8 (fp32) K steps of a pipelined
+loop; its fp32 partials cost rows / 64 of the weight bytes (written and read once), which bounds the rows
+the split schedule is worth taking at (triton_launch.use_split_k)."""
+
 ATTN_ROW_CHUNK = 256
 """Query rows per attention step (memory: rows x KEY_BLOCK x head_dim fp32 products)."""
 
@@ -46,8 +60,18 @@ DECODE_BATCH_CHUNK = 32
 """Decode rows per attention step."""
 
 
+def split_k_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, -1) of fp32 tensors (broadcast), in the matmul's order: total = 0; per SPLIT_K slice of the last
+    dim, in order, total = total + (the slice's products summed by torch's per-output loop)."""
+    k = a.shape[-1]
+    total = torch.zeros(torch.broadcast_shapes(a.shape, b.shape)[:-1], dtype=torch.float32, device=a.device)
+    for k0 in range(0, k, SPLIT_K):
+        total = total + (a[..., k0:k0 + SPLIT_K] * b[..., k0:k0 + SPLIT_K]).sum(-1)
+    return total
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ weight[N, K].T (+ bias) with fp32 accumulation; x.dtype out.
+    """x [..., K] @ weight[N, K].T (+ bias) with fp32 accumulation split by split (split_k_sum); x.dtype out.
 
     Slow (no GEMM, see the module docstring): meant for tests and tiny CPU models.
     """
@@ -65,7 +89,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         w32 = weight[c0:c1].float().unsqueeze(0)  # [1, C, K]
         for r0 in range(0, m, ROW_CHUNK):
             r1 = min(r0 + ROW_CHUNK, m)
-            acc = (rows[r0:r1].float().unsqueeze(1) * w32).sum(-1)
+            acc = split_k_sum(rows[r0:r1].float().unsqueeze(1), w32)
             if bias32 is not None:
                 acc = acc + bias32[c0:c1]
             out[r0:r1, c0:c1] = acc

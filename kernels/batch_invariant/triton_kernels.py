@@ -2,9 +2,14 @@
 
 What makes a row's bits independent of the batch is that nothing about a row's arithmetic is a
 function of the number of rows: tile sizes, warps and stages are fixed per dtype (launchers in
-triton_launch.py, no autotune), there is no split-K, a row is never reduced with another row,
-and the row count is `do_not_specialize` (Triton would otherwise compile M == 1 or M % 16 == 0
-as its own variant).
+triton_launch.py, no autotune), a row is never reduced with another row, and the row count is
+`do_not_specialize` (Triton would otherwise compile M == 1 or M % 16 == 0 as its own variant).
+
+Matmul: K is reduced in fixed splits of reference.SPLIT_K elements, each split's partial folded into
+the total in split order. One program may run every split of its tile (`_split_k_loop`, the trainer's
+and large batches' schedule), or the split-K schedule runs one program per (tile, split), each writing
+its fp32 partial, and `bi_matmul_combine_kernel` folds them from zero in split order: the same fp32 adds
+in the same order, so a row's bits do not depend on the schedule (nor, as before, on the batch).
 
 Attention: `bi_attention_kernel` serves both entry points; the DECODE constexpr only changes how
 a program finds its query rows and its keys. Every program holds BLOCK_M query rows (packed:
@@ -46,38 +51,123 @@ def _matmul_step(acc, x_ptrs, w_ptrs, kb, K, m_ok, n_ok, offs_k, BLOCK_K: tl.con
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
+@triton.jit
+def _fold_split(total, part, kb, n_k, SPLIT_STEPS: tl.constexpr):
+    """After K step kb: at the last step of a split (or of K) the split's partial joins the total (an fp32
+    add, as the split-K combine does it) and restarts from zero. Selected, not branched: the loop stays one
+    software-pipelined loop over all of K."""
+    done = ((kb + 1) % SPLIT_STEPS == 0) | (kb + 1 == n_k)
+    return tl.where(done, total + part, total), tl.where(done, 0.0, part)
+
+
+@triton.jit
+def _k_range(n_k, SPLIT_STEPS: tl.constexpr, PARTIAL: tl.constexpr):
+    """The K steps [lo, hi) a program reduces: its split's (PARTIAL: split = program_id(2)), else all of K."""
+    if PARTIAL:
+        lo = tl.program_id(2) * SPLIT_STEPS
+        return lo, tl.minimum(lo + SPLIT_STEPS, n_k)
+    else:
+        return n_k * 0, n_k
+
+
+@triton.jit
+def _split_k_loop(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_STEPS: tl.constexpr,
+                  PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile's reduction over K in BLOCK_K steps (reference.split_k_sum's order).
+
+    SPLIT_STEPS > 0: steps are grouped in splits of SPLIT_STEPS (= SPLIT_K / BLOCK_K); each split accumulates
+    from zero through one MMA chain and is folded into the total in split order (`_fold_split`).
+    PARTIAL: only split program_id(2), returned unfolded (the split-K schedule's first pass; its combine
+    folds the partials from zero in split order: the same adds). SPLIT_STEPS = 0: one chain over all of K,
+    the order before split-K (kept as the benchmark's baseline, bench/decode_step_profile.py --matmul legacy)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    n_k = (K + BLOCK_K - 1) // BLOCK_K
+    lo, hi = _k_range(n_k, SPLIT_STEPS, PARTIAL)
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (lo * BLOCK_K + offs_k)[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (lo * BLOCK_K + offs_k)[:, None] * stride_wk
+    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INTERPRETED:
+        kb = lo
+        while kb < hi:
+            part = _matmul_step(part, x_ptrs + (kb - lo) * BLOCK_K * stride_xk,
+                                w_ptrs + (kb - lo) * BLOCK_K * stride_wk, kb, K, m_ok, n_ok, offs_k, BLOCK_K,
+                                DOT_PRECISION, INTERPRETED)
+            if SPLIT_STEPS > 0 and not PARTIAL:
+                total, part = _fold_split(total, part, kb, n_k, SPLIT_STEPS)
+            kb += 1
+    else:
+        for kb in range(lo, hi):
+            part = _matmul_step(part, x_ptrs, w_ptrs, kb, K, m_ok, n_ok, offs_k, BLOCK_K, DOT_PRECISION, INTERPRETED)
+            if SPLIT_STEPS > 0 and not PARTIAL:
+                total, part = _fold_split(total, part, kb, n_k, SPLIT_STEPS)
+            x_ptrs += BLOCK_K * stride_xk
+            w_ptrs += BLOCK_K * stride_wk
+    if SPLIT_STEPS > 0 and not PARTIAL:
+        return total
+    else:
+        return part
+
+
+@triton.jit
+def _store_partial(ws_ptr, acc, offs_m, cols, m_ok, n_ok, stride_ws_split, stride_ws_m):
+    """A split's fp32 partial of a tile into the workspace [splits, M, columns] at split program_id(2)."""
+    split = tl.program_id(2).to(tl.int64)
+    ptrs = ws_ptr + split * stride_ws_split + offs_m[:, None].to(tl.int64) * stride_ws_m + cols[None, :]
+    tl.store(ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
 def bi_matmul_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
-                     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+                     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on, stride_ws_split,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """out[M, N] = x[M, K] @ w[N, K].T (+ b), fp32 accumulation over K in BLOCK_K steps, bias added after."""
+                     SPLIT_STEPS: tl.constexpr, PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
+    """out[M, N] = x[M, K] @ w[N, K].T (+ b): fp32 accumulation over K split by split (`_split_k_loop`), bias
+    added after. Grid (N tiles, M tiles), or PARTIAL: (N tiles, M tiles, splits) writing split partials into
+    out_ptr as an fp32 workspace [splits, M, N] (rows stride_om, splits stride_ws_split) for
+    bi_matmul_combine_kernel, which adds the bias."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    n_k = (K + BLOCK_K - 1) // BLOCK_K
-    if INTERPRETED:
-        kb = 0
-        while kb < n_k:
-            acc = _matmul_step(acc, x_ptrs + kb * BLOCK_K * stride_xk, w_ptrs + kb * BLOCK_K * stride_wk, kb, K,
-                               m_ok, n_ok, offs_k, BLOCK_K, DOT_PRECISION, INTERPRETED)
-            kb += 1
+    acc = _split_k_loop(x_ptr, w_ptr, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_STEPS, PARTIAL, DOT_PRECISION, INTERPRETED)
+    if PARTIAL:
+        _store_partial(out_ptr, acc, offs_m, offs_n, m_ok, n_ok, stride_ws_split, stride_om)
     else:
-        for kb in range(0, n_k):
-            acc = _matmul_step(acc, x_ptrs, w_ptrs, kb, K, m_ok, n_ok, offs_k, BLOCK_K, DOT_PRECISION, INTERPRETED)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            acc = acc + tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_partials(ws_ptr, offs, ok, n_splits, stride_ws_split, BLOCK_C: tl.constexpr):
+    """A row's fp32 total from the split partials at offsets `offs` of each split: zero, then + each in order."""
+    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    split = 0
+    while split < n_splits:
+        total = total + tl.load(ws_ptr + split * stride_ws_split + offs, mask=ok, other=0.0)
+        split += 1
+    return total
+
+
+@triton.jit(do_not_specialize=["M", "n_splits"])
+def bi_matmul_combine_kernel(ws_ptr, b_ptr, out_ptr, M, N, n_splits, stride_ws_split, stride_ws_m, stride_om,
+                             HAS_BIAS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Split-K second pass, grid (cdiv(N, BLOCK_C), M): out[m, n] = sum of the partials in split order from
+    zero (`_sum_partials`, the adds `_fold_split` does inline) (+ b[n]), rounded to out's dtype."""
+    row = tl.program_id(1).to(tl.int64)
+    offs = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = offs < N
+    acc = _sum_partials(ws_ptr + row * stride_ws_m, offs, ok, n_splits, stride_ws_split, BLOCK_C)
     if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        acc = acc + tl.load(b_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -4,18 +4,23 @@ The tile sizes, warps and stages are part of the numerics: another config may se
 instructions and another in-tile reduction tree, so a row's bits could change (still within
 rounding). They are chosen once per dtype, valid for sm_90 (wgmma wants BLOCK_M >= 64 with a
 multiple of 4 warps) and gfx942 (wave64, MFMA), and checked by `python -m kernels.check_targets`.
-What is known to keep a matmul's bits is BLOCK_K, the order of its K loop: on an H200 every M/N
-extent, warp count and stage count tried gave bi_linear's bits (bench/decode_step_profile.py
+What is known to keep a matmul's bits is BLOCK_K and SPLIT_K, the order of its K loop: on an H200
+every M/N extent, warp count and stage count tried gave bi_linear's bits (bench/decode_step_profile.py
 --sweep matmul); the decode step's projections use narrower N tiles on that evidence
-(fused.decode_matmul_config), which tests/kernels/batch_invariant/test_fused_decode_gpu.py checks at every shape.
+(fused.decode_matmul_config), which tests/kernels/batch_invariant/test_fused_decode_gpu.py checks at
+every shape.
 
-Matmul, 16-bit: 64 x 64 x 64, 4 warps, 4 stages. Small enough that a decode step's matmuls
-(M = batch rows, N down to 1024) still cover the GPU without split-K: M=256 rows by N=1024
-makes 64 programs where 128 x 128 tiles would make 16 serial ones; large training matmuls pay
-some of cuBLAS's throughput for it. Weights of N >= WIDE_N rows (an lm_head) have programs to
-spare at any M and take 128 x 128 x 64 tiles with 8 warps (3 stages on sm_90; 2 on gfx942, whose
-64 KB of LDS holds no more). The choice is a function of the weight's shape and the platform,
-which trainer and rollout share, never of M. fp32 uses IEEE fp32 dots (torch's default, no TF32).
+Matmul, 16-bit: 64 x 64 x 64, 4 warps, 4 stages. K is reduced in splits of SPLIT_K (reference.py),
+each split's partial folded into the total in order. A decode-sized matmul (a few rows, few tiles)
+runs one program per (tile, split) writing fp32 partials, then a combine pass that folds them in the
+same order (split-K; split_k_plan chooses it from the program count like split-KV below, and it never
+changes bits), so one row's projections still read their weights over every SM. 64 x 64 tiles: M=256
+rows by N=1024 makes 64 programs where 128 x 128 tiles would make 16 serial ones; large training
+matmuls pay some of cuBLAS's throughput for it (and the inline fold's select per K step). Weights of
+N >= WIDE_N rows (an lm_head) have programs to spare at any M and take 128 x 128 x 64 tiles with 8
+warps (3 stages on sm_90; 2 on gfx942, whose 64 KB of LDS holds no more). The choice is a function
+of the weight's shape and the platform, which trainer and rollout share, never of M. fp32 uses IEEE
+fp32 dots (torch's default, no TF32).
 Attention: BLOCK_M = 64 query rows, BLOCK_N = KEY_BLOCK keys, 4 warps, the online softmax restarted
 every SPLIT_BLOCKS key blocks. Decode runs a row's splits in one program (a large batch covers the
 GPU) or one program per split and a combine pass (split-KV: a few rows still spread over every
@@ -32,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.batch_invariant.errors import BatchInvariantInputError
-from kernels.batch_invariant.reference import KEY_BLOCK, SPLIT_BLOCKS
+from kernels.batch_invariant.reference import KEY_BLOCK, SPLIT_BLOCKS, SPLIT_K
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "") == "1"
 
@@ -69,6 +74,73 @@ def matmul_config(dtype: torch.dtype, n: int, platform: str) -> MatmulConfig:
     if dtype != torch.float32 and n >= WIDE_N:
         return WIDE_MATMUL_16BIT[platform]
     return MATMUL_CONFIGS[dtype]
+
+
+def matmul_split_steps(cfg: MatmulConfig) -> int:
+    """BLOCK_K steps per split of the K reduction (SPLIT_K / BLOCK_K). The benchmark's `--matmul legacy` replaces
+    this with 0 (one accumulator over all of K, the order before split-K) to time today's code beside it."""
+    if SPLIT_K % cfg.block_k:
+        raise BatchInvariantInputError(f"SPLIT_K {SPLIT_K} is not a multiple of BLOCK_K {cfg.block_k}")
+    return SPLIT_K // cfg.block_k
+
+
+SPLIT_K_MIN_PROGRAMS_PER_SM = 2
+"""A matmul takes the split-K schedule while one program per tile would give fewer than this many programs per
+SM (and it has rows <= SPLIT_K_MAX_ROWS and more than one split). Qwen3-0.6B's decode projections at 1 row make
+32-128 programs of 64 x 32 on an H200's 132 SMs; split in 256s of K they make 4-12 times as many."""
+
+SPLIT_K_MAX_ROWS = 32
+"""Rows up to which split-K may pay: its fp32 partials are written and read once, rows / 64 of the weight bytes
+at SPLIT_K = 256 (2 x rows x N x K/256 x 4 bytes against N x K x 2), so at 32 rows they add half the weight
+traffic. Both constants decide the time, never the bits (bench/decode_step_profile.py --matmul auto,split,...)."""
+
+
+def use_split_k(programs: int, rows: int, device: torch.device) -> bool:
+    """Whether a matmul of `rows` rows whose one-program schedule has `programs` programs runs split-K.
+    A function of shapes and the device, never of values; interpreted runs (CPU) never do unless asked."""
+    if device.type != "cuda":
+        return False
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return rows <= SPLIT_K_MAX_ROWS and programs < SPLIT_K_MIN_PROGRAMS_PER_SM * sms
+
+
+@dataclass(frozen=True)
+class SplitK:
+    """How one matmul launch runs: `steps` BLOCK_K steps per split (0: no splits, the legacy order), `splits`
+    of K's, and whether one program per (tile, split) writes partials for a combine pass (`partial`)."""
+    steps: int
+    splits: int
+    partial: bool
+
+    def workspace(self, rows: int, cols: int, device: torch.device) -> torch.Tensor:
+        """fp32 partials [splits, rows, cols] (every element a program of split s covers is written)."""
+        return torch.empty((self.splits, rows, cols), dtype=torch.float32, device=device)
+
+
+def split_k_plan(cfg: MatmulConfig, k: int, rows: int, programs: int, device: torch.device,
+                 split_k: bool | None) -> SplitK:
+    """The schedule of a matmul: split_k None lets use_split_k decide (only where K has more than one split),
+    True/False force it (tests: the bits must not move)."""
+    steps = matmul_split_steps(cfg)
+    splits = max(1, triton_cdiv(triton_cdiv(k, cfg.block_k), steps)) if steps else 1
+    if split_k is None:
+        split_k = steps > 0 and splits > 1 and use_split_k(programs, rows, device)
+    elif split_k and not steps:
+        raise BatchInvariantInputError("split_k=True needs K splits (matmul_split_steps is 0: the legacy order)")
+    return SplitK(steps, splits, bool(split_k))
+
+
+def combine_split_k(ws: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Second pass of a split-K matmul: out = the partials of ws [splits, M, N] summed in split order (+ bias)."""
+    splits, m, n = ws.shape
+    with _device_scope(out):
+        _kernels().bi_matmul_combine_kernel[(triton_cdiv(n, COMBINE_BLOCK), m)](
+            ws, bias if bias is not None else ws, out, m, n, splits, ws.stride(0), ws.stride(1), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_C=COMBINE_BLOCK, num_warps=4)
+
+
+COMBINE_BLOCK = 512
+"""Columns per program of a split-K combine (elementwise over the outputs: no reduction order depends on it)."""
 
 
 def _platform() -> str:
@@ -113,7 +185,10 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *,
+           split_k: bool | None = None) -> torch.Tensor:
+    """bi_linear's kernel. split_k: None lets split_k_plan choose the schedule; True/False force it (the bits
+    must not move; the tests check that they do not)."""
     k = x.shape[-1]
     n = weight.shape[0]
     rows = _last_dim_contiguous(x.reshape(-1, k))
@@ -128,12 +203,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return out.reshape(*x.shape[:-1], n)
     cfg = matmul_config(x.dtype, n, _platform())
     grid = (triton_cdiv(n, cfg.block_n), triton_cdiv(m, cfg.block_m))
+    plan = split_k_plan(cfg, k, m, grid[0] * grid[1], x.device, split_k)
+    dest = plan.workspace(m, n, x.device) if plan.partial else out
     with _device_scope(x):
-        _kernels().bi_matmul_kernel[grid](
-            rows, weight, bias if bias is not None else weight, out, m, n, k,
-            rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        _kernels().bi_matmul_kernel[grid + ((plan.splits,) if plan.partial else ())](
+            rows, weight, bias if bias is not None else weight, dest, m, n, k,
+            rows.stride(0), rows.stride(1), weight.stride(0), weight.stride(1), dest.stride(-2), dest.stride(-1),
+            dest.stride(0) if plan.partial else 0,
             HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            SPLIT_STEPS=plan.steps, PARTIAL=plan.partial, DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if plan.partial:
+        combine_split_k(dest, bias, out)
     return out.reshape(*x.shape[:-1], n)
 
 

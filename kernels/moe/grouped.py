@@ -6,13 +6,13 @@
 Implementations (explicit, never a fallback between them):
 
 * `reference` — pure torch, batch-invariant: every output is an elementwise product of the row with its
-  expert's weight row, reduced over the contiguous K axis (the per-output loop `bi_linear`'s reference
-  uses), rows taken ROW_CHUNK at a time with their experts' weights gathered. No BLAS GEMM (whose kernel
-  choice and K split follow the group's row count), so a row has the bits it has alone. The CPU path of
-  `true_on_policy`, and the oracle of the kernels.
+  expert's weight row, reduced over the contiguous K axis split by split (reference.split_k_sum, the loop
+  `bi_linear`'s reference uses), rows taken ROW_CHUNK at a time with their experts' weights gathered. No
+  BLAS GEMM (whose kernel choice and K split follow the group's row count), so a row has the bits it has
+  alone. The CPU path of `true_on_policy`, and the oracle of the kernels.
 * `triton` — the batch-invariant Triton kernel (grouped_triton.py): fixed tiles per dtype, one program per
-  (row tile of one expert, column tile), K reduced in BLOCK_K steps, no split-K. The GPU path of
-  `true_on_policy`.
+  (row tile of one expert, column tile), K reduced in BLOCK_K steps folded per SPLIT_K split inline
+  (bi_linear's one-program order; no split-K schedule). The GPU path of `true_on_policy`.
 * `grouped_mm` — torch's grouped matmul (`torch._grouped_mm`: CUTLASS on sm_90, a loop of GEMMs on CPU):
   the fastest, its tile choice may follow the group sizes, so it promises no batch invariance. `fast` mode.
 
@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from kernels.batch_invariant.errors import BatchInvariantInputError
+from kernels.batch_invariant.reference import split_k_sum
 
 GroupedImpl = Literal["auto", "reference", "triton", "grouped_mm"]
 IMPLS = ("auto", "reference", "triton", "grouped_mm")
@@ -78,7 +79,7 @@ def reference(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> to
         for r0 in range(0, m, ROW_CHUNK):
             r1 = min(r0 + ROW_CHUNK, m)
             w32 = columns[experts[r0:r1]].float()  # [R, C, K]
-            out[r0:r1, c0:c1] = (x[r0:r1].float().unsqueeze(1) * w32).sum(-1)
+            out[r0:r1, c0:c1] = split_k_sum(x[r0:r1].float().unsqueeze(1), w32)
     return out
 
 

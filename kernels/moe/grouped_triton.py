@@ -3,8 +3,9 @@
 A row's output is its dot product with its expert's weight rows, accumulated in fp32 over K in BLOCK_K
 steps by the same `tl.dot` shapes whatever the rest of the call holds: the tiles come from
 `triton_launch.matmul_config` (a function of dtype, weight rows and platform, never of the row count,
-the config `bi_linear` uses, so an expert's rows get `bi_linear`'s bits for that expert's weight), there
-is no split-K, a tile never mixes experts (a tile's rows are one expert's, masked at the group's end),
+the config `bi_linear` uses, and its K loop, splits folded inline: so an expert's rows get `bi_linear`'s
+bits for that expert's weight), there is no split-K schedule, a tile never mixes experts (a tile's rows
+are one expert's, masked at the group's end),
 and the row count is `do_not_specialize`.
 
 The tile list is built on the device from the per-expert counts (no host sync, so a decode step that
@@ -18,13 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.batch_invariant.fused_kernels import _k_loop
+from kernels.batch_invariant.triton_kernels import _split_k_loop
 from kernels.batch_invariant.triton_launch import (
     INTERPRETED,
     _device_scope,
     _last_dim_contiguous,
     _platform,
     matmul_config,
+    matmul_split_steps,
     triton_cdiv,
 )
 
@@ -33,7 +35,7 @@ from kernels.batch_invariant.triton_launch import (
 def bi_grouped_matmul_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, M, N, K,
                              stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_om, stride_on,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                             SPLIT_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """out[r, :] = x[r, :] @ w[e(r)].T for the rows [start, end) of one tile, all of expert e."""
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
@@ -45,8 +47,9 @@ def bi_grouped_matmul_kernel(x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_start_
     m_ok = offs_m < end
     n_ok = offs_n < N
     # bi_linear's own K loop over the expert's weight: the rows get bi_linear's bits for that weight.
-    acc = _k_loop(x_ptr, w_ptr + expert * stride_we, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk, stride_wn,
-                  stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, INTERPRETED)
+    acc = _split_k_loop(x_ptr, w_ptr + expert * stride_we, offs_m, offs_n, m_ok, n_ok, K, stride_xm, stride_xk,
+                        stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_STEPS, False, DOT_PRECISION,
+                        INTERPRETED)
     out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -89,6 +92,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
             x, weight, out, tile_expert, tile_start, tile_end, m, n, k,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), out.stride(0),
             out.stride(1), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED, num_warps=cfg.num_warps,
+            SPLIT_STEPS=matmul_split_steps(cfg), DOT_PRECISION=cfg.dot_precision, INTERPRETED=INTERPRETED,
+            num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     return out

@@ -29,7 +29,7 @@ def test_every_kernel_compiles_for_mi300_and_hopper(request, repo_root):
     for kernel in ("logprob_partials_kernel", "logprob_merge_kernel", "logprob_backward_kernel",
                    "bi_matmul_kernel", "bi_rms_norm_kernel", "bi_attention_kernel", "_gumbel_argmax_kernel",
                    "bi_grouped_matmul_kernel", "sha256_blocks_kernel", "bi_decode_split_kernel",
-                   "bi_decode_combine_kernel"):
+                   "bi_decode_combine_kernel", "bi_matmul_combine_kernel"):
         assert {(kernel, "hip:gfx942:w64"), (kernel, "cuda:90:w32")} <= triton_targets
     assert all(r["binary"] == ("hsaco" if r["target"].startswith("hip") else "cubin") and r["bytes"] > 0
                for r in report["results"] if r["kind"] == "triton")

@@ -128,3 +128,47 @@ def test_gate_up_epilogue_is_torchs_silu_for_every_bf16_gate():
     # Signed zeros and subnormals may come out of the MMA as +0; every other value passes through exactly.
     assert (gate.view(torch.int16) == every.view(n, n).view(torch.int16)).float().mean() > 0.99
     assert_bitwise(gate_up(x, wg, wu), F.silu(gate) * up, "silu over every bf16 value")
+
+
+# (K, N) of every decode projection bi_linear serves at the 0.6B and 4B shapes, and the lm_head (wide tiles).
+LINEAR = {"0.6b_q": (1024, 2048), "0.6b_o": (2048, 1024), "0.6b_down": (3072, 1024), "4b_down": (9728, 2560),
+          "lm_head": (1024, 151936)}
+
+
+@pytest.mark.parametrize("shape", sorted(LINEAR))
+def test_split_k_schedule_gives_bi_linears_one_program_bits(shape):
+    """bi_linear forced onto split-K (one program per tile and split, then the combine) equals the one-program
+    schedule bit for bit, for every row alone and in batches; the launcher takes split-K at one row."""
+    from kernels.batch_invariant import triton_launch
+
+    k, n = LINEAR[shape]
+    g = _gen(5)
+    x = _randn(256, k, g=g)
+    w, b = _randn(n, k, g=g, scale=k ** -0.5), _randn(n, g=g)
+    one = triton_launch.linear(x, w, b, split_k=False)
+    assert_bitwise(triton_launch.linear(x, w, b, split_k=True), one, f"{shape} split-K, 256 rows")
+    for m in ROW_COUNTS[:-1]:
+        idx = torch.randperm(256, device="cuda", generator=g)[:m]
+        assert_bitwise(triton_launch.linear(x[idx], w, b, split_k=True), one[idx], f"{shape} split-K M={m}")
+        assert_bitwise(bi_linear(x[idx], w, b), one[idx], f"{shape} auto M={m}")
+    if n < triton_launch.WIDE_N:
+        cfg = triton_launch.matmul_config(torch.bfloat16, n, "cuda")
+        assert triton_launch.split_k_plan(cfg, k, 1, triton_launch.triton_cdiv(n, cfg.block_n), x.device,
+                                          None).partial, "one row of a decode projection runs split-K"
+
+
+@pytest.mark.parametrize("group", sorted(GROUPED))
+def test_split_k_schedule_gives_the_fused_projections_one_program_bits(group):
+    k, ns = GROUPED[group]
+    g = _gen(6)
+    x = _randn(256, k, g=g)
+    ws = [_randn(n, k, g=g, scale=k ** -0.5) for n in ns]
+    one = grouped_linear(x, ws, split_k=False)
+    assert_bitwise(grouped_linear(x, ws, split_k=True), one, f"{group} split-K, 256 rows")
+    wg, wu = (_randn(INTERMEDIATE, k, g=g, scale=2 * k ** -0.5) for _ in range(2))
+    mlp = gate_up(x, wg, wu, split_k=False)
+    assert_bitwise(gate_up(x, wg, wu, split_k=True), mlp, f"gate_up K={k} split-K, 256 rows")
+    for m in ROW_COUNTS[:-1]:
+        idx = torch.randperm(256, device="cuda", generator=g)[:m]
+        assert_bitwise(grouped_linear(x[idx], ws, split_k=True), one[idx], f"{group} split-K M={m}")
+        assert_bitwise(gate_up(x[idx], wg, wu, split_k=True), mlp[idx], f"gate_up K={k} split-K M={m}")
