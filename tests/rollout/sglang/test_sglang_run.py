@@ -343,6 +343,23 @@ def sglang_counter(url: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def test_a_scorer_refuses_a_reward_model_on_sglang_before_launching_anything(stack, tmp_path):
+    from tests.coordinator.rewards.test_reward_spec import reward_model_dir
+
+    rm = reward_model_dir(tmp_path)
+    scorer_pid = stack.scorer_replicas[0].proc.pid
+    children = processes_of(scorer_pid)
+    with sync_channel(stack.scorer_addresses[0], stack.token) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.RolloutStub(channel).LoadModel(pb.LoadModelRequest(
+                run_id="rm-on-sglang", model_path=str(rm), policy_version=0,
+                engine_config_json=json.dumps({"engine": "sglang", "platform": "cpu"})), timeout=120)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert err.value.details().startswith("engine_config_json.engine: SGLang cannot serve"), err.value.details()
+    assert "Qwen3ForSequenceClassification" in err.value.details()
+    assert processes_of(scorer_pid) == children  # no server launched
+
+
 def test_a_judge_served_by_sglang_rewards_a_run_traced_to_its_score_calls(client, model_dir, stack, sglang_engine):
     # The untrained session model is the judge: what it writes is whatever it writes, so the test holds the
     # accounting to what the verdicts were (a digit is a score, anything else an unparsable drop), not to a value.
