@@ -338,6 +338,15 @@ class RewardModelEngineConfig(BaseModel):
         return parse_engine_config(cls, text)
 
 
+SGLANG_REWARD_MODEL_REFUSAL = (
+    "SGLang cannot serve this project's reward models: its Qwen2ForSequenceClassification and "
+    "Qwen3ForSequenceClassification (0.5.23) give the one-label head a bias that a Hugging Face checkpoint does "
+    "not have and leave it at its random initialization, so every score would be off by a constant that is not "
+    "in the model's files (docs/rewards.md); use engine 'reward_model'")
+"""Why a reward model is not served by engine 'sglang': refused at submit (reward.reward_model.engine) and by a
+scorer replica asked to load a sequence classifier on SGLang."""
+
+
 ENGINE_OPTIONS: dict[str, type[BaseModel]] = {
     "torch": TorchEngineConfig,
     "sglang": SGLangEngineConfig,

@@ -145,7 +145,7 @@ class LocalStack:
         self.scorer_ports = [free_port() for _ in self.scorers]
         self.scorer_replicas = [ServiceProcess(f"scorer{i}", [
             self.python, "-m", *module, "--grpc-port", str(port), "--metrics-port", "0", "--num-threads", threads,
-            "--model-roots", roots, "--role", "scorer",
+            "--model-roots", roots, "--role", "scorer", "--sglang-weights-dir", str(self.run_dir / "sglang-weights"),
         ], env, logs / f"scorer{i}.log") for i, (module, port) in enumerate(zip(self.scorers, self.scorer_ports))]
         scorer_args = (["--scorer-addresses", ",".join(self.scorer_addresses)] if self.scorers else [])
         self.coordinator = ServiceProcess("coordinator", [

@@ -52,7 +52,7 @@ class RolloutServiceConfig(AuthSetting):
     role: Literal["policy", "scorer"] = Field(
         "policy",
         description="'policy': generates the run's rollouts (Generate) and follows the trainer's weights. 'scorer': "
-        "serves a reward model (engine reward_model) or a generative judge (engine torch) through Score "
+        "serves a reward model (engine reward_model) or a generative judge (engine torch or sglang) through Score "
         "(docs/rewards.md); it refuses Generate and every weight update, and a policy replica refuses Score.",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level of the JSON logs.")

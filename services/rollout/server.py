@@ -82,7 +82,7 @@ from services.rollout.config import RolloutServiceConfig
 from services.rollout.engine import DeviceUnavailable, Engine, EngineUnavailable
 from services.rollout.episodes.requests import episode_request_from_proto, episodes_to_proto
 from services.rollout.registry import build_engine
-from services.rollout.scorer.role import ScorerRole
+from services.rollout.scorer.role import ScorerRole, check_scorer_engine
 from services.rollout.weights.broadcast_receiver import (
     BroadcastReceiveFailed,
     checked_plan,
@@ -219,11 +219,9 @@ class RolloutServicer(pb_grpc.RolloutServicer):
     @rpc_handler(ERRORS, "LoadModel")
     async def LoadModel(self, request: pb.LoadModelRequest, context: grpc.aio.ServicerContext) -> pb.LoadModelResponse:
         name, options = split_engine_config(request.engine_config_json, self.config.engine)
-        scorer_engine = name in ("reward_model", "torch") if self.config.role == "scorer" else name != "reward_model"
-        if not scorer_engine:
-            raise ValueError(f"engine_config_json.engine: {name!r} cannot be loaded by a replica of role "
-                             f"{self.config.role!r}")
-        model_path = str(resolve_inside(request.model_path, self.config.model_roots, "model_path"))
+        resolved = resolve_inside(request.model_path, self.config.model_roots, "model_path")
+        check_scorer_engine(self.config.role, name, resolved)  # before anything is built or launched
+        model_path = str(resolved)
         async with self._lock:
             old = self.engine
             try:

@@ -1,6 +1,6 @@
 """The reward-model engine of a scorer replica, on CPU: a batch scores as its items one at a time (padding
 changes nothing but rounding), items render through the chat template, and a model that is not a one-label
-classifier with a chat template, or a weight update, is refused naming why."""
+classifier with a chat template, or a weight update, is refused naming why; so is a reward model on SGLang."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from services.rollout.scorer.reward_model import RewardModelEngine
-from services.rollout.scorer.role import check_score_request, weight_files_sha256
+from recipes.tiny_model import build_model_dir
+from services.rollout.scorer.role import check_score_request, check_scorer_engine, weight_files_sha256
 from proto import lockstep_pb2 as pb
 from tests.coordinator.rewards.test_reward_spec import reward_model_dir
 
@@ -77,5 +78,23 @@ def test_the_weights_digest_follows_the_files_and_requests_are_checked(rm, tmp_p
         check_score_request(pb.ScoreRequest(items=[item], judge_template="{answer}", max_new_tokens=4), "torch")
     with pytest.raises(ValueError, match="max_new_tokens"):
         check_score_request(pb.ScoreRequest(items=[item], judge_template="{response}"), "torch")
+    with pytest.raises(ValueError, match="judge_template"):  # SGLang serves judges: the same checks as torch
+        check_score_request(pb.ScoreRequest(items=[item], judge_template="{answer}", max_new_tokens=4), "sglang")
+    check_score_request(pb.ScoreRequest(items=[item], judge_template="{response}", max_new_tokens=4), "sglang")
     with pytest.raises(ValueError, match="does not score"):
-        check_score_request(pb.ScoreRequest(items=[item]), "sglang")
+        check_score_request(pb.ScoreRequest(items=[item]), "another")
+
+
+def test_a_reward_model_on_sglang_is_refused_before_anything_launches(rm, tmp_path):
+    with pytest.raises(ValueError, match=r"engine_config_json.engine: SGLang cannot serve .*random initialization"
+                                         r".*Qwen3ForSequenceClassification"):
+        check_scorer_engine("scorer", "sglang", rm)
+    judge = build_model_dir(tmp_path / "judge", seed=0)
+    check_scorer_engine("scorer", "sglang", judge)  # a causal LM: a judge SGLang serves
+    check_scorer_engine("scorer", "torch", judge)
+    check_scorer_engine("scorer", "reward_model", rm)
+    check_scorer_engine("policy", "sglang", rm)  # a policy replica's own load refuses what it cannot generate with
+    with pytest.raises(ValueError, match="role 'policy'"):
+        check_scorer_engine("policy", "reward_model", rm)
+    with pytest.raises(ValueError, match="role 'scorer'"):
+        check_scorer_engine("scorer", "another", judge)

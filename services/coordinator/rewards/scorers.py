@@ -65,7 +65,7 @@ class ScorerGroup:
         return [c for c in self.clients if c.address not in self.evicted]
 
     def engine_json(self) -> str:
-        return json.dumps({"engine": self.spec.engine_name, **self.spec.engine_options})
+        return json.dumps({"engine": self.spec.engine, **self.spec.engine_options})
 
     async def start(self) -> dict[str, str]:
         """Load the source's model on every replica not yet holding it for this run; evict the unreachable;
@@ -88,7 +88,7 @@ class ScorerGroup:
         if len(set(digests.values())) > 1:
             raise RunFailed(f"reward.{self.source}: scorer replicas loaded different weights: {digests}")
         self.identity = {"source": self.source, "model_path": self.spec.model_path,
-                         "weights_sha256": next(iter(digests.values())), "engine": self.spec.engine_name}
+                         "weights_sha256": next(iter(digests.values())), "engine": self.spec.engine}
         if self.judge:
             self.identity["template_sha256"] = template_sha256(self.spec.template)
         return self.identity
@@ -99,7 +99,7 @@ class ScorerGroup:
             raise RunFailed(f"reward.{self.source}: replica {client.address} is not a scorer (role "
                             f"{info.details.get('role', '?')!r})")
         if info.run_id != self.run_id or info.model_path != self.spec.model_path or not info.details.get(
-                "weights_sha256") or info.details.get("engine") != self.spec.engine_name:
+                "weights_sha256") or info.details.get("engine") != self.spec.engine:
             info = await client.load_model(self.run_id, self.spec.model_path, 0, self.engine_json())
         digest = info.details.get("weights_sha256", "")
         if not digest:

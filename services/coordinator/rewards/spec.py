@@ -15,11 +15,12 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from typing import ClassVar, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from contract.engine_options import EngineConfigError, check_engine_options
+from contract.command_line import check_arg_value
+from contract.engine_options import SGLANG_REWARD_MODEL_REFUSAL, EngineConfigError, check_engine_options
 from contract.judge_template import MAX_TEMPLATE_CHARS, check_template
 from services.common.float32_fields import Float32
 from services.common.models.directory import check_model_dir
@@ -82,16 +83,19 @@ class ScorerSpec(StrictModel):
                                 "scorer_addresses. Empty: every configured scorer replica (a combination of a "
                                 "reward model and a judge must name disjoint replicas: one replica holds one "
                                 "model).")
+    engine: str = Field("", description="The engine the scorer replicas load the model with (each subclass "
+                        "names those it accepts).")
     engine_options: dict = Field(default_factory=dict, description="Options of the scorer's engine, checked "
                                  "against its options model at submit (as LoadModel will).")
 
-    engine_name: ClassVar[str] = "abstract"
-
     @field_validator("engine_options")
     @classmethod
-    def _engine_accepts(cls, v: dict) -> dict:
+    def _engine_accepts(cls, v: dict, info: ValidationInfo) -> dict:
+        engine = info.data.get("engine")
+        if engine is None:  # a bad engine is reported on its own field
+            return v
         try:
-            check_engine_options(cls.engine_name, json.dumps(v))
+            check_engine_options(engine, json.dumps(v))
         except EngineConfigError as exc:
             raise ValueError("; ".join(f"{option or '(options)'}: {reason}" for option, reason in exc.fields)) \
                 from None
@@ -106,13 +110,25 @@ class ScorerSpec(StrictModel):
 
 
 class RewardModelSpec(ScorerSpec):
-    engine_name: ClassVar[str] = "reward_model"
+    engine: Literal["reward_model"] = Field("reward_model", description="'reward_model': the scorer replica's "
+                                            "embedded sequence-classification engine (services/rollout/scorer). "
+                                            "'sglang' is refused, naming why (docs/rewards.md).")
     score_range: ScoreRange | None = Field(None, description="Scores outside it are refused (counted as "
                                            "out_of_range, never trained on). null: any finite score.")
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _not_sglang(cls, v: object) -> object:
+        if v == "sglang":
+            raise ValueError(SGLANG_REWARD_MODEL_REFUSAL)
+        return v
+
 
 class JudgeSpec(ScorerSpec):
-    engine_name: ClassVar[str] = "torch"
+    engine: Literal["torch", "sglang"] = Field("torch", description="'torch': the embedded engine's continuous "
+                                               "scheduler decodes the verdicts; 'sglang': an SGLang server the "
+                                               "scorer replica starts (or attaches to) from the operator's SGLang "
+                                               "configuration, as a policy replica does. Either decodes greedily.")
     template: str = Field(..., min_length=1, max_length=MAX_TEMPLATE_CHARS, description="The judge's prompt: "
                           "{prompt}, {response} and {reference} are replaced by the item's texts; nothing else "
                           "is interpreted. Must contain {response}.")
@@ -124,6 +140,17 @@ class JudgeSpec(ScorerSpec):
     @classmethod
     def _renders(cls, v: str) -> str:
         return check_template(v)
+
+    @model_validator(mode="after")
+    def _sglang_model_path_fits_a_command_line(self) -> "JudgeSpec":
+        # An SGLang scorer launches its server with --model-path=<this directory>: the path keeps the grammar of
+        # every run-chosen command-line value, as RunSpec checks the policy's (contract/command_line.py).
+        if self.engine == "sglang":
+            try:
+                check_arg_value(self.model_path, "model_path")
+            except ValueError as exc:
+                raise field_error("reward.judge.model_path", str(exc).removeprefix("model_path: ")) from None
+        return self
 
 
 class RewardWeights(StrictModel):

@@ -36,7 +36,8 @@ def reward_model_dir(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("reward_spec")
-    return {"policy": build_model_dir(root / "policy", seed=0), "rm": reward_model_dir(root), "root": root}
+    return {"policy": build_model_dir(root / "policy", seed=0), "rm": reward_model_dir(root), "root": root,
+            "spaced": build_model_dir(root / "judge dir", seed=0)}
 
 
 def spec(dirs: dict, reward: dict) -> dict:
@@ -107,6 +108,14 @@ def test_a_reward_model_and_a_judge_and_their_combination_are_accepted_and_round
     ({"kind": "combination", "weights": {"reward_model": 1.0, "judge": 1.0},
       "reward_model": {"model_path": "{rm}"}, "judge": {"model_path": "{policy}", **JUDGE}},
      "reward.judge.replicas"),
+    ({"kind": "judge", "judge": {"model_path": "{policy}", **JUDGE, "engine": "vllm"}}, "reward.judge.engine"),
+    ({"kind": "judge", "judge": {"model_path": "{policy}", **JUDGE, "engine": "sglang",
+                                 "engine_options": {"platform": "cpu", "python": "/bin/sh"}}},
+     "reward.judge.engine_options"),
+    ({"kind": "judge", "judge": {"model_path": "{policy}", **JUDGE, "engine": "torch",
+                                 "engine_options": {"platform": "cpu"}}}, "reward.judge.engine_options"),
+    ({"kind": "judge", "judge": {"model_path": "{spaced}", **JUDGE, "engine": "sglang"}}, "reward.judge.model_path"),
+    ({"kind": "reward_model", "reward_model": {"model_path": "{rm}", "engine": "torch"}}, "reward.reward_model.engine"),
     ({"kind": "reward_model", "reward_model": {"model_path": "{rm}"}, "max_attempts": 0}, "reward.max_attempts"),
     ({"kind": "reward_model", "reward_model": {"model_path": "{rm}"}, "timeout_s": 0}, "reward.timeout_s"),
     ({"kind": "reward_model", "reward_model": {"model_path": "{rm}"}, "max_failed_fraction": 1.5},
@@ -115,9 +124,22 @@ def test_a_reward_model_and_a_judge_and_their_combination_are_accepted_and_round
 ])
 def test_a_bad_reward_section_is_refused_naming_the_field(dirs, reward, field):
     text = json.dumps(reward).replace("{policy}", str(dirs["policy"])).replace("{rm}", str(dirs["rm"])) \
-        .replace("{missing}", str(dirs["root"] / "nope"))
+        .replace("{missing}", str(dirs["root"] / "nope")).replace("{spaced}", str(dirs["spaced"]))
     fields = refused(dirs, json.loads(text))
     assert any(f["field"] == field or f["field"].startswith(field + ".") for f in fields), fields
+
+
+def test_a_judge_names_its_engine_and_a_reward_model_on_sglang_is_refused_saying_why(dirs):
+    judge = {"kind": "judge", "judge": {"model_path": str(dirs["policy"]), "engine": "sglang",
+                                        "engine_options": {"platform": "cpu", "startup_timeout_s": 60}, **JUDGE}}
+    parsed = accepted(dirs, judge)
+    assert parsed.reward.judge.engine == "sglang" and parsed.reward.judge.engine_options["startup_timeout_s"] == 60
+    assert RunSpec.model_validate_json(parsed.model_dump_json()).model_dump() == parsed.model_dump()
+    assert accepted(dirs, {**judge, "judge": {**judge["judge"], "engine": "torch", "engine_options": {}}}
+                    ).reward.judge.engine == "torch"
+    fields = refused(dirs, {"kind": "reward_model", "reward_model": {"model_path": str(dirs["rm"]), "engine": "sglang"}})
+    assert [f["field"] for f in fields] == ["reward.reward_model.engine"], fields
+    assert "random initialization" in fields[0]["reason"] and "engine 'reward_model'" in fields[0]["reason"]
 
 
 def test_a_model_reward_without_scorer_replicas_is_refused_naming_reward_kind(dirs):

@@ -8,11 +8,15 @@ are broadcast over a gloo group into the SGLang server, and one whose SGLang
 server is SIGKILLed while a Generate is in flight; a multi-turn run then reuses
 the server the previous run with the same options left. A spec that would put its
 own flags on the server's command line is refused before any process starts.
+Last, a run rewarded by a judge on SGLang: the stack's scorer replica attaches to
+the session's SGLang server (tests/rollout/conftest.py), so no server starts for it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,9 +32,11 @@ from contract.engine_options import SGLangEngineConfig
 from contract.platforms import SGLangPlatformConfig
 from contract.sglang_command import engine_run_options, server_command
 from proto import lockstep_pb2 as pb
+from proto import lockstep_pb2_grpc as pb_grpc
 from recipes.tiny_model import build_model_dir
 from services.cli.client import ApiError
 from services.common.grpc.options import sync_channel
+from services.common.records.step_record import read_step_record
 from services.common.platform import Platform, sglang_launch_plan
 from services.local_stack import LocalStack
 from services.rollout.registry import ENGINES
@@ -42,12 +48,26 @@ STEPS, PROMPTS, SAMPLES = 3, 4, 4
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def stack(tmp_path_factory, sglang_engine):
     require(Path(default_python()).is_file(),
             f"SGLang virtualenv not built ({default_python()} missing): run `make sglang-venv`")
     require("sglang" in ENGINES, "services/rollout/registry.py does not register the 'sglang' engine")
-    with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=[tmp_path_factory.getbasetemp()]) as s:
-        yield s
+    # The judge's scorer replica attaches to the session's SGLang server (tests/rollout/conftest.py) with the
+    # operator's flags (--sglang-url, --sglang-api-key-file) instead of starting a server of its own: a start
+    # is a minute of CPU here. That server's model directory is the judge's, so it is inside the stack's roots.
+    session = sglang_engine
+    key = tmp_path_factory.mktemp("judge_key") / "sglang_api_key"
+    key.touch(mode=0o600)
+    key.write_text(session._api_key)  # the session engine's generated key, held in memory only
+    scorer = ("services.rollout", "--sglang-url", session.url, "--sglang-api-key-file", str(key))
+    roots = [tmp_path_factory.getbasetemp(), Path(session.model_path).parent]
+    try:
+        with LocalStack(tmp_path_factory.mktemp("stack"), path_roots=roots, scorers=[scorer]) as s:
+            yield s
+    finally:
+        # The judge's load put the session model's weights on the server as version 0: the session engine's
+        # own weights and version go back, for the modules that use the server after this one.
+        session.update_weights_from_path(session.weights_path, session.policy_version)
 
 
 @pytest.fixture(scope="module")
@@ -310,3 +330,89 @@ def test_a_multi_turn_run_goes_through_the_sglang_server(client, model_dir, stac
     assert abs(m["iw_mean"] - 1) <= 1e-4 and m["logprob_abs_diff_max"] <= 1e-4, m
     # Same options, same model: the run was served by that server, not by a new one.
     assert left is None or sglang_server_of(stack.rollouts[0].proc.pid)[0] == left
+
+
+# ------------------------------------------------------------------------------- a judge on SGLang --
+
+JUDGE_TEMPLATE = "{prompt}{response}={reference}:"
+JUDGE_PATTERN = r"(\d)"
+
+
+def sglang_counter(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_scorer_refuses_a_reward_model_on_sglang_before_launching_anything(stack, tmp_path):
+    from tests.coordinator.rewards.test_reward_spec import reward_model_dir
+
+    rm = reward_model_dir(tmp_path)
+    scorer_pid = stack.scorer_replicas[0].proc.pid
+    children = processes_of(scorer_pid)
+    with sync_channel(stack.scorer_addresses[0], stack.token) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.RolloutStub(channel).LoadModel(pb.LoadModelRequest(
+                run_id="rm-on-sglang", model_path=str(rm), policy_version=0,
+                engine_config_json=json.dumps({"engine": "sglang", "platform": "cpu"})), timeout=120)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert err.value.details().startswith("engine_config_json.engine: SGLang cannot serve"), err.value.details()
+    assert "Qwen3ForSequenceClassification" in err.value.details()
+    assert processes_of(scorer_pid) == children  # no server launched
+
+
+def test_a_judge_served_by_sglang_rewards_a_run_traced_to_its_score_calls(client, model_dir, stack, sglang_engine):
+    # The untrained session model is the judge: what it writes is whatever it writes, so the test holds the
+    # accounting to what the verdicts were (a digit is a score, anything else an unparsable drop), not to a value.
+    judge_model = Path(sglang_engine.model_path).resolve()
+    requests_before = sglang_counter(sglang_engine.url, "sglang:num_requests_total")
+    body = spec(model_dir, "sglang-judge", steps=1)
+    body["debug"] = {"record_trajectories": True}
+    body["reward"] = {"kind": "judge", "max_attempts": 1, "max_failed_fraction": 1.0, "judge": {
+        "model_path": str(judge_model), "engine": "sglang", "engine_options": {"platform": "cpu"},
+        "template": JUDGE_TEMPLATE, "parser": {"kind": "regex", "pattern": JUDGE_PATTERN},
+        "score_range": {"low": 0, "high": 9}, "max_new_tokens": 16}}
+    run = client.submit(body)
+    done = client.wait(run["id"], timeout_s=900)
+    assert done["status"] == "completed", (done, stack.scorer_replicas[0].tail())
+    identity = client.run(run["id"])["fingerprint"]["reward_scorers"]
+    assert [(i["engine"], i["model_path"], i["template_sha256"]) for i in identity] == [
+        ("sglang", str(judge_model), hashlib.sha256(JUDGE_TEMPLATE.encode()).hexdigest())]
+
+    # The scorer replica serves the judge through the session's server, attached as the operator configured it.
+    with sync_channel(stack.scorer_addresses[0], stack.token) as channel:
+        info = pb_grpc.RolloutStub(channel).Info(pb.InfoRequest(), timeout=30)
+    assert (info.details["role"], info.details["engine"], info.details["attached"], info.details["url"]) == (
+        "scorer", "sglang", "true", sglang_engine.url)
+
+    # Every sample's reward is its verdict's digit, from a Score call the scorer logged; no digit: dropped.
+    lines = (stack.run_dir / "coordinator" / run["id"] / "rewards" / "step_000001.jsonl").read_text().splitlines()
+    rows = {r["sample_id"]: r for r in map(json.loads, lines[1:])}
+    assert len(rows) == PROMPTS * SAMPLES
+    logged = {json.loads(line).get("call_id") for line in
+              (stack.run_dir / "logs" / "scorer0.log").read_text().splitlines() if '"scored"' in line}
+    rewards = {}
+    for sample_id, row in rows.items():
+        part = row["parts"]["judge"]
+        assert part["call_id"] in logged and part["call_id"].startswith(f"{run['id']}/s1/judge/"), part
+        assert part["replica"] == stack.scorer_addresses[0] and part["attempts"] == 1 and not part.get("cached")
+        found = re.search(JUDGE_PATTERN, part["verdict"])
+        if found is None:
+            assert row["dropped"] == "unparsable", row
+        else:
+            assert part["score"] == float(found.group(1)) and row["reward"] == part["score"], row
+            rewards[sample_id] = row["reward"]
+    assert rewards, "no verdict held a digit: nothing in the run was rewarded by the judge"
+    (m,) = [s["metrics"] for s in client.metrics(run["id"])["steps"]]
+    assert m["trajectories_trained"] == len(rewards), (m, rewards)
+    assert m["reward_dropped"] == PROMPTS * SAMPLES - len(rewards) == m.get("reward_dropped_unparsable", 0), m
+    record = stack.run_dir / "record.pb"
+    record.write_bytes(client.step_record(run["id"], 1))
+    _, chunks = read_step_record(record)
+    assert {c.trajectory.sample_id: c.trajectory.reward for c in chunks if c.HasField("trajectory")} == rewards
+
+    # One greedy /generate per item, on the session's server (SGLang's own request counter).
+    deadline = time.monotonic() + 30
+    while sglang_counter(sglang_engine.url, "sglang:num_requests_total") - requests_before < len(rows):
+        assert time.monotonic() < deadline, "the session's SGLang server did not count the judge's requests"
+        time.sleep(0.2)
+    assert sglang_counter(sglang_engine.url, "sglang:num_requests_total") - requests_before == len(rows)
