@@ -34,6 +34,9 @@ if str(REPO_ROOT) not in sys.path:
 # nothing: a 2-thread reward-model build took 176 CPU-seconds spinning against 19 passive, with the same bits
 # (the policy changes how threads wait, not how work is split). It must be set before torch loads libgomp.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The sandbox tests fork this process to run bubblewrap as nobody; with gRPC's fork support on, a child may
+# restart gRPC's poller threads and fail (services/coordinator/__main__.py says how often). Before gRPC loads.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 # Without a GPU the Triton kernels run in Triton's interpreter, which Triton decides when it is first
 # imported (its own library functions are decorated then). Modules the tests import may import Triton

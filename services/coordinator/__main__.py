@@ -1,16 +1,25 @@
 """`python -m services.coordinator`: parse -> build -> run -> close."""
 from __future__ import annotations
 
-import gc
+import os
 
-import uvicorn
+# The code task's sandbox forks this process (to run bubblewrap as nobody), and with gRPC's fork support on
+# (grpcio's default) a forked child may restart gRPC's poller threads and race them against closing its
+# descriptors: measured, 5 of 300 such forks of a process holding a gRPC server and channel failed
+# ("epoll_wait error: Bad file descriptor"), 0 of 300 with it off. Nothing here uses gRPC across a fork.
+# It must be set before gRPC is first imported.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from services.common.auth import load_token_or_exit
-from services.common.process.service_config import parse_service_config
-from services.common.process.structured_logging import configure_logging
-from services.coordinator.config import CoordinatorConfig
-from services.coordinator.http.api import create_app
-from services.coordinator.tasks import preload_tasks
+import gc  # noqa: E402
+
+import uvicorn  # noqa: E402
+
+from services.common.auth import load_token_or_exit  # noqa: E402
+from services.common.process.service_config import parse_service_config  # noqa: E402
+from services.common.process.structured_logging import configure_logging  # noqa: E402
+from services.coordinator.config import CoordinatorConfig  # noqa: E402
+from services.coordinator.http.api import create_app  # noqa: E402
+from services.coordinator.tasks import preload_tasks  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
