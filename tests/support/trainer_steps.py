@@ -22,6 +22,7 @@ from services.trainer.data.wire import StepRequest, decode_trajectory
 from services.trainer.loss.surrogate import group_advantages
 from tests.trainer.trainer_support import make_episodes, rollout_logprobs
 
+RPC_CEILING_S = 600
 CONFIG = {"lr": 1e-2, "microbatch_tokens": 12, "grad_clip": 1.0}
 RUN, SEED, STEPS = "ranks-parity", 5, 3
 
@@ -67,13 +68,15 @@ def one_rank_metrics(model_dir: Path, streams: list[list[pb.TrainStepChunk]]) ->
 def grpc_metrics(address: str, token: BearerToken, model_dir: Path,
                  streams: list[list[pb.TrainStepChunk]]) -> list[dict[str, float]]:
     """The steps on the trainer serving at `address`, as its TrainStep answers report them."""
+    # Deadlines are ceilings for a hung trainer, never waited out by a healthy one: four ranks configure in
+    # seconds alone but took over 120 s on CI's two cores beside the unit and stack processes.
     channel = sync_channel(address, token)
     try:
         stub = pb_grpc.TrainerStub(channel)
-        stub.Health(pb.HealthRequest(), timeout=240, wait_for_ready=True)
+        stub.Health(pb.HealthRequest(), timeout=RPC_CEILING_S, wait_for_ready=True)
         stub.ConfigureRun(pb.ConfigureRunRequest(run_id=RUN, model_path=str(model_dir), seed=SEED,
-                                                 trainer_config_json=json.dumps(CONFIG)), timeout=120)
-        return [dict(stub.TrainStep(iter(chunks), timeout=120).metrics) for chunks in streams]
+                                                 trainer_config_json=json.dumps(CONFIG)), timeout=RPC_CEILING_S)
+        return [dict(stub.TrainStep(iter(chunks), timeout=RPC_CEILING_S).metrics) for chunks in streams]
     finally:
         channel.close()
 
