@@ -182,8 +182,6 @@ SLOW_TESTS = {
         "large float64 references",
     "tests/kernels/logprob/test_logprob_linear.py::test_a_token_does_not_depend_on_the_rest_of_the_call":
         "many calls of the fused head",
-    "tests/kernels/batch_invariant/test_batch_invariant_triton.py::test_triton_decode_equals_triton_packed_at_every_position":
-        "a decode per position in Triton's interpreter",
     "tests/common/weights/test_weight_stream_buffers.py::"
     "test_the_finite_check_finds_a_bad_value_wherever_chunks_cut_the_tensor": "one stream per cut",
 }

@@ -67,6 +67,21 @@ def decode_rows_of_sequences(q, k, v, lengths, cap: int, fill: float):
     return q, kc, vc, lens.to(k.device)
 
 
+def edge_positions(lengths, key_block: int) -> list[int]:
+    """Packed rows of the positions where a decode row's path can change: each sequence's first two and last two
+    positions and its middle, and both sides of every key-block edge it holds (a block's last key, the next
+    one's first). A decode row of position t walks ceil((t + 1) / key_block) blocks with the last one masked at
+    t + 1, so positions between these take a path some of them already take."""
+    rows, start = [], 0
+    for n in lengths:
+        picked = {0, 1, n // 2, n - 2, n - 1}
+        for edge in range(key_block, n, key_block):
+            picked |= {edge - 1, edge}
+        rows += [start + t for t in sorted(picked) if 0 <= t < n]
+        start += n
+    return rows
+
+
 def check_rotary_row_invariance(device: str) -> None:
     """HF Qwen3's rotary embedding gives a position the same cos/sin bits in any batch, and applying it is elementwise.
 

@@ -2,7 +2,8 @@
 
 Keys of each sequence are scattered over pages of a NaN-filled pool in a shuffled order. Then, bit for bit and
 per implementation (pure torch; Triton interpreted on CPU, compiled on a GPU):
-- paged decode at every position == packed attention over the whole sequence == dense decode;
+- paged decode at every position (the Triton kernels in the interpreter: at each page edge, each sequence's ends
+  and middle) == packed attention over the whole sequence == dense decode;
 - paged prefill of a sequence split into chunks at any point == packed attention;
 and the Triton kernels agree with the reference within a dtype tolerance.
 """
@@ -20,7 +21,7 @@ from kernels.batch_invariant import (
     paged_prefill_attention,
 )
 from tests.kernels.batch_invariant.batch_invariant_support import (
-    assert_bitwise, decode_rows_of_sequences, make_qkv, pack_lengths,
+    assert_bitwise, decode_rows_of_sequences, edge_positions, make_qkv, pack_lengths,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,7 +53,8 @@ def scatter_into_pool(k, v, lengths, seed=0):
 
 
 # Triton's interpreter pays per program: on CPU the Triton variant takes shorter sequences (still crossing a key
-# block) and one split of each; a GPU runs the full set.
+# block, so a page), one split of each and decodes the rows of edge_positions (both sides of the page edge, each
+# sequence's ends and middle); a GPU runs the full set.
 INTERPRETED_LENGTHS = [KEY_BLOCK + 1, 3]
 
 
@@ -71,13 +73,15 @@ def test_paged_decode_and_chunked_prefill_equal_packed_bitwise(impl, dtype):
     packed = packed_attention(q, k, v, cu, max(lengths), 0.3, impl=impl)
     k_pool, v_pool, tables = scatter_into_pool(k, v, lengths)
 
-    # Decode: one row per token, its sequence's table, length = position + 1.
-    seq_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(DEVICE)
-    lens = torch.cat([torch.arange(1, n + 1) for n in lengths]).to(DEVICE, torch.int32)
-    decoded = paged_decode_attention(q, k_pool, v_pool, tables[seq_of], lens, 0.3, impl=impl)
+    # Decode: one row per token (per checked token, interpreted), its sequence's table, length = position + 1.
+    rows = torch.tensor(edge_positions(lengths, KEY_BLOCK) if interpreted else range(sum(lengths)), device=DEVICE)
+    seq_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(DEVICE)[rows]
+    lens = torch.cat([torch.arange(1, n + 1) for n in lengths]).to(DEVICE, torch.int32)[rows]
+    decoded = paged_decode_attention(q[rows], k_pool, v_pool, tables[seq_of], lens, 0.3, impl=impl)
     assert not decoded.isnan().any()
-    assert_bitwise(decoded, packed, f"{impl} paged decode vs packed")
-    dq, kc, vc, dl = decode_rows_of_sequences(q, k, v, lengths, cap=3 * KEY_BLOCK, fill=float("nan"))
+    assert_bitwise(decoded, packed[rows], f"{impl} paged decode vs packed")
+    dq, kc, vc, dl = (t[rows] for t in decode_rows_of_sequences(q, k, v, lengths, cap=3 * KEY_BLOCK,
+                                                                 fill=float("nan")))
     assert_bitwise(decoded, decode_attention(dq, kc, vc, dl, 0.3, impl=impl), f"{impl} paged vs dense decode")
 
     # Prefill in two chunks per sequence, split anywhere (inside a key block, on its edge, at 0).

@@ -21,6 +21,7 @@ from kernels.batch_invariant import KEY_BLOCK, bi_linear, bi_rms_norm, decode_at
 from tests.kernels.batch_invariant.batch_invariant_support import (
     assert_bitwise,
     decode_rows_of_sequences,
+    edge_positions,
     make_qkv,
     pack_lengths,
 )
@@ -46,6 +47,19 @@ def numpy_matmul_that_orders_each_row_by_its_index(monkeypatch):
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def _decoded_rows(lengths) -> torch.Tensor:
+    """Packed rows whose decode the tests compare: all of them on a GPU; in the interpreter, which pays for every
+    decode row's programs, edge_positions' (each sequence's ends and middle, both sides of every key-block edge:
+    BLOCK_M = KEY_BLOCK, so these are a packed tile's edges too)."""
+    rows = range(sum(lengths)) if DEVICE == "cuda" else edge_positions(lengths, KEY_BLOCK)
+    return torch.tensor(list(rows), device=DEVICE)
+
+
+def _decode_rows_at(rows, q, k, v, lengths, cap):
+    """decode_rows_of_sequences (NaN beyond each row's keys) for the packed rows `rows` only."""
+    return tuple(t[rows] for t in decode_rows_of_sequences(q, k, v, lengths, cap=cap, fill=float("nan")))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -111,20 +125,23 @@ def test_triton_packed_attention_matches_reference_and_ignores_the_pack(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_decode_equals_triton_packed_at_every_position(dtype):
+def test_triton_decode_equals_triton_packed_position_by_position(dtype):
     q, k, v = (t.to(DEVICE) for t in make_qkv(sum(LENGTHS), 4, 2, 16, dtype, seed=3))
     packed = packed_attention(q, k, v, pack_lengths(LENGTHS, DEVICE), max(LENGTHS), 0.3, impl="triton")
-    dq, kc, vc, lens = decode_rows_of_sequences(q, k, v, LENGTHS, cap=2 * KEY_BLOCK, fill=float("nan"))
+    rows = _decoded_rows(LENGTHS)
+    dq, kc, vc, lens = _decode_rows_at(rows, q, k, v, LENGTHS, cap=2 * KEY_BLOCK)
     decoded = decode_attention(dq, kc, vc, lens, 0.3, impl="triton")
     assert not decoded.isnan().any()
-    assert_bitwise(decoded, packed, "triton decode row vs triton packed row")
+    assert_bitwise(decoded, packed[rows], "triton decode row vs triton packed row")
     torch.testing.assert_close(decoded.float(), decode_attention(dq, kc, vc, lens, 0.3).float(), **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_decode_rows_are_batch_invariant(dtype):
     g = _gen(4)
-    b, cap = 64, 2 * KEY_BLOCK + 8
+    # Decode runs a program per batch row (and kv head): 24 rows hold the sub-batches below and lengths of 1 to 3
+    # key blocks; more rows are more of the same programs (tens of ms each, interpreted).
+    b, cap = 24, 2 * KEY_BLOCK + 8
     q = torch.randn(b, 3, 16, generator=g).to(DEVICE, dtype)  # 3 query heads over one kv head
     kc, vc = (torch.randn(b, 1, cap, 16, generator=g).to(DEVICE, dtype) for _ in range(2))
     lengths = torch.randint(1, cap + 1, (b,), generator=g, dtype=torch.int32).to(DEVICE)
@@ -150,13 +167,16 @@ def test_triton_head_dim_that_is_not_a_power_of_two_is_zero_padded():
     packed = packed_attention(q, k, v, cu, max(lengths), 0.2, impl="triton")
     torch.testing.assert_close(packed.float(), packed_attention(q, k, v, cu, max(lengths), 0.2,
                                                                 impl="reference").float(), **TOL[torch.bfloat16])
-    dq, kc, vc, lens = decode_rows_of_sequences(q, k, v, lengths, cap=KEY_BLOCK + 8, fill=float("nan"))
-    assert_bitwise(decode_attention(dq, kc, vc, lens, 0.2, impl="triton"), packed, "head_dim 24: decode vs packed")
+    rows = _decoded_rows(lengths)
+    dq, kc, vc, lens = _decode_rows_at(rows, q, k, v, lengths, cap=KEY_BLOCK + 8)
+    assert_bitwise(decode_attention(dq, kc, vc, lens, 0.2, impl="triton"), packed[rows],
+                   "head_dim 24: decode vs packed")
 
 
 def test_triton_fully_masked_key_blocks_leave_rows_untouched(monkeypatch):
     """With BLOCK_M = 2 * KEY_BLOCK a packed tile's first rows walk a key block they cannot see at all;
-    their state must pass through it bit for bit (decode of the same rows never visits that block)."""
+    their state must pass through it bit for bit (decode of the same rows never visits that block). The rows
+    decoded in the interpreter include the first two and the last (63) of those rows."""
     from dataclasses import replace
 
     from kernels.batch_invariant import triton_launch
@@ -166,5 +186,8 @@ def test_triton_fully_masked_key_blocks_leave_rows_untouched(monkeypatch):
     lengths = [2 * KEY_BLOCK + 1]
     q, k, v = (t.to(DEVICE) for t in make_qkv(sum(lengths), 1, 1, 16, torch.float32, seed=6))
     packed = packed_attention(q, k, v, pack_lengths(lengths, DEVICE), max(lengths), 0.3, impl="triton")
-    dq, kc, vc, lens = decode_rows_of_sequences(q, k, v, lengths, cap=2 * KEY_BLOCK + 8, fill=float("nan"))
-    assert_bitwise(decode_attention(dq, kc, vc, lens, 0.3, impl="triton"), packed, "BLOCK_M=128: decode vs packed")
+    rows = _decoded_rows(lengths)
+    assert {0, 1, KEY_BLOCK - 1} <= set(rows.tolist())
+    dq, kc, vc, lens = _decode_rows_at(rows, q, k, v, lengths, cap=2 * KEY_BLOCK + 8)
+    assert_bitwise(decode_attention(dq, kc, vc, lens, 0.3, impl="triton"), packed[rows],
+                   "BLOCK_M=128: decode vs packed")

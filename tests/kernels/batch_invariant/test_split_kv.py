@@ -36,10 +36,11 @@ def numpy_matmul_that_orders_each_row_by_its_index(monkeypatch):
 
 
 def _positions() -> list[tuple[int, int]]:
-    """(sequence, position) pairs on both sides of each key-block and split edge of the long sequence."""
+    """(sequence, position) pairs on both sides of each key-block and split edge of the long sequence, and the
+    short sequence's first and last (all its positions lie in one key block of one split)."""
     edges = (0, KEY_BLOCK - 1, KEY_BLOCK, SPLIT_KEYS - 1, SPLIT_KEYS, SPLIT_KEYS + 1, 2 * SPLIT_KEYS - 1,
              2 * SPLIT_KEYS, LENGTHS[0] - 1)
-    return [(0, t) for t in edges] + [(1, t) for t in range(LENGTHS[1])]
+    return [(0, t) for t in edges] + [(1, 0), (1, LENGTHS[1] - 1)]
 
 
 def _decode_inputs(q, k, v, cap: int):
@@ -83,7 +84,10 @@ def test_a_fold_on_a_rows_first_split_returns_the_partial_exactly():
     assert all(torch.equal(a, b) for a, b in zip(kept, (m, l, acc)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# bf16 on a GPU only: in the interpreter the paged test below runs the split and one-program schedules in bf16
+# (the arithmetic of both kernels, shared by dense and paged caches, which differ only in addresses) and this one
+# the dense addresses in fp32; bf16 dense decode is checked against the reference in test_batch_invariant_triton.py.
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 def test_triton_split_kv_decode_equals_one_program_decode_and_packed(dtype):
     q, k, v = make_qkv(sum(LENGTHS), 4, 2, 16, dtype, seed=12, device=DEVICE)
     packed = packed_attention(q, k, v, pack_lengths(LENGTHS, DEVICE), max(LENGTHS), 0.3, impl="triton")
@@ -116,8 +120,9 @@ def test_triton_split_kv_paged_decode_equals_one_program_and_packed():
     assert not split.isnan().any()
     assert_bitwise(one, packed[rows], "paged one-program decode vs packed")
     assert_bitwise(split, one, "paged split-KV decode vs one-program decode")
-    assert_bitwise(paged_decode_attention(q[rows], k_pool, v_pool, tables[seq], lens, 0.3, impl="triton"), one,
-                   "the public entry point, whichever schedule it picks")
+    if DEVICE == "cuda":  # interpreted, the public entry takes the one-program schedule (the test below): `one`
+        assert_bitwise(paged_decode_attention(q[rows], k_pool, v_pool, tables[seq], lens, 0.3, impl="triton"), one,
+                       "the public entry point, whichever schedule it picks")
 
 
 def test_the_schedule_is_a_function_of_the_batch_shape_only():

@@ -85,11 +85,12 @@ def _maxerr(a, b):
 CASES = [(1.0, False, False), (0.7, True, True)]  # (temperature, entropy, mask)
 
 
-@pytest.mark.parametrize("backend,N", [("reference", 1), ("reference", 3), ("reference", 13), ("triton", 13)])
+@pytest.mark.parametrize("backend,N", [("reference", 1), ("reference", 3), ("reference", 13), ("triton", 5)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tau,ent,masked", CASES)
 def test_matches_unfused_path_and_fp64(backend, N, dtype, tau, ent, masked):
-    """N=1, N < chunk_tokens (3 < 4) and N not a multiple of it (13); temperature, entropy, mask."""
+    """N=1, N < chunk_tokens (3 < 4) and N not a multiple of it (13; Triton, interpreted, pays per row: 5, a full
+    chunk and a padded one); temperature, entropy, mask."""
     _need(backend)
     hidden, weight, targets, up = _data(N, dtype, seed=N)
     mask = (torch.arange(N) % 5 != 2) if masked else None
@@ -147,9 +148,10 @@ def test_exact_logits_give_the_unfused_bits(dtype):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_a_token_does_not_depend_on_the_rest_of_the_call(backend):
-    """Same token, calls of different N and chunk boundaries: bitwise equal outputs and d(hidden) row."""
+    """Same token, calls of different N and chunk boundaries: bitwise equal outputs and d(hidden) row.
+    Triton (interpreted: it pays per row and vocab block) takes 6 tokens, a full chunk and a padded one."""
     _need(backend)
-    N = 14 if backend == "reference" else 9
+    N = 14 if backend == "reference" else 6
     hidden, weight, targets, up = _data(N, torch.bfloat16, seed=40)
     kw = dict(temperature=0.8, with_entropy=True, chunk_tokens=4, backend=backend)
     full = _fused(hidden, weight, targets, up, **kw)
@@ -157,10 +159,15 @@ def test_a_token_does_not_depend_on_the_rest_of_the_call(backend):
     for a, b in zip(full, again):
         assert torch.equal(a, b), "two identical calls differ (d_weight included)"
     perm = torch.randperm(N, generator=torch.Generator().manual_seed(41))
-    for rows in (torch.arange(3, N - 1), torch.tensor([6]), perm):  # boundaries shift; N=1; order
+    for rows in (torch.arange(3, N - 1), torch.tensor([5]), perm):  # boundaries shift; N=1; order
         part = _fused(hidden[rows], weight, targets[rows], up[:, rows], **kw)
         for i in range(4):
             assert torch.equal(part[i], full[i][rows]), f"output {i} of rows {rows.tolist()} changed bits"
+    if backend == "triton":
+        # Another chunk_tokens changes the head's GEMM (torch, the same for every backend: this test's reference
+        # case checks it) and the rows per backend launch (test_logprob_invariance.py checks the Triton kernels
+        # bitwise across those).
+        return
     # Another chunk_tokens is another GEMM shape: close, not promised bitwise.
     other = _fused(hidden, weight, targets, up, **{**kw, "chunk_tokens": 16})
     for a, b in zip(other, full):
