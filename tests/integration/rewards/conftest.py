@@ -4,12 +4,16 @@ built once per session (each is a process importing torch):
 - scorer 0, the real rollout service in role scorer (reward-model and judge runs load their model on it);
 - scorer 1, tests.support.hostile_scorer: corrupts the answers its faults file names, and logs each injection;
 - scorer 2, a hostile scorer the kill test makes exit mid-step (it stays dead: no other test names it).
+
+Every test scores with one reward model, the tiny_judge recipe's own (`tiny_reward_model`), built once per session:
+the learning test needs the recipe's, and the other tests only need a model whose scores differ by sample.
 """
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,14 +36,24 @@ class RewardStack:
         return self.stack.scorer_addresses
 
 
+@dataclass(frozen=True)
+class RewardModel:
+    path: Path
+    report: dict
+    """The JSON line `recipes.tiny_judge.reward_model` printed (steps, probe agreement, ...), and its wall seconds."""
+
+
 @pytest.fixture(scope="session")
-def tiny_reward_model(warm_model, tmp_path_factory) -> Path:
-    """The recipe's reward model on the demo's warm start, lightly trained (its scores differ by sample)."""
+def tiny_reward_model(warm_model, tmp_path_factory) -> RewardModel:
+    """The tiny_judge recipe's reward model on the demo's warm start, built by the recipe's own
+    `python -m recipes.tiny_judge.reward_model` with its default training, seed 0."""
     out = tmp_path_factory.mktemp("rm") / "model"
+    began = time.monotonic()
     made = subprocess.run([sys.executable, "-m", "recipes.tiny_judge.reward_model", "--policy", str(warm_model.path),
-                           "--out", str(out), "--steps", "10"], cwd=REPO, capture_output=True, text=True, timeout=600)
+                           "--out", str(out), "--seed", "0"], cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert made.returncode == 0, made.stderr[-3000:]
-    return out
+    report = json.loads(made.stdout.strip().splitlines()[-1])
+    return RewardModel(out, {**report, "wall_seconds": round(time.monotonic() - began, 1)})
 
 
 @pytest.fixture(scope="session")
@@ -49,7 +63,7 @@ def reward_stack(tmp_path_factory, tiny_reward_model) -> RewardStack:
     scorers = [("services.rollout",), ("tests.support.hostile_scorer", "--faults", str(hostile)),
                ("tests.support.hostile_scorer", "--faults", str(victim))]
     with LocalStack(root, path_roots=[tmp_path_factory.getbasetemp()], scorers=scorers) as stack:
-        yield RewardStack(stack, tiny_reward_model, hostile, victim)
+        yield RewardStack(stack, tiny_reward_model.path, hostile, victim)
 
 
 def write_faults(path: Path, faults: dict[str, dict], hang_s: float = 30.0) -> None:
