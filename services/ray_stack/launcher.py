@@ -9,9 +9,9 @@ ServiceSupervisor, bound to its node's address on a fixed port. Trainer rank 0
 ranks' store on its node's address; ranks 1..N-1 are then started pointed at
 that address. The coordinator runs the same way on the node of the process
 that launched the stack, and dials the others by those addresses. The rollouts
-are started once the trainer is placed, allowed to pull weights from rank 0's
-address and, with trainer_broadcast_port set, to join the broadcast rendezvous
-rank 0 then serves on its node's address.
+are started once rank 0 is placed, beside ranks 1..N-1, allowed to pull weights
+from rank 0's address and, with trainer_broadcast_port set, to join the
+broadcast rendezvous rank 0 then serves on its node's address.
 
 Two layers of restart, so a crash anywhere is survived without a new address:
 the supervisor restarts a service process that exits, and Ray restarts an
@@ -232,14 +232,15 @@ class RayStack:
         cfg, ray = self.config, self.ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        placed = self.place_trainer()
+        placed, ranks = self._start_trainer()
         rollouts = plan_rollouts(cfg)
         rollout_pg = self._placement_group(rollouts, cfg.placement_strategy, "placement_strategy",
                                            f"{cfg.namespace}-rollouts")
         broadcast_address = placed["trainer"].get("weight_broadcast_address", "")
         for plan in with_weight_source(rollouts, placed["trainer"]["address"], broadcast_address):
             self._spawn_in(plan, rollout_pg)
-        placed.update(self._describe(rollouts))
+        # The trainer's other ranks and the rollouts need only rank 0's address: they start side by side.
+        placed.update(self._describe([*ranks, *rollouts]))
         coordinator = plan_coordinator(cfg, placed["trainer"]["address"], [placed[p.name]["address"] for p in rollouts])
         here = ray.get_runtime_context().get_node_id()
         self.actors["coordinator"] = self._spawn(coordinator, NodeAffinitySchedulingStrategy(node_id=here, soft=False))
@@ -254,8 +255,14 @@ class RayStack:
 
     def place_trainer(self) -> dict[str, dict]:
         """Place and start the trainer's ranks (rank 0 first: the others need its node's address); what each
-        rank's actor describes, by actor name. start() begins with it; on its own it is a trainer without
-        rollouts or coordinator."""
+        rank's actor describes, by actor name. On its own it is a trainer without rollouts or coordinator."""
+        placed, ranks = self._start_trainer()
+        placed.update(self._describe(ranks))
+        return placed
+
+    def _start_trainer(self) -> tuple[dict[str, dict], list[ServicePlan]]:
+        """Rank 0 placed, started and described (by actor name); ranks 1..N-1 started pointed at its node,
+        their plans returned for the caller to describe once what it starts beside them is started too."""
         cfg, ray = self.config, self.ray
         if not ray.is_initialized():
             self.connect()
@@ -266,14 +273,15 @@ class RayStack:
         self._spawn_in(ranks[0], pg)
         placed = self._describe(ranks[:1])
         rank0_ip = placed["trainer"]["address"].rsplit(":", 1)[0]
-        for plan in with_rendezvous(ranks[1:], rank0_ip, cfg.trainer_rendezvous_port):
+        others = with_rendezvous(ranks[1:], rank0_ip, cfg.trainer_rendezvous_port)
+        for plan in others:
             self._spawn_in(plan, pg)
-        placed.update(self._describe(ranks[1:]))
-        return placed
+        return placed, others
 
     def _describe(self, plans: list[ServicePlan]) -> dict[str, dict]:
-        return {p.name: self.ray.get(self.actors[p.name].describe.remote(), timeout=self.config.ready_timeout_s)
-                for p in plans}
+        """What each of these actors describes once started (they start side by side; one wait for all)."""
+        refs = [self.actors[p.name].describe.remote() for p in plans]
+        return dict(zip([p.name for p in plans], self.ray.get(refs, timeout=self.config.ready_timeout_s)))
 
     def _spawn_in(self, plan: ServicePlan, placement_group) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
