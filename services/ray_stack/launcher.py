@@ -334,22 +334,45 @@ class RayStack:
         ray = self.ray
         # No restarts from here on: trainer rank 0 stopping ends its other ranks, which would otherwise be
         # started again only to be stopped.
+        held = {}
         for name, actor in self.actors.items():
             try:
-                ray.get(actor.hold.remote(), timeout=60)
+                held[name] = actor.hold.remote()
             except Exception as exc:  # noqa: BLE001 - a dead actor has nothing to restart
                 log.warning("holding %s: %s", name, exc)
-        # Coordinator first, so no run is driven against services going away.
-        for name in ["coordinator", *[n for n in self.actors if n != "coordinator"]]:
-            actor = self.actors.pop(name, None)
-            if actor is None:
-                continue
+        for name, ref in held.items():
             try:
-                ray.get(actor.stop.remote(), timeout=60)
-            except Exception as exc:  # a dead actor's service died with it (PDEATHSIG)
-                log.warning("stopping %s: %s", name, exc)
-            ray.kill(actor, no_restart=True)
+                ray.get(ref, timeout=60)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("holding %s: %s", name, exc)
+        # Coordinator first, so no run is driven against services going away; then trainer rank 0 (which
+        # stops the group, ending its other ranks) beside the rollouts; then what is left (those ranks).
+        self._stop(["coordinator"])
+        self._stop([n for n in self.actors if not n.startswith("trainer-rank-")])
+        self._stop(list(self.actors))
         while self.placement_groups:
             ray.util.remove_placement_group(self.placement_groups.pop())
         if ray.is_initialized():
             ray.shutdown()
+
+    def _stop(self, names: list[str]) -> None:
+        """Stop these services side by side (each its graceful shutdown, see ServiceSupervisor.stop), then
+        end their actors."""
+        ray = self.ray
+        stopping = {}
+        for name in names:
+            actor = self.actors.pop(name, None)
+            if actor is None:
+                continue
+            try:
+                stopping[name] = (actor, actor.stop.remote())
+            except Exception as exc:  # noqa: BLE001 - a dead actor's service died with it (PDEATHSIG)
+                stopping[name] = (actor, None)
+                log.warning("stopping %s: %s", name, exc)
+        for name, (actor, ref) in stopping.items():
+            if ref is not None:
+                try:
+                    ray.get(ref, timeout=60)
+                except Exception as exc:  # noqa: BLE001 - a dead actor's service died with it (PDEATHSIG)
+                    log.warning("stopping %s: %s", name, exc)
+            ray.kill(actor, no_restart=True)
