@@ -148,8 +148,9 @@ def test_stack_with_two_trainer_ranks_on_two_ray_nodes_survives_a_killed_rank_an
                 "eval": {"every": 0, "heldout_size": 8}, "checkpoint": {"every": 2},
             })
             deadline = time.monotonic() + 300
-            while client.run(run["id"])["step"] < 2:
-                assert client.run(run["id"])["status"] in ("pending", "running")
+            # One read of the run per poll: its step and its status as of that read.
+            while (now := client.run(run["id"]))["step"] < 2:
+                assert now["status"] in ("pending", "running"), now
                 assert time.monotonic() < deadline, "run did not reach step 2"
                 time.sleep(0.05)
             # Rank 1 dies: rank 0 exits with it (the group fails closed), both supervisors restart their
