@@ -9,9 +9,9 @@ ServiceSupervisor, bound to its node's address on a fixed port. Trainer rank 0
 ranks' store on its node's address; ranks 1..N-1 are then started pointed at
 that address. The coordinator runs the same way on the node of the process
 that launched the stack, and dials the others by those addresses. The rollouts
-are started once the trainer is placed, allowed to pull weights from rank 0's
-address and, with trainer_broadcast_port set, to join the broadcast rendezvous
-rank 0 then serves on its node's address.
+are started once rank 0 is placed, beside ranks 1..N-1, allowed to pull weights
+from rank 0's address and, with trainer_broadcast_port set, to join the
+broadcast rendezvous rank 0 then serves on its node's address.
 
 Two layers of restart, so a crash anywhere is survived without a new address:
 the supervisor restarts a service process that exits, and Ray restarts an
@@ -232,14 +232,15 @@ class RayStack:
         cfg, ray = self.config, self.ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        placed = self.place_trainer()
+        placed, ranks = self._start_trainer()
         rollouts = plan_rollouts(cfg)
         rollout_pg = self._placement_group(rollouts, cfg.placement_strategy, "placement_strategy",
                                            f"{cfg.namespace}-rollouts")
         broadcast_address = placed["trainer"].get("weight_broadcast_address", "")
         for plan in with_weight_source(rollouts, placed["trainer"]["address"], broadcast_address):
             self._spawn_in(plan, rollout_pg)
-        placed.update(self._describe(rollouts))
+        # The trainer's other ranks and the rollouts need only rank 0's address: they start side by side.
+        placed.update(self._describe([*ranks, *rollouts]))
         coordinator = plan_coordinator(cfg, placed["trainer"]["address"], [placed[p.name]["address"] for p in rollouts])
         here = ray.get_runtime_context().get_node_id()
         self.actors["coordinator"] = self._spawn(coordinator, NodeAffinitySchedulingStrategy(node_id=here, soft=False))
@@ -254,8 +255,14 @@ class RayStack:
 
     def place_trainer(self) -> dict[str, dict]:
         """Place and start the trainer's ranks (rank 0 first: the others need its node's address); what each
-        rank's actor describes, by actor name. start() begins with it; on its own it is a trainer without
-        rollouts or coordinator."""
+        rank's actor describes, by actor name. On its own it is a trainer without rollouts or coordinator."""
+        placed, ranks = self._start_trainer()
+        placed.update(self._describe(ranks))
+        return placed
+
+    def _start_trainer(self) -> tuple[dict[str, dict], list[ServicePlan]]:
+        """Rank 0 placed, started and described (by actor name); ranks 1..N-1 started pointed at its node,
+        their plans returned for the caller to describe once what it starts beside them is started too."""
         cfg, ray = self.config, self.ray
         if not ray.is_initialized():
             self.connect()
@@ -266,14 +273,15 @@ class RayStack:
         self._spawn_in(ranks[0], pg)
         placed = self._describe(ranks[:1])
         rank0_ip = placed["trainer"]["address"].rsplit(":", 1)[0]
-        for plan in with_rendezvous(ranks[1:], rank0_ip, cfg.trainer_rendezvous_port):
+        others = with_rendezvous(ranks[1:], rank0_ip, cfg.trainer_rendezvous_port)
+        for plan in others:
             self._spawn_in(plan, pg)
-        placed.update(self._describe(ranks[1:]))
-        return placed
+        return placed, others
 
     def _describe(self, plans: list[ServicePlan]) -> dict[str, dict]:
-        return {p.name: self.ray.get(self.actors[p.name].describe.remote(), timeout=self.config.ready_timeout_s)
-                for p in plans}
+        """What each of these actors describes once started (they start side by side; one wait for all)."""
+        refs = [self.actors[p.name].describe.remote() for p in plans]
+        return dict(zip([p.name for p in plans], self.ray.get(refs, timeout=self.config.ready_timeout_s)))
 
     def _spawn_in(self, plan: ServicePlan, placement_group) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -326,22 +334,45 @@ class RayStack:
         ray = self.ray
         # No restarts from here on: trainer rank 0 stopping ends its other ranks, which would otherwise be
         # started again only to be stopped.
+        held = {}
         for name, actor in self.actors.items():
             try:
-                ray.get(actor.hold.remote(), timeout=60)
+                held[name] = actor.hold.remote()
             except Exception as exc:  # noqa: BLE001 - a dead actor has nothing to restart
                 log.warning("holding %s: %s", name, exc)
-        # Coordinator first, so no run is driven against services going away.
-        for name in ["coordinator", *[n for n in self.actors if n != "coordinator"]]:
-            actor = self.actors.pop(name, None)
-            if actor is None:
-                continue
+        for name, ref in held.items():
             try:
-                ray.get(actor.stop.remote(), timeout=60)
-            except Exception as exc:  # a dead actor's service died with it (PDEATHSIG)
-                log.warning("stopping %s: %s", name, exc)
-            ray.kill(actor, no_restart=True)
+                ray.get(ref, timeout=60)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("holding %s: %s", name, exc)
+        # Coordinator first, so no run is driven against services going away; then trainer rank 0 (which
+        # stops the group, ending its other ranks) beside the rollouts; then what is left (those ranks).
+        self._stop(["coordinator"])
+        self._stop([n for n in self.actors if not n.startswith("trainer-rank-")])
+        self._stop(list(self.actors))
         while self.placement_groups:
             ray.util.remove_placement_group(self.placement_groups.pop())
         if ray.is_initialized():
             ray.shutdown()
+
+    def _stop(self, names: list[str]) -> None:
+        """Stop these services side by side (each its graceful shutdown, see ServiceSupervisor.stop), then
+        end their actors."""
+        ray = self.ray
+        stopping = {}
+        for name in names:
+            actor = self.actors.pop(name, None)
+            if actor is None:
+                continue
+            try:
+                stopping[name] = (actor, actor.stop.remote())
+            except Exception as exc:  # noqa: BLE001 - a dead actor's service died with it (PDEATHSIG)
+                stopping[name] = (actor, None)
+                log.warning("stopping %s: %s", name, exc)
+        for name, (actor, ref) in stopping.items():
+            if ref is not None:
+                try:
+                    ray.get(ref, timeout=60)
+                except Exception as exc:  # noqa: BLE001 - a dead actor's service died with it (PDEATHSIG)
+                    log.warning("stopping %s: %s", name, exc)
+            ray.kill(actor, no_restart=True)
