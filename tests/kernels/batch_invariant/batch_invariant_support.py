@@ -82,6 +82,17 @@ def edge_positions(lengths, key_block: int) -> list[int]:
     return rows
 
 
+def checked_rows(lengths, key_block: int, every: bool, device) -> torch.Tensor:
+    """The packed rows a decode test compares: all of them (`every`), or edge_positions' where each decode row's
+    programs are paid for one by one (the Triton interpreter)."""
+    return torch.tensor(list(range(sum(lengths)) if every else edge_positions(lengths, key_block)), device=device)
+
+
+def decode_rows_at(rows, q, k, v, lengths, cap):
+    """decode_rows_of_sequences (NaN beyond each row's keys) for the packed rows `rows` only."""
+    return tuple(t[rows] for t in decode_rows_of_sequences(q, k, v, lengths, cap=cap, fill=float("nan")))
+
+
 def check_rotary_row_invariance(device: str) -> None:
     """HF Qwen3's rotary embedding gives a position the same cos/sin bits in any batch, and applying it is elementwise.
 

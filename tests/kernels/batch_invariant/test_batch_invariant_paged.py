@@ -21,7 +21,7 @@ from kernels.batch_invariant import (
     paged_prefill_attention,
 )
 from tests.kernels.batch_invariant.batch_invariant_support import (
-    assert_bitwise, decode_rows_of_sequences, edge_positions, make_qkv, pack_lengths,
+    assert_bitwise, checked_rows, decode_rows_at, make_qkv, pack_lengths,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -74,14 +74,13 @@ def test_paged_decode_and_chunked_prefill_equal_packed_bitwise(impl, dtype):
     k_pool, v_pool, tables = scatter_into_pool(k, v, lengths)
 
     # Decode: one row per token (per checked token, interpreted), its sequence's table, length = position + 1.
-    rows = torch.tensor(edge_positions(lengths, KEY_BLOCK) if interpreted else range(sum(lengths)), device=DEVICE)
+    rows = checked_rows(lengths, KEY_BLOCK, not interpreted, DEVICE)
     seq_of = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(DEVICE)[rows]
     lens = torch.cat([torch.arange(1, n + 1) for n in lengths]).to(DEVICE, torch.int32)[rows]
     decoded = paged_decode_attention(q[rows], k_pool, v_pool, tables[seq_of], lens, 0.3, impl=impl)
     assert not decoded.isnan().any()
     assert_bitwise(decoded, packed[rows], f"{impl} paged decode vs packed")
-    dq, kc, vc, dl = (t[rows] for t in decode_rows_of_sequences(q, k, v, lengths, cap=3 * KEY_BLOCK,
-                                                                 fill=float("nan")))
+    dq, kc, vc, dl = decode_rows_at(rows, q, k, v, lengths, cap=3 * KEY_BLOCK)
     assert_bitwise(decoded, decode_attention(dq, kc, vc, dl, 0.3, impl=impl), f"{impl} paged vs dense decode")
 
     # Prefill in two chunks per sequence, split anywhere (inside a key block, on its edge, at 0).

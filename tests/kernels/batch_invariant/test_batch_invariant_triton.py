@@ -20,8 +20,8 @@ import torch
 from kernels.batch_invariant import KEY_BLOCK, bi_linear, bi_rms_norm, decode_attention, packed_attention
 from tests.kernels.batch_invariant.batch_invariant_support import (
     assert_bitwise,
-    decode_rows_of_sequences,
-    edge_positions,
+    checked_rows,
+    decode_rows_at,
     make_qkv,
     pack_lengths,
 )
@@ -47,19 +47,6 @@ def numpy_matmul_that_orders_each_row_by_its_index(monkeypatch):
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-def _decoded_rows(lengths) -> torch.Tensor:
-    """Packed rows whose decode the tests compare: all of them on a GPU; in the interpreter, which pays for every
-    decode row's programs, edge_positions' (each sequence's ends and middle, both sides of every key-block edge:
-    BLOCK_M = KEY_BLOCK, so these are a packed tile's edges too)."""
-    rows = range(sum(lengths)) if DEVICE == "cuda" else edge_positions(lengths, KEY_BLOCK)
-    return torch.tensor(list(rows), device=DEVICE)
-
-
-def _decode_rows_at(rows, q, k, v, lengths, cap):
-    """decode_rows_of_sequences (NaN beyond each row's keys) for the packed rows `rows` only."""
-    return tuple(t[rows] for t in decode_rows_of_sequences(q, k, v, lengths, cap=cap, fill=float("nan")))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -128,8 +115,8 @@ def test_triton_packed_attention_matches_reference_and_ignores_the_pack(dtype):
 def test_triton_decode_equals_triton_packed_position_by_position(dtype):
     q, k, v = (t.to(DEVICE) for t in make_qkv(sum(LENGTHS), 4, 2, 16, dtype, seed=3))
     packed = packed_attention(q, k, v, pack_lengths(LENGTHS, DEVICE), max(LENGTHS), 0.3, impl="triton")
-    rows = _decoded_rows(LENGTHS)
-    dq, kc, vc, lens = _decode_rows_at(rows, q, k, v, LENGTHS, cap=2 * KEY_BLOCK)
+    rows = checked_rows(LENGTHS, KEY_BLOCK, DEVICE == "cuda", DEVICE)
+    dq, kc, vc, lens = decode_rows_at(rows, q, k, v, LENGTHS, cap=2 * KEY_BLOCK)
     decoded = decode_attention(dq, kc, vc, lens, 0.3, impl="triton")
     assert not decoded.isnan().any()
     assert_bitwise(decoded, packed[rows], "triton decode row vs triton packed row")
@@ -167,8 +154,8 @@ def test_triton_head_dim_that_is_not_a_power_of_two_is_zero_padded():
     packed = packed_attention(q, k, v, cu, max(lengths), 0.2, impl="triton")
     torch.testing.assert_close(packed.float(), packed_attention(q, k, v, cu, max(lengths), 0.2,
                                                                 impl="reference").float(), **TOL[torch.bfloat16])
-    rows = _decoded_rows(lengths)
-    dq, kc, vc, lens = _decode_rows_at(rows, q, k, v, lengths, cap=KEY_BLOCK + 8)
+    rows = checked_rows(lengths, KEY_BLOCK, DEVICE == "cuda", DEVICE)
+    dq, kc, vc, lens = decode_rows_at(rows, q, k, v, lengths, cap=KEY_BLOCK + 8)
     assert_bitwise(decode_attention(dq, kc, vc, lens, 0.2, impl="triton"), packed[rows],
                    "head_dim 24: decode vs packed")
 
@@ -186,8 +173,8 @@ def test_triton_fully_masked_key_blocks_leave_rows_untouched(monkeypatch):
     lengths = [2 * KEY_BLOCK + 1]
     q, k, v = (t.to(DEVICE) for t in make_qkv(sum(lengths), 1, 1, 16, torch.float32, seed=6))
     packed = packed_attention(q, k, v, pack_lengths(lengths, DEVICE), max(lengths), 0.3, impl="triton")
-    rows = _decoded_rows(lengths)
+    rows = checked_rows(lengths, KEY_BLOCK, DEVICE == "cuda", DEVICE)
     assert {0, 1, KEY_BLOCK - 1} <= set(rows.tolist())
-    dq, kc, vc, lens = _decode_rows_at(rows, q, k, v, lengths, cap=2 * KEY_BLOCK + 8)
+    dq, kc, vc, lens = decode_rows_at(rows, q, k, v, lengths, cap=2 * KEY_BLOCK + 8)
     assert_bitwise(decode_attention(dq, kc, vc, lens, 0.3, impl="triton"), packed[rows],
                    "BLOCK_M=128: decode vs packed")
