@@ -334,17 +334,7 @@ class RayStack:
         ray = self.ray
         # No restarts from here on: trainer rank 0 stopping ends its other ranks, which would otherwise be
         # started again only to be stopped.
-        held = {}
-        for name, actor in self.actors.items():
-            try:
-                held[name] = actor.hold.remote()
-            except Exception as exc:  # noqa: BLE001 - a dead actor has nothing to restart
-                log.warning("holding %s: %s", name, exc)
-        for name, ref in held.items():
-            try:
-                ray.get(ref, timeout=60)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("holding %s: %s", name, exc)
+        self._call_each(self.actors, "hold", "holding")
         # Coordinator first, so no run is driven against services going away; then trainer rank 0 (which
         # stops the group, ending its other ranks) beside the rollouts; then what is left (those ranks).
         self._stop(["coordinator"])
@@ -358,21 +348,22 @@ class RayStack:
     def _stop(self, names: list[str]) -> None:
         """Stop these services side by side (each its graceful shutdown, see ServiceSupervisor.stop), then
         end their actors."""
-        ray = self.ray
-        stopping = {}
-        for name in names:
-            actor = self.actors.pop(name, None)
-            if actor is None:
-                continue
+        stopping = {name: self.actors.pop(name) for name in names if name in self.actors}
+        self._call_each(stopping, "stop", "stopping")
+        for actor in stopping.values():
+            self.ray.kill(actor, no_restart=True)
+
+    def _call_each(self, actors: dict, method: str, verb: str, timeout_s: float = 60) -> None:
+        """Call `method` on every actor at once, then wait for each, up to `timeout_s`. A failure is logged,
+        never raised: a dead actor's service died with it (PDEATHSIG), and closing goes on for the others."""
+        calls = {}
+        for name, actor in actors.items():
             try:
-                stopping[name] = (actor, actor.stop.remote())
-            except Exception as exc:  # noqa: BLE001 - a dead actor's service died with it (PDEATHSIG)
-                stopping[name] = (actor, None)
-                log.warning("stopping %s: %s", name, exc)
-        for name, (actor, ref) in stopping.items():
-            if ref is not None:
-                try:
-                    ray.get(ref, timeout=60)
-                except Exception as exc:  # noqa: BLE001 - a dead actor's service died with it (PDEATHSIG)
-                    log.warning("stopping %s: %s", name, exc)
-            ray.kill(actor, no_restart=True)
+                calls[name] = getattr(actor, method).remote()
+            except Exception as exc:  # noqa: BLE001 - logged; see the docstring
+                log.warning("%s %s: %s", verb, name, exc)
+        for name, ref in calls.items():
+            try:
+                self.ray.get(ref, timeout=timeout_s)
+            except Exception as exc:  # noqa: BLE001 - logged; see the docstring
+                log.warning("%s %s: %s", verb, name, exc)
