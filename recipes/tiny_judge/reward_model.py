@@ -4,12 +4,17 @@
 
 reads the warm-started policy (recipes.tiny_arith.prepare), builds a Qwen3ForSequenceClassification (one
 scalar head) on a copy of its backbone, trains it with a logistic loss on labelled answers to the task's train
-problems (each problem's correct sum, and wrong ones: near misses one digit off, the policy's own greedy
-mistakes, truncations), writes the model directory with the char tokenizer and the reward model's chat template,
-and prints one JSON line: steps, seconds, and its agreement with the rule on answers it was not trained on.
+problems, writes the model directory with the char tokenizer and the reward model's chat template, and prints
+one JSON line: steps, seconds, and its agreement with the rule on answers it was not trained on.
+
+The wrong answers it learns from are the ones RL will ask it about: half are the policy's own mistakes, sampled
+from it at the recipe's temperature before training (as a real reward model is trained on its policy's
+samples); the other half are the correct answer with one digit changed at a uniformly drawn position, or its
+length changed, so no way of being wrong goes unseen. A reward model trained only on hand-made mistakes scored
+most of the policy's real ones above zero, and a policy trained on it learned those instead of the sums.
 
 The labels come from the task's rule; the policy never sees them, only the trained model's scores.
-Deterministic: init, batch order and data are functions of the seed; the thread count is pinned.
+Deterministic: init, sampling, batch order and data are functions of the seed; the thread count is pinned.
 """
 from __future__ import annotations
 
@@ -18,29 +23,63 @@ import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from recipes.char_tokenizer import PAD_ID, build_char_tokenizer, save_char_tokenizer
+from recipes.char_tokenizer import EOS_ID, PAD_ID, build_char_tokenizer, save_char_tokenizer
 from recipes.tiny_arith import TASK_OPTIONS
 from recipes.tiny_judge import CHAT_TEMPLATE, TRAINING, RewardModelTraining
 from services.common.determinism import configure_determinism
 from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
 
 
-def wrong_answers(answer: str, rng: random.Random) -> list[str]:
-    """Wrong answers to a sum, the kinds a policy writes: one digit off, off by one or ten, a digit dropped,
-    doubled or the digits reversed, a round or a random number."""
-    value = int(answer)
-    out = {str(value + d) for d in (-10, -1, 1, 10) if value + d >= 0}
-    for i, c in enumerate(answer):
-        out.add(answer[:i] + str((int(c) + rng.randint(1, 9)) % 10) + answer[i + 1:])
-    out |= {answer[:-1], answer + answer[-1], answer[::-1], "100", str(rng.randint(0, 198)), str(rng.randint(0, 9))}
-    out.discard(answer)
-    out.discard("")
-    return sorted(out)
+def edited_answer(answer: str, rng: random.Random) -> str:
+    """A wrong answer to a sum made from the correct one: one digit changed at a position drawn uniformly, or
+    (as if one more position) the length changed: the last or first digit dropped, a digit appended, or a single
+    digit. Every wrong answer differs from the right one in its length or in at least one digit."""
+    position = rng.randrange(len(answer) + 1)
+    if position < len(answer):
+        digit = str((int(answer[position]) + rng.randint(1, 9)) % 10)
+        return answer[:position] + digit + answer[position + 1:]
+    resized = {answer[:-1], answer[1:], answer + str(rng.randint(0, 9)), str(rng.randint(0, 9))} - {answer, ""}
+    return rng.choice(sorted(resized))
+
+
+@torch.no_grad()
+def sampled_answers(policy, tokenizer, prompts: Sequence[str], cfg: RewardModelTraining,
+                    generator: torch.Generator) -> dict[str, list[str]]:
+    """`cfg.policy_samples` answers per prompt, sampled from the policy at `cfg.sample_temperature` (the
+    distribution a GRPO step draws from), each decoded up to eos. Prompts of one token length share a batch
+    without padding; every step re-runs the full forward, as the warm start's greedy decoding does."""
+    policy.eval()
+    encoded = {p: tokenizer.encode(p, add_special_tokens=False) for p in dict.fromkeys(prompts)}
+    by_len: dict[int, list[str]] = {}
+    for prompt, ids in encoded.items():
+        by_len.setdefault(len(ids), []).append(prompt)
+    out: dict[str, list[str]] = {}
+    for _, group in sorted(by_len.items()):
+        for start in range(0, len(group), cfg.sample_batch_prompts):
+            chunk = group[start:start + cfg.sample_batch_prompts]
+            ids = torch.tensor([encoded[p] for p in chunk for _ in range(cfg.policy_samples)], dtype=torch.long)
+            done = torch.zeros(len(ids), dtype=torch.bool)
+            steps: list[torch.Tensor] = []
+            for _ in range(cfg.sample_max_new_tokens):
+                probs = torch.softmax(policy(input_ids=ids).logits[:, -1].float() / cfg.sample_temperature, -1)
+                token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+                token = torch.where(done, torch.full_like(token, PAD_ID), token)
+                steps.append(token)
+                done |= token == EOS_ID
+                if bool(done.all()):
+                    break
+                ids = torch.cat([ids, token[:, None]], dim=1)
+            for row, tokens in enumerate(torch.stack(steps, dim=1).tolist()):
+                tokens = tokens[:tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
+                out.setdefault(chunk[row // cfg.policy_samples], []).append(
+                    tokenizer.decode(tokens, skip_special_tokens=False))
+    return out
 
 
 def render(tokenizer, prompt: str, response: str) -> list[int]:
@@ -49,13 +88,20 @@ def render(tokenizer, prompt: str, response: str) -> list[int]:
                             add_special_tokens=False)
 
 
-def build_from_policy(policy_dir: str | Path, extra_layers: int):
+def load_policy(policy_dir: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
+
+
+def build_from_policy(policy, extra_layers: int):
     """A one-label sequence classifier on a copy of the policy's backbone and `extra_layers` more layers that
     start as the identity; and the policy's own LM head, for the training loss only."""
-    from transformers import AutoModelForCausalLM, Qwen3ForSequenceClassification
+    import copy
 
-    policy = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=torch.float32)
-    config = policy.config
+    from transformers import Qwen3ForSequenceClassification
+
+    config = copy.deepcopy(policy.config)
     layers = config.num_hidden_layers
     config.num_hidden_layers = layers + extra_layers
     if getattr(config, "layer_types", None):
@@ -82,29 +128,59 @@ def _batch(examples: list[tuple[list[int], float]]) -> tuple[torch.Tensor, torch
     return ids, mask, torch.tensor([label for _, label in examples])
 
 
-def pairs(tokenizer, problems, rng: random.Random) -> list[tuple[list[int], float]]:
-    """Each problem's correct answer (label 1), then one wrong answer per problem (label 0), in that order."""
+def pairs(tokenizer, problems, rng: random.Random, mistakes: dict[str, list[str]],
+          policy_fraction: float) -> list[tuple[list[int], float]]:
+    """Each problem's correct answer (label 1), then one wrong answer per problem (label 0), in that order. A
+    wrong answer is one of the policy's own mistakes on the problem with probability `policy_fraction` (when it
+    made any), else edited_answer()."""
     right = [(render(tokenizer, p.prompt, p.answer), 1.0) for p in problems]
-    wrong = [(render(tokenizer, p.prompt, rng.choice(wrong_answers(p.answer, rng))), 0.0) for p in problems]
+    wrong = []
+    for p in problems:
+        own = mistakes.get(p.prompt, ())
+        answer = rng.choice(own) if own and rng.random() < policy_fraction else edited_answer(p.answer, rng)
+        wrong.append((render(tokenizer, p.prompt, answer), 0.0))
     return right + wrong
 
 
+def policy_mistakes(samples: dict[str, list[str]], task: ArithmeticTask, problems) -> dict[str, list[str]]:
+    """The sampled answers the task's rule marks wrong, per prompt."""
+    return {p.prompt: [a for a in samples.get(p.prompt, ()) if task.reward(p, a) == 0.0] for p in problems}
+
+
 @torch.no_grad()
+def scores(model, examples: list[tuple[list[int], float]], batch: int = 512) -> torch.Tensor:
+    """The model's score of each rendered example, `batch` examples a forward."""
+    model.eval()
+    out = []
+    for start in range(0, len(examples), batch):
+        ids, mask, _ = _batch(examples[start:start + batch])
+        out.append(model(input_ids=ids, attention_mask=mask).logits[:, 0])
+    return torch.cat(out)
+
+
 def agreement(model, examples: list[tuple[list[int], float]]) -> tuple[float, float]:
     """On pairs(): how often the correct answer outscores the wrong one, and how often the score's sign
     (> 0: correct) agrees with the rule's label."""
-    model.eval()
-    ids, mask, labels = _batch(examples)
-    scores = model(input_ids=ids, attention_mask=mask).logits[:, 0]
+    values, labels = scores(model, examples), torch.tensor([label for _, label in examples])
     n = len(examples) // 2
-    return float((scores[:n] > scores[n:]).float().mean()), float(((scores > 0).float() == labels).float().mean())
+    return float((values[:n] > values[n:]).float().mean()), float(((values > 0).float() == labels).float().mean())
+
+
+def sample_agreement(model, tokenizer, task: ArithmeticTask, problems, samples: dict[str, list[str]]) -> float:
+    """How often the score's sign agrees with the rule on the policy's own sampled answers to `problems`: what
+    the first RL step will ask the reward model."""
+    rows = [(p, a) for p in problems for a in samples[p.prompt]]
+    values = scores(model, [(render(tokenizer, p.prompt, a), 0.0) for p, a in rows])
+    return float(sum((v > 0) == (task.reward(p, a) == 1.0) for v, (p, a) in zip(values.tolist(), rows)) / len(rows))
 
 
 def train(model, lm_head, backbone_layers: int, tokenizer, task: ArithmeticTask, cfg: RewardModelTraining, *,
-          seed: int) -> dict:
+          seed: int, samples: dict[str, list[str]]) -> dict:
     train_split = list(task.split("train"))
+    mistakes = policy_mistakes(samples, task, train_split)
     rng = random.Random(f"reward-model/{seed}")
-    probe = pairs(tokenizer, train_split[:cfg.probe_size], random.Random(f"probe/{seed}"))
+    probe = pairs(tokenizer, train_split[:cfg.probe_size], random.Random(f"probe/{seed}"), mistakes,
+                  cfg.policy_fraction)
     pool = train_split[cfg.probe_size:]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     half = cfg.batch_size // 2
@@ -114,7 +190,7 @@ def train(model, lm_head, backbone_layers: int, tokenizer, task: ArithmeticTask,
         for group in opt.param_groups:
             group["lr"] = cfg.lr * min(1.0, step / max(1, cfg.warmup_steps))
         problems = [rng.choice(pool) for _ in range(half)]
-        ids, mask, labels = _batch(pairs(tokenizer, problems, rng))
+        ids, mask, labels = _batch(pairs(tokenizer, problems, rng, mistakes, cfg.policy_fraction))
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=cfg.lm_weight > 0)
         scores = out.logits[:, 0]
         loss = -F.logsigmoid(scores[:half] - scores[half:]).mean() \
@@ -137,7 +213,8 @@ def train(model, lm_head, backbone_layers: int, tokenizer, task: ArithmeticTask,
                               "probe_sign_agreement": signed}), file=sys.stderr, flush=True)
     ranked, signed = agreement(model, probe)
     return {"steps": cfg.steps, "final_loss": round(loss.item(), 6), "probe_ranked": ranked,
-            "probe_agreement": signed}
+            "probe_agreement": signed,
+            "probe_sample_agreement": sample_agreement(model, tokenizer, task, train_split[:cfg.probe_size], samples)}
 
 
 def save(model, out_dir: str | Path) -> Path:
@@ -158,11 +235,15 @@ def prepare(policy_dir: str | Path, out_dir: str | Path, *, seed: int,
     configure_determinism(seed, num_threads=cfg.num_threads)
     task = ArithmeticTask(ArithmeticConfig(**TASK_OPTIONS))
     tokenizer = build_char_tokenizer()
+    policy = load_policy(policy_dir)
+    samples = sampled_answers(policy, tokenizer, [p.prompt for p in task.split("train")], cfg,
+                              torch.Generator().manual_seed(seed))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, lm_head, layers = build_from_policy(policy_dir, cfg.extra_layers)
+        model, lm_head, layers = build_from_policy(policy, cfg.extra_layers)
     lm_head.requires_grad_(False)
-    report = train(model, lm_head, layers, tokenizer, task, cfg, seed=seed) if cfg.steps else {"steps": 0}
+    report = train(model, lm_head, layers, tokenizer, task, cfg, seed=seed, samples=samples) if cfg.steps \
+        else {"steps": 0}
     model.eval()
     out = save(model, out_dir)
     return {"model_dir": str(out.resolve()), "seed": seed, **report, "seconds": round(time.monotonic() - began, 2)}
