@@ -74,3 +74,27 @@ def test_pairs_draw_the_policys_own_mistakes_at_the_configured_fraction():
             assert 0.4 < share < 0.75
     # A problem the policy made no mistake on always gets an edited answer.
     assert pairs(tokenizer, problems[:1], random.Random(2), {}, 1.0)[1][1] == 0.0
+
+
+def test_the_replicas_step_raises_the_logprob_of_what_it_rewards(tmp_path):
+    from recipes.tiny_judge.replica import policy_gradient_step, sample_step
+
+    torch.manual_seed(0)
+    policy = load_policy(build_model_dir(tmp_path / "policy", seed=0))
+    tokenizer = build_char_tokenizer()
+    rollouts = sample_step(policy, tokenizer, list(TASK.split("train"))[:2])
+    assert len(rollouts) == 16 and [r[0] for r in rollouts[:8]] == [rollouts[0][0]] * 8
+
+    def logprob(row) -> float:
+        _, prompt, response = rollouts[row]
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+        return float(logits.gather(1, torch.tensor(response)[:, None]).sum())
+
+    other = next(row for row in range(1, 16) if rollouts[row][2] != rollouts[0][2])  # an untrained policy varies
+    before = logprob(0), logprob(other)
+    advantages = [0.0] * 16
+    advantages[0], advantages[other] = 1.0, -1.0
+    policy_gradient_step(policy, torch.optim.SGD(policy.parameters(), lr=0.5), rollouts, advantages)
+    assert logprob(0) > before[0] and logprob(other) < before[1]
