@@ -30,7 +30,7 @@ class RewardModelTraining:
     """Share of the wrong answers drawn from the policy's own sampled mistakes (the rest are the right answer
     with one digit or the length changed). Only hand-made ones: the model scored most of the policy's real
     mistakes above zero. Only the policy's: it never saw the mistakes a policy makes once it changes (answers
-    cut short, a wrong carry), and RL found those within 25 steps."""
+    cut short, a wrong carry), and RL found those within 15 steps."""
     policy_samples: int = 8
     """Answers sampled from the policy per train problem, before training (a GRPO group's worth)."""
     sample_temperature: float = 1.0
