@@ -26,7 +26,7 @@ import httpx
 
 from services.cli.client import CoordinatorClient
 from services.common.auth import TOKEN_FILE_ENV, BearerToken, read_token_file, write_token_file
-from services.common.process.ports import free_port
+from services.common.process.ports import SLICE_ENV, child_port_slice, free_port
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +126,8 @@ class LocalStack:
         self.broadcast_port = free_port()  # the trainer's rendezvous for the broadcast weight source
         self.rollout_ports = [free_port() for _ in range(self.rollout_replicas)]
         self.metrics_ports = {"trainer": free_port(), **{f"rollout{i}": free_port() for i in range(self.rollout_replicas)}}
-        env = service_env({**os.environ, **self.extra_env, TOKEN_FILE_ENV: str(self.token_file)})
+        env = service_env({**os.environ, SLICE_ENV: child_port_slice(), **self.extra_env,
+                           TOKEN_FILE_ENV: str(self.token_file)})
         logs = self.run_dir / "logs"
         threads = str(self.num_threads)
         self.trainer = ServiceProcess("trainer", [

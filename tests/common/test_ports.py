@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.process.ports import free_port, free_port_run
+from services.common.process.ports import child_port_slice, free_port, free_port_run
 
 
 def ephemeral_low_or_skip() -> int:
@@ -60,7 +60,28 @@ def test_a_port_slice_keeps_each_process_to_its_own_part_of_the_range(monkeypatc
         assert all(p in part for p in ports), (index, ports)
 
 
-@pytest.mark.parametrize("value", ["2/2", "one/2", "1", "-1/2"])
+def test_a_process_and_the_processes_it_starts_never_draw_the_same_ports(monkeypatch):
+    """A parent draws from the first half of its slice, its children from the second (child_port_slice), so a
+    port the parent handed out for a child and not yet bound is never a sibling's pick meanwhile."""
+    low = ephemeral_low_or_skip()
+    width = (low - 20000) // 3
+    part = range(20000 + width, 20000 + 2 * width)
+    monkeypatch.setenv("LOCKSTEP_PORT_SLICE", "1/3")
+    parent = [free_port() for _ in range(60)]
+    child_env = child_port_slice()
+    assert child_env == "1/3,1/2"
+    monkeypatch.setenv("LOCKSTEP_PORT_SLICE", child_env)
+    child = [free_port() for _ in range(60)]
+    grandchild_env = child_port_slice()
+    monkeypatch.setenv("LOCKSTEP_PORT_SLICE", grandchild_env)
+    grandchild = [free_port() for _ in range(30)]
+    assert all(p in part for p in parent + child + grandchild)
+    half, quarter = width // 2, width // 2 // 2
+    assert max(parent) < part.start + half <= min(child)
+    assert max(child) < part.start + half + quarter <= min(grandchild)
+
+
+@pytest.mark.parametrize("value", ["2/2", "one/2", "1", "-1/2", "0/2,3/2", "0/2,"])
 def test_a_malformed_port_slice_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv("LOCKSTEP_PORT_SLICE", value)
     with pytest.raises(ValueError, match="LOCKSTEP_PORT_SLICE"):

@@ -10,7 +10,14 @@ bindable, and one process never hands out the same port twice.
 
 Processes that pick ports side by side (a test runner's parallel workers)
 set LOCKSTEP_PORT_SLICE=i/n: each then draws only from the i-th of n equal
-parts of that range, so two of them never hand out the same port.
+parts of that range, so two of them never hand out the same port. Slices
+nest ("0/4,1/2": the second half of the first quarter).
+
+A process draws from the first half of its range only; the processes it
+starts get the second half (child_port_slice). A port handed out here waits
+unbound until the child it is meant for starts up, and a child picking a port
+of its own meanwhile (the coordinator's embedded Redis, a trainer group's
+rendezvous) must not take it: the two never draw from the same ports.
 """
 from __future__ import annotations
 
@@ -35,18 +42,25 @@ def _ephemeral_low() -> int:
 
 
 def _sliced(low: int, high: int) -> tuple[int, int]:
-    """[low, high) cut to this process's part under LOCKSTEP_PORT_SLICE=i/n (0 <= i < n)."""
+    """[low, high) cut to this process's part under LOCKSTEP_PORT_SLICE=i/n[,j/m...] (0 <= i < n), each slice
+    taken of the one before it."""
     value = os.environ.get(SLICE_ENV, "")
-    if not value:
-        return low, high
-    try:
-        index, count = (int(x) for x in value.split("/"))
-    except ValueError:
-        raise ValueError(f"{SLICE_ENV}: {value!r} is not i/n") from None
-    if not 0 <= index < count:
-        raise ValueError(f"{SLICE_ENV}: {value!r}: i must be in [0, n)")
-    width = (high - low) // count
-    return low + index * width, low + (index + 1) * width
+    for part in value.split(",") if value else ():
+        try:
+            index, count = (int(x) for x in part.split("/"))
+        except ValueError:
+            raise ValueError(f"{SLICE_ENV}: {value!r}: {part!r} is not i/n") from None
+        if not 0 <= index < count:
+            raise ValueError(f"{SLICE_ENV}: {value!r}: i must be in [0, n)")
+        width = (high - low) // count
+        low, high = low + index * width, low + (index + 1) * width
+    return low, high
+
+
+def child_port_slice() -> str:
+    """LOCKSTEP_PORT_SLICE for the processes this one starts: the half of its range it never draws from."""
+    value = os.environ.get(SLICE_ENV, "")
+    return f"{value},1/2" if value else "1/2"
 
 
 def _bindable(host: str, port: int) -> bool:
@@ -65,8 +79,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def free_port_run(n: int, host: str = "127.0.0.1") -> int:
     """A port p with p .. p+n-1 all free (for services numbered from a base port)."""
     low, high = _sliced(_LOW, _ephemeral_low())
+    high = low + (high - low) // 2  # the other half is this process's children's (child_port_slice)
     with _lock:
-        if high - low >= 1000 + n:
+        if high - low >= 200 + n:
             for _ in range(200):
                 base = _rng.randrange(low, high - n)
                 run = range(base, base + n)
