@@ -141,11 +141,15 @@ def test_a_failing_environment_ends_only_its_episode_with_its_reason():
     tokenizer = AliasingTokenizer(64)
     fine, hostile = tokenizer.encode("fine"), tokenizer.encode("boom")
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
-    limits = EpisodeLimits(max_turns=3, max_episode_tokens=200, step_timeout_s=0.5, max_observation_bytes=1024)
     for name, reason in [("test-raises", EndReason.ENV_ERROR), ("test-hangs", EndReason.ENV_TIMEOUT),
                          ("test-huge", EndReason.OBSERVATION_TOO_LARGE),
                          ("test-not-utf8", EndReason.OBSERVATION_NOT_UTF8), ("test-dies", EndReason.ENV_CRASHED),
                          ("test-never-done", EndReason.MAX_TURNS), ("test-hangs-in-reset", EndReason.ENV_TIMEOUT)]:
+        # Only the hanging environments wait out the step timeout; the others get one a loaded CI host never
+        # reaches (a 0.5 s one was: "test-huge" timed out there instead of being refused for its size).
+        timeout_s = 0.5 if reason is EndReason.ENV_TIMEOUT else 60.0
+        limits = EpisodeLimits(max_turns=3, max_episode_tokens=200, step_timeout_s=timeout_s,
+                               max_observation_bytes=1024)
         episodes = run_episodes(_specs(1), environment=name, options={}, limits=limits, codec=PlainCodec(tokenizer),
                                 sample=_fixed_sampler(hostile), sampling=sampling)
         assert episodes[0].end_reason is reason, (name, episodes[0].end_message)
