@@ -74,6 +74,10 @@ class CoordinatorExporter:
 
     def trainer_recovered(self, run_id: str) -> None:
         self._m["lockstep_trainer_recoveries_total"].labels(run_id).inc()
+        # The recomputed-steps series exists from the recovery on, at 0 when the trainer died right after a
+        # checkpoint: a dashboard then reads "none recomputed", not "no data". Only the matched outcome: a
+        # differed series is an alert's trigger and appears only with its first step.
+        self._m["lockstep_steps_recomputed_total"].labels(run_id, "matched")
 
     def step_recomputed(self, run_id: str, matched: bool) -> None:
         self._m["lockstep_steps_recomputed_total"].labels(run_id, "matched" if matched else "differed").inc()

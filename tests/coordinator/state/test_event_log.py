@@ -65,7 +65,11 @@ def test_one_call_writes_the_event_the_log_line_and_the_metric(server, lines):
         {"event": "submitted"}, {"event": "trainer_recovered", "step": 3, "policy_version": 2}]
     assert [(line["msg"], line["run_id"], line["step"], line["policy_version"]) for line in logged] == [
         ("trainer recovered", run_id, 3, 2)]
-    assert f'lockstep_trainer_recoveries_total{{run_id="{run_id}"}} 1.0' in scrape(exporter)
+    text = scrape(exporter)
+    assert f'lockstep_trainer_recoveries_total{{run_id="{run_id}"}} 1.0' in text
+    # A recovery with no step to recompute still shows the matched series, at 0; never a differed one.
+    assert f'lockstep_steps_recomputed_total{{outcome="matched",run_id="{run_id}"}} 0.0' in text
+    assert 'outcome="differed"' not in text
 
 
 def test_a_step_is_exported_once_and_logged_each_time(server, lines):
