@@ -169,6 +169,7 @@ def measure_mode(shape: str, workdir: Path, digest: str, args: argparse.Namespac
             logs = "\n".join(f"--- {p.name}:\n{p.tail()}" for p in services.processes)
             raise RuntimeError(f"the caller failed ({caller.returncode}):\n{caller.stderr[-4000:]}\n{logs}")
         got = json.loads(caller.stdout.strip().splitlines()[-1])
+        phases = logged_phases(workdir / "logs")
     nbytes = got["bytes"]
     limits = {"device_copy": memcpy_limit(nbytes, args.device, args.reps),
               f"sha256_{os.cpu_count()}_threads": sha256_limit(nbytes, args.reps, os.cpu_count() or 1)}
@@ -183,7 +184,7 @@ def measure_mode(shape: str, workdir: Path, digest: str, args: argparse.Namespac
     return {
         "bytes": nbytes, "tensors": got["tensors"], "digest": got["digests"][0],
         "digests_equal_across_sources_and_reps": len(set(got["digests"])) == 1,
-        **sources, "ipc_parts": parts, "limits": limits,
+        **sources, "ipc_parts": parts, "ipc_phases_ms": phases, "limits": limits,
         "ratios": {"ipc_speedup_over_grpc": round(sources["grpc"]["median_s"] / ipc_s, 2),
                    "ipc_speedup_over_shared_path": round(sources["shared_path"]["median_s"] / ipc_s, 2),
                    "device_copy_over_ipc": round(limits["device_copy"]["median_s"] / ipc_s, 4),
@@ -194,6 +195,30 @@ def measure_mode(shape: str, workdir: Path, digest: str, args: argparse.Namespac
         "load_average": {"before": [round(x, 2) for x in load_before],
                          "after": [round(x, 2) for x in os.getloadavg()]},
     }
+
+
+HANDOVERS_PER_REP = 2  # the coordinator's whole sync, then the same protocol step by step
+
+
+def logged_phases(logs: Path) -> dict:
+    """Each side's logged phases of every IPC handover (trainer: pack, export, digest; replica: handles, map,
+    digest, verify, apply, unmap, release), as the first rep's and the median of the later ones, in ms."""
+    events: dict[str, list[dict]] = {"trainer": [], "replica": []}
+    for name, side in (("trainer.log", "trainer"), ("rollout.log", "replica")):
+        for line in (logs / name).read_text().splitlines():
+            if '"phases_ms"' in line and '"weight handover ' in line:
+                event = json.loads(line)
+                events[side].append((event["msg"], event["phases_ms"]))
+    out: dict[str, dict] = {}
+    for side, logged in events.items():
+        per_phase: dict[str, list[float]] = {}
+        for msg, phases in logged:
+            for phase, ms in phases.items():
+                per_phase.setdefault(f"{side}_{phase}", []).append(ms)
+        for key, values in per_phase.items():
+            out[key] = {"first": values[0], "median_later": round(statistics.median(values[HANDOVERS_PER_REP:]), 2)
+                        if len(values) > HANDOVERS_PER_REP else None, "count": len(values)}
+    return out
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
+from services.common.process.structured_logging import log_event
 from services.common.weights import ipc_transport as ipc
 from services.common.weights.bucket_digest import BucketHasher
 from services.common.weights.stream import LoraAdapterMeta
@@ -55,6 +57,9 @@ class MappedHandover:
     nbytes: int
     total_sha256: str
     lora: LoraAdapterMeta | None
+    phases_ms: dict[str, float]
+    """Wall milliseconds of each step on this side, in order: handles (GetWeightHandles), map, digest, verify
+    (VerifyWeightHandover: waits for the trainer's digest), apply, unmap, release. Logged with each handover."""
 
 
 Apply = Callable[[dict[str, torch.Tensor], int, LoraAdapterMeta | None], Awaitable[None]]
@@ -76,12 +81,21 @@ class IpcReceiver:
 
     async def receive(self, trainer: pb_grpc.TrainerStub, request: pb.MapWeightsRequest, *, current_version: int,
                       apply: Apply) -> MappedHandover:
+        phases: dict[str, float] = {}
+        clock = [time.perf_counter()]
+
+        def lap(name: str) -> None:  # the time since the last lap, under `name`
+            now = time.perf_counter()
+            phases[name] = round((now - clock[0]) * 1e3, 2)
+            clock[0] = now
+
         try:
             handles = await trainer.GetWeightHandles(pb.GetWeightHandlesRequest(
                 run_id=request.run_id, policy_version=request.policy_version, handover_id=request.handover_id,
                 node_id=self.node, device_uuids=ipc.visible_device_uuids()))
         except grpc.aio.AioRpcError as exc:
             raise _trainer_error(request, "GetWeightHandles", exc) from None
+        lap("handles")
         mapped: list[torch.Tensor] = []
         views: dict[str, torch.Tensor] = {}  # cleared on every path: a view left alive keeps its bucket mapped
         try:
@@ -95,13 +109,16 @@ class IpcReceiver:
                     mapped.append(ipc.open_bucket(handles.backend, bucket, index))
 
             await asyncio.to_thread(map_all)
+            lap("map")
             digest = await asyncio.to_thread(self.hasher.digest, mapped, layouts)
+            lap("digest")
             try:
                 sent = await trainer.VerifyWeightHandover(pb.VerifyWeightHandoverRequest(
                     run_id=request.run_id, handover_id=request.handover_id, share_id=handles.share_id,
                     total_sha256=digest))
             except grpc.aio.AioRpcError as exc:
                 raise _trainer_error(request, "VerifyWeightHandover", exc) from None
+            lap("verify")
             if sent.total_sha256 != digest:
                 raise ValueError(f"weights: the mapped buckets hash to {digest}, the trainer's to "
                                  f"{sent.total_sha256}; nothing applied")
@@ -109,12 +126,17 @@ class IpcReceiver:
             views.update((name, t) for buffer, layout in zip(mapped, layouts)
                          for name, t in ipc.bucket_views(buffer, layout))
             await apply(dict(views), handles.policy_version, lora)
+            lap("apply")
         finally:
             views.clear()
             was_mapped = len(mapped)
             await asyncio.to_thread(_unmap, mapped)
+            lap("unmap")
             await _release(trainer, request, handles.share_id, was_mapped)
-        return MappedHandover(handles.policy_version, int(handles.tensors), int(handles.bytes), digest, lora)
+            lap("release")
+        log_event(log, "weight handover mapped", run_id=request.run_id, policy_version=handles.policy_version,
+                  buckets=len(handles.buckets), bytes=int(handles.bytes), phases_ms=phases)
+        return MappedHandover(handles.policy_version, int(handles.tensors), int(handles.bytes), digest, lora, phases)
 
 
 def _unmap(mapped: list[torch.Tensor]) -> None:

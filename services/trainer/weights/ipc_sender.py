@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -92,6 +93,7 @@ class WeightHandoverHost:
         if request.bucket_bytes < 0 or 0 < request.bucket_bytes < ipc.ALIGN_BYTES:
             raise InvalidRequest(f"bucket_bytes: 0 (the trainer's weight_ipc_bucket_bytes) or >= {ipc.ALIGN_BYTES}, "
                                  f"got {request.bucket_bytes}")
+        started = time.perf_counter()
         snapshot: WeightSnapshot = self.trainer.weight_tensors(request.run_id)
         device = next((t.device for _, t in snapshot.tensors), torch.device("cpu"))
         layouts = ipc.layout_of(snapshot.tensors, request.bucket_bytes or self.bucket_bytes)
@@ -104,6 +106,7 @@ class WeightHandoverHost:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # packed before anyone maps or hashes them
         self.trainer.check_weights_unchanged(snapshot)
+        packed = time.perf_counter()
         # Every replica's share is exported now, before the hashing starts reading the buffers: exporting a CUDA
         # share rewraps its storage's data pointer, which no other thread should be reading meanwhile.
         shares = []
@@ -112,6 +115,7 @@ class WeightHandoverHost:
             for buffer, bucket in zip(buffers, buckets):
                 ipc.export(buffer, bucket)
             shares.append(buckets)
+        exported = time.perf_counter()
         handover = _Handover(
             run_id=request.run_id, policy_version=snapshot.policy_version, handover_id=secrets.token_hex(16),
             backend=ipc.backend_for(device), device_uuid=ipc.device_uuid(device.index or 0) if device.type == "cuda"
@@ -124,8 +128,17 @@ class WeightHandoverHost:
                 self._free(self._open.pop(next(iter(self._open))))
         summary = handover.summary(self.node)
         log_event(self.log, "weight handover opened", run_id=summary.run_id, policy_version=summary.policy_version,
-                  backend=summary.backend, buckets=summary.buckets, bytes=summary.bytes, replicas=request.replicas)
+                  backend=summary.backend, buckets=summary.buckets, bytes=summary.bytes, replicas=request.replicas,
+                  phases_ms={"pack": round((packed - started) * 1e3, 2), "export": round((exported - packed) * 1e3, 2)})
+        handover.digest.add_done_callback(lambda done: self._hashed(summary, exported, done))
         return summary
+
+    def _hashed(self, summary: pb.WeightHandover, since: float, done: Future) -> None:
+        """The handover's digest finished (or was cancelled, or failed): how long it took from the export on."""
+        if done.cancelled() or done.exception() is not None:
+            return  # a failure reaches the replica through VerifyWeightHandover
+        log_event(self.log, "weight handover hashed", run_id=summary.run_id, policy_version=summary.policy_version,
+                  phases_ms={"digest": round((time.perf_counter() - since) * 1e3, 2)})
 
     def _find(self, run_id: str, handover_id: str) -> _Handover:
         """Under self._lock. The open handover of that id and run (compared in constant time), or refused."""

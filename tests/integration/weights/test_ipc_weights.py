@@ -10,6 +10,8 @@ replica's weight_sources, or a stale version applies nothing.
 """
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 
@@ -33,7 +35,7 @@ def test_ipc_source_matches_the_grpc_source_bitwise(tmp_path, two_replica_stack)
     for source in ("grpc", "ipc", "auto"):
         run = client.submit(sync_spec(model, f"sync-{source}", source))
         done = client.wait(run["id"], timeout_s=600)
-        assert done["status"] == "completed", done
+        assert done["status"] == "completed", str(done)
         outcomes[source] = (run["id"], [s["metrics"] for s in client.metrics(run["id"])["steps"]],
                             synced(client, run["id"]))
     grpc_id, grpc_metrics, grpc_synced = outcomes["grpc"]
@@ -53,6 +55,14 @@ def test_ipc_source_matches_the_grpc_source_bitwise(tmp_path, two_replica_stack)
     # Versions 1-3 of two runs, one handover each for both replicas, every one closed with no share left over.
     assert trainer_log.count('"weight handover opened"') == 6 and '"backend": "cpu_shm"' in trainer_log
     assert trainer_log.count('"weight handover closed"') == 6 and '"unreleased": 1' not in trainer_log
+    # Each side logs how long each step of a handover took (what bench/weight_sync_ipc.py reports).
+    hashed = [json.loads(line) for line in trainer_log.splitlines() if '"weight handover hashed"' in line]
+    assert len(hashed) == 6 and all(e["phases_ms"]["digest"] >= 0 for e in hashed), hashed
+    mapped = [json.loads(line) for i in range(2)
+              for line in (stack.run_dir / "logs" / f"rollout{i}.log").read_text().splitlines()
+              if '"weight handover mapped"' in line and '"' + outcomes["auto"][0] + '"' in line]
+    assert len(mapped) == 6 and all(list(e["phases_ms"]) == ["handles", "map", "digest", "verify", "apply",
+                                                              "unmap", "release"] for e in mapped), mapped
 
     ipc_run = outcomes["auto"][0]  # the run the replicas hold now
     channel = sync_channel(f"127.0.0.1:{stack.rollout_ports[0]}", stack.token)
@@ -96,7 +106,7 @@ def test_a_fixed_lag_run_over_ipc_syncs_in_the_steps_path_and_trains_as_over_grp
         spec["trainer"] = {"mismatch_correction": {"mode": "truncate", "upper": 2.0}}
         run = client.submit(spec)
         done = client.wait(run["id"], timeout_s=600)
-        assert done["status"] == "completed", done
+        assert done["status"] == "completed", str(done)
         metrics[source] = [s["metrics"] for s in client.metrics(run["id"])["steps"]]
     assert [m["weight_sync_beside_training"] for m in metrics["ipc"]] == [0, 0, 0]
     assert [m["weight_sync_beside_training"] for m in metrics["grpc"]][1:] == [1, 1]
