@@ -126,21 +126,28 @@ def moved_fraction(trainer, before: dict[str, torch.Tensor]) -> dict:
 
 
 def profile_step(trainer, request, top: int = 30) -> dict:
-    """One more step under torch.profiler: GPU time by kernel (top `top`), and the step's GPU-busy share."""
+    """One more step under torch.profiler: GPU time by kernel (top `top`; kernels only, so nothing is counted
+    twice), the step's GPU-busy share, and GPU time by operator and input shapes (which tensor a copy or an
+    elementwise kernel worked on: the head's logits, an expert's rows, a master weight...)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         trainer.train_step(request)
         torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0)]
-    rows = sorted(((e.key, getattr(e, "self_device_time_total", 0) / 1e3, e.count) for e in events),
-                  key=lambda r: -r[1])
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in kernels), key=lambda r: -r[1])
     busy = sum(r[1] for r in rows) / 1e3
+    # An operator's device time is that of the kernels it launched itself (self): no parent counts its children.
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type.name == "CPU" and e.self_device_time_total > 0]
+    by_shape = sorted(((e.key, str(e.input_shapes)[:120], e.self_device_time_total / 1e3, e.count) for e in ops),
+                      key=lambda r: -r[2])
     return {"wall_seconds": round(wall, 3), "gpu_kernel_seconds": round(busy, 3),
-            "top_kernels_ms": [[k[:90], round(ms, 2), n] for k, ms, n in rows[:top]]}
+            "top_kernels_ms": [[k[:90], round(ms, 2), n] for k, ms, n in rows[:top]],
+            "top_ops_by_input_shape_ms": [[k, shapes, round(ms, 2), n] for k, shapes, ms, n in by_shape[:top]]}
 
 
 def bench_shape(shape: str, budget: int, flags: frozenset[str], args, gemm: float) -> dict:
