@@ -1,27 +1,28 @@
 """The weights digest (services/common/weights/digest.py) of tensors packed in buckets, on either side of an
 IPC handover: the trainer over the buckets it shares, the replica over what it mapped.
 
-Work is one digest block (a tensor's 4 MiB piece), hashed on a thread pool (hashlib releases the GIL). Buckets
+Work is one digest block (a tensor's 4 MiB piece, digest.block_sha256), hashed on a thread pool (hashlib
+releases the GIL). Buckets
 in host memory are hashed where they lie. Device buckets are copied to the host in pieces of up to
 PIECE_BYTES (whole blocks) through a small ring of pinned buffers on a stream of their own, so the copy of one
 piece overlaps the hashing of the ones before: the ring is allocated at the first use and kept by its
 BucketHasher, and is small (RING_PIECES x PIECE_BYTES), so a first sync pays little more than a later one.
 
 `on="device"` hashes the whole 4 MiB blocks of device buckets on the device instead (kernels/digest: one lane
-per block, every bucket's launch on a stream of its own), and only each tensor's shorter last block on the host
+per 256 KiB leaf, then one per block over its leaf digests; every bucket's launches on a stream of its own), and only each tensor's shorter last block on the host
 as above: the same digest, without copying most bytes to the host or spending every core on them. Buckets in
 host memory are hashed on the host whatever `on` says.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from services.common.weights.digest import DIGEST_BLOCK_BYTES, block_pool_threads, block_spans, digest_of_blocks
+from services.common.weights.digest import (DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES, block_pool_threads, block_sha256,
+                                            block_spans, digest_of_blocks)
 from services.common.weights.ipc_transport import BucketLayout
 
 PIECE_BYTES = 64 * 1024 * 1024
@@ -73,10 +74,6 @@ class PinnedRing:
         self._readers[slot] = readers
 
 
-def _sha(view: memoryview) -> bytes:
-    return hashlib.sha256(view).digest()
-
-
 class BucketHasher:
     """Keeps its thread pool and (for device buckets) its pinned ring between digests."""
 
@@ -99,9 +96,9 @@ class BucketHasher:
             device = torch.device("cuda", torch.cuda.current_device())
         self._ring_for(device)
         if self.on == "device":
-            from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks
-            digests_of(launch_sha256_blocks(torch.zeros(DIGEST_BLOCK_BYTES, dtype=torch.uint8, device=device), [0],
-                                            DIGEST_BLOCK_BYTES))
+            from kernels.digest.sha256_blocks import digests_of, launch_tree_digests
+            digests_of(launch_tree_digests(torch.zeros(DIGEST_BLOCK_BYTES, dtype=torch.uint8, device=device), [0],
+                                           DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES))
 
     def _ring_for(self, device: torch.device) -> None:
         if self._ring_device != device:
@@ -128,7 +125,7 @@ class BucketHasher:
             blocks = block_ranges(layout)
             if not buffer.is_cuda:
                 host = memoryview(buffer.numpy())
-                pending.extend(self.pool.submit(_sha, host[a:b]) for a, b in blocks)
+                pending.extend(self.pool.submit(block_sha256, host[a:b]) for a, b in blocks)
             elif not here:
                 pending.extend(self._device_blocks(buffer, blocks))
             else:
@@ -146,11 +143,11 @@ class BucketHasher:
     @staticmethod
     def _launch(buffer: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.cuda.Stream]:
         """Queue the device hashing of the whole blocks at `starts` on a stream of the bucket's own."""
-        from kernels.digest.sha256_blocks import launch_sha256_blocks
+        from kernels.digest.sha256_blocks import launch_tree_digests
         stream = torch.cuda.Stream(buffer.device)
         stream.wait_stream(torch.cuda.current_stream(buffer.device))
         with torch.cuda.stream(stream):
-            return launch_sha256_blocks(buffer, starts, DIGEST_BLOCK_BYTES), stream
+            return launch_tree_digests(buffer, starts, DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES), stream
 
     def _device_blocks(self, buffer: torch.Tensor, blocks: list[tuple[int, int]]) -> list[Future]:
         if not blocks:
@@ -177,4 +174,4 @@ class BucketHasher:
 
 def _after(ready: Future, view: memoryview, a: int, b: int) -> bytes:
     ready.result()
-    return hashlib.sha256(view[a:b]).digest()
+    return block_sha256(view[a:b])

@@ -1,7 +1,8 @@
 """Chunked, checksummed weight streams (trainer GetWeights -> rollout UpdateWeights).
 
 A sender cuts every tensor into chunks of at most `chunk_bytes`; each chunk
-carries the sha256 of its bytes, and the last chunk carries the stream's digest
+carries the digest of its bytes (digest.block_sha256: the sha256 of its 256 KiB
+leaves' sha256s), and the last chunk carries the stream's digest
 (services.common.weights.digest: sha256 over the digests of every tensor's
 4 MiB blocks) plus the chunk count. At the default chunk size a chunk is one
 digest block, so each byte is hashed once per side. The receiver verifies each
@@ -15,7 +16,6 @@ disagree on it, so a receiver never mistakes adapter tensors for model weights.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 from collections import deque
@@ -29,7 +29,7 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.tensors import dtype_from_name, dtype_name
 from services.common.weights.chunk_frames import ChunkFrameError, split_chunk
-from services.common.weights.digest import DIGEST_BLOCK_BYTES, BlockDigests, tensor_byte_view
+from services.common.weights.digest import DIGEST_BLOCK_BYTES, BlockDigests, block_sha256, tensor_byte_view
 from services.common.weights.finite_check import bytes_all_finite, checks_bytes
 
 # One chunk per digest block: a chunk's digest is then its block's, and no byte is hashed twice.
@@ -98,7 +98,7 @@ def iter_weight_chunks(
         del tensor
         for offset in range(0, max(len(data), 1), chunk_bytes):
             piece = data[offset : offset + chunk_bytes]
-            digest = hashlib.sha256(piece).digest()
+            digest = block_sha256(piece)
             blocks.add(name, offset, piece, len(data), digest)
             if pending is not None:
                 yield pending
@@ -162,11 +162,11 @@ def _new_host_bytes(nbytes: int) -> torch.Tensor:
 def _verify_and_store(where: str, data: bytes | memoryview, expected: str, tensor: _TensorBuffer,
                       start: int) -> bytes | str:
     """One chunk's hash and, if it matches, its copy into the tensor's buffer: the digest, or the error."""
-    digest = hashlib.sha256(data)
-    if digest.hexdigest() != expected:
+    digest = block_sha256(data)
+    if digest.hex() != expected:
         return f"{where}: chunk_sha256 mismatch"
     tensor.view[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
-    return digest.digest()
+    return digest
 
 
 def finite_pieces(nbytes: int, itemsize: int) -> list[tuple[int, int]]:

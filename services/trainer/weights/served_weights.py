@@ -17,7 +17,6 @@ is left, and a version whose buffer was taken refuses new holders (VersionRetire
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ import torch
 from proto import lockstep_pb2 as pb
 from services.common.tensors import dtype_name
 from services.common.weights.chunk_frames import encode_chunk
-from services.common.weights.digest import BlockDigests
+from services.common.weights.digest import BlockDigests, block_sha256
 from services.common.weights.stream import LoraAdapterMeta
 
 # Threads hashing and encoding chunks; sha256 runs at about 1 GB/s per core.
@@ -143,7 +142,7 @@ class WeightVersion:
         return self._view[c.start:c.start + c.length]
 
     def _hash(self, c: _Chunk) -> bytes:
-        return hashlib.sha256(self._data(c)).digest()
+        return block_sha256(self._data(c))
 
     def _hashes(self) -> list[Future[bytes]]:
         """The chunks' digests, submitted to the pool on the first call."""

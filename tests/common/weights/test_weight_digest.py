@@ -19,7 +19,7 @@ from services.common.weights.stream import (
     WeightStreamError,
     iter_weight_chunks,
 )
-from tests.support.digest_reference import BLOCK, Sha256Counter, digest_by_definition
+from tests.support.digest_reference import BLOCK, Sha256Counter, bytes_fed_once, digest_by_definition
 
 
 
@@ -95,8 +95,6 @@ def test_pieces_cut_anyhow_give_the_block_digests_of_whole_blocks():
 @pytest.mark.parametrize("side", ["sender", "receiver"])
 def test_at_the_default_chunk_size_each_side_hashes_each_byte_once(side, monkeypatch):
     weights = _weights()
-    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    blocks = sum(len(range(0, max(t.numel() * t.element_size(), 1), BLOCK)) for _, t in weights)
     if side == "receiver":
         chunks = list(iter_weight_chunks(weights, run_id="r", policy_version=1))
     counted = Sha256Counter(monkeypatch)
@@ -104,8 +102,8 @@ def test_at_the_default_chunk_size_each_side_hashes_each_byte_once(side, monkeyp
         chunks = list(iter_weight_chunks(weights, run_id="r", policy_version=1))
     else:
         _receive(chunks).finish()
-    # Every byte once, plus the final digest over the 32-byte block digests.
-    assert counted.fed == nbytes + 32 * blocks
+    # Every byte once, plus the leaf digests into their blocks' and the block digests into the total.
+    assert counted.fed == bytes_fed_once([t.numel() * t.element_size() for _, t in weights])
 
 
 def test_a_corrupt_chunk_hashed_on_the_helper_thread_refuses_the_stream():

@@ -28,7 +28,7 @@ from services.common.weights.files import (
     write_weight_dir,
 )
 from services.common.weights.safetensors_layout import encode_header
-from tests.support.digest_reference import BLOCK, Sha256Counter, digest_by_definition, raw_bytes
+from tests.support.digest_reference import BLOCK, Sha256Counter, bytes_fed_once, digest_by_definition, digest_of_byte_strings, raw_bytes
 
 
 
@@ -134,14 +134,13 @@ def test_the_staged_writer_writes_and_hashes_what_the_direct_one_does(tmp_path):
 
 def test_each_side_hashes_each_byte_once(tmp_path, base, monkeypatch):
     weights = _weights()
-    nbytes = sum(len(raw_bytes(t)) for _, t in weights)
-    blocks = sum(len(range(0, max(len(raw_bytes(t)), 1), BLOCK)) for _, t in weights)
+    once = bytes_fed_once([len(raw_bytes(t)) for _, t in weights])
     counted = Sha256Counter(monkeypatch)
     written = write_weight_dir(tmp_path / "v1", weights, 1, base_dir=base)
-    assert counted.fed == nbytes + 32 * blocks
+    assert counted.fed == once
     counted.fed = 0
     read_weight_dir(written.directory, policy_version=1, expected_sha256=written.total_sha256)
-    assert counted.fed == nbytes + 32 * blocks
+    assert counted.fed == once
 
 
 # ----------------------------------------------------------- the writer refuses --
@@ -184,7 +183,7 @@ def _write_file(directory: Path, header: dict | bytes, data: bytes, length: int 
 
 
 def _digest_of(data_a: bytes, data_b: bytes) -> str:
-    return hashlib.sha256(hashlib.sha256(data_a).digest() + hashlib.sha256(data_b).digest()).hexdigest()
+    return digest_of_byte_strings([data_a, data_b])
 
 
 def test_a_hand_made_file_of_the_layout_is_read(tmp_path):

@@ -10,7 +10,6 @@ loading a gigabyte policy is most of what these tests cost.
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import grpc
@@ -21,6 +20,7 @@ from proto import lockstep_pb2_grpc as pb_grpc
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.common.grpc.options import sync_channel
 from services.local_stack import LocalStack
+from tests.support.digest_reference import digest_of_byte_strings
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +49,7 @@ def _served_digest(stack: LocalStack, run_id: str) -> tuple[int, str, int]:
             tensors.setdefault(chunk.name, bytearray()).extend(chunk.data)
             nbytes += len(chunk.data)
             last = chunk
-        block = 4 * 1024 * 1024
-        blocks = b"".join(hashlib.sha256(data[o:o + block]).digest()
-                          for data in tensors.values() for o in range(0, max(len(data), 1), block))
-        assert last is not None and last.total_sha256 == hashlib.sha256(blocks).hexdigest()
+        assert last is not None and last.total_sha256 == digest_of_byte_strings([bytes(d) for d in tensors.values()])
         return last.policy_version, last.total_sha256, nbytes
     finally:
         channel.close()

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks, reference_sha256_blocks
+from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks, launch_tree_digests, reference_sha256_blocks
 from services.common.weights import ipc_transport as ipc
 from services.common.weights.bucket_digest import BucketHasher
-from services.common.weights.digest import DIGEST_BLOCK_BYTES, tensors_digest
+from services.common.weights.digest import DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES, block_sha256, tensors_digest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
@@ -21,6 +21,10 @@ def test_four_mib_blocks_equal_hashlib():
     starts = [0, DIGEST_BLOCK_BYTES, 3 * DIGEST_BLOCK_BYTES + 256, 4 * DIGEST_BLOCK_BYTES + 4096]
     assert digests_of(launch_sha256_blocks(data, starts, DIGEST_BLOCK_BYTES)) == \
         reference_sha256_blocks(data, starts, DIGEST_BLOCK_BYTES)
+    # The digest's own blocks: 16 leaves of 256 KiB each, then the block over their digests.
+    host = data.cpu().numpy().tobytes()
+    assert digests_of(launch_tree_digests(data, starts, DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES)) == \
+        [block_sha256(host[s:s + DIGEST_BLOCK_BYTES]) for s in starts]
 
 
 def test_device_and_host_hashing_of_buckets_give_the_streams_digest():
