@@ -1,5 +1,6 @@
-"""Whether received weights are finite: one pass per tensor (`all_finite`), or over raw bytes on any thread
-(`bytes_all_finite`, what the stream receiver runs on its worker threads while chunks arrive)."""
+"""Whether received weights are finite: one pass per tensor (`all_finite`, `non_finite` for a whole set), or
+over raw bytes on any thread (`bytes_all_finite`, what the stream receiver runs on its worker threads while
+chunks arrive)."""
 from __future__ import annotations
 
 import numpy as np
@@ -29,6 +30,31 @@ def all_finite(t: torch.Tensor) -> bool:
         low, high = torch.aminmax(t)
         return bool(torch.isfinite(low) & torch.isfinite(high))
     return bool(torch.isfinite(t).all())
+
+
+def non_finite(named: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating tensors holding a NaN or an infinity, `all_finite` on each, read back once: on
+    a GPU the reductions are queued back to back and the host waits for the device one time, not once per
+    tensor (a model's few hundred tensors each paid a round trip)."""
+    names, flags = [], []
+    for name, t in named.items():
+        if t.is_floating_point() and t.numel():
+            if t.dtype in _MINMAX_CHECKED:
+                low, high = torch.aminmax(t)
+                flags.append(torch.isfinite(low) & torch.isfinite(high))
+            else:
+                flags.append(torch.isfinite(t).all())
+            names.append(name)
+    if not flags:
+        return []
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(i)
+    finite = [True] * len(flags)
+    for indices in by_device.values():
+        for i, ok in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
+            finite[i] = ok
+    return [name for name, ok in zip(names, finite) if not ok]
 
 
 def checks_bytes(dtype: torch.dtype) -> bool:

@@ -32,7 +32,7 @@ from contract.engine_options import TorchEngineConfig
 from services.common.models.loading import load_causal_lm
 from services.common.records.fingerprint import probe_platform_details
 from services.common.weights.files import FiniteTensors
-from services.common.weights.finite_check import all_finite
+from services.common.weights.finite_check import non_finite
 from services.common.weights.stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.embedded.decoder import Decoder, DecoderOptions
@@ -271,6 +271,7 @@ class TorchEngine(Engine):
         model = self._require_model()
         targets = model.state_dict(keep_vars=True)
         problems: list[str] = []
+        fitting: dict[str, torch.Tensor] = {}  # of the model's names, shapes and dtypes: checked for finiteness
         for name, t in tensors.items():
             dst = targets.get(name)
             if dst is None:
@@ -279,8 +280,10 @@ class TorchEngine(Engine):
                 problems.append(f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}")
             elif t.dtype != dst.dtype:
                 problems.append(f"{name}: dtype {t.dtype} != model's {dst.dtype}")
-            elif check_finite and t.is_floating_point() and not all_finite(t):
-                problems.append(f"{name}: non-finite values")
+            else:
+                fitting[name] = t
+        if check_finite:
+            problems.extend(f"{name}: non-finite values" for name in non_finite(fitting))
         # Group names by storage so tied aliases are one required tensor.
         groups: dict[int, list[str]] = {}
         for name, dst in targets.items():

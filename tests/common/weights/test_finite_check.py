@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.weights.finite_check import all_finite, bytes_all_finite, checks_bytes
+from services.common.weights.finite_check import all_finite, bytes_all_finite, checks_bytes, non_finite
 from services.rollout.embedded.torch_engine import one_intra_op_thread
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -92,3 +92,13 @@ def test_the_bytes_check_refuses_a_partial_value_or_another_layout():
     with pytest.raises(ValueError, match="need flat uint8"):
         bytes_all_finite(np.zeros(4, dtype=np.float32), torch.float32)
     assert checks_bytes(torch.bfloat16) and not checks_bytes(torch.int64)
+
+
+def test_a_whole_set_names_exactly_its_non_finite_floating_tensors():
+    named = {f"{dtype}": torch.linspace(-3, 3, 4099, dtype=torch.float64).to(dtype) for dtype in DTYPES}
+    named["ints"] = torch.arange(10)
+    named["empty"] = torch.empty(0, dtype=torch.bfloat16)
+    assert non_finite(named) == [] and non_finite({}) == []
+    named[str(torch.bfloat16)][4098] = float("nan")
+    named[str(torch.float64)][0] = float("-inf")
+    assert non_finite(named) == [str(torch.bfloat16), str(torch.float64)]  # in the set's order

@@ -39,8 +39,8 @@ def test_a_read_directory_is_applied_without_a_second_finite_pass(engine, model_
     tensors = _written(tmp_path, model_dir, new, 1)
     assert isinstance(tensors, FiniteTensors)
     checked: list[int] = []
-    real = torch_engine.all_finite
-    monkeypatch.setattr(torch_engine, "all_finite", lambda t: checked.append(t.numel()) or real(t))
+    real = torch_engine.non_finite
+    monkeypatch.setattr(torch_engine, "non_finite", lambda named: checked.extend(named) or real(named))
     engine.update_weights_from_dir(str(tmp_path / "v1"), tensors, 1)
     assert checked == [] and engine.policy_version == 1
     assert all(torch.equal(engine._model.state_dict()[n], t) for n, t in new.items())
