@@ -3,14 +3,14 @@
 The weights digest (services/common/weights/digest.py) is the sha256 over every tensor's 4 MiB block
 digests, each the sha256 of the block's 256 KiB leaves' sha256s. A sha256 is a chain of compressions that
 cannot be split, but leaves are independent: each lane of a program hashes one whole leaf (its 64-byte
-chunks in order, then the one padding chunk a message of a multiple of 64 bytes takes), and a second launch
-hashes each block's leaf digests (`launch_tree_digests`). A GPU thus hashes a policy's tens of thousands of
-leaves in about the time one leaf's 4,097 compressions take, where hashing them on the host costs a copy of
-every byte to the host and every core's time. The result is bit for bit hashlib's (references:
-`reference_sha256_blocks`, `reference_tree_digests`); the tests compare them in Triton's interpreter on
-small blocks (the block size is a compile-time constant).
+chunks in order, then the one padding chunk a message of a multiple of 64 bytes takes), so a GPU hashes a
+policy's tens of thousands of leaves in about the time one leaf's 4,097 compressions take, where hashing
+them on the host costs a copy of every byte to the host and every core's time
+(services/common/weights/bucket_digest.py makes the block digests from them). The result is bit for bit
+hashlib's (reference: `reference_sha256_blocks`); the tests compare them in Triton's interpreter on small
+blocks (the block size is a compile-time constant).
 
-Blocks must be whole multiples of 64 bytes and start at a multiple of 4 bytes; a tensor's last, shorter block
+Blocks must be whole multiples of 64 bytes and start at a multiple of 4 bytes; a tensor's last, shorter leaf
 is the caller's to hash elsewhere (services/common/weights/bucket_digest.py hashes those on the host).
 """
 from __future__ import annotations
@@ -217,29 +217,6 @@ def launch_sha256_blocks(buffer: torch.Tensor, starts: Sequence[int], block_byte
     return out
 
 
-def _big_endian_words(state: torch.Tensor) -> torch.Tensor:
-    """int32 words whose little-endian bytes are `state`'s digests as sha256 writes them (each word
-    byte-swapped), so that hashing them as a message reads back the state words."""
-    x = state.to(torch.int64) & 0xFFFFFFFF
-    swapped = ((x & 0xFF) << 24) | ((x & 0xFF00) << 8) | ((x >> 8) & 0xFF00) | (x >> 24)
-    return torch.where(swapped >= 1 << 31, swapped - (1 << 32), swapped).to(torch.int32)
-
-
-def launch_tree_digests(buffer: torch.Tensor, starts: Sequence[int], block_bytes: int,
-                        leaf_bytes: int) -> torch.Tensor:
-    """Queue the two-level digest of the `block_bytes` at each start (the weights digest's block digest:
-    the sha256 of the sha256 of its `leaf_bytes` leaves, services/common/weights/digest.py) on the current
-    stream: every leaf of every block on a lane of its own, then each block's leaf digests on one lane.
-    The [len(starts), 8] int32 state words, for `digests_of`. block_bytes a multiple of leaf_bytes."""
-    if leaf_bytes <= 0 or block_bytes % leaf_bytes:
-        raise ValueError(f"block_bytes: a multiple of leaf_bytes ({leaf_bytes}), got {block_bytes}")
-    leaves = block_bytes // leaf_bytes
-    leaf_states = launch_sha256_blocks(buffer, [s + i * leaf_bytes for s in starts for i in range(leaves)],
-                                       leaf_bytes)
-    message = _big_endian_words(leaf_states).reshape(-1).view(torch.uint8)  # block j: bytes [j * 32L, ...)
-    return launch_sha256_blocks(message, [j * 32 * leaves for j in range(len(starts))], 32 * leaves)
-
-
 def digests_of(state: torch.Tensor) -> list[bytes]:
     """The 32-byte digests of launch_sha256_blocks' output (copied to the host)."""
     host = state.cpu().numpy().view("<u4").astype(">u4")  # each state word big-endian, as sha256 writes it
@@ -251,10 +228,3 @@ def reference_sha256_blocks(buffer: torch.Tensor, starts: Sequence[int], block_b
     data = buffer.cpu().numpy().tobytes()
     return [hashlib.sha256(data[s:s + block_bytes]).digest() for s in starts]
 
-
-def reference_tree_digests(buffer: torch.Tensor, starts: Sequence[int], block_bytes: int,
-                           leaf_bytes: int) -> list[bytes]:
-    """hashlib's two-level digest of the same blocks: what launch_tree_digests must equal bit for bit."""
-    data = buffer.cpu().numpy().tobytes()
-    return [hashlib.sha256(b"".join(hashlib.sha256(data[s + o:s + o + leaf_bytes]).digest()
-                                    for o in range(0, block_bytes, leaf_bytes))).digest() for s in starts]

@@ -2,22 +2,25 @@
 IPC handover: the trainer over the buckets it shares, the replica over what it mapped.
 
 Work is one digest block (a tensor's 4 MiB piece, digest.block_sha256), hashed on a thread pool (hashlib
-releases the GIL). Buckets
-in host memory are hashed where they lie. Device buckets are copied to the host in pieces of up to
-PIECE_BYTES (whole blocks) through a small ring of pinned buffers on a stream of their own, so the copy of one
-piece overlaps the hashing of the ones before: the ring is allocated at the first use and kept by its
-BucketHasher, and is small (RING_PIECES x PIECE_BYTES), so a first sync pays little more than a later one.
+releases the GIL). Buckets in host memory are hashed where they lie. Device buckets are copied to the host in
+pieces of up to PIECE_BYTES (whole blocks) through a small ring of pinned buffers on a stream of their own, so
+the copy of one piece overlaps the hashing of the ones before: the ring is allocated at the first use and kept
+by its BucketHasher, and is small (RING_PIECES x PIECE_BYTES), so a first sync pays little more than a later
+one.
 
-`on="device"` hashes the whole 4 MiB blocks of device buckets on the device instead (kernels/digest: one lane
-per 256 KiB leaf, then one per block over its leaf digests; every bucket's launches on a stream of its own), and only each tensor's shorter last block on the host
-as above: the same digest, without copying most bytes to the host or spending every core on them. Buckets in
-host memory are hashed on the host whatever `on` says.
+`on="device"` hashes every whole 256 KiB leaf of a device bucket on the device instead (kernels/digest: one
+lane per leaf, each bucket's launch on a stream of its own). A tensor's last block usually ends in a shorter
+leaf: those are gathered back to back on the device (one copy, not one per tensor, and never the bytes between
+them) and hashed on the host, where each block's digest is then made from its 32-byte leaf digests. The same
+digest, without copying most bytes to the host or spending every core on them. Buckets in host memory are
+hashed on the host whatever `on` says.
 """
 from __future__ import annotations
 
-import itertools
+import hashlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +39,17 @@ def block_ranges(layout: BucketLayout) -> list[tuple[int, int]]:
     for slot in layout.slots:
         for offset in block_spans(slot.nbytes):
             out.append((slot.offset + offset, slot.offset + min(offset + DIGEST_BLOCK_BYTES, slot.nbytes)))
+    return out
+
+
+def leaf_plan(layout: BucketLayout) -> list[tuple[list[int], tuple[int, int] | None]]:
+    """Pure. Per digest block of the layout, in digest order: the bucket offsets of its whole leaves, and the
+    span of its last leaf when that one is shorter (None when every leaf is whole; an empty block is one empty
+    leaf, so it gets an empty span)."""
+    out: list[tuple[list[int], tuple[int, int] | None]] = []
+    for a, b in block_ranges(layout):
+        cut = a + (b - a) // DIGEST_LEAF_BYTES * DIGEST_LEAF_BYTES
+        out.append((list(range(a, cut, DIGEST_LEAF_BYTES)), (cut, b) if cut < b or a == b else None))
     return out
 
 
@@ -96,9 +110,9 @@ class BucketHasher:
             device = torch.device("cuda", torch.cuda.current_device())
         self._ring_for(device)
         if self.on == "device":
-            from kernels.digest.sha256_blocks import digests_of, launch_tree_digests
-            digests_of(launch_tree_digests(torch.zeros(DIGEST_BLOCK_BYTES, dtype=torch.uint8, device=device), [0],
-                                           DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES))
+            from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks
+            digests_of(launch_sha256_blocks(torch.zeros(DIGEST_LEAF_BYTES, dtype=torch.uint8, device=device), [0],
+                                            DIGEST_LEAF_BYTES))
 
     def _ring_for(self, device: torch.device) -> None:
         if self._ring_device != device:
@@ -113,48 +127,67 @@ class BucketHasher:
 
     def digest(self, buffers: Sequence[torch.Tensor], layouts: Sequence[BucketLayout]) -> str:
         """The weights digest of the layouts' tensors in order, read from `buffers` (flat uint8, one per layout)."""
-        pending: list[Future | tuple[int, int]] = []  # per block in digest order: a host future, or (launch, row)
-        launched: list[tuple[torch.Tensor, torch.cuda.Stream]] = []  # per device launch: its states, its stream
         on_device = [buffer.is_cuda and self.on == "device" for buffer in buffers]
-        for buffer, layout, here in zip(buffers, layouts, on_device):  # every launch queued before any host work
-            if here:
-                whole = [a for a, b in block_ranges(layout) if b - a == DIGEST_BLOCK_BYTES]
-                launched.append(self._launch(buffer, whole))
-        launch = iter(range(len(launched)))
+        # Every device launch is queued before any host work, so the GPU hashes while the host copies.
+        launched = iter([self._launch(buffer, leaf_plan(layout)) for buffer, layout, here
+                         in zip(buffers, layouts, on_device) if here])
+        pending: list[Future | tuple[_Launched, list[tuple[list[int], Future | None]]]] = []
         for buffer, layout, here in zip(buffers, layouts, on_device):
             blocks = block_ranges(layout)
             if not buffer.is_cuda:
                 host = memoryview(buffer.numpy())
                 pending.extend(self.pool.submit(block_sha256, host[a:b]) for a, b in blocks)
             elif not here:
-                pending.extend(self._device_blocks(buffer, blocks))
+                pending.extend(self._device_blocks(buffer, blocks, block_sha256, None))
             else:
-                which, rows = next(launch), itertools.count()  # the launch's rows: its whole blocks in order
-                tails = iter(self._device_blocks(buffer, [(a, b) for a, b in blocks if b - a != DIGEST_BLOCK_BYTES]))
-                pending.extend((which, next(rows)) if b - a == DIGEST_BLOCK_BYTES else next(tails) for a, b in blocks)
-        device: list[list[bytes]] = []
-        if launched:
+                pending.append(self._finish_launch(next(launched)))
+        out: list[bytes] = []
+        for p in pending:
+            if isinstance(p, Future):
+                out.append(p.result())
+                continue
+            launch, blocks = p
+            launch.stream.synchronize()
             from kernels.digest.sha256_blocks import digests_of
-            for states, stream in launched:
-                stream.synchronize()
-                device.append(digests_of(states))
-        return digest_of_blocks(p.result() if isinstance(p, Future) else device[p[0]][p[1]] for p in pending)
+            leaves = iter(digests_of(launch.states))
+            out.extend(hashlib.sha256(b"".join([*(next(leaves) for _ in whole),
+                                                *([last.result()] if last is not None else [])])).digest()
+                       for whole, last in blocks)
+        return digest_of_blocks(out)
 
     @staticmethod
-    def _launch(buffer: torch.Tensor, starts: list[int]) -> tuple[torch.Tensor, torch.cuda.Stream]:
-        """Queue the device hashing of the whole blocks at `starts` on a stream of the bucket's own."""
-        from kernels.digest.sha256_blocks import launch_tree_digests
+    def _launch(buffer: torch.Tensor, plan: list[tuple[list[int], tuple[int, int] | None]]) -> "_Launched":
+        """Queue, on a stream of the bucket's own, the hashing of every whole leaf and the gathering of every
+        shorter last leaf into one device buffer (copied to the host in few pieces, not one per tensor)."""
+        from kernels.digest.sha256_blocks import launch_sha256_blocks
         stream = torch.cuda.Stream(buffer.device)
         stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        short = [span for _, span in plan if span is not None]
         with torch.cuda.stream(stream):
-            return launch_tree_digests(buffer, starts, DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES), stream
+            states = launch_sha256_blocks(buffer, [s for whole, _ in plan for s in whole], DIGEST_LEAF_BYTES)
+            gathered = torch.cat([buffer[a:b] for a, b in short]) if short else buffer[:0]
+        return _Launched(plan, states, gathered, stream)
 
-    def _device_blocks(self, buffer: torch.Tensor, blocks: list[tuple[int, int]]) -> list[Future]:
+    def _finish_launch(self, launch: "_Launched") -> tuple["_Launched", list[tuple[list[int], Future | None]]]:
+        """Hash the launch's shorter leaves on the host (plain sha256: each is a leaf); per block, its whole
+        leaves and the future of its last, shorter one."""
+        spans, offset = [], 0
+        for _, span in launch.plan:
+            if span is not None:
+                spans.append((offset, offset + span[1] - span[0]))
+                offset += span[1] - span[0]
+        hashed = iter(self._device_blocks(launch.gathered, spans, _leaf_sha256, launch.stream))
+        return launch, [(whole, next(hashed) if span is not None else None) for whole, span in launch.plan]
+
+    def _device_blocks(self, buffer: torch.Tensor, blocks: list[tuple[int, int]], hash_fn,
+                       after: torch.cuda.Stream | None) -> list[Future]:
+        """`hash_fn` of each span of a device buffer, copied to the host through the pinned ring, once the
+        work queued on `after` (default: the current stream) is done."""
         if not blocks:
             return []
         self._ring_for(buffer.device)
         copier = torch.cuda.Stream(buffer.device)
-        copier.wait_stream(torch.cuda.current_stream(buffer.device))  # what was written there before is in
+        copier.wait_stream(after or torch.cuda.current_stream(buffer.device))  # what was written there is in
         futures: list[Future] = []
         for group in pieces(blocks, PIECE_BYTES):
             slot = self._ring.claim()
@@ -166,12 +199,27 @@ class BucketHasher:
                 done.record(copier)
             view = memoryview(host.numpy())
             first = self.pool.submit(done.synchronize)
-            piece = [self.pool.submit(_after, first, view, a - start, b - start) for a, b in group]
+            piece = [self.pool.submit(_after, first, hash_fn, view, a - start, b - start) for a, b in group]
             self._ring.read_by(slot, piece)
             futures.extend(piece)
         return futures
 
 
-def _after(ready: Future, view: memoryview, a: int, b: int) -> bytes:
+@dataclass
+class _Launched:
+    """One device bucket's queued digest work: its leaf plan, the whole leaves' sha256 states, its shorter
+    leaves gathered back to back, and the stream all of it runs on."""
+
+    plan: list[tuple[list[int], tuple[int, int] | None]]
+    states: torch.Tensor
+    gathered: torch.Tensor
+    stream: torch.cuda.Stream
+
+
+def _leaf_sha256(view: memoryview) -> bytes:
+    return hashlib.sha256(view).digest()
+
+
+def _after(ready: Future, hash_fn, view: memoryview, a: int, b: int) -> bytes:
     ready.result()
-    return block_sha256(view[a:b])
+    return hash_fn(view[a:b])

@@ -15,8 +15,9 @@ import torch
 
 from proto import lockstep_pb2 as pb
 from services.common.weights import ipc_transport as ipc
-from services.common.weights.bucket_digest import BucketHasher, block_ranges, pieces
-from services.common.weights.digest import DIGEST_BLOCK_BYTES, tensors_digest
+from services.common.weights.bucket_digest import BucketHasher, block_ranges, leaf_plan, pieces
+from services.common.weights.digest import DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES, tensors_digest
+from services.common.weights.ipc_transport import align
 
 
 def test_layout_aligns_every_tensor_and_cuts_buckets_at_the_size():
@@ -39,6 +40,22 @@ def test_digest_blocks_follow_each_tensor_from_its_start():
     assert block_ranges(layout) == [(0, 10), (256, 256 + DIGEST_BLOCK_BYTES),
                                     (256 + DIGEST_BLOCK_BYTES, 256 + DIGEST_BLOCK_BYTES + 5)]
     assert pieces([(0, 4), (4, 8), (8, 20), (20, 22)], 10) == [[(0, 4), (4, 8)], [(8, 20)], [(20, 22)]]
+
+
+def test_leaf_plan_puts_whole_leaves_on_the_device_and_only_shorter_last_leaves_on_the_host():
+    leaf = DIGEST_LEAF_BYTES
+    big = DIGEST_BLOCK_BYTES + 2 * leaf + 6  # a whole block, then a short block of 2 whole leaves and 6 bytes
+    layout = ipc.BucketLayout((ipc.TensorSlot("a", "uint8", (10,), 0, 10),
+                               ipc.TensorSlot("empty", "uint8", (0,), 256, 0),
+                               ipc.TensorSlot("b", "uint8", (big,), 256, big),
+                               ipc.TensorSlot("c", "uint8", (leaf,), 256 + align(big), leaf)),
+                              256 + align(big) + leaf)
+    whole_block = list(range(256, 256 + DIGEST_BLOCK_BYTES, leaf))
+    tail = 256 + DIGEST_BLOCK_BYTES
+    assert leaf_plan(layout) == [([], (0, 10)), ([], (256, 256)), (whole_block, None),
+                                 ([tail, tail + leaf], (tail + 2 * leaf, tail + 2 * leaf + 6)),
+                                 ([256 + align(big)], None)]
+    assert len(whole_block) == DIGEST_BLOCK_BYTES // leaf == 16
 
 
 def _named(seed: int) -> list[tuple[str, torch.Tensor]]:

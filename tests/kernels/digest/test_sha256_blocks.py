@@ -7,8 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from kernels.digest.sha256_blocks import (LANES, digests_of, launch_sha256_blocks, launch_tree_digests,
-                                         reference_sha256_blocks, reference_tree_digests)
+from kernels.digest.sha256_blocks import LANES, digests_of, launch_sha256_blocks, reference_sha256_blocks
 
 pytestmark = pytest.mark.slow  # Triton's interpreter runs each compression round by round in numpy
 
@@ -44,16 +43,3 @@ def test_blocks_that_are_not_whole_chunks_or_leave_the_buffer_are_refused():
             launch_sha256_blocks(data, starts, size)
     assert launch_sha256_blocks(data, [], 64).shape == (0, 8)
 
-
-def test_two_level_digests_equal_hashlib_over_the_leaf_digests():
-    g = torch.Generator().manual_seed(2)
-    data = torch.randint(0, 256, (64 * 40 + 8,), dtype=torch.uint8, generator=g)
-    starts = [0, 256, 1028, 2304]  # blocks of four 64-byte leaves, one at an unaligned multiple of 4
-    got = digests_of(launch_tree_digests(data.to(_device()), starts, 256, 64))
-    assert got == reference_tree_digests(data, starts, 256, 64)
-    raw = data.numpy().tobytes()
-    leaves = b"".join(hashlib.sha256(raw[1028 + o:1028 + o + 64]).digest() for o in range(0, 256, 64))
-    assert got[2] == hashlib.sha256(leaves).digest()
-    assert got[0] != reference_sha256_blocks(data, [0], 256)[0]  # not the flat sha256 of the block
-    with pytest.raises(ValueError):
-        launch_tree_digests(data, [0], 256, 96)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks, launch_tree_digests, reference_sha256_blocks
+from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks, reference_sha256_blocks
 from services.common.weights import ipc_transport as ipc
 from services.common.weights.bucket_digest import BucketHasher
-from services.common.weights.digest import DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES, block_sha256, tensors_digest
+from services.common.weights.digest import DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES, tensors_digest
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA/ROCm GPU")]
 
@@ -21,17 +21,19 @@ def test_four_mib_blocks_equal_hashlib():
     starts = [0, DIGEST_BLOCK_BYTES, 3 * DIGEST_BLOCK_BYTES + 256, 4 * DIGEST_BLOCK_BYTES + 4096]
     assert digests_of(launch_sha256_blocks(data, starts, DIGEST_BLOCK_BYTES)) == \
         reference_sha256_blocks(data, starts, DIGEST_BLOCK_BYTES)
-    # The digest's own blocks: 16 leaves of 256 KiB each, then the block over their digests.
-    host = data.cpu().numpy().tobytes()
-    assert digests_of(launch_tree_digests(data, starts, DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES)) == \
-        [block_sha256(host[s:s + DIGEST_BLOCK_BYTES]) for s in starts]
+    # The digest's own leaves, 256 KiB each.
+    leaves = [s + i * DIGEST_LEAF_BYTES for s in starts for i in range(DIGEST_BLOCK_BYTES // DIGEST_LEAF_BYTES)]
+    assert digests_of(launch_sha256_blocks(data, leaves, DIGEST_LEAF_BYTES)) == \
+        reference_sha256_blocks(data, leaves, DIGEST_LEAF_BYTES)
 
 
 def test_device_and_host_hashing_of_buckets_give_the_streams_digest():
     g = torch.Generator().manual_seed(1)
     named = [("embed", torch.randn(4096, 1536, generator=g).to(torch.bfloat16)),  # 3 whole blocks
              ("norm", torch.randn(1536, generator=g)),
-             ("up", torch.randn(3000, 1000, generator=g).to(torch.bfloat16))]  # 1 whole block and a tail
+             ("up", torch.randn(3000, 1000, generator=g).to(torch.bfloat16)),  # 1 whole block and a tail
+             ("empty", torch.empty(0)),  # one empty leaf
+             ("two_leaves", torch.randn(131072, generator=g))]  # a short block of whole leaves only
     layouts = ipc.layout_of(named, 8 << 20)
     buffers, start = [], 0
     for layout in layouts:
