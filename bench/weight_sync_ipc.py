@@ -202,7 +202,7 @@ HANDOVERS_PER_REP = 2  # the coordinator's whole sync, then the same protocol st
 
 def logged_phases(logs: Path) -> dict:
     """Each side's logged phases of every IPC handover (trainer: pack, export, digest; replica: handles, map,
-    digest, verify, apply, unmap, release), as the first rep's and the median of the later ones, in ms."""
+    digest, verify, finite, apply, unmap, release), as the first rep's and the median of the later ones, in ms."""
     events: dict[str, list[dict]] = {"trainer": [], "replica": []}
     for name, side in (("trainer.log", "trainer"), ("rollout.log", "replica")):
         for line in (logs / name).read_text().splitlines():

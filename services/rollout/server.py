@@ -76,6 +76,7 @@ from services.common.process.structured_logging import log_event
 from services.common.rendezvous.store import RendezvousClient
 from services.common.weights.broadcast_protocol import bucket_specs
 from services.common.weights.files import WeightFiles, read_weight_dir
+from services.common.weights.finite_check import FiniteTensors
 from services.common.weights.ipc_transport import HandleRefused, node_details
 from services.common.weights.stream import WeightStreamAssembler
 from services.rollout.config import RolloutServiceConfig
@@ -402,7 +403,8 @@ class RolloutServicer(pb_grpc.RolloutServicer):
                 if lora is not None:
                     await self._in_worker(engine.update_lora_adapter, lora, tensors, version)
                 else:
-                    await self._in_worker(engine.update_weights, tensors, version)
+                    await self._in_worker(partial(engine.update_weights,
+                                                  finite_checked=isinstance(tensors, FiniteTensors)), tensors, version)
 
         channel = insecure_channel(request.trainer_address, self._token)
         try:

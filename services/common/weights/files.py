@@ -41,7 +41,7 @@ from services.common.weights.digest import (
     digest_of_blocks,
     tensor_byte_view,
 )
-from services.common.weights.finite_check import bytes_all_finite, checks_bytes
+from services.common.weights.finite_check import FiniteTensors, bytes_all_finite, checks_bytes
 from services.common.weights.safetensors_layout import (
     HEADER_LENGTH_BYTES,
     SafetensorsLayoutError,
@@ -65,11 +65,6 @@ STAGING_BUFFERS = 3
 
 class WeightFilesError(ValueError):
     """A weight directory that is missing, malformed, of another version or fails its digest."""
-
-
-class FiniteTensors(dict):
-    """Tensors read_weight_dir returned whose every floating value it found finite as it read them, so an
-    engine applying them need not check them again (it returns a plain dict when one is not)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
-"""Whether received weights are finite: one pass per tensor (`all_finite`, `non_finite` for a whole set), or
+"""Whether received weights are finite: one pass per tensor (`all_finite`, `non_finite` for a whole set, read
+back once), one pass per run of same-dtype tensors of a bucket (`bucket_non_finite`, an IPC handover), or
 over raw bytes on any thread (`bytes_all_finite`, what the stream receiver runs on its worker threads while
 chunks arrive)."""
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,6 +23,11 @@ _EXPONENT_BITS: dict[torch.dtype, tuple[type, int]] = {
     torch.float32: (np.uint32, 0x7F80_0000),
     torch.float64: (np.uint64, 0x7FF0_0000_0000_0000),
 }
+
+
+class FiniteTensors(dict):
+    """Tensors whose every floating value was found finite where they were received (read_weight_dir as it
+    read them, an IPC handover over its buckets), so an engine applying them need not check them again."""
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -55,6 +63,36 @@ def non_finite(named: dict[str, torch.Tensor]) -> list[str]:
         for i, ok in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
             finite[i] = ok
     return [name for name, ok in zip(names, finite) if not ok]
+
+
+def bucket_non_finite(buffer: torch.Tensor, slots: Sequence[tuple[str, torch.dtype, int, int]]) -> list[str]:
+    """Names of the floating tensors holding a NaN or an infinity among `slots` (name, dtype, offset, nbytes;
+    ascending offsets) of one flat uint8 buffer: one reduction over each run of consecutive slots of one
+    floating dtype, bytes between them included, and one read-back for the buffer, instead of one per tensor.
+    A run that is not all finite is looked at tensor by tensor, so the bytes between slots (alignment
+    padding) can cost that second look but never name a tensor."""
+    runs: list[tuple[torch.dtype, list[tuple[str, int, int]]]] = []
+    joins = False  # whether the next slot of the last run's dtype may extend it (no other tensor between)
+    for name, dtype, offset, nbytes in slots:
+        if nbytes == 0:
+            continue
+        if not dtype.is_floating_point:
+            joins = False
+            continue
+        if joins and runs[-1][0] == dtype:
+            runs[-1][1].append((name, offset, nbytes))
+        else:
+            runs.append((dtype, [(name, offset, nbytes)]))
+        joins = True
+    if not runs:
+        return []
+    spans = [buffer[run[0][1]:run[-1][1] + run[-1][2]].view(dtype) for dtype, run in runs]
+    flags = non_finite({str(i): span for i, span in enumerate(spans)})
+    bad: list[str] = []
+    for i in map(int, flags):
+        dtype, run = runs[i]
+        bad.extend(non_finite({name: buffer[offset:offset + nbytes].view(dtype) for name, offset, nbytes in run}))
+    return bad
 
 
 def checks_bytes(dtype: torch.dtype) -> bool:

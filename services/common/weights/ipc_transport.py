@@ -195,7 +195,9 @@ def allocate(nbytes: int, device: torch.device) -> torch.Tensor:
         if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower():
             raise RuntimeError("weight_sync ipc: PYTORCH_CUDA_ALLOC_CONF sets expandable_segments, whose handles a "
                                "replica can open only through pidfd_getfd; unset it on the trainer")
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        # Zeroed, not empty: the alignment gaps between tensors then hold finite bytes, so a receiver checks a
+        # run of tensors with one reduction (finite_check.bucket_non_finite). A memset costs well under a ms/GB.
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
     storage = torch.UntypedStorage._new_using_filename_cpu(nbytes)
     return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
 

@@ -31,8 +31,7 @@ import torch
 from contract.engine_options import TorchEngineConfig
 from services.common.models.loading import load_causal_lm
 from services.common.records.fingerprint import probe_platform_details
-from services.common.weights.files import FiniteTensors
-from services.common.weights.finite_check import non_finite
+from services.common.weights.finite_check import FiniteTensors, non_finite
 from services.common.weights.stream import LoraAdapterMeta
 from services.rollout.config import RolloutServiceConfig
 from services.rollout.embedded.decoder import Decoder, DecoderOptions

@@ -6,8 +6,9 @@ what came back before anything is mapped (ipc_transport.check_handles): the run,
 asked for, a version newer than the one it serves, this node, and for CUDA a device it sees -- mapped on its
 own index of that device, whatever index the trainer has. It maps each bucket, hashes what it mapped, has
 the trainer compare that with its own digest of the buckets (VerifyWeightHandover answers the trainer's), and
-only when they are equal hands views of the buckets to the engine's ordinary update path, which checks them
-against the model and copies them in, all or nothing, between batches. Then it drops every mapping and tells
+only when they are equal checks their values finite, bucket by bucket, and hands views of the buckets to the
+engine's ordinary update path, which checks them against the model and copies them in, all or nothing,
+between batches. Then it drops every mapping and tells
 the trainer (ReleaseWeightHandles), which frees the buckets once every replica did: on every path, refusal
 and failure included (naming how many buckets it had mapped, so the trainer drops the counters of the rest).
 """
@@ -26,7 +27,9 @@ from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.process.structured_logging import log_event
 from services.common.weights import ipc_transport as ipc
+from services.common.tensors import dtype_from_name
 from services.common.weights.bucket_digest import BucketHasher
+from services.common.weights.finite_check import FiniteTensors, bucket_non_finite
 from services.common.weights.stream import LoraAdapterMeta
 
 log = logging.getLogger("lockstep.rollout.ipc")
@@ -59,7 +62,8 @@ class MappedHandover:
     lora: LoraAdapterMeta | None
     phases_ms: dict[str, float]
     """Wall milliseconds of each step on this side, in order: handles (GetWeightHandles), map, digest, verify
-    (VerifyWeightHandover: waits for the trainer's digest), apply, unmap, release. Logged with each handover."""
+    (VerifyWeightHandover: waits for the trainer's digest), finite, apply, unmap, release. Logged with each
+    handover."""
 
 
 Apply = Callable[[dict[str, torch.Tensor], int, LoraAdapterMeta | None], Awaitable[None]]
@@ -123,9 +127,14 @@ class IpcReceiver:
                 raise ValueError(f"weights: the mapped buckets hash to {digest}, the trainer's to "
                                  f"{sent.total_sha256}; nothing applied")
             lora = LoraAdapterMeta.from_proto(handles.lora) if handles.HasField("lora") else None
+            bad = await asyncio.to_thread(_non_finite, mapped, layouts)
+            if bad:
+                more = f" (+{len(bad) - 8} more)" if len(bad) > 8 else ""
+                raise ValueError("weights: " + "; ".join(f"{n}: non-finite values" for n in bad[:8]) + more)
+            lap("finite")
             views.update((name, t) for buffer, layout in zip(mapped, layouts)
                          for name, t in ipc.bucket_views(buffer, layout))
-            await apply(dict(views), handles.policy_version, lora)
+            await apply(FiniteTensors(views), handles.policy_version, lora)
             lap("apply")
         finally:
             views.clear()
@@ -137,6 +146,13 @@ class IpcReceiver:
         log_event(log, "weight handover mapped", run_id=request.run_id, policy_version=handles.policy_version,
                   buckets=len(handles.buckets), bytes=int(handles.bytes), phases_ms=phases)
         return MappedHandover(handles.policy_version, int(handles.tensors), int(handles.bytes), digest, lora, phases)
+
+
+def _non_finite(mapped: list[torch.Tensor], layouts: list[ipc.BucketLayout]) -> list[str]:
+    """The mapped buckets' tensors holding a NaN or an infinity, checked bucket by bucket (one reduction per run
+    of same-dtype tensors, one read-back per bucket), so the engine need not check them tensor by tensor."""
+    return [name for buffer, layout in zip(mapped, layouts) for name in bucket_non_finite(
+        buffer, [(s.name, dtype_from_name(s.dtype), s.offset, s.nbytes) for s in layout.slots])]
 
 
 def _unmap(mapped: list[torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.weights.finite_check import all_finite, bytes_all_finite, checks_bytes, non_finite
+from services.common.weights.finite_check import all_finite, bucket_non_finite, bytes_all_finite, checks_bytes, non_finite
 from services.rollout.embedded.torch_engine import one_intra_op_thread
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -102,3 +102,23 @@ def test_a_whole_set_names_exactly_its_non_finite_floating_tensors():
     named[str(torch.bfloat16)][4098] = float("nan")
     named[str(torch.float64)][0] = float("-inf")
     assert non_finite(named) == [str(torch.bfloat16), str(torch.float64)]  # in the set's order
+
+
+def test_a_bucket_is_checked_run_by_run_and_padding_never_names_a_tensor():
+    values = {"a": torch.linspace(-1, 1, 100).to(torch.bfloat16), "a2": torch.linspace(0, 1, 8).to(torch.bfloat16),
+              "b": torch.linspace(-2, 2, 37), "c": torch.linspace(-3, 3, 64).to(torch.bfloat16),
+              "ids": torch.arange(2)}
+    # One bf16 run (a, a2, with alignment padding between them), a float32 one, a bf16 one, an integer.
+    slots = [("a", torch.bfloat16, 0, 200), ("a2", torch.bfloat16, 256, 16), ("b", torch.float32, 512, 148),
+             ("c", torch.bfloat16, 768, 128), ("ids", torch.int64, 896, 16), ("none", torch.bfloat16, 960, 0)]
+    buffer = torch.zeros(1024, dtype=torch.uint8)
+    for name, _dtype, offset, nbytes in slots[:-1]:
+        buffer[offset:offset + nbytes] = values[name].view(torch.uint8)
+    assert bucket_non_finite(buffer, slots) == []
+    buffer[200:202] = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)  # padding inside a run
+    buffer[896:904] = torch.tensor([-1], dtype=torch.int64).view(torch.uint8)  # an integer's bits: never checked
+    assert bucket_non_finite(buffer, slots) == []
+    buffer[768 + 126:768 + 128] = torch.tensor([float("-inf")], dtype=torch.bfloat16).view(torch.uint8)
+    buffer[512:516] = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)
+    buffer[256:258] = torch.tensor([float("inf")], dtype=torch.bfloat16).view(torch.uint8)
+    assert bucket_non_finite(buffer, slots) == ["a2", "b", "c"]

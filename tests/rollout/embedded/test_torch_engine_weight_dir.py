@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.common.weights.files import FiniteTensors, read_weight_dir, write_weight_dir
+from services.common.weights.files import read_weight_dir, write_weight_dir
+from services.common.weights.finite_check import FiniteTensors
 from services.rollout.embedded import torch_engine
 from services.rollout.embedded.torch_engine import TorchEngine, TorchEngineConfig
 from tests.rollout.embedded.test_torch_engine import build_tiny_qwen3, perturbed, snapshot
