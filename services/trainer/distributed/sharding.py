@@ -155,7 +155,15 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly sharded) parameter. Collective: every rank must call it."""
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    if t.device_mesh.size() == 1:
+        # One rank holds the whole tensor: a copy of its local shard (a new tensor, as the gather returns),
+        # without a collective per tensor (an all-gather of one rank still costs a launch and a wait).
+        local = t.to_local()
+        if local.shape == t.shape:
+            return local.clone()
+    return t.full_tensor()
 
 
 def named_master_tensors(lm: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
