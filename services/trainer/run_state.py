@@ -53,3 +53,4 @@ class WeightSnapshot:
     policy_version: int
     tensors: list[tuple[str, torch.Tensor]]
     lora: LoraAdapterMeta | None = None  # set when `tensors` are a LoRA adapter's (peft's saved keys)
+    cast_to: torch.dtype | None = None  # set when `tensors` are the masters: what a reader casts them to

@@ -484,13 +484,15 @@ class Trainer:
 
     # ------------------------------------------------------------ weights --
 
-    def weight_tensors(self, run_id: str) -> WeightSnapshot:
+    def weight_tensors(self, run_id: str, *, cast: bool = True) -> WeightSnapshot:
         """Every model tensor as (HF name, whole tensor in the compute dtype), tied aliases once.
 
         What rollout receives: the compute-dtype cast (`tensor.to(dtype)`, round
         to nearest even) of each float32 master — the very tensors forward runs
         on. Collective in a group (every rank gathers; rank 0 streams).
         `check_weights_unchanged` tells a reader whether they still hold that version.
+        `cast=False`: the whole float32 masters instead, live (no copy where one rank holds them), with
+        `snapshot.cast_to` the compute dtype, for a reader that casts as it copies them, under the lock.
         """
         run = self.require_run(run_id)
         sharding.reshard(run.policy)
@@ -499,6 +501,10 @@ class Trainer:
             out = [(key, t.to(run.compute_dtype)) for key, t in lora.named_adapter_tensors(run.policy.lm)]
             return WeightSnapshot(run, run.weights_epoch, run.policy_version, out if self.is_rank0 else [],
                                   lora=lora.adapter_meta(run.policy.lm, run.config.lora))
+        if not cast:
+            masters = list(sharding.named_master_tensors(run.policy.lm, copy=False))
+            return WeightSnapshot(run, run.weights_epoch, run.policy_version, masters if self.is_rank0 else [],
+                                  cast_to=run.compute_dtype)
         out = [(name, t.to(run.compute_dtype)) for name, t in sharding.named_master_tensors(run.policy.lm)]
         return WeightSnapshot(run, run.weights_epoch, run.policy_version, out if self.is_rank0 else [])
 

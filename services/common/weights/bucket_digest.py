@@ -26,7 +26,7 @@ import torch
 
 from services.common.weights.digest import (DIGEST_BLOCK_BYTES, DIGEST_LEAF_BYTES, block_pool_threads, block_sha256,
                                             block_spans, digest_of_blocks)
-from services.common.weights.ipc_transport import BucketLayout
+from services.common.weights.ipc_transport import BucketLayout, TensorSlot
 
 PIECE_BYTES = 64 * 1024 * 1024
 RING_PIECES = 4
@@ -109,10 +109,11 @@ class BucketHasher:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self._ring_for(device)
-        if self.on == "device":
-            from kernels.digest.sha256_blocks import digests_of, launch_sha256_blocks
-            digests_of(launch_sha256_blocks(torch.zeros(DIGEST_LEAF_BYTES, dtype=torch.uint8, device=device), [0],
-                                            DIGEST_LEAF_BYTES))
+        # One small digest the way a handover's runs (a whole leaf, a shorter one): compiles the kernel and loads
+        # every kernel the path uses (CUDA loads a module at its first launch), so none is paid in a sync.
+        sizes = (DIGEST_LEAF_BYTES + 512,)
+        layout = BucketLayout((TensorSlot("warm", "uint8", sizes, 0, sizes[0]),), sizes[0])
+        self.digest([torch.zeros(sizes[0], dtype=torch.uint8, device=device)], [layout])
 
     def _ring_for(self, device: torch.device) -> None:
         if self._ring_device != device:

@@ -91,9 +91,14 @@ def plan_layout(tensors: Sequence[tuple[str, str, tuple[int, ...], int]], bucket
     return [BucketLayout(tuple(b), max(b[-1].offset + b[-1].nbytes, 1)) for b in buckets]
 
 
-def layout_of(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[BucketLayout]:
-    return plan_layout([(n, dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in named],
-                       bucket_bytes)
+def layout_of(named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
+              cast_to: torch.dtype | None = None) -> list[BucketLayout]:
+    """The buckets of `named` as they are, or cast to `cast_to` (its floating tensors) as pack will cast them."""
+    def dtype(t: torch.Tensor) -> torch.dtype:
+        return cast_to if cast_to is not None and t.is_floating_point() else t.dtype
+
+    return plan_layout([(n, dtype_name(dtype(t)), tuple(t.shape), t.numel() * dtype(t).itemsize)
+                        for n, t in named], bucket_bytes)
 
 
 def layout_proto(layout: BucketLayout) -> pb.IpcBucket:
@@ -132,7 +137,8 @@ def bucket_views(buffer: torch.Tensor, layout: BucketLayout) -> list[tuple[str, 
 
 
 def pack(buffer: torch.Tensor, layout: BucketLayout, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy `tensors` (the layout's, in order) into their slots of `buffer` (asynchronously on a device)."""
+    """Copy `tensors` (the layout's, in order) into their slots of `buffer` (asynchronously on a device), cast
+    to each slot's dtype as they are copied (round to nearest even, as `tensor.to(dtype)`)."""
     for (_, view), tensor in zip(bucket_views(buffer, layout), tensors):
         view.copy_(tensor.detach(), non_blocking=True)
 

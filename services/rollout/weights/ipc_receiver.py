@@ -45,6 +45,8 @@ class HandoverDenied(RuntimeError):
     applied."""
 
 
+WARM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the weights' dtypes a first handover may check
+
 TRAINER_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
@@ -77,8 +79,12 @@ class IpcReceiver:
         self.hasher = BucketHasher(hash_threads, on=digest_on)
 
     def warm(self, device: torch.device) -> None:
-        """A model was loaded on `device`: prepare hashing there before the first handover."""
+        """A model was loaded on `device`: prepare hashing and the finite check there before the first handover
+        (a first launch of each kernel loads its module: tens of milliseconds a first sync would pay)."""
         self.hasher.warm(device)
+        if torch.device(device).type == "cuda":
+            bucket_non_finite(torch.zeros(1024, dtype=torch.uint8, device=device),
+                              [(str(d), d, i * 256, 256) for i, d in enumerate(WARM_DTYPES)])
 
     def close(self) -> None:
         self.hasher.close()

@@ -151,8 +151,9 @@ def reshard(root: torch.nn.Module) -> None:
             module.reshard()
 
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a (possibly sharded) parameter. Collective: every rank must call it."""
+def full_tensor(t: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter. Collective: every rank must call it. `copy=False`:
+    where one rank holds it whole, the parameter's own tensor (live: read it before the weights change)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
@@ -162,18 +163,19 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
         # without a collective per tensor (an all-gather of one rank still costs a launch and a wait).
         local = t.to_local()
         if local.shape == t.shape:
-            return local.clone()
+            return local.clone() if copy else local
     return t.full_tensor()
 
 
-def named_master_tensors(lm: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, whole float32 master tensor) in state-dict order, tied aliases once. Collective."""
+def named_master_tensors(lm: torch.nn.Module, *, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, whole float32 master tensor) in state-dict order, tied aliases once. Collective. `copy`: as
+    full_tensor's."""
     seen: set[int] = set()
     for name, t in lm.state_dict(keep_vars=True).items():
         if id(t) in seen:
             continue
         seen.add(id(t))
-        yield name, full_tensor(t.detach())
+        yield name, full_tensor(t.detach(), copy=copy)
 
 
 def load_master_tensors(lm: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

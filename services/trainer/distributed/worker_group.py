@@ -248,8 +248,8 @@ class GroupTrainer:
     def check_parity(self, request):
         return self._replicated("check_parity", request=request)
 
-    def weight_tensors(self, run_id: str):
-        return self._replicated("weight_tensors", run_id=run_id)
+    def weight_tensors(self, run_id: str, *, cast: bool = True):
+        return self._replicated("weight_tensors", run_id=run_id, cast=cast)
 
     def save_checkpoint(self, run_id: str, directory: str):
         return self._on_all_ranks("save_checkpoint", rank0_alone_writes=True, run_id=run_id,

@@ -67,6 +67,18 @@ class _Handover:
                                  buckets=len(self.layouts))
 
 
+def _warm_pack(device: str | None) -> None:
+    """Pack a tiny master into a tiny bucket in every compute dtype: a first handover then loads no kernel
+    module (CUDA loads one at its first launch) for the bucket's memset or the casts."""
+    if device is None or torch.device(device).type != "cuda":
+        return
+    master = torch.zeros(64, device=device)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        layouts = ipc.layout_of([("warm", master)], ipc.ALIGN_BYTES, dtype)
+        ipc.pack(ipc.allocate(layouts[0].nbytes, torch.device(device)), layouts[0], [master])
+    torch.cuda.synchronize(device)
+
+
 class WeightHandoverHost:
     def __init__(self, trainer, *, bucket_bytes: int, logger, hash_threads: int | None = None,
                  digest_on: str = "host", device: str | None = None) -> None:
@@ -76,6 +88,7 @@ class WeightHandoverHost:
         self._open: dict[str, _Handover] = {}
         self._hasher = BucketHasher(hash_threads, on=digest_on)
         self._hasher.warm(device)  # the trainer's weights device, before any handover
+        _warm_pack(device)
         self._digest_pool = ThreadPoolExecutor(1, thread_name_prefix="ipc-digest")
 
     def close(self) -> None:
@@ -94,9 +107,10 @@ class WeightHandoverHost:
             raise InvalidRequest(f"bucket_bytes: 0 (the trainer's weight_ipc_bucket_bytes) or >= {ipc.ALIGN_BYTES}, "
                                  f"got {request.bucket_bytes}")
         started = time.perf_counter()
-        snapshot: WeightSnapshot = self.trainer.weight_tensors(request.run_id)
+        # The masters themselves, cast as they are packed: one pass over them, not a cast copy and then a pack.
+        snapshot: WeightSnapshot = self.trainer.weight_tensors(request.run_id, cast=False)
         device = next((t.device for _, t in snapshot.tensors), torch.device("cpu"))
-        layouts = ipc.layout_of(snapshot.tensors, request.bucket_bytes or self.bucket_bytes)
+        layouts = ipc.layout_of(snapshot.tensors, request.bucket_bytes or self.bucket_bytes, snapshot.cast_to)
         buffers, start = [], 0
         for layout in layouts:
             buffer = ipc.allocate(layout.nbytes, device)

@@ -42,6 +42,20 @@ def test_digest_blocks_follow_each_tensor_from_its_start():
     assert pieces([(0, 4), (4, 8), (8, 20), (20, 22)], 10) == [[(0, 4), (4, 8)], [(8, 20)], [(20, 22)]]
 
 
+def test_masters_are_cast_into_their_slots_as_they_are_packed():
+    g = torch.Generator().manual_seed(3)
+    masters = [("w", torch.randn(300, 7, generator=g)), ("ids", torch.arange(5)), ("b", torch.randn(9, generator=g))]
+    layouts = ipc.layout_of(masters, 1 << 20, torch.bfloat16)
+    assert [(s.name, s.dtype, s.nbytes) for s in layouts[0].slots] == [("w", "bfloat16", 4200), ("ids", "int64", 40),
+                                                                       ("b", "bfloat16", 18)]
+    buffer = ipc.allocate(layouts[0].nbytes, torch.device("cpu"))
+    ipc.pack(buffer, layouts[0], [t for _, t in masters])
+    for (name, view), (_, master) in zip(ipc.bucket_views(buffer, layouts[0]), masters):
+        expected = master.to(torch.bfloat16) if master.is_floating_point() else master
+        assert view.dtype == expected.dtype and view.view(-1).view(torch.uint8).equal(
+            expected.reshape(-1).view(torch.uint8)), name
+
+
 def test_leaf_plan_puts_whole_leaves_on_the_device_and_only_shorter_last_leaves_on_the_host():
     leaf = DIGEST_LEAF_BYTES
     big = DIGEST_BLOCK_BYTES + 2 * leaf + 6  # a whole block, then a short block of 2 whole leaves and 6 bytes
@@ -88,7 +102,7 @@ class _Trainer:
     def __init__(self, named, version: int) -> None:
         self.named, self.version = named, version
 
-    def weight_tensors(self, run_id: str):
+    def weight_tensors(self, run_id: str, *, cast: bool = True):  # the tensors as given, whatever `cast` says
         from services.trainer.run_state import WeightSnapshot
         return WeightSnapshot(None, 0, self.version, list(self.named))
 

@@ -29,7 +29,7 @@ class _Trainer:
     def __init__(self, named) -> None:
         self.named = named
 
-    def weight_tensors(self, run_id: str):
+    def weight_tensors(self, run_id: str, *, cast: bool = True):  # the tensors as given, whatever `cast` says
         from services.trainer.run_state import WeightSnapshot
         return WeightSnapshot(None, 0, 5, list(self.named))
 
