@@ -227,4 +227,3 @@ def reference_sha256_blocks(buffer: torch.Tensor, starts: Sequence[int], block_b
     """hashlib's sha256 of the same blocks: what the kernel must equal bit for bit."""
     data = buffer.cpu().numpy().tobytes()
     return [hashlib.sha256(data[s:s + block_bytes]).digest() for s in starts]
-

@@ -26,8 +26,8 @@ import torch
 from proto import lockstep_pb2 as pb
 from proto import lockstep_pb2_grpc as pb_grpc
 from services.common.process.structured_logging import log_event
-from services.common.weights import ipc_transport as ipc
 from services.common.tensors import dtype_from_name
+from services.common.weights import ipc_transport as ipc
 from services.common.weights.bucket_digest import BucketHasher
 from services.common.weights.finite_check import FiniteTensors, bucket_non_finite
 from services.common.weights.stream import LoraAdapterMeta
