@@ -25,7 +25,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,15 +59,32 @@ def _encode(tokenizer, text: str) -> list[int]:
 
 
 @torch.no_grad()
-def greedy_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
-    """Greedy continuation of each prompt, decoded up to (not including) eos.
+def decode_tokens(model, ids: torch.Tensor, max_new_tokens: int,
+                  pick: Callable[[torch.Tensor], torch.Tensor]) -> list[list[int]]:
+    """Each row of `ids` (prompts of one token length, no padding) continued by `pick` (last position's logits
+    [rows, vocab] -> next token [rows]) for up to `max_new_tokens` tokens, each row cut before its eos.
 
-    Prompts are grouped by token length and decoded without padding, so a
-    prompt's answer cannot depend on which other prompts share its batch. Each
-    step re-runs the full forward (no KV cache): sequences are ~10 tokens, and
-    this keeps the numerics those of a plain forward pass on any transformers
-    version.
+    Rows are never padded, so a row's tokens cannot depend on which other rows share its batch. Each step
+    re-runs the full forward (no KV cache): sequences are ~10 tokens, and this keeps the numerics those of a
+    plain forward pass on any transformers version.
     """
+    done = torch.zeros(len(ids), dtype=torch.bool)
+    steps: list[torch.Tensor] = []
+    for _ in range(max_new_tokens):
+        token = pick(model(input_ids=ids).logits[:, -1])
+        token = torch.where(done, torch.full_like(token, PAD_ID), token)
+        steps.append(token)
+        done |= token == EOS_ID
+        if bool(done.all()):
+            break
+        ids = torch.cat([ids, token[:, None]], dim=1)
+    rows = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(len(ids))]
+    return [row[:row.index(EOS_ID)] if EOS_ID in row else row for row in rows]
+
+
+def greedy_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+    """Greedy continuation of each prompt, decoded up to (not including) eos; prompts grouped by token length
+    (decode_tokens)."""
     was_training = model.training
     model.eval()
     encoded = [_encode(tokenizer, p) for p in prompts]
@@ -77,20 +94,7 @@ def greedy_responses(model, tokenizer, prompts: Sequence[str], max_new_tokens: i
         by_len.setdefault(len(ids), []).append(i)
     for _, idx in sorted(by_len.items()):
         ids = torch.tensor([encoded[i] for i in idx], dtype=torch.long)
-        done = torch.zeros(len(idx), dtype=torch.bool)
-        gen: list[torch.Tensor] = []
-        for _ in range(max_new_tokens):
-            nxt = model(input_ids=ids).logits[:, -1].argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, PAD_ID), nxt)
-            gen.append(nxt)
-            done |= nxt == EOS_ID
-            if bool(done.all()):
-                break
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
-        rows = torch.stack(gen, dim=1).tolist()
-        for j, i in enumerate(idx):
-            row = rows[j]
-            row = row[: row.index(EOS_ID)] if EOS_ID in row else row
+        for i, row in zip(idx, decode_tokens(model, ids, max_new_tokens, lambda logits: logits.argmax(-1))):
             out[i] = tokenizer.decode(row, skip_special_tokens=False)
     model.train(was_training)
     return [s if s is not None else "" for s in out]

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from recipes.char_tokenizer import EOS_ID, PAD_ID, build_char_tokenizer, save_char_tokenizer
+from recipes.char_tokenizer import PAD_ID, build_char_tokenizer, save_char_tokenizer
 from recipes.tiny_arith import TASK_OPTIONS
+from recipes.tiny_arith.prepare import decode_tokens
 from recipes.tiny_judge import CHAT_TEMPLATE, TRAINING, RewardModelTraining
 from services.common.determinism import configure_determinism
 from services.coordinator.tasks.arithmetic import ArithmeticConfig, ArithmeticTask
@@ -54,6 +55,10 @@ def sampled_answers(policy, tokenizer, prompts: Sequence[str], cfg: RewardModelT
     """`cfg.policy_samples` answers per prompt, sampled from the policy at `cfg.sample_temperature` (the
     distribution a GRPO step draws from), each decoded up to eos. Prompts of one token length share a batch
     without padding; every step re-runs the full forward, as the warm start's greedy decoding does."""
+    def sample(logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits.float() / cfg.sample_temperature, -1)
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
     policy.eval()
     encoded = {p: tokenizer.encode(p, add_special_tokens=False) for p in dict.fromkeys(prompts)}
     by_len: dict[int, list[str]] = {}
@@ -64,19 +69,7 @@ def sampled_answers(policy, tokenizer, prompts: Sequence[str], cfg: RewardModelT
         for start in range(0, len(group), cfg.sample_batch_prompts):
             chunk = group[start:start + cfg.sample_batch_prompts]
             ids = torch.tensor([encoded[p] for p in chunk for _ in range(cfg.policy_samples)], dtype=torch.long)
-            done = torch.zeros(len(ids), dtype=torch.bool)
-            steps: list[torch.Tensor] = []
-            for _ in range(cfg.sample_max_new_tokens):
-                probs = torch.softmax(policy(input_ids=ids).logits[:, -1].float() / cfg.sample_temperature, -1)
-                token = torch.multinomial(probs, 1, generator=generator)[:, 0]
-                token = torch.where(done, torch.full_like(token, PAD_ID), token)
-                steps.append(token)
-                done |= token == EOS_ID
-                if bool(done.all()):
-                    break
-                ids = torch.cat([ids, token[:, None]], dim=1)
-            for row, tokens in enumerate(torch.stack(steps, dim=1).tolist()):
-                tokens = tokens[:tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
+            for row, tokens in enumerate(decode_tokens(policy, ids, cfg.sample_max_new_tokens, sample)):
                 out.setdefault(chunk[row // cfg.policy_samples], []).append(
                     tokenizer.decode(tokens, skip_special_tokens=False))
     return out
