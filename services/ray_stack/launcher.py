@@ -29,12 +29,14 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
 
 from services.common.auth import TOKEN_FILE_ENV, BearerToken, read_token_file, write_token_file
+from services.common.process.ports import SLICE_ENV, child_port_slice
 from services.local_stack import service_env
 from services.ray_stack.config import RayStackConfig
 from services.ray_stack.supervisor import ServiceSupervisor
@@ -173,6 +175,14 @@ def bundles(plans: list[ServicePlan]) -> list[dict[str, float]]:
     return out
 
 
+def actor_env(base: Mapping[str, str], plan: ServicePlan, token_file: str) -> dict[str, str]:
+    """The environment of a service an actor starts: its node's, the plan's on top, the token's file, and the
+    half of this process's port range it never draws from (ports.child_port_slice), so that ports the service
+    picks itself (a trainer group's rendezvous, an embedded Redis) never collide with ones picked here or by
+    the driver that shares this slice (a test, a LocalStack beside the Ray stack)."""
+    return {**service_env(base), SLICE_ENV: child_port_slice(base), **dict(plan.env), TOKEN_FILE_ENV: token_file}
+
+
 class ServiceActor:
     """Body of each Ray actor: supervise one service process on this node."""
 
@@ -186,7 +196,7 @@ class ServiceActor:
         argv = node_argv(plan, self.ip, sys.executable)
         # The token travels as the path of its file on shared storage, never as a value through Ray.
         self.supervisor = ServiceSupervisor(
-            argv, env={**service_env(os.environ), **dict(plan.env), TOKEN_FILE_ENV: token_file},
+            argv, env=actor_env(os.environ, plan, token_file),
             log_path=Path(log_dir) / f"{plan.name}.log",
             max_restarts=max_restarts, restart_delay_s=restart_delay_s,
         )

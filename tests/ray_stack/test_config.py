@@ -7,7 +7,10 @@ import pytest
 from pydantic import ValidationError
 
 from services.ray_stack.config import RayStackConfig
+from services.common.auth import TOKEN_FILE_ENV
+from services.common.process.ports import SLICE_ENV
 from services.ray_stack.launcher import (
+    actor_env,
     bundles,
     ensure_token_file,
     node_argv,
@@ -144,3 +147,12 @@ def test_bad_config_names_the_field(fields, field, reason):
     with pytest.raises(ValidationError) as err:
         RayStackConfig(**fields)
     assert field in str(err.value) and reason in str(err.value)
+
+
+def test_a_service_started_by_an_actor_draws_ports_from_the_half_its_node_process_never_does():
+    cfg = RayStackConfig(rollout_replicas=1)
+    trainer = plan_workers(cfg)[0]
+    env = actor_env({"PATH": "/bin", SLICE_ENV: "0/4"}, trainer, "/shared/token")
+    assert env[SLICE_ENV] == "0/4,1/2" and env[TOKEN_FILE_ENV] == "/shared/token" and env["PATH"] == "/bin"
+    assert all(env[k] == v for k, v in trainer.env)  # the plan's own settings on top
+    assert actor_env({"PATH": "/bin"}, trainer, "/t")[SLICE_ENV] == "1/2"  # a cluster's node: the upper half

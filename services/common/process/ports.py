@@ -25,6 +25,7 @@ import os
 import random
 import socket
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 
 _LOW = 20000
@@ -57,9 +58,10 @@ def _sliced(low: int, high: int) -> tuple[int, int]:
     return low, high
 
 
-def child_port_slice() -> str:
-    """LOCKSTEP_PORT_SLICE for the processes this one starts: the half of its range it never draws from."""
-    value = os.environ.get(SLICE_ENV, "")
+def child_port_slice(env: Mapping[str, str] | None = None) -> str:
+    """LOCKSTEP_PORT_SLICE for the processes started from `env` (default: this process's environment): the
+    half of its range that a process of that environment never draws from."""
+    value = (os.environ if env is None else env).get(SLICE_ENV, "")
     return f"{value},1/2" if value else "1/2"
 
 
