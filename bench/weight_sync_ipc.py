@@ -203,22 +203,15 @@ HANDOVERS_PER_REP = 2  # the coordinator's whole sync, then the same protocol st
 def logged_phases(logs: Path) -> dict:
     """Each side's logged phases of every IPC handover (trainer: pack, export, digest; replica: handles, map,
     digest, verify, finite, apply, unmap, release), as the first rep's and the median of the later ones, in ms."""
-    events: dict[str, list[dict]] = {"trainer": [], "replica": []}
+    per_phase: dict[str, list[float]] = {}
     for name, side in (("trainer.log", "trainer"), ("rollout.log", "replica")):
         for line in (logs / name).read_text().splitlines():
             if '"phases_ms"' in line and '"weight handover ' in line:
-                event = json.loads(line)
-                events[side].append((event["msg"], event["phases_ms"]))
-    out: dict[str, dict] = {}
-    for side, logged in events.items():
-        per_phase: dict[str, list[float]] = {}
-        for msg, phases in logged:
-            for phase, ms in phases.items():
-                per_phase.setdefault(f"{side}_{phase}", []).append(ms)
-        for key, values in per_phase.items():
-            out[key] = {"first": values[0], "median_later": round(statistics.median(values[HANDOVERS_PER_REP:]), 2)
-                        if len(values) > HANDOVERS_PER_REP else None, "count": len(values)}
-    return out
+                for phase, ms in json.loads(line)["phases_ms"].items():
+                    per_phase.setdefault(f"{side}_{phase}", []).append(ms)
+    return {key: {"first": values[0], "median_later": round(statistics.median(values[HANDOVERS_PER_REP:]), 2)
+                  if len(values) > HANDOVERS_PER_REP else None, "count": len(values)}
+            for key, values in per_phase.items()}
 
 
 def main() -> None:

@@ -147,9 +147,9 @@ class BucketHasher:
             if isinstance(p, Future):
                 out.append(p.result())
                 continue
+            from kernels.digest.sha256_blocks import digests_of  # only with a GPU: Triton is imported then
             launch, blocks = p
             launch.stream.synchronize()
-            from kernels.digest.sha256_blocks import digests_of
             leaves = iter(digests_of(launch.states))
             out.extend(hashlib.sha256(b"".join([*(next(leaves) for _ in whole),
                                                 *([last.result()] if last is not None else [])])).digest()

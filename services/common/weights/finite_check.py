@@ -30,39 +30,38 @@ class FiniteTensors(dict):
     read them, an IPC handover over its buckets), so an engine applying them need not check them again."""
 
 
-def all_finite(t: torch.Tensor) -> bool:
-    """Whether every value of a floating tensor is finite (no NaN, +inf or -inf)."""
-    if t.numel() == 0:
-        return True
+def _finite_flag(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on t's device: whether every value of the non-empty floating tensor is finite."""
     if t.dtype in _MINMAX_CHECKED:
         low, high = torch.aminmax(t)
-        return bool(torch.isfinite(low) & torch.isfinite(high))
-    return bool(torch.isfinite(t).all())
+        return torch.isfinite(low) & torch.isfinite(high)
+    return torch.isfinite(t).all()
+
+
+def _read_back(flags: list[torch.Tensor]) -> list[bool]:
+    """The flags' values, with one transfer per device (the host waits once, not once per flag)."""
+    out = [True] * len(flags)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, flag in enumerate(flags):
+        by_device.setdefault(flag.device, []).append(i)
+    for indices in by_device.values():
+        for i, ok in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
+            out[i] = ok
+    return out
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of a floating tensor is finite (no NaN, +inf or -inf)."""
+    return t.numel() == 0 or bool(_finite_flag(t))
 
 
 def non_finite(named: dict[str, torch.Tensor]) -> list[str]:
     """Names of the floating tensors holding a NaN or an infinity, `all_finite` on each, read back once: on
     a GPU the reductions are queued back to back and the host waits for the device one time, not once per
     tensor (a model's few hundred tensors each paid a round trip)."""
-    names, flags = [], []
-    for name, t in named.items():
-        if t.is_floating_point() and t.numel():
-            if t.dtype in _MINMAX_CHECKED:
-                low, high = torch.aminmax(t)
-                flags.append(torch.isfinite(low) & torch.isfinite(high))
-            else:
-                flags.append(torch.isfinite(t).all())
-            names.append(name)
-    if not flags:
-        return []
-    by_device: dict[torch.device, list[int]] = {}
-    for i, flag in enumerate(flags):
-        by_device.setdefault(flag.device, []).append(i)
-    finite = [True] * len(flags)
-    for indices in by_device.values():
-        for i, ok in zip(indices, torch.stack([flags[i] for i in indices]).tolist()):
-            finite[i] = ok
-    return [name for name, ok in zip(names, finite) if not ok]
+    checked = [(name, t) for name, t in named.items() if t.is_floating_point() and t.numel()]
+    finite = _read_back([_finite_flag(t) for _, t in checked])
+    return [name for (name, _), ok in zip(checked, finite) if not ok]
 
 
 def bucket_non_finite(buffer: torch.Tensor, slots: Sequence[tuple[str, torch.dtype, int, int]]) -> list[str]:
@@ -84,14 +83,11 @@ def bucket_non_finite(buffer: torch.Tensor, slots: Sequence[tuple[str, torch.dty
         else:
             runs.append((dtype, [(name, offset, nbytes)]))
         joins = True
-    if not runs:
-        return []
-    spans = [buffer[run[0][1]:run[-1][1] + run[-1][2]].view(dtype) for dtype, run in runs]
-    flags = non_finite({str(i): span for i, span in enumerate(spans)})
+    finite = _read_back([_finite_flag(buffer[run[0][1]:run[-1][1] + run[-1][2]].view(dtype)) for dtype, run in runs])
     bad: list[str] = []
-    for i in map(int, flags):
-        dtype, run = runs[i]
-        bad.extend(non_finite({name: buffer[offset:offset + nbytes].view(dtype) for name, offset, nbytes in run}))
+    for (dtype, run), ok in zip(runs, finite):
+        if not ok:
+            bad.extend(non_finite({name: buffer[offset:offset + nbytes].view(dtype) for name, offset, nbytes in run}))
     return bad
 
 
