@@ -227,6 +227,9 @@ SANDBOX_TESTS = {
     "tests/integration/runs/test_tiny_code_learning.py": "a pool of sandboxes per step",
 }
 
+BACKGROUND_BUILD_FIXTURE = "reward_model_build"
+"""tests/integration/conftest.py's fixture that builds the reward model in the background."""
+
 # `python -m <module>` of these is a service process.
 SERVICE_MODULES = ("services.coordinator", "services.rollout", "services.trainer", "services.ray_stack")
 
@@ -290,6 +293,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.learning)
         if _listed(item, SANDBOX_TESTS) is not None:
             item.add_marker(pytest.mark.sandbox)
+    # Last, in their order: the tests that wait for the reward model's background build
+    # (tests/integration/conftest.py), so that the learning runs before them overlap with it.
+    waiting = [item for item in items if BACKGROUND_BUILD_FIXTURE in item.fixturenames]
+    if waiting:
+        items[:] = [item for item in items if BACKGROUND_BUILD_FIXTURE not in item.fixturenames] + waiting
 
 
 def stack_process(argv) -> str | None:

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from services.local_stack import LocalStack
+from tests.conftest import BACKGROUND_BUILD_FIXTURE
+from tests.support.background_build import BackgroundBuild
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,6 +41,28 @@ def warm_model(tmp_path_factory) -> WarmModel:
                            "--threads", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert prep.returncode == 0, prep.stderr[-3000:]
     return WarmModel(path, json.loads(prep.stdout.strip().splitlines()[-1]))
+
+
+@pytest.fixture(scope="session")
+def reward_model_build(warm_model, tmp_path_factory) -> BackgroundBuild:
+    """The tiny_judge recipe's reward model on the demo's warm start, built by the recipe's own
+    `python -m recipes.tiny_judge.reward_model` with its default training, seed 0, one thread, in the background
+    (minutes of one core; `tiny_reward_model` waits for it). One thread: the same bits as the recipe's two, in
+    about 0.8 of the CPU time (on two shared cores a second thread mostly waits for the first)."""
+    root = tmp_path_factory.mktemp("rm")
+    build = BackgroundBuild.start([sys.executable, "-m", "recipes.tiny_judge.reward_model", "--policy",
+                                   str(warm_model.path), "--out", str(root / "model"), "--seed", "0", "--threads", "1"],
+                                  cwd=REPO, logs=root)
+    yield build
+    build.cancel()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_background_builds(request):
+    """Starts the reward model's build with the session's first integration test when a later test will need
+    it: tests/conftest.py orders those tests last, so the build overlaps with the learning runs before them."""
+    if any(BACKGROUND_BUILD_FIXTURE in item.fixturenames for item in request.session.items):
+        request.getfixturevalue(BACKGROUND_BUILD_FIXTURE)
 
 
 @pytest.fixture(scope="session")

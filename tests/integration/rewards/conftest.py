@@ -11,17 +11,12 @@ the learning test needs the recipe's, and the other tests only need a model whos
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from services.local_stack import LocalStack
-
-REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)
@@ -44,19 +39,11 @@ class RewardModel:
 
 
 @pytest.fixture(scope="session")
-def tiny_reward_model(warm_model, tmp_path_factory) -> RewardModel:
-    """The tiny_judge recipe's reward model on the demo's warm start, built by the recipe's own
-    `python -m recipes.tiny_judge.reward_model` with its default training, seed 0, one thread."""
-    out = tmp_path_factory.mktemp("rm") / "model"
-    began = time.monotonic()
-    # One thread: the same bits as the recipe's two here, in about 0.8 of the CPU time (on two shared cores a
-    # second thread mostly waits for the first).
-    made = subprocess.run([sys.executable, "-m", "recipes.tiny_judge.reward_model", "--policy", str(warm_model.path),
-                           "--out", str(out), "--seed", "0", "--threads", "1"], cwd=REPO, capture_output=True,
-                          text=True, timeout=1800)
-    assert made.returncode == 0, made.stderr[-3000:]
-    report = json.loads(made.stdout.strip().splitlines()[-1])
-    return RewardModel(out, {**report, "wall_seconds": round(time.monotonic() - began, 1)})
+def tiny_reward_model(reward_model_build) -> RewardModel:
+    """The tiny_judge recipe's reward model on the demo's warm start (tests/integration/conftest.py builds it in
+    the background from the session's first integration test on)."""
+    report = reward_model_build.report(timeout_s=1800)
+    return RewardModel(Path(report["model_dir"]), {**report, "wall_seconds": round(reward_model_build.wall_seconds, 1)})
 
 
 @pytest.fixture(scope="session")
