@@ -16,7 +16,12 @@ Redis) runs one of two workloads, each on random init (throughput does not depen
   carries that probability: the model's hidden dimension 0 is held at a constant through the residual
   stream (every token embeds it, no attention or MLP output writes it) and eos's lm_head weight on it is
   set by bisection on hidden states of prompts and sampled tokens. The response lengths the runs drew are
-  reported. The tokenizer is the character tokenizer grown to the shape's vocabulary.
+  reported. The tokenizer is the character tokenizer grown to the shape's vocabulary. The MoE shapes
+  (`qwen3-30b-a3b-6l`, the Qwen3-30B-A3B layer shape at 6 layers; `tiny-moe`, its CPU smoke) are Qwen3-MoE
+  models with every expert's down projection kept off that dimension; step 1's exactness through the whole
+  stack is reported beside the throughput (IW range, max |logp - rollout logp|, and the lowest per-layer
+  routing agreement). The 6-layer shape needs an H200: fp32 masters, gradients and AdamW state are 70 GB
+  beside the replica's bf16 weights.
 
 For each mode and K one run of --steps steps is submitted through the REST API (K > 0 with
 mismatch_correction 'truncate', which async runs require; K = 0 is the synchronous loop in either mode);
@@ -32,6 +37,10 @@ absolute numbers.
         --out 'bench/results/async_h200_{weight_sync}.json'
     python bench/async.py --shape qwen3-0.6b --device cuda --ks 0,1 --weight-sync ipc \
         --out bench/results/async_h200_ipc.json
+    python bench/async.py --shape qwen3-30b-a3b-6l --device cuda --modes fixed_lag --ks 0 --steps 3 \
+        --warmup-steps 0 --weight-sync ipc --out bench/results/async_moe_6l_h200.json
+    python -m bench.async --shape tiny-moe --device cpu --modes fixed_lag --ks 0 --steps 3 --warmup-steps 0 \
+        --cap 32 --stop-tokens 24      # the MoE smoke on CPU
 """
 from __future__ import annotations
 
@@ -51,10 +60,11 @@ from pathlib import Path
 
 import torch
 
-from bench.rollout_longtail import LONGTAIL_SHAPES
+from bench.rollout_longtail import LONGTAIL_SHAPES, is_moe
 from recipes.char_tokenizer import CHARACTERS, EOS_ID, CharVocab
 from recipes.tiny_arith import MODEL, TASK_OPTIONS
 from recipes.tiny_model import TinyQwen3Config, build_model_dir, build_tiny_qwen3, save_model_dir
+from recipes.tiny_moe import TinyMoeConfig, build_tiny_moe
 from services.local_stack import LocalStack
 
 PROMPTS, SAMPLES, NEW_TOKENS = 32, 8, 5
@@ -71,20 +81,34 @@ def longtail_vocab(size: int) -> CharVocab:
     return CharVocab(characters=CHARACTERS + tuple(chr(0x20000 + i) for i in range(extra)))
 
 
+def build_random_model(shape: str, *, cap: int, seed: int, vocab: CharVocab):
+    """Random-init `shape` (float32, CPU): a Qwen3, or a Qwen3-MoE when the shape has experts."""
+    dims = {k: v for k, v in LONGTAIL_SHAPES[shape].items() if k not in ("vocab_size", "tie_word_embeddings")}
+    if is_moe(shape):
+        dims.pop("intermediate_size")  # every MLP of the MoE shapes is routed; TinyMoeConfig has no dense width
+        return build_tiny_moe(TinyMoeConfig(**dims, max_position_embeddings=cap + 64), seed=seed, vocab=vocab)
+    return build_tiny_qwen3(TinyQwen3Config(**dims, max_position_embeddings=cap + 64, rope_theta=1e6), seed=seed,
+                            vocab=vocab)
+
+
+def mlp_output_weights(mlp: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights whose rows (dim -2) write an MLP's output: the dense down projection, or every expert's."""
+    return [mlp.experts.down_proj] if hasattr(mlp, "experts") else [mlp.down_proj.weight]
+
+
 @torch.no_grad()
 def build_longtail_model(out: Path, shape: str, *, stop_tokens: int, cap: int, seed: int, device: str) -> dict:
     """Random-init `shape` whose every decode step samples eos with probability about stop_tokens / vocab."""
-    dims = {k: v for k, v in LONGTAIL_SHAPES[shape].items() if k not in ("vocab_size", "tie_word_embeddings")}
     vocab = longtail_vocab(LONGTAIL_SHAPES[shape]["vocab_size"])
-    cfg = TinyQwen3Config(**dims, max_position_embeddings=cap + 64, rope_theta=1e6)
-    model = build_tiny_qwen3(cfg, seed=seed, vocab=vocab)
+    model = build_random_model(shape, cap=cap, seed=seed, vocab=vocab)
     inner, head = model.model, model.lm_head.weight
     # Dimension HELD_DIM of the residual stream is 1.0 at every position: every embedding holds it and no
     # attention or MLP output adds to it, so after the final RMSNorm it is about 1 / rms(residual) > 0.
     inner.embed_tokens.weight[:, HELD_DIM] = 1.0
     for layer in inner.layers:
         layer.self_attn.o_proj.weight[HELD_DIM] = 0.0
-        layer.mlp.down_proj.weight[HELD_DIM] = 0.0
+        for weight in mlp_output_weights(layer.mlp):
+            weight[..., HELD_DIM, :] = 0.0
     head[EOS_ID, HELD_DIM] = 0.0
     model.to(device)
     gen = torch.Generator().manual_seed(seed)
@@ -200,6 +224,9 @@ def measure(client, model: Path, mode: str, k: int, steps: int, seed: int, args,
         # Every step's sync, step 1 included: the first sync of a run must cost no more than a later one.
         "weight_sync_seconds_every_step": [round(s["timings"].get("weight_sync", 0.0), 3) for s in recorded],
         "step1_iw_min_max": [steps_metrics[0].get("iw_min"), steps_metrics[0].get("iw_max")],
+        "step1_logprob_abs_diff_max": steps_metrics[0].get("logprob_abs_diff_max"),
+        # MoE shapes: per layer, the fraction of tokens whose rollout experts equal the trainer's
+        "step1_moe_routing_agreement_min": steps_metrics[0].get("moe_routing_agreement_min"),
         "response_length_mean": round(statistics.mean(lengths), 1) if lengths else None,
         "response_length_mean_min_max": [round(min(lengths), 1), round(max(lengths), 1)] if lengths else None,
         "run_wall_s": round(wall, 2), "loadavg_before": load_before, "loadavg_after": os.getloadavg(),

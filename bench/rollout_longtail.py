@@ -42,6 +42,8 @@ LONGTAIL_SHAPES = {
                      num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=False,
                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
+# Its layer shape at reduced depth: fp32 masters and AdamW of 6 layers fit one GPU (bench/async.py trains it).
+LONGTAIL_SHAPES["qwen3-30b-a3b-6l"] = {**LONGTAIL_SHAPES["qwen3-30b-a3b"], "num_hidden_layers": 6}
 
 
 def is_moe(shape: str) -> bool:
