@@ -160,7 +160,8 @@ def test_a_valid_spec_is_stored_and_answers_get(lone_coordinator, tiny_model_dir
 def test_run_ids_other_than_the_minted_pattern_are_404(lone_coordinator, tiny_model_dir, suffix):
     url = lone_coordinator.url
     run_id = http.post(f"{url}/v1/runs", json=spec(tiny_model_dir), timeout=60).json()["id"]
-    bad = (run_id + suffix) if suffix else run_id.upper()
+    # Uppercase, the first character a letter: a run id may be all digits, and then upper() is itself.
+    bad = (run_id + suffix) if suffix else "A" + run_id[1:].upper()
     for method, path in (("GET", f"/v1/runs/{bad}"), ("GET", f"/v1/runs/{bad}/metrics"),
                          ("POST", f"/v1/runs/{bad}/cancel"), ("POST", f"/v1/runs/{bad}/resume")):
         r = http.request(method, f"{url}{path}", timeout=30)
