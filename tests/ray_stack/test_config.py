@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from services.ray_stack.config import RayStackConfig
 from services.common.auth import TOKEN_FILE_ENV
 from services.common.process.ports import SLICE_ENV
+from services.ray_stack.config import RayStackConfig
 from services.ray_stack.launcher import (
     actor_env,
     bundles,
