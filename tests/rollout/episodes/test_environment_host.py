@@ -10,8 +10,10 @@ from tests.rollout.hostile_environments import register_hostile, register_pickle
 register_hostile()
 
 PROBLEM = EpisodeProblem("p0", "What is 6*7?", "42")
-# A short timeout keeps the hang cases fast; nothing here waits on it except those cases.
-LIMITS = EpisodeLimits(step_timeout_s=0.5, max_observation_bytes=4096)
+# A short timeout keeps the hang cases fast; only they wait on it. Every other case gets room for a loaded host:
+# the environment's process starts within reset's deadline, and once took more than 0.5 s in CI.
+HANG_LIMITS = EpisodeLimits(step_timeout_s=0.5, max_observation_bytes=4096)
+LIMITS = EpisodeLimits(step_timeout_s=30.0, max_observation_bytes=4096)
 
 
 @pytest.mark.parametrize("name,reason", [
@@ -26,7 +28,7 @@ LIMITS = EpisodeLimits(step_timeout_s=0.5, max_observation_bytes=4096)
     ("test-wrong-shape", EndReason.BAD_RESULT),
 ])
 def test_a_hostile_step_ends_the_episode_with_its_reason(name, reason):
-    with EpisodeEnvironment(name, {}, LIMITS) as env:
+    with EpisodeEnvironment(name, {}, HANG_LIMITS if reason is EndReason.ENV_TIMEOUT else LIMITS) as env:
         assert env.reset(PROBLEM) == "What is 6*7?"
         assert env.step("fine").observation == "turn 1 ok"
         with pytest.raises(EpisodeEnded) as ended:
@@ -46,7 +48,7 @@ def test_a_hostile_step_ends_the_episode_with_its_reason(name, reason):
 
 
 def test_a_hang_in_reset_is_stopped_too():
-    with EpisodeEnvironment("test-hangs-in-reset", {}, LIMITS) as env:
+    with EpisodeEnvironment("test-hangs-in-reset", {}, HANG_LIMITS) as env:
         with pytest.raises(EpisodeEnded) as ended:
             env.reset(PROBLEM)
         assert ended.value.reason is EndReason.ENV_TIMEOUT
