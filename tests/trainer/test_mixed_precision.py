@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 from trainer_support import make_episodes, on_policy_request, rollout_logprobs
 
 from services.trainer.data.batching import TrainSample
@@ -207,3 +208,79 @@ def test_compiled_layers_train_like_eager_and_rerun_bitwise(tiny_model_dir, devi
     assert counters["stats"]["unique_graphs"] >= 1
     layers = len(list(t.run.policy.lm.model.layers))
     assert counters["stats"]["unique_graphs"] < 4 * max(layers, 2)
+
+
+def _count_gathers(monkeypatch) -> list[int]:
+    """Every real gather of an FSDP unit (an unshard of a unit not already gathered), counted in a list."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    gathers, unshard = [], FSDPParamGroup.unshard
+
+    def counted(self, *args, **kwargs):
+        if not self.is_unsharded:
+            gathers.append(1)
+        return unshard(self, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
+    return gathers
+
+
+def test_one_rank_gathers_each_unit_once_per_step_with_the_bits_of_regathering(tiny_model_dir, monkeypatch):
+    """A world of one keeps the bf16 weights gathered between a step's microbatches: every unit is cast and
+    gathered once a step, not once a microbatch, and the step is bitwise the one that regathers each time."""
+    from contextlib import contextmanager
+
+    from services.trainer.distributed import sharding
+
+    gathers = _count_gathers(monkeypatch)
+    results = []
+    for regather in (False, True):
+        t = _trainer(tiny_model_dir, lr=1e-2, dtype="bfloat16")
+        request = _request(t, tiny_model_dir, 1)
+        passes = len(t._microbatches(t.run, request.samples))
+        units = sum(1 for m in t.run.policy.modules() if hasattr(m, "set_reshard_after_backward"))
+        if regather:  # the resharding every microbatch that FSDP does by default
+            @contextmanager
+            def each_microbatch(root, passes):
+                yield lambda index: None
+
+            monkeypatch.setattr(sharding, "gathered_between_microbatches", each_microbatch)
+        gathers.clear()
+        metrics = t.train_step(request).metrics
+        results.append((metrics, t.master_state_dict(), len(gathers)))
+        assert all(isinstance(p, DTensor) for p in t.run.policy.parameters())  # the masters registered again
+    (m0, w0, gathered), (m1, w1, regathered) = results
+    assert passes >= 3 and units >= 3
+    assert gathered == units and regathered == units * passes
+    assert m0 == m1
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_a_step_that_fails_between_microbatches_leaves_the_masters_registered(tiny_model_dir, monkeypatch):
+    """An exception in a later microbatch (here its forward) reshards the units kept gathered, and the next
+    step is bitwise the step a fresh trainer takes."""
+    from services.trainer.model.policy import PolicyModule
+
+    t = _trainer(tiny_model_dir, lr=1e-2, dtype="bfloat16")
+    request = _request(t, tiny_model_dir, 1)
+    forward, calls = PolicyModule.forward, []
+
+    def fails_second(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected in the second microbatch")
+        return forward(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PolicyModule, "forward", fails_second)
+        with pytest.raises(RuntimeError, match="injected"):
+            t.train_step(request)
+    # The decoder layers (kept gathered after the first microbatch) hold their masters again. The root unit's
+    # embeddings, norm and head stay gathered after any forward that raises, as they did before this change:
+    # the masters did not change, and the next forward uses that gather.
+    layers = t.run.policy.lm.model.layers
+    assert all(isinstance(p, DTensor) for p in layers.parameters())
+    fresh = _trainer(tiny_model_dir, lr=1e-2, dtype="bfloat16")
+    assert t.train_step(request).metrics == fresh.train_step(request).metrics
+    w, w_fresh = t.master_state_dict(), fresh.master_state_dict()
+    assert all(torch.equal(w[k], w_fresh[k]) for k in w)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import datetime
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,33 @@ def reshard(root: torch.nn.Module) -> None:
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+@contextmanager
+def gathered_between_microbatches(root: torch.nn.Module, passes: int) -> Iterator[Callable[[int], None]]:
+    """Around a step's `passes` forward/backward passes: yields `starting(index)`, to call as pass `index` begins.
+
+    On a world of one every unit keeps its compute-dtype weights gathered from the first pass's backward to
+    the last's. The masters do not change between microbatches, so gathering them again for each one (a cast
+    and copy of every weight) would give the same tensors; gradients are still reduced into the float32
+    shards after every pass, in the same order, so the update is bitwise the one resharding gives. Peak
+    memory is unchanged: a world of one already holds every unit gathered from its forward to its backward.
+    The last pass reshards as usual; leaving early (an exception) reshards too. With several ranks (where
+    resharding frees memory) nothing changes."""
+    from torch.distributed.fsdp import FSDPModule
+
+    keep = passes > 1 and dist.get_world_size() == 1 and isinstance(root, FSDPModule)
+
+    def starting(index: int) -> None:
+        if keep:
+            root.set_reshard_after_backward(index == passes - 1)
+
+    try:
+        yield starting
+    finally:
+        if keep:
+            root.set_reshard_after_backward(True)
+            reshard(root)
 
 
 def full_tensor(t: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
