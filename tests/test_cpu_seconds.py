@@ -13,6 +13,13 @@ from tests.support.cpu_seconds import busy_seconds
 TICKS = 100  # os.sysconf("SC_CLK_TCK") on Linux
 
 
+def _inner_pytest(test_file, **env: str) -> subprocess.CompletedProcess:
+    """A pytest session of its own over `test_file` with the plugin loaded."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+                           "tests.support.cpu_seconds", str(test_file)], cwd=test_file.parent, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin", **env})
+
+
 def test_busy_time_counts_every_non_idle_field_of_the_aggregate_line(monkeypatch):
     monkeypatch.setattr("tests.support.cpu_seconds._TICKS", TICKS)
     #            user nice system idle iowait irq softirq steal guest guest_nice
@@ -36,10 +43,7 @@ def test_an_inner_session_writes_a_line_per_phase_that_suite_durations_reads(tmp
         "def test_sleeps():\n"
         "    time.sleep(0.3)\n")
     out = tmp_path / "cpu.txt"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                           "tests.support.cpu_seconds", str(tmp_path / "test_inner.py")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO_ROOT), "LOCKSTEP_CPU_SECONDS_OUT": str(out), "PATH": "/usr/bin:/bin"})
+    proc = _inner_pytest(tmp_path / "test_inner.py", LOCKSTEP_CPU_SECONDS_OUT=str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     files = parse(out.read_text().splitlines())
     inner = files["test_inner.py"]
@@ -52,8 +56,5 @@ def test_an_inner_session_writes_a_line_per_phase_that_suite_durations_reads(tmp
 
 def test_xdist_workers_are_refused(tmp_path):
     (tmp_path / "test_inner.py").write_text("def test_nothing():\n    pass\n")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
-                           "tests.support.cpu_seconds", str(tmp_path / "test_inner.py")],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO_ROOT), "PYTEST_XDIST_WORKER": "gw0", "PATH": "/usr/bin:/bin"})
+    proc = _inner_pytest(tmp_path / "test_inner.py", PYTEST_XDIST_WORKER="gw0")
     assert proc.returncode != 0 and "run it without -n" in proc.stderr, proc.stdout + proc.stderr
