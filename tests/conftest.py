@@ -125,6 +125,7 @@ STACK_FIXTURES = {
     ("tests/recipes/test_recipe_train_rest.py", "coordinator"): "a coordinator process",
     ("tests/rollout/test_rollout_server_process.py", "server"): "a rollout service process",
     ("tests/rollout/sglang/test_sglang_engine.py", "engine"): "an SGLang server",
+    ("tests/rollout/conftest.py", "sglang_request_types"): "the SGLang virtualenv's Python",
     ("tests/rollout/sglang/test_sglang_run.py", "stack"): "the local stack with SGLang",
     ("tests/trainer/weights/test_broadcast_abort.py", "trainer"): "a trainer service process",
     ("tests/trainer/test_trainer_server.py", "server"): "a trainer service process",
@@ -137,12 +138,6 @@ STACK_TESTS = {
     "tests/coordinator/run/test_scheduler.py": "runs the scheduler against a redis-server",
     "tests/coordinator/state/test_store.py::test_appendonly_survives_server_restart": "restarts a redis-server",
     "tests/deploy/test_metric_names.py::test_sglang_names_exist_in_sglang": "reads the SGLang virtualenv",
-    "tests/rollout/sglang/test_sglang_broadcast.py::test_broadcast_request_bodies_fit_sglangs_request_types":
-        "runs the SGLang virtualenv's Python",
-    "tests/rollout/sglang/test_sglang_lora.py::test_lora_request_bodies_fit_sglangs_request_types":
-        "runs the SGLang virtualenv's Python",
-    "tests/rollout/sglang/test_sglang_requests.py::test_a_turns_body_fits_sglangs_request_type":
-        "runs the SGLang virtualenv's Python",
     "tests/coordinator/run/test_fixed_lag.py::test_a_replica_reporting_another_version_is_refused_naming_the_step":
         "drives the fleet against a redis-server",
     "tests/rollout/weights/test_tcpstore_bridge.py::test_a_tcpstore_client_is_served_every_operation_and_forms_a_gloo_group":

@@ -115,3 +115,16 @@ def sglang_engine(request):
     eng = started.ready()
     print(f"\nsglang server healthy after {started.seconds:.1f}s of its start (pid {eng.server_pid})")
     return eng
+
+
+@pytest.fixture(scope="session")
+def sglang_request_types():
+    """SGLang's own request types in one Python of its virtualenv, shared by the tests that check the bodies
+    Lockstep sends (tests/support/sglang_request_types.py)."""
+    from tests.support.sglang_request_types import SGLangRequestTypes
+
+    python = default_python()
+    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
+    types = SGLangRequestTypes.start(python)
+    yield types
+    types.close()
