@@ -10,8 +10,10 @@ import math
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from contract.wire_tensors import array_from_proto
 from proto import lockstep_pb2 as pb
 from services.common.tensors import from_proto
 from services.trainer.data.batching import TrainSample
@@ -67,36 +69,41 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
         raise InvalidRequest(f"{where}.sample_id: empty")
     if not msg.group_id:
         raise InvalidRequest(f"{where}.group_id: empty")
+    # Checked as numpy arrays (the torch-free contract's decoder) and turned into tensors once: a trajectory is
+    # a few dozen values, on which a torch op's dispatch costs several times a numpy call, and every step
+    # decodes all of its trajectories before it trains.
     try:
-        prompt = from_proto(msg.prompt_token_ids, field=f"{where}.prompt_token_ids", dtype=torch.int32, ndim=1)
-        response = from_proto(msg.response_token_ids, field=f"{where}.response_token_ids", dtype=torch.int32, ndim=1)
-        logprobs = from_proto(msg.rollout_logprobs, field=f"{where}.rollout_logprobs", dtype=torch.float32, ndim=1)
+        prompt = array_from_proto(msg.prompt_token_ids, field=f"{where}.prompt_token_ids", dtype="int32", ndim=1)
+        response = array_from_proto(msg.response_token_ids, field=f"{where}.response_token_ids", dtype="int32",
+                                     ndim=1)
+        logprobs = array_from_proto(msg.rollout_logprobs, field=f"{where}.rollout_logprobs", dtype="float32",
+                                    ndim=1)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    if prompt.numel() == 0:
+    if prompt.size == 0:
         raise InvalidRequest(f"{where}.prompt_token_ids: empty prompt")
-    if response.numel() == 0:
+    if response.size == 0:
         raise InvalidRequest(f"{where}.response_token_ids: empty response")
     for name, ids in (("prompt_token_ids", prompt), ("response_token_ids", response)):
-        if (ids < 0).any():
+        if ids.min() < 0:
             raise InvalidRequest(f"{where}.{name}: negative token id {int(ids.min())}")
     mask = None
     if msg.HasField("response_mask"):
         try:
-            mask = from_proto(msg.response_mask, field=f"{where}.response_mask", dtype=torch.bool, ndim=1)
+            mask = array_from_proto(msg.response_mask, field=f"{where}.response_mask", dtype="bool", ndim=1)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
-        if mask.numel() != response.numel():
-            raise InvalidRequest(f"{where}.response_mask: {mask.numel()} values for {response.numel()} response tokens")
-        if not bool(mask.any()):
+        if mask.size != response.size:
+            raise InvalidRequest(f"{where}.response_mask: {mask.size} values for {response.size} response tokens")
+        if not mask.any():
             raise InvalidRequest(f"{where}.response_mask: no model token (nothing to train on)")
-    model_tokens = response.numel() if mask is None else int(mask.sum())
-    if logprobs.numel() != model_tokens:
+    model_tokens = response.size if mask is None else int(mask.sum())
+    if logprobs.size != model_tokens:
         what = "response tokens" if mask is None else "model tokens (response_mask true)"
-        raise InvalidRequest(f"{where}.rollout_logprobs: {logprobs.numel()} values for {model_tokens} {what}")
-    finite = torch.isfinite(logprobs)
-    if not bool(finite.all()):
-        bad = int((~finite).nonzero()[0, 0])
+        raise InvalidRequest(f"{where}.rollout_logprobs: {logprobs.size} values for {model_tokens} {what}")
+    finite = np.isfinite(logprobs)
+    if not finite.all():
+        bad = int(np.flatnonzero(~finite)[0])
         raise InvalidRequest(f"{where}.rollout_logprobs[{bad}]: not finite ({float(logprobs[bad])})")
     if float(logprobs.max()) > LOGPROB_POSITIVE_SLACK:
         bad = int(logprobs.argmax())
@@ -110,16 +117,16 @@ def decode_trajectory(msg: pb.Trajectory, index: int, header: pb.TrainStepHeader
         value = getattr(msg, name)
         if not math.isfinite(value):
             raise InvalidRequest(f"{where}.{name}: not finite ({value})")
-    routed = _routed_experts(msg, where, prompt.numel() + response.numel())
+    routed = _routed_experts(msg, where, prompt.size + response.size)
     return TrainSample(
         sample_id=msg.sample_id,
         group_id=msg.group_id,
-        prompt_ids=prompt.long(),
-        response_ids=response.long(),
-        rollout_logprobs=logprobs,
+        prompt_ids=torch.from_numpy(prompt.astype(np.int64)),
+        response_ids=torch.from_numpy(response.astype(np.int64)),
+        rollout_logprobs=torch.from_numpy(logprobs),
         reward=float(msg.reward),
         advantage=float(msg.advantage),
-        response_mask=mask,
+        response_mask=None if mask is None else torch.from_numpy(mask),
         staleness_sum=staleness_sum,
         routed_experts=routed,
     )
