@@ -583,8 +583,6 @@ class Trainer:
                 attention_backend=(run.config.attention.backend or "auto") if run.config.batching == "packed"
                 else f"hf:{run.config.attn_implementation} (padded)",
                 logprob_backend=self._logprob_backend(run),
-            )
-            details.update(
                 dtype=run.config.dtype,
                 master_dtype="float32",
                 attn_implementation=run.config.attn_implementation,
