@@ -76,6 +76,15 @@ def require(available: bool, reason: str) -> None:
     pytest.skip(reason)
 
 
+def require_sglang_python() -> str:
+    """The SGLang virtualenv's interpreter (`make sglang-venv`), through `require` when it is not built."""
+    from services.rollout.sglang.config import default_python
+
+    python = default_python()
+    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
+    return python
+
+
 @pytest.fixture
 def repo_root() -> Path:
     return REPO_ROOT

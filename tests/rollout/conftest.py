@@ -13,7 +13,7 @@ import torch
 from contract.engine_options import SGLangEngineConfig
 from recipes.tiny_model import TinyQwen3Config, build_model_dir
 from services.rollout.sglang.config import SGLangHostConfig, default_python
-from tests.conftest import require
+from tests.conftest import require_sglang_python
 from tests.rollout.decoder_support import TINY
 
 
@@ -81,8 +81,7 @@ SESSION_SGLANG = pytest.StashKey[SessionSGLang]()
 
 
 def _session_sglang(session: pytest.Session) -> SessionSGLang:
-    python = default_python()
-    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
+    require_sglang_python()
     if SESSION_SGLANG not in session.stash:
         session.stash[SESSION_SGLANG] = SessionSGLang()
     return session.stash[SESSION_SGLANG]
@@ -123,8 +122,6 @@ def sglang_request_types():
     Lockstep sends (tests/support/sglang_request_types.py)."""
     from tests.support.sglang_request_types import SGLangRequestTypes
 
-    python = default_python()
-    require(Path(python).is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
-    types = SGLangRequestTypes.start(python)
+    types = SGLangRequestTypes.start(require_sglang_python())
     yield types
     types.close()

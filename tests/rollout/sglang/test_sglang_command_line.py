@@ -29,7 +29,7 @@ from contract.platforms import CUDA_ATTENTION_BACKENDS, LORA_TARGET_MODULES
 from contract.sglang_command import engine_run_options, engine_switches, server_command
 from services.common.platform import Platform, SGLangLaunchPlan, SGLangPlatformConfig, sglang_launch_plan
 from services.rollout.sglang.config import default_python
-from tests.conftest import require
+from tests.conftest import require, require_sglang_python
 
 HOSTILE = ["--x", "-x", "a b", "a\x00b", "a\tb", "\u00a0x", "x\u2028", ""]
 
@@ -169,8 +169,7 @@ def test_the_engine_refuses_such_a_config_before_anything_runs(tmp_path):
 # ------------------------------------------------------------------------ against the installed SGLang --
 
 def _sglang_site() -> Path:
-    python = Path(default_python())
-    require(python.is_file(), f"SGLang virtualenv not built ({python} missing): run `make sglang-venv`")
+    python = Path(require_sglang_python())
     found = sorted(python.parent.parent.glob("lib/python3*/site-packages/sglang/srt"))
     require(bool(found), f"no sglang package in the virtualenv of {python}")
     return found[0]

@@ -40,8 +40,7 @@ from services.common.records.step_record import read_step_record
 from services.common.platform import Platform, sglang_launch_plan
 from services.local_stack import LocalStack
 from services.rollout.registry import ENGINES
-from services.rollout.sglang.config import default_python
-from tests.conftest import require
+from tests.conftest import require, require_sglang_python
 
 pytestmark = pytest.mark.slow
 STEPS, PROMPTS, SAMPLES = 3, 4, 4
@@ -49,8 +48,7 @@ STEPS, PROMPTS, SAMPLES = 3, 4, 4
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, sglang_engine):
-    require(Path(default_python()).is_file(),
-            f"SGLang virtualenv not built ({default_python()} missing): run `make sglang-venv`")
+    require_sglang_python()
     require("sglang" in ENGINES, "services/rollout/registry.py does not register the 'sglang' engine")
     # The judge's scorer replica attaches to the session's SGLang server (tests/rollout/conftest.py) with the
     # operator's flags (--sglang-url, --sglang-api-key-file) instead of starting a server of its own: a start
