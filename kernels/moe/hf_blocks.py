@@ -2,7 +2,7 @@
 
 kernels/batch_invariant/hf.py binds `bi_router_forward` and `bi_experts_forward` to every
 `*TopKRouter` / `*Experts` module of a covered family in `true_on_policy`; `observe_routing` binds
-`fast_router_forward` in `fast` mode, where the stock experts (Hugging Face's grouped_mm) stay. Either
+`fast_router_forward` and `fast_experts_module_forward` (kernels/moe/fast_experts.py) in `fast` mode. Either
 router forward returns what Hugging Face's does — (router logits, top-k weights in the logits' dtype,
 top-k expert ids) — so the stock SparseMoeBlock, the output recorders and the aux loss see the same
 interface, and keeps a `RouterState` on the module:
@@ -119,15 +119,42 @@ def bi_shared_expert_block_forward(self: torch.nn.Module, hidden_states: torch.T
     return out.reshape(batch, length, hidden)
 
 
+def fast_experts_module_forward(self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`fast` mode's experts: kernels/moe/fast_experts.py (torch's grouped matmul, deterministic)."""
+    from kernels.moe.fast_experts import fast_experts_forward
+
+    return fast_experts_forward(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                                self.act_fn)
+
+
+def _check_experts_layout(module: torch.nn.Module) -> None:
+    """The layout fast_experts_forward computes with: gate_up_proj [E, 2I, H] (gate rows first), down_proj
+    [E, H, I], no biases; anything else is refused, naming the module's class."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if (not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3
+            or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2] or gate_up.shape[2] != down.shape[1]
+            or getattr(module, "has_bias", False) or getattr(module, "is_transposed", False)
+            or not getattr(module, "is_concatenated", True)):
+        raise TypeError(f"{type(module).__name__}: the fast experts forward needs gate_up_proj [E, 2I, H] "
+                        "(concatenated), down_proj [E, H, I] and no biases")
+
+
 def observe_routing(model: torch.nn.Module) -> list[RouterState]:
     """`fast` mode: every router not already on the batch-invariant forward runs `fast_router_forward`
-    (Hugging Face's math, plus recording and replay); experts stay Hugging Face's. Idempotent."""
+    (Hugging Face's math, plus recording and replay), and its experts `fast_experts_module_forward` (the
+    same function as Hugging Face's grouped_mm experts, with fewer memory passes; fast_experts.py).
+    Idempotent; a model already on the batch-invariant forwards keeps them."""
     import types
 
-    for module in router_modules(model):
+    for _name, module in model.named_modules():
         bound = getattr(module.__dict__.get("forward"), "__func__", None)
-        if bound not in (bi_router_forward, fast_router_forward):
+        kind = type(module).__name__
+        if kind.endswith("TopKRouter") and bound not in (bi_router_forward, fast_router_forward):
             module.forward = types.MethodType(fast_router_forward, module)
+        elif kind.endswith("Experts") and bound not in (bi_experts_forward, fast_experts_module_forward):
+            _check_experts_layout(module)
+            module.forward = types.MethodType(fast_experts_module_forward, module)
     return attach_states(model)
 
 

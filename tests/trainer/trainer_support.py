@@ -71,15 +71,18 @@ def rollout_logprobs(model, prompt: list[int], response: list[int], *, temperatu
 def current_policy(trainer, model_dir: Path, *, device: str = "cpu") -> torch.nn.Module:
     """A plain HF model holding what the trainer computes with now: the compute-dtype cast of its masters.
 
-    What a rollout engine synced to the trainer holds. Works for a multi-rank trainer too (the masters
-    are gathered by every rank), where calling rank 0's sharded module alone would wait for the others."""
+    What a rollout engine synced to the trainer holds (a mixture-of-experts model on the recorded routers and
+    fast experts an engine in `fast` mode runs). Works for a multi-rank trainer too (the masters are gathered
+    by every rank), where calling rank 0's sharded module alone would wait for the others."""
     from transformers import AutoModelForCausalLM
 
+    from kernels.moe.hf_blocks import observe_routing
     from services.common.models.loading import resolve_dtype
 
     dtype = resolve_dtype(trainer.run.config.dtype)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     model.load_state_dict({k: v.to(dtype) for k, v in trainer.master_state_dict().items()})
+    observe_routing(model)  # nothing for a dense model
     return model.to(device)
 
 
