@@ -210,48 +210,60 @@ def test_compiled_layers_train_like_eager_and_rerun_bitwise(tiny_model_dir, devi
     assert counters["stats"]["unique_graphs"] < 4 * max(layers, 2)
 
 
-def _count_gathers(monkeypatch) -> list[int]:
-    """Every real gather of an FSDP unit (an unshard of a unit not already gathered), counted in a list."""
+def _count_gathers_and_reductions(monkeypatch) -> tuple[list[int], list[int]]:
+    """Every real gather of an FSDP unit (an unshard of a unit not already gathered) and every gradient
+    reduction of one, each counted in a list."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-    gathers, unshard = [], FSDPParamGroup.unshard
+    gathers, reductions = [], []
+    unshard, foreach_reduce = FSDPParamGroup.unshard, _fsdp_param_group.foreach_reduce
 
     def counted(self, *args, **kwargs):
         if not self.is_unsharded:
             gathers.append(1)
         return unshard(self, *args, **kwargs)
 
+    def counted_reduce(*args, **kwargs):
+        reductions.append(1)
+        return foreach_reduce(*args, **kwargs)
+
     monkeypatch.setattr(FSDPParamGroup, "unshard", counted)
-    return gathers
+    monkeypatch.setattr(_fsdp_param_group, "foreach_reduce", counted_reduce)
+    return gathers, reductions
 
 
-def test_one_rank_gathers_each_unit_once_per_step_with_the_bits_of_regathering(tiny_model_dir, monkeypatch):
-    """A world of one keeps the bf16 weights gathered between a step's microbatches: every unit is cast and
-    gathered once a step, not once a microbatch, and the step is bitwise the one that regathers each time."""
+def test_one_rank_gathers_and_reduces_each_unit_once_per_step_with_the_bits_of_doing_it_per_microbatch(
+        tiny_model_dir, monkeypatch):
+    """A world of one keeps the bf16 weights gathered between a step's microbatches and accumulates their
+    gradients unreduced: every unit is cast and gathered, and its gradient reduced, once a step, not once a
+    microbatch, and the step is bitwise the one that regathers and reduces each time."""
     from contextlib import contextmanager
 
     from services.trainer.distributed import sharding
 
-    gathers = _count_gathers(monkeypatch)
+    gathers, reductions = _count_gathers_and_reductions(monkeypatch)
     results = []
     for regather in (False, True):
         t = _trainer(tiny_model_dir, lr=1e-2, dtype="bfloat16")
         request = _request(t, tiny_model_dir, 1)
         passes = len(t._microbatches(t.run, request.samples))
         units = sum(1 for m in t.run.policy.modules() if hasattr(m, "set_reshard_after_backward"))
-        if regather:  # the resharding every microbatch that FSDP does by default
+        if regather:  # the resharding and reduction every microbatch that FSDP does by default
             @contextmanager
             def each_microbatch(root, passes):
                 yield lambda index: None
 
             monkeypatch.setattr(sharding, "gathered_between_microbatches", each_microbatch)
         gathers.clear()
+        reductions.clear()
         metrics = t.train_step(request).metrics
-        results.append((metrics, t.master_state_dict(), len(gathers)))
+        results.append((metrics, t.master_state_dict(), len(gathers), len(reductions)))
         assert all(isinstance(p, DTensor) for p in t.run.policy.parameters())  # the masters registered again
-    (m0, w0, gathered), (m1, w1, regathered) = results
+    (m0, w0, gathered, reduced), (m1, w1, regathered, reduced_each) = results
     assert passes >= 3 and units >= 3
     assert gathered == units and regathered == units * passes
+    assert reduced == units and reduced_each == units * passes
     assert m0 == m1
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
 

@@ -157,26 +157,55 @@ def gathered_between_microbatches(root: torch.nn.Module, passes: int) -> Iterato
     """Around a step's `passes` forward/backward passes: yields `starting(index)`, to call as pass `index` begins.
 
     On a world of one every unit keeps its compute-dtype weights gathered from the first pass's backward to
-    the last's. The masters do not change between microbatches, so gathering them again for each one (a cast
-    and copy of every weight) would give the same tensors; gradients are still reduced into the float32
-    shards after every pass, in the same order, so the update is bitwise the one resharding gives. Peak
-    memory is unchanged: a world of one already holds every unit gathered from its forward to its backward.
-    The last pass reshards as usual; leaving early (an exception) reshards too. With several ranks (where
-    resharding frees memory) nothing changes."""
+    the last's: the masters do not change between microbatches, so gathering them again for each one (a cast
+    and copy of every weight) would give the same tensors. Its gradients are not reduced until the last
+    pass: FSDP accumulates each pass's compute-dtype gradient into a float32 unsharded one (its reduce
+    dtype), which on one rank is the shard itself, so the float32 sums are the ones per-pass reduction
+    makes, in the same order, without the per-pass copy into a reduce buffer and the add into the shard.
+    The update is bitwise the one per-pass gathering and reduction give (tests/trainer/
+    test_mixed_precision.py), and peak memory is unchanged: a world of one already holds every unit
+    gathered from its forward to its backward, and the float32 accumulator stands where the shard's
+    gradient would. The last pass reshards and reduces as usual; leaving early (an exception) reshards and
+    drops what was accumulated. With several ranks (where resharding frees memory) nothing changes."""
     from torch.distributed.fsdp import FSDPModule
 
     keep = passes > 1 and dist.get_world_size() == 1 and isinstance(root, FSDPModule)
 
     def starting(index: int) -> None:
         if keep:
-            root.set_reshard_after_backward(index == passes - 1)
+            last = index == passes - 1
+            root.set_reshard_after_backward(last)
+            root.set_requires_gradient_sync(last)
 
+    completed = False
     try:
         yield starting
+        completed = True
     finally:
         if keep:
             root.set_reshard_after_backward(True)
+            root.set_requires_gradient_sync(True)
             reshard(root)
+            if not completed:
+                _drop_accumulated_gradients(root)
+
+
+def _drop_accumulated_gradients(root: torch.nn.Module) -> None:
+    """Forget the gradients FSDP accumulated without reducing them (a step that failed between passes), so
+    that the next step starts from none. FSDP2 has no public call for it: the accumulator lives on each
+    parameter's FSDPParam (`unsharded_accumulated_grad`, and the compute-dtype `.grad` of its unsharded
+    parameter before the first upcast); tests/trainer/test_mixed_precision.py fails if that moves."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for param in group.fsdp_params if group is not None else ():
+            param.unsharded_accumulated_grad = None
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
 
 def full_tensor(t: torch.Tensor, *, copy: bool = True) -> torch.Tensor:
