@@ -150,6 +150,61 @@ def grouped_gemm_probe(shape: dict, tokens: int, device: str, dtype: torch.dtype
     return out
 
 
+def experts_block_probe(shape: dict, tokens: int, device: str, dtype: torch.dtype, gemm_tflops: float,
+                        seed: int) -> dict:
+    """One layer's experts, forward and backward on the same routed tokens, three ways: Hugging Face's
+    `Qwen3MoeExperts` forward (its grouped_mm implementation, the stock `fast` path), kernels/moe's
+    fast_experts_forward (the `fast` mode binding), and experts_forward with torch's grouped matmul
+    (true_on_policy's structure). Reports milliseconds, the GEMMs' share of the dense GEMM rate, and each
+    output's and input gradient's largest difference from Hugging Face's."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from kernels.moe.experts import experts_forward
+    from kernels.moe.fast_experts import fast_experts_forward
+
+    h, e, k, inter = shape["hidden_size"], shape["num_experts"], shape["num_experts_per_tok"], \
+        shape["moe_intermediate_size"]
+    config = Qwen3MoeConfig(hidden_size=h, num_experts=e, num_experts_per_tok=k, moe_intermediate_size=inter)
+    config._experts_implementation = "grouped_mm"
+    module = Qwen3MoeExperts(config).to(device=device, dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(torch.randn(module.gate_up_proj.shape, generator=g, device=device) * h ** -0.5)
+        module.down_proj.copy_(torch.randn(module.down_proj.shape, generator=g, device=device) * inter ** -0.5)
+    experts = random_routing(tokens, e, k, seed).to(device)
+    weights = torch.softmax(torch.randn(tokens, k, generator=g, device=device), -1).to(dtype)
+    hidden = torch.randn(tokens, h, generator=g, device=device).to(dtype).requires_grad_()
+    upstream = torch.randn(tokens, h, generator=g, device=device).to(dtype)
+    act = module.act_fn
+    ways = {
+        "huggingface": lambda x: module(x, experts, weights),
+        "lockstep_fast": lambda x: fast_experts_forward(x, experts, weights, module.gate_up_proj, module.down_proj, act),
+        "lockstep_exact_structure_grouped_mm": lambda x: experts_forward(
+            x, experts, weights, module.gate_up_proj, module.down_proj, act, impl="grouped_mm"),
+    }
+
+    def step(fn):
+        hidden.grad = None
+        module.zero_grad(set_to_none=True)
+        out = fn(hidden)
+        out.backward(upstream)
+        return out
+
+    flops = 3 * 2 * tokens * k * (2 * inter * h + h * inter)  # forward and the two backward GEMMs
+    result = {"tokens": tokens, "gemm_gflop_forward_backward": round(flops / 1e9, 1), "ways": {}}
+    want = step(ways["huggingface"]).detach()
+    want_grad = hidden.grad.detach().clone()
+    for name, fn in ways.items():
+        ms = timed_ms(lambda: step(fn), 5 if device == "cpu" else 20, device)
+        got = step(fn).detach()
+        result["ways"][name] = {
+            "ms": round(ms, 4), "fraction_of_dense_gemm_rate": round(flops / ms / 1e9 / gemm_tflops, 4),
+            "output_max_abs_diff_from_huggingface": float((got.float() - want.float()).abs().max()),
+            "input_grad_max_abs_diff_from_huggingface": float((hidden.grad.float() - want_grad.float()).abs().max())}
+    return result
+
+
 # ---- the training step ------------------------------------------------------------------------------
 def write_model(shape: dict, layers: int, directory: Path, device: str, save_dtype: torch.dtype, seed: int) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -295,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "eager (its varlen kernel is excluded from the graph)")
     ap.add_argument("--profile", action="store_true", help="profile one extra step: GPU time by kernel")
     ap.add_argument("--skip-train", action="store_true", help="only the limits and the grouped GEMM probe")
+    ap.add_argument("--block-probe", action="store_true",
+                    help="also time one layer's experts forward+backward three ways (experts_block_probe)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", default=None)
     ap.add_argument("--out", default="")
@@ -329,6 +386,9 @@ def main(argv: list[str] | None = None) -> dict:
            "grouped_gemm": grouped_gemm_probe(shape, args.probe_tokens, device, dtype, impls, gemm, hbm, args.seed),
            "train": []}
     print(json.dumps({"grouped_gemm": out["grouped_gemm"]}), flush=True)
+    if args.block_probe:
+        out["experts_block"] = experts_block_probe(shape, args.probe_tokens, device, dtype, gemm, args.seed)
+        print(json.dumps({"experts_block": out["experts_block"]}), flush=True)
     if not args.skip_train:
         for mode in numerics:
             try:
