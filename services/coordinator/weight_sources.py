@@ -53,8 +53,9 @@ class SharedPathWeights:
         # beside it came to load). One written before a trainer recovery is not reused (trainer_configured).
         self._current: dict[int, pb.WriteWeightsResponse] = {}
         self._lock = asyncio.Lock()  # replicas synced at once wait for one write, not one each
-        self._early: asyncio.Task | None = None  # write_early's (the write, then the prefetches)
-        self._early_version = -1
+        # write_early's tasks (the write, then the prefetches) by version: the sync to version s - 1 can come
+        # to load after step s trained and its early write began, and must still wait for its own prefetch.
+        self._early: dict[int, asyncio.Task] = {}
 
     def write_early(self, version: int, replicas: Sequence[RolloutClient] = ()) -> None:
         """Start writing `version` now, for the sync that needs it later to find written (fixed_lag: right
@@ -67,9 +68,10 @@ class SharedPathWeights:
                 log.warning("early write of policy version %d failed (the sync writes it again): %r",
                             version, task.exception())
 
-        self._early = asyncio.ensure_future(self._write_and_prefetch(version, list(replicas)))
-        self._early_version = version
-        self._early.add_done_callback(logged)
+        task = asyncio.ensure_future(self._write_and_prefetch(version, list(replicas)))
+        task.add_done_callback(logged)
+        self._early = {v: t for v, t in self._early.items() if not t.done()}
+        self._early[version] = task
 
     async def _write_and_prefetch(self, version: int, replicas: list[RolloutClient]) -> None:
         written = await self.written(version)
@@ -84,14 +86,16 @@ class SharedPathWeights:
     async def settled(self, version: int) -> None:
         """Once the early write of `version` and its prefetches are done (at once if none is running); a
         streaming sync waits here before it pauses the replicas, so that they pause only to apply."""
-        if self._early is not None and self._early_version == version:
-            await asyncio.wait([self._early])
+        if (task := self._early.get(version)) is not None:
+            await asyncio.wait([task])
 
     async def cancel_early(self) -> None:
-        if self._early is not None and not self._early.done():
-            self._early.cancel()
+        running = [t for t in self._early.values() if not t.done()]
+        self._early = {}
+        for task in running:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._early
+                await task
 
     def trainer_configured(self) -> None:
         """The trainer was (re)configured: what it wrote before is not reused, since a recovered trainer's

@@ -4,8 +4,12 @@ Reading a version the trainer wrote (pread on every core, the sha256 of each blo
 most of what loading it costs; copying the verified tensors into the engine is a small part. A replica
 told to prefetch a directory reads it while it still generates with the version it holds, into its
 staging memory, and keeps the result; the LoadWeights of the same directory, version and digest then only
-applies it, between two Generate calls. One directory is kept at a time: a prefetch of another, or a load
-of another, lets the kept one go (its staging memory returns to the arena).
+applies it, between two Generate calls.
+
+Two reads are kept at most, the newest versions: in fixed_lag the coordinator has the replicas prefetch
+version s as soon as step s trained, and the sync to version s - 1 (beside that training) can reach the
+replica after it, so the older one must survive the newer one's prefetch. A load lets go of every kept read
+of its version or older (none of them can be applied later); a third prefetch lets go of the oldest.
 
 A failed read is never kept: its error answers the prefetch, and the load that follows reads again.
 """
@@ -46,29 +50,35 @@ class _Kept:
     lease: contextlib.ExitStack  # the staging lease the tensors live in, released once the read is let go
 
 
+KEPT_READS = 2
+"""Prefetched directories kept at once (each holds a copy of the weights in staging memory)."""
+
+
 class WeightPrefetch:
     """`arena()`: the replica's staging arena (looked up at each read: it depends on the engine loaded)."""
 
     def __init__(self, arena: Callable[[], StagingArena]) -> None:
         self._arena = arena
-        self._kept: _Kept | None = None
+        self._kept: list[_Kept] = []  # oldest version first
         self._lock = asyncio.Lock()
 
     async def prefetch(self, key: DirectoryKey, read: ReadDirectory) -> WeightFiles:
-        """Read and verify `key`'s directory now and keep it (a prefetch of the kept key waits for that read)."""
+        """Read and verify `key`'s directory now and keep it (a prefetch of a kept key waits for that read)."""
         async with self._lock:
-            if self._kept is None or self._kept.key != key:
-                await self._let_go()
+            kept = next((k for k in self._kept if k.key == key), None)
+            if kept is None:
+                # Another directory of the same version (a recovered trainer wrote it again) replaces it.
+                await self._let_go([k for k in self._kept if k.key.policy_version == key.policy_version])
                 lease = contextlib.ExitStack()
                 allocate = lease.enter_context(self._arena().lease()).allocate
-                self._kept = _Kept(key, asyncio.ensure_future(asyncio.to_thread(read, allocate)), lease)
-            kept = self._kept
+                kept = _Kept(key, asyncio.ensure_future(asyncio.to_thread(read, allocate)), lease)
+                self._kept = sorted([*self._kept, kept], key=lambda k: k.key.policy_version)
+                await self._let_go(self._kept[:-KEPT_READS])
         try:
             _, files = await asyncio.shield(kept.read)
         except Exception:
             async with self._lock:
-                if self._kept is kept:
-                    await self._let_go()
+                await self._let_go([kept] if kept in self._kept else [])
             raise
         return files
 
@@ -76,32 +86,37 @@ class WeightPrefetch:
     async def loaded(self, key: DirectoryKey, read: ReadDirectory
                      ) -> AsyncIterator[tuple[dict[str, torch.Tensor], WeightFiles, bool]]:
         """The tensors and files of `key`'s directory, and whether a prefetch had read them; read now, into
-        the arena, when no prefetch of `key` is kept. Valid inside the block: the engine copies them in there."""
+        the arena, when no prefetch of `key` is kept. Valid inside the block: the engine copies them in there.
+        Kept reads of `key`'s version or older are let go; newer ones stay for their own loads."""
         async with self._lock:
-            kept, self._kept = self._kept, None
-        if kept is not None:
+            mine = next((k for k in self._kept if k.key == key), None)
+            stale = [k for k in self._kept if k is not mine and k.key.policy_version <= key.policy_version]
+            self._kept = [k for k in self._kept if k is not mine and k not in stale]
+        await self._let_go(stale, unlisted=True)
+        if mine is not None:
             got = None
             try:
-                if kept.key == key:
-                    with contextlib.suppress(Exception):  # the prefetch's error was its answer: read again below
-                        got = await asyncio.shield(kept.read)
+                with contextlib.suppress(Exception):  # the prefetch's error was its answer: read again below
+                    got = await asyncio.shield(mine.read)
                 if got is not None:
                     yield got[0], got[1], True
                     return
             finally:
-                await _released(kept)
+                await _released(mine)
         with self._arena().lease() as lease:
             tensors, files = await asyncio.to_thread(read, lease.allocate)
             yield tensors, files, False
 
     async def release(self) -> None:
-        """Let the kept read go (a new model is loaded: no directory of the old run is wanted)."""
+        """Let every kept read go (a new model is loaded: no directory of the old run is wanted)."""
         async with self._lock:
-            await self._let_go()
+            await self._let_go(list(self._kept))
 
-    async def _let_go(self) -> None:
-        kept, self._kept = self._kept, None
-        if kept is not None:
+    async def _let_go(self, reads: list[_Kept], *, unlisted: bool = False) -> None:
+        """Release `reads` (taken off the kept list here unless `unlisted`: already off it)."""
+        if not unlisted:
+            self._kept = [k for k in self._kept if k not in reads]
+        for kept in reads:
             await _released(kept)
 
 

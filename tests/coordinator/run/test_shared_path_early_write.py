@@ -128,3 +128,28 @@ def test_a_sync_finds_its_version_written_after_the_next_one_was_but_not_across_
     calls, four, five, again, fresh = asyncio.run(scenario())
     assert again is four and [v for _, v in calls] == [4, 5, 5]
     assert fresh.directory != five.directory
+
+
+def test_the_sync_to_an_older_version_waits_for_its_own_prefetch_after_the_next_early_write_began(tmp_path):
+    """fixed_lag under load: step s trains faster than the sync to s-1 beside it comes to load, so the early
+    write of s starts before that load; the load must still wait for s-1's prefetch, not race it."""
+    async def scenario():
+        trainer, replica = FakeTrainer(), FakeReplica()
+        trainer.release.set()
+        shared = SharedPathWeights(trainer, "run", tmp_path)
+        shared.write_early(4, [replica])
+        for _ in range(5):
+            await asyncio.sleep(0)
+        shared.write_early(5, [replica])
+        sync = asyncio.ensure_future(shared.load(replica, 4))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not sync.done() and (replica.calls[-1][1], replica.calls[-1][2]) == (5, True)
+        replica.prefetched.set()
+        await sync
+        await shared.settled(5)
+        await shared.cancel_early()
+        return replica.calls
+
+    calls = asyncio.run(scenario())
+    assert [(v, prefetch) for _, v, prefetch in calls] == [(4, True), (5, True), (4, False)]

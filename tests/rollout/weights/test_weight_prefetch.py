@@ -1,8 +1,10 @@
 """WeightPrefetch: the bookkeeping of LoadWeights' prefetch (the read is a stand-in that counts its calls and
 writes into the memory it is given; the real read through gRPC is tests/integration/weights/test_shared_path_weights.py).
 
-A load of the prefetched directory is given the prefetched read; a load of another reads itself and lets the
-kept one go; a failed prefetch is not kept; the staging lease goes back to the arena once the load is done."""
+A load of the prefetched directory is given the prefetched read; a load of another reads itself and lets kept
+reads of its version or older go; the two newest versions are kept (a sync of the older one can arrive after
+the newer one's prefetch); a failed prefetch is not kept; the staging lease goes back to the arena once the
+load is done."""
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +20,7 @@ from services.rollout.weights.staging_arena import StagingArena
 
 A = DirectoryKey("/w/v000001", 1, "a" * 64)
 B = DirectoryKey("/w/v000002", 2, "b" * 64)
+C = DirectoryKey("/w/v000003", 3, "c" * 64)
 
 
 class Reads:
@@ -74,6 +77,54 @@ def test_a_load_of_another_directory_reads_it_and_lets_the_prefetched_one_go():
 
     run(scenario())
     assert reads.calls == [A, B, A] and not arena._leased
+
+
+def test_the_older_version_survives_the_newer_ones_prefetch_and_both_loads_apply_their_reads():
+    # fixed_lag: version 2's prefetch (step 2 trained) reaches the replica before the sync to version 1.
+    arena, reads = StagingArena(pin_memory=False), Reads()
+    prefetch = WeightPrefetch(lambda: arena)
+
+    async def scenario():
+        await prefetch.prefetch(A, reads.of(A))
+        await prefetch.prefetch(B, reads.of(B))
+        assert await _load(prefetch, A, reads) is True
+        assert await _load(prefetch, B, reads) is True
+
+    run(scenario())
+    assert reads.calls == [A, B] and not arena._leased
+
+
+def test_a_third_prefetch_lets_the_oldest_go_and_a_load_lets_older_ones_go():
+    arena, reads = StagingArena(pin_memory=False), Reads()
+    prefetch = WeightPrefetch(lambda: arena)
+
+    async def scenario():
+        for key in (A, B, C):
+            await prefetch.prefetch(key, reads.of(key))
+        assert await _load(prefetch, A, reads) is False  # let go for C
+        await prefetch.prefetch(A, reads.of(A))
+        assert await _load(prefetch, C, reads) is True  # and lets the older A and B go
+        assert await _load(prefetch, B, reads) is False
+        assert await _load(prefetch, A, reads) is False
+
+    run(scenario())
+    assert reads.calls == [A, B, C, A, A, B, A] and not arena._leased
+
+
+def test_another_directory_of_a_kept_version_replaces_it():
+    # A recovered trainer writes a version again, to a fresh directory with its own digest.
+    again = DirectoryKey("/w/v000001-again", 1, "d" * 64)
+    arena, reads = StagingArena(pin_memory=False), Reads()
+    prefetch = WeightPrefetch(lambda: arena)
+
+    async def scenario():
+        await prefetch.prefetch(A, reads.of(A))
+        await prefetch.prefetch(again, reads.of(again))
+        assert await _load(prefetch, again, reads) is True
+        assert await _load(prefetch, A, reads) is False  # replaced by the other directory's prefetch
+
+    run(scenario())
+    assert reads.calls == [A, again, A] and not arena._leased
 
 
 def test_a_failed_prefetch_is_refused_and_not_kept():
