@@ -38,15 +38,15 @@ from services.trainer.loss.microbatch_result import (
     results_step_metrics,
     step_loss,
 )
-from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, microbatch_loss, step_shape
-from services.trainer.loss.supervised import sft_microbatch_loss
-from services.trainer.loss.update_guard import nonfinite_tokens, nonfinite_update
+from services.trainer.loss.passes import forward_backward
+from services.trainer.loss.policy_loss import StepShape, m2po_keep_mask, step_shape
+from services.trainer.loss.update_guard import nonfinite_update
 from services.trainer.model import lora
-from services.trainer.model.moe import MoeRouting, check_routing, microbatch_routing
+from services.trainer.model.moe import check_routing, microbatch_routing
 from services.trainer.parity_gate import ParityVerdict, check_parity
 from services.trainer.run_setup import build_microbatches, parse_run_config
 from services.trainer.run_state import RunState, WeightSnapshot
-from services.trainer.teacher import TeacherScores, distillation_metrics, load_teacher, teacher_pass
+from services.trainer.teacher import distillation_metrics, load_teacher, teacher_pass
 
 log = logging.getLogger("lockstep.trainer")
 # What crosses ranks in microbatch order (Trainer._in_order).
@@ -373,7 +373,8 @@ class Trainer:
         run.optimizer.zero_grad(set_to_none=True)
         try:
             routing = [microbatch_routing(mb, ordered) for mb in microbatches]
-            outputs = self._forward_backward(run, microbatches, shape, keep, routing, teacher)
+            outputs = self._in_order(forward_backward(run, microbatches, self._my_passes(len(microbatches)), shape,
+                                                      self.device, keep, routing, teacher), len(microbatches))
             loss_value = step_loss(outputs)
             if step == 1 and not sft:  # a supervised step's tokens were not sampled: no rollout to agree with
                 # Step-1 parity gate: same weights on both sides, so any
@@ -393,67 +394,6 @@ class Trainer:
         if teacher is not None:
             metrics.update(distillation_metrics(outputs, teacher))
         return metrics, results_sample_weights(outputs, ordered)
-
-    def _forward_backward(self, run: RunState, microbatches: list[Microbatch], shape: StepShape,
-                          keep: torch.Tensor | None, routing: list[torch.Tensor | None] | None = None,
-                          teacher: dict[int, tuple[TeacherScores, torch.Tensor]] | None = None,
-                          ) -> list[MicrobatchResult]:
-        """Forward, policy loss and backward of this rank's microbatches (gradients accumulate); per
-        microbatch of every rank, in microbatch order: its loss, the pre-update tensors the metrics need,
-        and which tokens are not finite (update_guard)."""
-        cfg, policy = run.config, run.policy
-        moe = MoeRouting.of(policy.lm, cfg.moe)
-        local: list[MicrobatchResult] = []
-        passes = self._my_passes(len(microbatches))
-        with sharding.gathered_between_microbatches(policy, len(passes)) as starting:
-            for index, k in enumerate(passes):
-                starting(index)
-                if k is None:
-                    logp, _lse, _ent = policy(microbatches[0], temperature=cfg.temperature)
-                    aux = moe.aux_loss(0.0) if moe is not None else None  # a collective pass: same graph, no weight
-                    (logp.sum() * 0.0 + (aux if aux is not None else 0.0)).backward()
-                    continue
-                mb = microbatches[k]
-                rollout_experts = routing[k].to(self.device) if routing and routing[k] is not None else None
-                if moe is not None and cfg.moe.routing_replay:
-                    moe.force(rollout_experts)  # kept through backward: activation checkpointing routes again
-                student_argmax = None
-                if teacher is None:
-                    logp, _lse, ent = policy(mb, temperature=cfg.temperature)
-                    advantages = mb.response_advantages
-                else:
-                    logp, _lse, ent, student_argmax = policy(mb, temperature=cfg.temperature, with_argmax=True)
-                    advantages = teacher[k][1]
-                moe_stats = aux = None
-                if moe is not None:
-                    moe_stats = moe.microbatch_stats(rollout_experts)
-                    aux = moe.aux_loss(mb.input_ids.numel() / max(1, sum(m.input_ids.numel() for m in microbatches)))
-                ref_logp = None
-                if run.ref_model is not None:
-                    with torch.no_grad():
-                        ref_logp = run.ref_model(mb, temperature=cfg.temperature)[0]
-                mb_keep = None
-                if keep is not None:
-                    mb_keep = keep[shape.token_keys(mb.response_sample_index, mb.response_ranks)].to(logp.device)
-                if cfg.objective == "sft":
-                    part = sft_microbatch_loss(cfg, logp, mb.response_sample_index, shape)
-                else:
-                    part = microbatch_loss(cfg, logp, mb.response_rollout_logprobs, advantages,
-                                           mb.response_sample_index, shape, m2po_keep=mb_keep, ref_logp=ref_logp)
-                logp.retain_grad()  # d loss / d logp per token, for naming the tokens of a non-finite update
-                (part.loss if aux is None else part.loss + aux).backward()
-                if moe is not None:
-                    moe.force(None)
-                # Every forward here runs before the optimizer step, so these are
-                # the pre-update log-probs: the train/inference mismatch measure.
-                local.append(MicrobatchResult(
-                    loss=float(part.loss.detach()), logp=logp.detach(), rollout_logp=mb.response_rollout_logprobs,
-                    clipped=part.clipped, clamped=part.clamped, sample_index=mb.response_sample_index,
-                    positions=mb.response_positions, nonfinite=nonfinite_tokens(part.token_loss, logp, logp.grad),
-                    is_weight=part.is_weight, is_affected=part.is_affected, entropy=ent.detach(), kl=part.kl,
-                    moe_stats=moe_stats, teacher_logp=None if teacher is None else teacher[k][0].logp,
-                    teacher_argmax=None if teacher is None else teacher[k][0].argmax, student_argmax=student_argmax))
-        return self._in_order(local, len(microbatches))
 
     def _optimizer_step(self, run: RunState, params: list[torch.nn.Parameter], *, step: int, loss_value: float,
                         outputs: list[MicrobatchResult], sample_ids: list[str],
