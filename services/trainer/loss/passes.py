@@ -1,8 +1,14 @@
 """A step's forward and backward passes over this rank's microbatches: each microbatch's forward, its share of
 the step loss (policy, supervised or distillation), the router losses of an MoE policy, and its backward, with
 the gradients accumulating across microbatches; what each pass hands the step's metrics (MicrobatchResult).
+
+Nothing here reads a value back to the host before the last backward is queued: the loss and the MoE routing
+statistics of every microbatch stay on the device until the passes are done, so the device never waits for
+the host between one microbatch's forward and its backward, or between two microbatches.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -69,11 +75,20 @@ def forward_backward(run: RunState, microbatches: list[Microbatch], passes: list
                 moe.force(None)
             # Every forward here runs before the optimizer step, so these are
             # the pre-update log-probs: the train/inference mismatch measure.
+            # `loss` is the device tensor until the passes are done (on_host below).
             local.append(MicrobatchResult(
-                loss=float(part.loss.detach()), logp=logp.detach(), rollout_logp=mb.response_rollout_logprobs,
+                loss=part.loss.detach(), logp=logp.detach(), rollout_logp=mb.response_rollout_logprobs,
                 clipped=part.clipped, clamped=part.clamped, sample_index=mb.response_sample_index,
                 positions=mb.response_positions, nonfinite=nonfinite_tokens(part.token_loss, logp, logp.grad),
                 is_weight=part.is_weight, is_affected=part.is_affected, entropy=ent.detach(), kl=part.kl,
                 moe_stats=moe_stats, teacher_logp=None if teacher is None else teacher[k][0].logp,
                 teacher_argmax=None if teacher is None else teacher[k][0].argmax, student_argmax=student_argmax))
-    return local
+    return [on_host(result) for result in local]
+
+
+def on_host(result: MicrobatchResult) -> MicrobatchResult:
+    """`result` with its loss a Python float and its MoE statistics on the CPU (the form MicrobatchResult
+    documents), read back once every pass is queued."""
+    return dataclasses.replace(
+        result, loss=float(result.loss),
+        moe_stats=None if result.moe_stats is None else result.moe_stats.cpu())

@@ -48,7 +48,8 @@ class MoeRouting:
     # ---- statistics -----------------------------------------------------------------------------------
     def microbatch_stats(self, rollout_experts: torch.Tensor | None = None,
                          valid: torch.Tensor | None = None) -> torch.Tensor:
-        """[layers, E + 4] float64 on the CPU from the last forward's routing. `rollout_experts` [layers, T, k]
+        """[layers, E + 4] float64 on the routing's device (read back once the step's passes are done) from the
+        last forward's routing. `rollout_experts` [layers, T, k]
         (the rollout's choice per token, -1 where it sent none) and `valid` [T] (positions to count) are
         optional."""
         rows = []
@@ -73,7 +74,7 @@ class MoeRouting:
             extra = torch.stack([entropy, torch.tensor(float(experts.shape[0]), dtype=torch.float64,
                                                         device=experts.device), agree, carried])
             rows.append(torch.cat([counts, extra]))
-        return torch.stack(rows).cpu()
+        return torch.stack(rows)
 
     # ---- auxiliary losses -----------------------------------------------------------------------------
     def aux_loss(self, weight: float) -> torch.Tensor | None:
