@@ -152,10 +152,10 @@ def grouped_gemm_probe(shape: dict, tokens: int, device: str, dtype: torch.dtype
 
 def experts_block_probe(shape: dict, tokens: int, device: str, dtype: torch.dtype, gemm_tflops: float,
                         seed: int) -> dict:
-    """One layer's experts, forward and backward on the same routed tokens, three ways: Hugging Face's
+    """One layer's experts, forward and backward on the same routed tokens, four ways: Hugging Face's
     `Qwen3MoeExperts` forward (its grouped_mm implementation, the stock `fast` path), kernels/moe's
-    fast_experts_forward (the `fast` mode binding), and experts_forward with torch's grouped matmul
-    (true_on_policy's structure). Reports milliseconds, the GEMMs' share of the dense GEMM rate, and each
+    fast_experts_forward (the `fast` mode binding) with either combination, and experts_forward with
+    torch's grouped matmul (true_on_policy's structure). Reports milliseconds, the GEMMs' share of the dense GEMM rate, and each
     output's and input gradient's largest difference from Hugging Face's."""
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -182,6 +182,9 @@ def experts_block_probe(shape: dict, tokens: int, device: str, dtype: torch.dtyp
         "lockstep_fast": lambda x: fast_experts_forward(x, experts, weights, module.gate_up_proj, module.down_proj, act),
         "lockstep_exact_structure_grouped_mm": lambda x: experts_forward(
             x, experts, weights, module.gate_up_proj, module.down_proj, act, impl="grouped_mm"),
+        # fast_experts_forward with the weighting and rank sum as elementwise ops instead of its bmm.
+        "lockstep_fast_elementwise_combine": lambda x: fast_experts_forward(
+            x, experts, weights, module.gate_up_proj, module.down_proj, act, combine="elementwise"),
     }
 
     def step(fn):
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true", help="profile one extra step: GPU time by kernel")
     ap.add_argument("--skip-train", action="store_true", help="only the limits and the grouped GEMM probe")
     ap.add_argument("--block-probe", action="store_true",
-                    help="also time one layer's experts forward+backward three ways (experts_block_probe)")
+                    help="also time one layer's experts forward+backward four ways (experts_block_probe)")
     ap.add_argument("--fewer-layers", action="store_true",
                     help="allow --layers < 6: an A/B comparison on a GPU that cannot hold 6 layers' fp32 state "
                     "(an 80 GB H100), not the issue's measurement")

@@ -23,6 +23,7 @@ forward and experts.py's structure on the same inputs.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 
@@ -67,10 +68,15 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
     return inverse
 
 
+Combine = Literal["bmm", "elementwise"]
+
+
 def fast_experts_forward(hidden: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                          gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                         act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """[T, H] in hidden's dtype: sum over ranks r of weights[:, r] * expert_{experts[:, r]}(hidden)."""
+                         act: Callable[[torch.Tensor], torch.Tensor], *, combine: Combine = "bmm") -> torch.Tensor:
+    """[T, H] in hidden's dtype: sum over ranks r of weights[:, r] * expert_{experts[:, r]}(hidden).
+    `combine`: the weighting and rank sum as one batched matmul (the binding's), or as Hugging Face's
+    elementwise product then sum (float32 accumulation of the rounded products; kept for the bench)."""
     tokens, k = experts.shape
     width = down_proj.shape[1]
     order, counts = sort_by_expert(experts, gate_up_proj.shape[0])
@@ -78,4 +84,9 @@ def fast_experts_forward(hidden: torch.Tensor, experts: torch.Tensor, weights: t
     rows = _RepeatRows.apply(hidden, order, inverse, k)
     out_sorted = expert_mlp(rows, gate_up_proj, down_proj, counts, act, impl="grouped_mm")
     out = _PermuteRows.apply(out_sorted, inverse, order).view(tokens, k, width)
-    return torch.bmm(weights.to(hidden.dtype).unsqueeze(1), out).view(tokens, width)
+    w = weights.to(hidden.dtype)
+    if combine == "elementwise":
+        return (out * w.unsqueeze(-1)).sum(1, dtype=torch.float32).to(hidden.dtype)
+    if combine != "bmm":
+        raise ValueError(f"combine: {combine!r}, not one of ['bmm', 'elementwise']")
+    return torch.bmm(w.unsqueeze(1), out).view(tokens, width)

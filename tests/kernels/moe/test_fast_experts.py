@@ -115,3 +115,12 @@ def test_an_experts_module_of_another_layout_is_refused_by_name():
     experts.is_transposed = True
     with pytest.raises(TypeError, match="Qwen3MoeExperts: the fast experts forward needs"):
         observe_routing(model)
+
+
+def test_both_combinations_compute_the_same_function_and_another_is_refused():
+    hidden, experts, weights, gate_up, down = _inputs()
+    bmm = fast_experts_forward(hidden, experts, weights, gate_up, down, SILU)
+    elementwise = fast_experts_forward(hidden, experts, weights, gate_up, down, SILU, combine="elementwise")
+    torch.testing.assert_close(elementwise, bmm, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="combine: 'sum'"):
+        fast_experts_forward(hidden, experts, weights, gate_up, down, SILU, combine="sum")
