@@ -62,10 +62,9 @@ class _PermuteRows(torch.autograd.Function):
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
-    """inverse[order[j]] = j: a scatter of distinct indices (deterministic), cheaper than a second sort."""
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
-    return inverse
+    """inverse[order[j]] = j, as a sort of `order`: the op experts.py's forward already runs under deterministic
+    algorithms and inside the engine's captured decode step (a scatter's deterministic path is not that)."""
+    return torch.argsort(order)
 
 
 Combine = Literal["bmm", "elementwise"]
