@@ -10,7 +10,7 @@ speed, not for batch invariance (torch's grouped matmul picks its tiles from the
 * the (token, rank) pairs are sorted by expert and each token's row is repeated into the sorted order once.
   Indexing's own backward scatters with `index_put_(accumulate=True)`, which under deterministic
   algorithms sorts the indices first; here the backward gathers each token's k row gradients back to
-  (token, rank) order and sums them in float32: no atomics, no sort, one rounding;
+  (token, rank) order and sums them in float32: no atomics, no scatter, one rounding;
 * the expert outputs go back to (token, rank) order through a permutation whose backward is the inverse
   permutation (a gather, not a scatter);
 * the top-k weighting and the sum over ranks are one batched matmul ([1, k] x [k, H] per token, float32
