@@ -101,6 +101,12 @@ class CheckpointOutOfSpace(Exception):
     nothing, still holds the run, and the same call succeeds once space returns."""
 
 
+# A call whose connection dies under it (the trainer killed mid-RPC) can end UNKNOWN ("Stream removed") or
+# INTERNAL instead of UNAVAILABLE (grpc/grpc#34076). These codes also carry a live server's own failure, so
+# they count as a lost trainer only when the trainer does not answer a health probe right after.
+CONNECTION_LOST_CODES = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
 def _trainer_rpc(method):
     name = method.__name__
 
@@ -109,7 +115,7 @@ def _trainer_rpc(method):
         try:
             return await method(self, *args, **kwargs)
         except grpc.aio.AioRpcError as exc:
-            if is_unavailable(exc):
+            if is_unavailable(exc) or (exc.code() in CONNECTION_LOST_CODES and not await self.answers()):
                 raise TrainerUnavailable(
                     f"trainer {self.address}: {name} failed with {exc.code().name}: {exc.details()}"
                 ) from exc
@@ -136,6 +142,15 @@ class TrainerClient:
     @_trainer_rpc
     async def health(self) -> pb.HealthResponse:
         return await self._stub.Health(pb.HealthRequest(), timeout=5)
+
+    async def answers(self) -> bool:
+        """Whether the trainer process answers at all (any reply, an error status included, but not a lost
+        connection): the probe after a call failed with a code a dead connection can also produce."""
+        try:
+            await self._stub.Health(pb.HealthRequest(), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            return not (is_unavailable(exc) or exc.code() in CONNECTION_LOST_CODES)
+        return True
 
     @_trainer_rpc
     async def configure(self, run_id: str, model_path: str, seed: int, trainer_config_json: str,
