@@ -92,7 +92,8 @@ class WeightPrefetch:
             mine = next((k for k in self._kept if k.key == key), None)
             stale = [k for k in self._kept if k is not mine and k.key.policy_version <= key.policy_version]
             self._kept = [k for k in self._kept if k is not mine and k not in stale]
-        await self._let_go(stale, unlisted=True)
+        for kept in stale:
+            await _released(kept)
         if mine is not None:
             got = None
             try:
@@ -112,10 +113,9 @@ class WeightPrefetch:
         async with self._lock:
             await self._let_go(list(self._kept))
 
-    async def _let_go(self, reads: list[_Kept], *, unlisted: bool = False) -> None:
-        """Release `reads` (taken off the kept list here unless `unlisted`: already off it)."""
-        if not unlisted:
-            self._kept = [k for k in self._kept if k not in reads]
+    async def _let_go(self, reads: list[_Kept]) -> None:
+        """Take `reads` off the kept list and release them (under the lock)."""
+        self._kept = [k for k in self._kept if k not in reads]
         for kept in reads:
             await _released(kept)
 
